@@ -1,0 +1,5 @@
+import sys
+
+from graphtrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,172 @@
+"""graphtrain's torch.compile backend, and the one place where Dynamo/Inductor flags are set.
+
+    Dynamo graph (torch IR, pre-autograd)
+      -> pre-grad passes       graphtrain.passes, stage "pre_grad", in registry order
+      -> AOT autograd          (inside Inductor, or aot_eager's)
+      -> post-grad passes      stage "post_grad", on the forward and the backward graph
+      -> Inductor, or aot_eager (runs the aten graphs as they are: debugging, fast CPU tests)
+
+`torch.compile(m, backend="graphtrain")` works after `import graphtrain` (default passes,
+Inductor); `backend(passes=[...], inner="aot_eager", dump_dir=...)` gives a configured one.
+
+Regions (`apply_compile`): every transformer block is compiled on its own, all blocks sharing one
+backend so that identical blocks share one compiled graph, plus one region for the final norm,
+output head and loss (`head_loss`). Per-block regions are what FSDP2 needs (it gathers parameters
+block by block, around the compiled code) and keep compile time flat in depth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch import nn
+
+from graphtrain.passes import PassContext, PassSpec, resolve_passes
+from graphtrain.passes.dump import GraphDumper
+
+logger = logging.getLogger(__name__)
+
+INNER_BACKENDS = ("inductor", "aot_eager")
+
+# Dynamo flags, each with its reason.
+# A compiled region with fullgraph=True that still recompiles for every block instance would hit
+# the default limit of 8 on deep models; identical blocks share code, so a recompile is a bug we
+# want to hear about rather than a silent fallback to eager.
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def _run_passes(
+    passes: Sequence[PassSpec],
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    region: str,
+    dumper: GraphDumper | None,
+) -> torch.fx.GraphModule:
+    if dumper is not None and not dumper.steps:
+        dumper.snapshot("captured", gm)
+    for spec in passes:
+        ctx = PassContext(region=region)
+        gm = spec(gm, example_inputs, ctx)
+        for note in ctx.notes:
+            logger.debug("pass %s on %s: %s", spec.name, region, note)
+        if dumper is not None:
+            dumper.snapshot(spec.name, gm, ctx.notes)
+    return gm
+
+
+def _is_backward(gm: torch.fx.GraphModule) -> bool:
+    # AOT autograd names the incoming gradients of a backward graph tangents_1, tangents_2, ...
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+
+
+class _PostGradPasses:
+    """Runs the post-grad passes (and dumps) on each AOT graph; plugs into both inner backends."""
+
+    def __init__(self, passes: Sequence[PassSpec], region: str, dump_dir: Path | None) -> None:
+        self.passes, self.region, self.dump_dir = list(passes), region, dump_dir
+
+    def run(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        kind = "backward" if _is_backward(gm) else "forward"
+        dumper = GraphDumper(self.dump_dir / kind) if self.dump_dir is not None else None
+        _run_passes(self.passes, gm, example_inputs, f"{self.region}/{kind}", dumper)
+
+
+def _inductor_post_grad_pass(post: _PostGradPasses) -> Any:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class InductorPostGrad(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            post.run(graph.owning_module, ())
+
+        def uuid(self) -> Any:
+            # Inductor's FX graph cache keys on this: the same passes give the same graphs.
+            # When dumping, None turns the cache off so every graph is really written out.
+            if post.dump_dir is not None:
+                return None
+            return tuple(p.name for p in post.passes)
+
+    return InductorPostGrad()
+
+
+class GraphtrainBackend:
+    """A Dynamo backend: pre-grad passes, then the inner backend with post-grad passes hooked in."""
+
+    def __init__(
+        self,
+        *,
+        passes: Sequence[str] = (),
+        inner: str = "inductor",
+        dump_dir: str | Path | None = None,
+        region: str = "graph",
+    ) -> None:
+        if inner not in INNER_BACKENDS:
+            raise ValueError(f"compile.backend must be one of {INNER_BACKENDS}, got {inner!r}")
+        self.passes = resolve_passes(passes)
+        self.inner = inner
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        self.region = region
+        self._graph_ids = itertools.count()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        graph_dir = None
+        if self.dump_dir is not None:
+            graph_dir = self.dump_dir / f"{self.region}-{next(self._graph_ids)}"
+        pre = [p for p in self.passes if p.stage == "pre_grad"]
+        dumper = GraphDumper(graph_dir) if graph_dir is not None else None
+        gm = _run_passes(pre, gm, example_inputs, self.region, dumper)
+        post = _PostGradPasses(
+            [p for p in self.passes if p.stage == "post_grad"], self.region, graph_dir
+        )
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = {}
+            if post.passes or post.dump_dir is not None:
+                patches["post_grad_custom_post_pass"] = _inductor_post_grad_pass(post)
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        return _aot_eager(gm, example_inputs, post)
+
+
+def _aot_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], post: _PostGradPasses):
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    def compiler(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+        post.run(graph, inputs)
+        return boxed_nop(graph, inputs)
+
+    return aot_eager(gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler)
+
+
+def backend(**options: Any) -> GraphtrainBackend:
+    """A configured graphtrain backend: passes=["-name", "+name"], inner="inductor"|"aot_eager",
+    dump_dir=path (write graph dumps), region=name (the dump folder's prefix)."""
+    return GraphtrainBackend(**options)
+
+
+def apply_compile(
+    model: nn.Module,
+    *,
+    passes: Sequence[str] = (),
+    inner: str = "inductor",
+    dump_dir: str | Path | None = None,
+    fullgraph: bool = True,
+) -> None:
+    """Compile each transformer block and the head+loss region of `model` in place.
+
+    Module.compile keeps parameter names (no `_orig_mod.` prefix), so checkpoints and the TP and
+    FSDP plans see the same names compiled or not.
+    """
+    block_backend = backend(passes=passes, inner=inner, dump_dir=dump_dir, region="block")
+    for block in model.layers.values():
+        block.compile(backend=block_backend, fullgraph=fullgraph)
+    head_backend = backend(passes=passes, inner=inner, dump_dir=dump_dir, region="head_loss")
+    model.head_loss = torch.compile(model.head_loss, backend=head_backend, fullgraph=fullgraph)
+
+
+torch._dynamo.register_backend(name="graphtrain", compiler_fn=backend())

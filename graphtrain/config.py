@@ -1,0 +1,453 @@
+"""Job configuration: typed, frozen dataclasses, presets, TOML files and --section.key=value.
+
+Resolution order, later wins:
+    1. the dataclass defaults,
+    2. the job preset (`--preset NAME`, or `preset = "NAME"` at the top of the TOML file),
+    3. the TOML file (`--config FILE`),
+    4. command-line overrides `--section.key=value` (or `--section.key value`; a bare
+       `--section.flag` sets a bool to true).
+Unknown sections or keys and values of the wrong type are errors that name the key. The resolved
+config is written to the run directory as config.toml, which `--config` reads back as it is.
+
+The `model` section is the model's own config dataclass (models/), chosen by the preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models import MODEL_PRESETS, GPTConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{section}.{name} must be one of {allowed}, got {value!r}")
+
+
+def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"{section}.{name} must be {bound}, got {value}")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 1000
+    seq_len: int = 256
+    # Sequences per data-parallel rank per micro-batch; gradient accumulation comes from
+    # schedule.batch_size.
+    micro_batch_size: int = 8
+    seed: int = 0
+    device: str = "auto"  # auto (cuda if available), cuda, cpu
+    # Parameter/compute dtype. auto: bfloat16 on CUDA (fp32 master weights kept by FSDP2 or
+    # autocast), float32 on CPU (bf16 matmuls are slow there).
+    dtype: str = "auto"
+    # Gradient reduction dtype across data-parallel ranks.
+    reduce_dtype: str = "float32"
+    # Attention for packed documents: auto (flex on CUDA, sdpa on CPU), flex, sdpa, or causal
+    # (ignore document boundaries).
+    attention: str = "auto"
+    activation_checkpoint: str = "none"  # none, full
+    run_dir: str = ""  # "" -> runs/<preset>-<timestamp>
+
+    def __post_init__(self) -> None:
+        _positive("training", self, "steps", "micro_batch_size")
+        if self.seq_len < 2:
+            raise ValueError(f"training.seq_len must be >= 2, got {self.seq_len}")
+        _choice("training", "device", self.device, ("auto", "cuda", "cpu"))
+        _choice("training", "dtype", self.dtype, DTYPES)
+        _choice("training", "reduce_dtype", self.reduce_dtype, DTYPES[1:])
+        _choice("training", "attention", self.attention, ("auto", "flex", "sdpa", "causal"))
+        _choice("training", "activation_checkpoint", self.activation_checkpoint, ("none", "full"))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: every rank not used by the other axes
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("parallel", self, "dp_replicate", "tp")
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            raise ValueError(f"parallel.dp_shard must be >= 1 or -1, got {self.dp_shard}")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    enable: bool = True
+    backend: str = "inductor"  # inner backend after graphtrain's passes: inductor or aot_eager
+    passes: list[str] = field(default_factory=list)  # ["-name", "+name"] switches
+    dump_graphs: bool = False  # write every region's graph before/after each pass to run_dir/graphs
+
+    def __post_init__(self) -> None:
+        _choice("compile", "backend", self.backend, ("inductor", "aot_eager"))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # Files or globs of .txt/.jsonl/.parquet text or .bin/.npy token shards; [] -> the embedded
+    # default corpus (the Python standard library's source).
+    paths: list[str] = field(default_factory=list)
+    val_paths: list[str] = field(default_factory=list)
+    tokenizer: str = ""  # a tokenizer.json; "" -> the default BPE trained on the default corpus
+    token_dtype: str = "uint16"  # of .bin token shards
+    cache_dir: str = ""  # "" -> $GRAPHTRAIN_CACHE or ~/.cache/graphtrain
+
+    def __post_init__(self) -> None:
+        _choice("data", "token_dtype", self.token_dtype, ("uint16", "uint32"))
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias", "tok_embeddings.*"])
+    implementation: str = "auto"  # fused, foreach, auto
+    max_norm: float = 1.0  # gradient clipping by the global norm; <= 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _positive("optim", self, "lr")
+        _positive("optim", self, "eps", "weight_decay", allow_zero=True)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        _choice("optim", "implementation", self.implementation, ("auto", "fused", "foreach"))
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    warmup_steps: int = 100
+    decay_ratio: float = 0.2  # the last decay_ratio of training.steps decay to min_lr
+    decay_style: str = "cosine"  # linear, cosine, exponential, minus_sqrt
+    min_lr: float = 3e-5
+    # Global batch size in tokens, optionally stepped on consumed tokens: "0:256K 50M:512K".
+    # "" -> one micro-batch per data-parallel rank per step (no accumulation).
+    batch_size: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("schedule", self, "warmup_steps", "min_lr", allow_zero=True)
+        if not 0.0 <= self.decay_ratio <= 1.0:
+            raise ValueError(f"schedule.decay_ratio must be in [0, 1], got {self.decay_ratio}")
+        _choice(
+            "schedule", "decay_style", self.decay_style,
+            ("linear", "cosine", "exponential", "minus_sqrt"),
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 0  # save every N steps and at the end; 0: no checkpoints
+    keep_last: int = 2
+    resume: str = ""  # "" none, "latest", or a checkpoint folder name (step-000100)
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", self, "interval", allow_zero=True)
+        _positive("checkpoint", self, "keep_last")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    log_interval: int = 10
+    val_interval: int = 100  # 0: validate only at the end
+    val_batches: int = 8
+    tensorboard: bool = True
+    peak_tflops: float = 0.0  # per device, for MFU; 0 -> from the device name, if known
+
+    def __post_init__(self) -> None:
+        _positive("metrics", self, "log_interval", "val_batches")
+        _positive("metrics", self, "val_interval", "peak_tflops", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    preset: str = "tiny"
+    model: GPTConfig = field(default_factory=GPTConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        if self.training.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"training.seq_len={self.training.seq_len} exceeds the model's "
+                f"model.max_seq_len={self.model.max_seq_len}"
+            )
+        s = self.schedule
+        if s.warmup_steps + self.decay_steps > self.training.steps:
+            raise ValueError(
+                f"schedule.warmup_steps={s.warmup_steps} + decay steps {self.decay_steps} "
+                f"(schedule.decay_ratio={s.decay_ratio} of training.steps={self.training.steps}) "
+                f"exceed training.steps"
+            )
+
+    @property
+    def decay_steps(self) -> int:
+        return round(self.schedule.decay_ratio * self.training.steps)
+
+
+# Job presets: a model preset plus training settings that suit it. "tiny" is the default run:
+# it learns the embedded corpus on a 2-core CPU in a few minutes.
+JOB_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model": "tiny",
+        "training": {"steps": 600, "seq_len": 256, "micro_batch_size": 16},
+        "optim": {"lr": 2e-3, "weight_decay": 0.1},
+        "schedule": {"warmup_steps": 30, "decay_ratio": 0.5, "min_lr": 2e-4},
+        "metrics": {"log_interval": 20, "val_interval": 200, "val_batches": 8},
+    },
+    "debug": {
+        "model": "debug",
+        "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
+        "optim": {"lr": 1e-3},
+        "schedule": {"warmup_steps": 2, "decay_ratio": 0.25, "min_lr": 1e-4},
+        "metrics": {"log_interval": 5, "val_interval": 10, "val_batches": 2},
+    },
+    "125m": {
+        "model": "125m",
+        "training": {"steps": 10000, "seq_len": 2048, "micro_batch_size": 8},
+        "optim": {"lr": 6e-4},
+        "schedule": {"warmup_steps": 500, "min_lr": 6e-5},
+    },
+    "1b": {
+        "model": "1b",
+        "training": {"steps": 20000, "seq_len": 4096, "micro_batch_size": 2},
+        "optim": {"lr": 3e-4},
+        "schedule": {"warmup_steps": 1000, "min_lr": 3e-5},
+    },
+    "8b": {
+        "model": "8b",
+        "training": {"steps": 50000, "seq_len": 8192, "micro_batch_size": 1,
+                     "activation_checkpoint": "full"},
+        "optim": {"lr": 3e-4},
+        "schedule": {"warmup_steps": 2000, "min_lr": 3e-5},
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed application of nested mappings onto the dataclasses.
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """`value` as type `tp`, or a ValueError naming `key`, the value and the expected type."""
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str):  # from the command line: "a,b,c"
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"config key {key!r} expects a list of {_type_name(item_tp)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"config field {key!r}: union types are not supported")  # internal
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"config field {key!r} has unsupported type {tp!r}")  # internal
+    raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}")
+
+
+def _apply(obj: Any, updates: dict[str, Any], prefix: str) -> Any:
+    """A copy of dataclass `obj` with `updates` (nested dicts for nested dataclasses) applied."""
+    hints = typing.get_type_hints(type(obj))
+    fields = {f.name for f in dataclasses.fields(obj)}
+    changes = {}
+    for name, value in updates.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            known = ", ".join(sorted(fields))
+            raise ValueError(f"unknown config key {key!r}; known keys here: {known}")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {key!r} is a section; got the value {value!r}")
+            changes[name] = _apply(current, value, f"{key}.")
+        else:
+            changes[name] = _coerce(key, value, hints[name])
+    return dataclasses.replace(obj, **changes)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _parse_cli_value(text: str) -> Any:
+    """A TOML literal when it is one (numbers, true/false, [lists], "strings"), else the text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Split argv into nested overrides {"training": {"steps": 5}} and the plain options
+    {"preset": ..., "config": ...}. Values stay strings where the field type decides."""
+    nested: dict[str, Any] = {}
+    plain: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ValueError(f"unexpected argument {arg!r}; expected --section.key=value")
+        key, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            else:
+                value = "true"  # a bare flag
+        i += 1
+        if key in ("preset", "config"):
+            plain[key] = value
+            continue
+        if "." not in key:
+            raise ValueError(f"unknown option --{key}; config keys look like --section.key=value")
+        *sections, leaf = key.split(".")
+        target = nested
+        for s in sections:
+            target = target.setdefault(s, {})
+            if not isinstance(target, dict):
+                raise ValueError(f"config key {key!r} repeats a key given a value")
+        # CLI strings: keep them raw for str and list fields (decided in _coerce via the field
+        # type), parse TOML literals for the rest.
+        target[leaf] = value
+    return nested, plain
+
+
+def _cli_values(obj: Any, updates: dict[str, Any]) -> dict[str, Any]:
+    """Turn raw CLI strings into TOML values, except for str fields where the text is the value."""
+    hints = typing.get_type_hints(type(obj))
+    out = {}
+    for name, value in updates.items():
+        current = getattr(obj, name, None)
+        if isinstance(value, dict) and dataclasses.is_dataclass(current):
+            out[name] = _cli_values(current, value)
+        elif hints.get(name) is str or not isinstance(value, str):
+            out[name] = value
+        else:
+            parsed = _parse_cli_value(value)
+            # "a,b" for a list stays a string (split in _coerce); "[1, 2]" parses as a list.
+            out[name] = value if isinstance(parsed, str) else parsed
+    return out
+
+
+def preset_updates(name: str) -> dict[str, Any]:
+    if name not in JOB_PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(JOB_PRESETS)}")
+    updates = dict(JOB_PRESETS[name])
+    updates["model"] = dataclasses.asdict(MODEL_PRESETS[updates["model"]])
+    return updates
+
+
+def load_config(args: list[str] | None = None, *, file: str | Path | None = None) -> JobConfig:
+    """Resolve a JobConfig from a preset, an optional TOML file and --section.key=value args."""
+    overrides, plain = parse_overrides(list(args or []))
+    file = plain.get("config", file)
+    file_values: dict[str, Any] = {}
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        try:
+            file_values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    preset = plain.get("preset") or file_values.pop("preset", None) or JobConfig.preset
+    file_values.pop("preset", None)
+    values = _merge(preset_updates(preset), file_values)
+    values["preset"] = preset
+    # Merge everything as plain dicts, then build each section once, so the __post_init__ checks
+    # see the final values (a preset value overridden on the command line never trips a check).
+    values = _merge(values, _cli_values(JobConfig(), overrides))
+    unknown = set(values) - {f.name for f in dataclasses.fields(JobConfig)}
+    if unknown:
+        known = ", ".join(f.name for f in dataclasses.fields(JobConfig))
+        raise ValueError(f"unknown config section(s) {sorted(unknown)}; known sections: {known}")
+    return _apply(JobConfig(), values, "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing the resolved config back out.
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(cfg: JobConfig) -> str:
+    lines = [f"preset = {_toml_value(cfg.preset)}"]
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        lines.append(f"\n[{f.name}]")
+        for k, v in dataclasses.asdict(section).items():
+            lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def describe_keys(cfg: JobConfig) -> str:
+    """Every section and key with its type and value in `cfg`, for `graphtrain train --help`."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        out.append(f"[{f.name}]")
+        hints = typing.get_type_hints(type(section))
+        for k, v in dataclasses.asdict(section).items():
+            out.append(f"  --{f.name}.{k}={_toml_value(v)}  ({_type_name(hints[k])})")
+    return "\n".join(out)

@@ -1,0 +1,101 @@
+"""The pass registry: every graph pass graphtrain knows, with its stage, order and default.
+
+A pass is `<name>_pass(gm, example_inputs, *, ctx) -> gm`. It rewrites `gm` in place or returns
+it untouched when nothing matches, ends with `gm.graph.lint(); gm.recompile()` when it changed
+anything, and explains itself through `ctx.note(...)` (what it matched, or why it did not):
+those notes land in the graph dumps and in `graphtrain inspect`.
+
+Stages:
+  pre_grad   the Dynamo graph (torch IR, before AOT autograd): fusions that bring their own
+             backward, where F.cross_entropy or the router is still a handful of nodes;
+  post_grad  the forward and backward graphs after AOT autograd (aten IR, DTensor desugared,
+             collectives explicit): overlap and scheduling passes.
+
+Switches: `compile.passes` is a list like ["-fuse_linear_cross_entropy", "+some_pass"]; "+name"
+turns a pass on, "-name" off, anything else is an error naming the known passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+
+PASS_STAGES = ("pre_grad", "post_grad")
+
+
+@dataclass
+class PassContext:
+    """What a pass may know about where it runs, and where it writes its notes."""
+
+    region: str = "graph"
+    notes: list[str] = field(default_factory=list)
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+
+PassFn = Callable[..., torch.fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str
+    fn: PassFn
+    stage: str
+    order: int
+    default_on: bool
+    preserves_numerics: bool
+    description: str
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: PassContext
+    ) -> torch.fx.GraphModule:
+        return self.fn(gm, example_inputs, ctx=ctx)
+
+
+_REGISTRY: dict[str, PassSpec] = {}
+
+
+def register_pass(
+    name: str, *, stage: str, order: int, default_on: bool, preserves_numerics: bool
+) -> Callable[[PassFn], PassFn]:
+    """Decorator adding a pass to the registry; the docstring's first line is its description."""
+    if stage not in PASS_STAGES:
+        raise ValueError(f"pass {name!r}: stage must be one of {PASS_STAGES}, got {stage!r}")
+
+    def decorate(fn: PassFn) -> PassFn:
+        if name in _REGISTRY:
+            raise ValueError(f"pass {name!r} is registered twice")
+        doc = (fn.__doc__ or "").strip().splitlines()
+        _REGISTRY[name] = PassSpec(
+            name, fn, stage, order, default_on, preserves_numerics, doc[0] if doc else ""
+        )
+        return fn
+
+    return decorate
+
+
+def all_passes() -> list[PassSpec]:
+    """Every registered pass, in run order (stage, then order)."""
+    return sorted(_REGISTRY.values(), key=lambda p: (PASS_STAGES.index(p.stage), p.order))
+
+
+def resolve_passes(switches: Sequence[str] = ()) -> list[PassSpec]:
+    """The passes to run: the defaults, changed by "+name" / "-name" switches, in run order."""
+    enabled = {p.name for p in all_passes() if p.default_on}
+    for switch in switches:
+        sign, name = switch[:1], switch[1:]
+        if sign not in ("+", "-") or name not in _REGISTRY:
+            known = ", ".join(sorted(_REGISTRY)) or "(none)"
+            raise ValueError(
+                f"compile.passes entry {switch!r} is not '+name' or '-name' of a known pass; "
+                f"known passes: {known}"
+            )
+        if sign == "+":
+            enabled.add(name)
+        else:
+            enabled.discard(name)
+    return [p for p in all_passes() if p.name in enabled]

@@ -1,0 +1,285 @@
+"""The training loop: data -> step (gradient accumulation) -> clip -> optimizer -> schedule ->
+metrics -> checkpoint.
+
+The loop knows nothing of the graph passes: it builds the model on the meta device, hands it to
+graphtrain.parallel (tensor parallel, activation checkpointing, compile regions, FSDP2, in that
+order), materialises and initialises it, and runs. Host synchronisation happens only at log,
+validation and checkpoint steps; in between, losses and the non-finite check stay on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from graphtrain import checkpoint as ckpt
+from graphtrain.attention import build_attention_mask, resolve_attention
+from graphtrain.config import JobConfig, to_toml
+from graphtrain.data import build_data
+from graphtrain.metrics import (
+    MetricsLogger,
+    memory_stats,
+    peak_flops,
+    training_flops,
+    write_run_info,
+)
+from graphtrain.optim import BatchSizeSchedule, LRSchedule, build_optimizer, clip_grad_norm_
+from graphtrain.parallel import ParallelDims, build_mesh, parallelize_model, validate_model_for_tp
+from models import build_model
+from models.gpt_plan import TP_PLAN
+
+logger = logging.getLogger("graphtrain")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    losses: list[float]  # training loss at every step (gathered at log steps, so no extra syncs)
+    val_losses: dict[int, float]  # step -> validation loss (step 0: before training)
+
+
+def _init_distributed(device_choice: str) -> tuple[torch.device, int, int]:
+    """Start the process group when launched by torchrun; pick this rank's device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if device_choice == "auto":
+        device_choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_choice == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("training.device='cuda' but no CUDA device is visible")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return device, rank, world_size
+
+
+def _run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
+    """The run directory, the same on every rank (rank 0 names it and tells the others)."""
+    name = [cfg.training.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if world_size > 1:
+        dist.broadcast_object_list(name, src=0)
+    path = Path(name[0])
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
+    if cfg.training.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[cfg.training.dtype]
+
+
+def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def train(cfg: JobConfig) -> TrainResult:
+    """Run one training job described by `cfg`; returns the losses it logged."""
+    device, rank, world_size = _init_distributed(cfg.training.device)
+    try:
+        return _train(cfg, device, rank, world_size)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> TrainResult:
+    t_cfg, m_cfg = cfg.training, cfg.model
+    # Layout and model checks first: nothing large is allocated before they pass.
+    p = cfg.parallel
+    dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, world_size=world_size)
+    validate_model_for_tp(m_cfg, dims.tp)
+    attention = resolve_attention(t_cfg.attention, device)
+    mesh = build_mesh(dims, device.type)
+    dp_group = mesh["dp"].get_group() if dims.dp_size > 1 else None
+    dp_rank = mesh["dp"].get_local_rank() if dims.dp_size > 1 else 0
+
+    run_dir = _run_dir(cfg, rank, world_size)
+    if rank == 0:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        write_run_info(run_dir, {"world_size": world_size, "parallel": str(dims)})
+
+    cache_dir = Path(cfg.data.cache_dir or os.environ.get("GRAPHTRAIN_CACHE", Path.home() / ".cache" / "graphtrain"))
+    data = build_data(
+        paths=cfg.data.paths or None,
+        tokenizer_path=cfg.data.tokenizer or None,
+        vocab_size=m_cfg.vocab_size,
+        seq_len=t_cfg.seq_len,
+        micro_batch_size=t_cfg.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dims.dp_size,
+        seed=t_cfg.seed,
+        cache_dir=cache_dir,
+        val_paths=cfg.data.val_paths or None,
+        token_dtype=cfg.data.token_dtype,
+    )
+    if data.vocab_size_needed > m_cfg.vocab_size:
+        raise ValueError(
+            f"the data needs a vocabulary of {data.vocab_size_needed} tokens but "
+            f"model.vocab_size={m_cfg.vocab_size}; raise model.vocab_size or use another tokenizer"
+        )
+    batch_schedule = BatchSizeSchedule(cfg.schedule.batch_size or t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size)
+    # Checked now for the first step (and at every step as consumed tokens grow).
+    batch_schedule.micro_batches_per_step(0, micro_batch_size=t_cfg.micro_batch_size, seq_len=t_cfg.seq_len, dp_world_size=dims.dp_size)
+
+    param_dtype = _param_dtype(cfg, device)
+    fsdp = dims.dp_size > 1
+    with torch.device("meta"):
+        model = build_model(m_cfg)
+    compile_options = None
+    if cfg.compile.enable:
+        dump_dir = run_dir / "graphs" if cfg.compile.dump_graphs and rank == 0 else None
+        compile_options = {"passes": cfg.compile.passes, "inner": cfg.compile.backend, "dump_dir": dump_dir}
+    parallelize_model(
+        model, mesh, dims, plan=TP_PLAN, ac_mode=t_cfg.activation_checkpoint,
+        compile_options=compile_options, param_dtype=param_dtype,
+        reduce_dtype=_DTYPES[t_cfg.reduce_dtype],
+    )
+    model.to_empty(device=device)
+    model.init_weights(seed=t_cfg.seed)
+    model.train()
+    # FSDP2 casts parameters for compute itself; without it, autocast does, and the fp32
+    # parameters stay the master weights either way.
+    autocast = (
+        torch.autocast(device.type, dtype=param_dtype)
+        if not fsdp and param_dtype != torch.float32
+        else contextlib.nullcontext()
+    )
+
+    o = cfg.optim
+    optimizer = build_optimizer(
+        model, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+        no_decay_patterns=o.no_decay, implementation=o.implementation,
+    )
+    lr_schedule = LRSchedule(
+        lr=o.lr, min_lr=cfg.schedule.min_lr, warmup_steps=cfg.schedule.warmup_steps,
+        decay_steps=cfg.decay_steps, total_steps=t_cfg.steps, decay_style=cfg.schedule.decay_style,
+    )
+    step, consumed_tokens = 0, 0
+    if cfg.checkpoint.resume:
+        step, consumed_tokens = ckpt.load(
+            run_dir, cfg.checkpoint.resume, model=model, optimizer=optimizer, data=data.train,
+        )
+
+    peak = cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else peak_flops(device, param_dtype)
+    metrics = MetricsLogger(run_dir, rank=rank, tensorboard=cfg.metrics.tensorboard, total_steps=t_cfg.steps)
+    result = TrainResult(run_dir=run_dir, steps=t_cfg.steps, losses=[], val_losses={})
+    flops_args = dict(
+        dim=m_cfg.dim, num_layers=m_cfg.num_layers, num_heads=m_cfg.num_heads,
+        num_kv_heads=m_cfg.num_kv_heads, ffn_dim=m_cfg.ffn_dim, vocab_size=m_cfg.vocab_size,
+    )
+
+    def forward(td) -> torch.Tensor:
+        td = td.to(device, non_blocking=True)
+        mask = build_attention_mask(td["document_ids"], attention)
+        with autocast:
+            return model(td["input_ids"], td["labels"], td["position_ids"], mask)
+
+    def validate() -> float:
+        model.eval()
+        total = torch.zeros((), device=device)
+        with torch.no_grad():
+            for td in data.val.first_batches(cfg.metrics.val_batches):
+                total += forward(td).float()
+        model.train()
+        total = _all_reduce(total, dp_group) / (cfg.metrics.val_batches * dims.dp_size)
+        return total.item()  # host sync: validation steps only
+
+    if step == 0:
+        result.val_losses[0] = validate()
+        metrics.log(0, {"val_loss": result.val_losses[0]})
+
+    train_iter = iter(data.train)
+    # Losses of the steps since the last log, and the first step with a non-finite loss, stay
+    # on the device until a log step.
+    pending: list[torch.Tensor] = []
+    first_bad = torch.full((), 2**62, dtype=torch.int64, device=device)
+    window_tokens, window_flops, window_start = 0, 0, time.perf_counter()
+    while step < t_cfg.steps:
+        num_micro = batch_schedule.micro_batches_per_step(
+            consumed_tokens, micro_batch_size=t_cfg.micro_batch_size, seq_len=t_cfg.seq_len,
+            dp_world_size=dims.dp_size,
+        )
+        lr = lr_schedule.apply(optimizer, step)
+        step_loss = torch.zeros((), device=device)
+        for _ in range(num_micro):
+            td = next(train_iter)
+            # Exact FLOPs of this rank's micro-batch (document-causal attention pairs included),
+            # counted on the host from the loader's CPU-side numbers: no device sync.
+            window_flops += training_flops(
+                **flops_args, num_tokens=td["input_ids"].numel(),
+                num_attention_pairs=int(td["num_attention_pairs"]),
+            )
+            loss = forward(td)
+            # Mean of the micro-batch means; FSDP averages over data-parallel ranks.
+            (loss / num_micro).backward()
+            step_loss += loss.detach().float() / num_micro
+        grad_norm = clip_grad_norm_(list(model.parameters()), o.max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens = num_micro * t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
+        consumed_tokens += tokens
+        window_tokens += tokens
+        first_bad = torch.where(torch.isfinite(step_loss), first_bad, torch.minimum(first_bad, torch.tensor(step, device=device)))
+        pending.append(step_loss)
+
+        last = step == t_cfg.steps
+        if step % cfg.metrics.log_interval == 0 or last:
+            losses = _all_reduce(torch.stack(pending), dp_group) / dims.dp_size
+            bad = _all_reduce(first_bad.clone(), dp_group, dist.ReduceOp.MIN).item()  # host sync
+            if bad < 2**62:
+                raise FloatingPointError(
+                    f"non-finite training loss at step {bad} (lr {lr_schedule.lr_at(bad - 1):.3g}); "
+                    f"stopping. Check the learning rate, the data, or the last checkpoint."
+                )
+            result.losses.extend(losses.tolist())
+            pending.clear()
+            elapsed = time.perf_counter() - window_start
+            entry = {
+                "loss": result.losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
+                "tokens_per_s": window_tokens / elapsed, "consumed_tokens": consumed_tokens,
+                "micro_batches": num_micro,
+            }
+            device_flops = window_flops / dims.tp  # tensor parallel splits each matmul
+            entry["tflops_per_device"] = device_flops / elapsed / 1e12
+            if peak:
+                entry["mfu"] = device_flops / elapsed / peak
+            entry.update(memory_stats(device))
+            metrics.log(step, entry)
+            window_tokens, window_flops, window_start = 0, 0, time.perf_counter()
+        val_interval = cfg.metrics.val_interval
+        if last or (val_interval and step % val_interval == 0):
+            result.val_losses[step] = validate()
+            metrics.log(step, {"val_loss": result.val_losses[step]})
+            window_start = time.perf_counter()  # keep validation out of tokens/s
+        if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or last):
+            ckpt.save(
+                run_dir, step=step, consumed_tokens=consumed_tokens, model=model,
+                optimizer=optimizer, data=data.train, keep_last=cfg.checkpoint.keep_last,
+            )
+            window_start = time.perf_counter()
+    metrics.close()
+    if rank == 0 and result.val_losses:
+        first, final = result.val_losses[min(result.val_losses)], result.val_losses[t_cfg.steps]
+        logger.info("validation loss %.3f -> %.3f (%.2f nats)", first, final, first - final)
+    if not all(math.isfinite(v) for v in result.val_losses.values()):
+        raise FloatingPointError(f"non-finite validation loss: {result.val_losses}")
+    return result

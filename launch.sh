@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# graphtrain launcher: a thin torchrun wrapper that sets up its own environment first.
+#
+#   ./launch.sh [--section.key=value ...]     train (CONFIG=file.toml, PRESET=name optional)
+#   ./launch.sh test [pytest args]            run the test suite
+#
+# Environment: NGPU (processes per node; default: the GPUs nvidia-smi lists, else 1), NNODES (1),
+# NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (29500), CONFIG, PRESET, DRY_RUN=1 (print
+# the command instead of running it), TORCH_SPEC (the torch requirement to install when torch is
+# missing). Outside a virtual environment it creates .venv and installs the project into it.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+setup() {
+    if [[ -n "${VIRTUAL_ENV:-}" ]]; then
+        PY="$VIRTUAL_ENV/bin/python"
+    else
+        if [[ ! -x .venv/bin/python ]]; then
+            # Reuse a torch that the machine already has (GPU images ship one), else a clean venv.
+            if python3 -c "import torch" >/dev/null 2>&1; then
+                python3 -m venv --system-site-packages .venv
+            else
+                python3 -m venv .venv
+            fi
+        fi
+        PY="$PWD/.venv/bin/python"
+    fi
+    local stamp
+    stamp="$(dirname "$PY")/../.graphtrain-installed"
+    if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]] || ! "$PY" -c "import graphtrain" >/dev/null 2>&1; then
+        echo "launch.sh: installing graphtrain and its dependencies into $(dirname "$(dirname "$PY")")" >&2
+        "$PY" -m pip install -q --upgrade pip >/dev/null
+        if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+            # Without a GPU, the CPU build that the tests are run against; with one, the default
+            # CUDA build.
+            local spec="${TORCH_SPEC:-}"
+            if [[ -z "$spec" ]]; then
+                if command -v nvidia-smi >/dev/null 2>&1; then spec="torch>=2.11"; else spec="torch==2.13.0 triton==3.6.0"; fi
+            fi
+            # shellcheck disable=SC2086
+            "$PY" -m pip install -q $spec
+        fi
+        "$PY" -m pip install -q -e ".[dev]"
+        touch "$stamp"
+    fi
+}
+
+run() {
+    if [[ "${DRY_RUN:-0}" == "1" ]]; then
+        printf '%q ' "$@"; echo
+    else
+        exec "$@"
+    fi
+}
+
+setup
+
+if [[ "${1:-}" == "test" ]]; then
+    shift
+    run "$PY" -m pytest -q "$@"
+fi
+
+if [[ "${1:-}" == "train" ]]; then shift; fi
+args=()
+[[ -n "${CONFIG:-}" ]] && args+=(--config "$CONFIG")
+[[ -n "${PRESET:-}" ]] && args+=(--preset "$PRESET")
+args+=("$@")
+
+if [[ -z "${NGPU:-}" ]]; then
+    NGPU=1
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+        [[ "$NGPU" -ge 1 ]] || NGPU=1
+    fi
+fi
+NNODES="${NNODES:-1}"
+
+if [[ "$NGPU" == "1" && "$NNODES" == "1" ]]; then
+    run "$PY" -m graphtrain train "${args[@]}"
+fi
+run "$PY" -m torch.distributed.run \
+    --nnodes "$NNODES" --nproc-per-node "$NGPU" --node-rank "${NODE_RANK:-0}" \
+    --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-29500}" \
+    -m graphtrain train "${args[@]}"

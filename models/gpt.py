@@ -1,0 +1,269 @@
+"""A Llama-style decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+The file imports no distributed, compile or kernel code. Parallelism is applied to a finished
+model from outside (graphtrain.parallel), speed comes from the compiler's graph passes
+(graphtrain.passes), so what is written here is the obvious code.
+
+Packed sequences: a row holds several documents. `position_ids` restart at each document (RoPE
+is indexed by them), and `attn_mask` keeps attention inside each document. The mask is built
+outside the model (graphtrain.attention) and is one of:
+  * None: plain causal attention over the whole row;
+  * a bool Tensor (B, 1, T, T), True where a query may attend to a key: SDPA, works everywhere;
+  * a FlexAttention BlockMask: the fast GPU path (sparse blocks skipped; see graphtrain.attention).
+
+Parameter names follow Llama (tok_embeddings, layers.N.attention.wq, feed_forward.w1, norm,
+output); RoPE uses the rotate-half layout of Hugging Face's Llama, so export is a renaming.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 8192
+    dim: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    ffn_dim: int = 768
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.num_heads:
+            raise ValueError(
+                f"model.dim={self.dim} is not divisible by model.num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not divisible by "
+                f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.max_seq_len < 2:
+            raise ValueError(f"model.max_seq_len must be >= 2, got {self.max_seq_len}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # About 5M parameters: learns the default corpus on a 2-core CPU within minutes.
+    "tiny": GPTConfig(
+        vocab_size=8192, dim=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=768,
+        max_seq_len=1024,
+    ),
+    # Small enough for fast tests, with every feature (GQA, untied head) exercised.
+    "debug": GPTConfig(
+        vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=160,
+        max_seq_len=256,
+    ),
+    "125m": GPTConfig(
+        vocab_size=32768, dim=768, num_layers=12, num_heads=12, num_kv_heads=12, ffn_dim=2048,
+        max_seq_len=2048, tie_embeddings=True,
+    ),
+    # The end-to-end benchmark shape of MISSION.md.
+    "1b": GPTConfig(
+        vocab_size=128256, dim=2048, num_layers=16, num_heads=16, num_kv_heads=8, ffn_dim=8192,
+        max_seq_len=4096, rope_theta=500000.0,
+    ),
+    # Llama-3-8B shape.
+    "8b": GPTConfig(
+        vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
+        max_seq_len=8192, rope_theta=500000.0,
+    ),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype: bf16 squares lose too much.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos and sin of every (position, frequency): (max_seq_len, head_dim // 2, 2), fp32."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device).float(), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: (B, T, H, D); rope: (B, T, D // 2, 2) gathered at the positions."""
+    cos = rope[..., 0].unsqueeze(2)  # (B, T, 1, D/2)
+    sin = rope[..., 1].unsqueeze(2)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if isinstance(attn_mask, BlockMask):
+            out = flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=True
+            )
+        out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
+        return self.wo(out)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for w in (self.w1, self.w3):
+            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, attn_mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0".."L-1" keeps Llama's names and lets layers be replaced
+        # (compiled, checkpointed, or removed by pipeline stages) without renumbering.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Recomputed by init_weights, never saved: a function of the config alone.
+        self.register_buffer(
+            "rope", rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
+        )
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter and buffer in place (after to_empty from the meta device).
+
+        std for inputs of each block, std / sqrt(2 * num_layers) for the projections that write
+        into the residual stream (GPT-2 / Megatron scaling), so the residual variance stays flat.
+        """
+        cfg = self.cfg
+        if cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # Module.to_empty from the meta device makes a new Parameter per module: re-tie.
+            self.output.weight = self.tok_embeddings.weight
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.no_grad():
+            self.rope.copy_(rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope.device))
+        std = cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.num_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not cfg.tie_embeddings else std)
+        for layer in self.layers.values():
+            layer.init_weights(std, out_std)
+        self.norm.init_weights()
+        if not cfg.tie_embeddings:
+            bound = 3 * cfg.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, std=cfg.dim**-0.5, a=-bound, b=bound)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
+        """input_ids, labels, position_ids: (B, T). Returns the mean loss over labels != -100
+        when labels are given, else the logits (B, T, V)."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        rope = self.rope[position_ids]  # (B, T, D/2, 2)
+        h = self.tok_embeddings(input_ids)  # (B, T, dim)
+        for layer in self.layers.values():
+            h = layer(h, rope, attn_mask)
+        if labels is None:
+            return self.output(self.norm(h))
+        return self.head_loss(h, labels)
+
+    def head_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and cross-entropy: one compile region of its own, so the
+        linear -> cross_entropy pattern is visible to the fusion pass."""
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
+
+
+def build_gpt(cfg: GPTConfig) -> GPT:
+    return GPT(cfg)

@@ -1,0 +1,95 @@
+import dataclasses
+
+import pytest
+
+from graphtrain.config import JOB_PRESETS, JobConfig, describe_keys, load_config, to_toml
+from models import MODEL_PRESETS
+
+
+@pytest.mark.parametrize("name", list(JOB_PRESETS))
+def test_every_preset_resolves_to_its_model(name):
+    cfg = load_config(["--preset", name])
+    assert cfg.preset == name
+    assert cfg.model == MODEL_PRESETS[JOB_PRESETS[name]["model"]]
+
+
+def test_default_is_tiny():
+    assert load_config([]).preset == "tiny"
+
+
+def test_overrides_are_typed():
+    cfg = load_config(
+        [
+            "--training.steps=400", "--optim.lr", "1e-3", "--compile.dump_graphs",
+            "--compile.passes=-a,+b", "--optim.betas=[0.8, 0.9]", "--data.tokenizer=42",
+            "--model.tie_embeddings=true",
+        ]
+    )
+    assert cfg.training.steps == 400 and isinstance(cfg.training.steps, int)
+    assert cfg.optim.lr == 1e-3
+    assert cfg.compile.dump_graphs is True
+    assert cfg.compile.passes == ["-a", "+b"]
+    assert cfg.optim.betas == [0.8, 0.9]
+    assert cfg.data.tokenizer == "42"  # a str field keeps the text
+    assert cfg.model.tie_embeddings is True
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.stepz=1"], "'training.stepz'"),
+        (["--training.steps=abc"], "'training.steps' expects int, got 'abc'"),
+        (["--training.steps=1.5"], "'training.steps' expects int"),
+        (["--compile.enable=maybe"], "'compile.enable' expects bool"),
+        (["--optim.betas=0.9"], "'optim.betas' expects a list of float"),
+        (["--nosuch.key=1"], "unknown config section(s) ['nosuch']"),
+        (["--preset", "huge"], "unknown preset 'huge'"),
+        (["--training.seq_len=4096"], "training.seq_len=4096 exceeds the model's model.max_seq_len=1024"),
+        (["--model.num_kv_heads=3"], "model.num_heads=4 is not divisible by model.num_kv_heads=3"),
+        (["--training.device=tpu"], "training.device must be one of"),
+        (["--training.steps=10"], "schedule.warmup_steps=30"),
+        (["steps=3"], "unexpected argument 'steps=3'"),
+    ],
+)
+def test_bad_input_names_the_key(args, message):
+    with pytest.raises(ValueError) as e:
+        load_config(args)
+    assert message in str(e.value)
+
+
+def test_toml_file_and_precedence(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('preset = "debug"\n[training]\nsteps = 30\nseq_len = 32\n[optim]\nlr = 0.01\n')
+    cfg = load_config(["--config", str(path), "--optim.lr=0.02"])
+    assert cfg.preset == "debug" and cfg.model == MODEL_PRESETS["debug"]
+    assert cfg.training.steps == 30 and cfg.training.seq_len == 32
+    assert cfg.optim.lr == 0.02  # the command line wins over the file
+
+
+def test_bad_toml_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[training\nsteps = 3\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(["--config", str(path)])
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(["--config", str(tmp_path / "missing.toml")])
+    path.write_text("[training]\nsteps = 'many'\n")
+    with pytest.raises(ValueError, match="'training.steps' expects int, got 'many'"):
+        load_config(["--config", str(path)])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(["--preset", "debug", "--compile.passes=-x", "--optim.no_decay=a,b"])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(["--config", str(path)]) == cfg
+
+
+def test_describe_keys_lists_every_field():
+    cfg = JobConfig()
+    text = describe_keys(cfg)
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section):
+            for g in dataclasses.fields(section):
+                assert f"--{f.name}.{g.name}=" in text

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         return _train(rest)
-    except ValueError as e:  # a user error: config, data, tokenizer, checkpoint
+    except (ValueError, FileNotFoundError) as e:  # a user error: config, data, tokenizer, checkpoint
         print(f"graphtrain: error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # the run diverged

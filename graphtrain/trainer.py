@@ -34,7 +34,7 @@ from graphtrain.metrics import (
 from graphtrain.optim import BatchSizeSchedule, LRSchedule, build_optimizer, clip_grad_norm_
 from graphtrain.parallel import ParallelDims, build_mesh, parallelize_model, validate_model_for_tp
 from models import build_model
-from models.gpt_plan import TP_PLAN
+from models.gpt_plan import GPT_TP_PLAN
 
 logger = logging.getLogger("graphtrain")
 
@@ -93,6 +93,9 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def train(cfg: JobConfig) -> TrainResult:
     """Run one training job described by `cfg`; returns the losses it logged."""
     device, rank, world_size = _init_distributed(cfg.training.device)
+    # A job starts from a clean compiler state: code compiled for an earlier job in this process
+    # (another model, other passes) must neither be reused nor count against the recompile limit.
+    torch._dynamo.reset()
     try:
         return _train(cfg, device, rank, world_size)
     finally:
@@ -105,9 +108,10 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     # Layout and model checks first: nothing large is allocated before they pass.
     p = cfg.parallel
     dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, world_size=world_size)
-    validate_model_for_tp(m_cfg, dims.tp)
+    validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len)
     attention = resolve_attention(t_cfg.attention, device)
-    mesh = build_mesh(dims, device.type)
+    # One process needs no mesh: every axis is 1 and nothing is sharded.
+    mesh = build_mesh(dims, device.type) if world_size > 1 else None
     dp_group = mesh["dp"].get_group() if dims.dp_size > 1 else None
     dp_rank = mesh["dp"].get_local_rank() if dims.dp_size > 1 else 0
 
@@ -135,9 +139,11 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             f"the data needs a vocabulary of {data.vocab_size_needed} tokens but "
             f"model.vocab_size={m_cfg.vocab_size}; raise model.vocab_size or use another tokenizer"
         )
-    batch_schedule = BatchSizeSchedule(cfg.schedule.batch_size or t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size)
-    # Checked now for the first step (and at every step as consumed tokens grow).
-    batch_schedule.micro_batches_per_step(0, micro_batch_size=t_cfg.micro_batch_size, seq_len=t_cfg.seq_len, dp_world_size=dims.dp_size)
+    batch_schedule = BatchSizeSchedule.parse(
+        cfg.schedule.batch_size or t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
+    )
+    # Every entry must split into whole micro-batches on every rank: checked before training.
+    batch_schedule.check(micro_batch_size=t_cfg.micro_batch_size, seq_len=t_cfg.seq_len, dp_world_size=dims.dp_size)
 
     param_dtype = _param_dtype(cfg, device)
     fsdp = dims.dp_size > 1
@@ -148,7 +154,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         dump_dir = run_dir / "graphs" if cfg.compile.dump_graphs and rank == 0 else None
         compile_options = {"passes": cfg.compile.passes, "inner": cfg.compile.backend, "dump_dir": dump_dir}
     parallelize_model(
-        model, mesh, dims, plan=TP_PLAN, ac_mode=t_cfg.activation_checkpoint,
+        model, mesh, dims, plan=GPT_TP_PLAN, ac_mode=t_cfg.activation_checkpoint,
         compile_options=compile_options, param_dtype=param_dtype,
         reduce_dtype=_DTYPES[t_cfg.reduce_dtype],
     )
@@ -192,19 +198,30 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         with autocast:
             return model(td["input_ids"], td["labels"], td["position_ids"], mask)
 
-    def validate() -> float:
+    def validate() -> float | None:
+        """Mean loss over the first metrics.val_batches batches of the held-out data."""
+        if data.val is None:
+            return None
         model.eval()
+        data.val.reset()  # the same batches at every validation
         total = torch.zeros((), device=device)
         with torch.no_grad():
-            for td in data.val.first_batches(cfg.metrics.val_batches):
-                total += forward(td).float()
+            for _ in range(cfg.metrics.val_batches):
+                total += forward(next(data.val)).float()
         model.train()
         total = _all_reduce(total, dp_group) / (cfg.metrics.val_batches * dims.dp_size)
         return total.item()  # host sync: validation steps only
 
+    def log_validation(at: int) -> None:
+        val_loss = validate()
+        if val_loss is not None:
+            result.val_losses[at] = val_loss
+            metrics.log(at, {"val_loss": val_loss})
+
+    if data.val is None and rank == 0:
+        logger.warning("no held-out data large enough for one batch: validation is skipped")
     if step == 0:
-        result.val_losses[0] = validate()
-        metrics.log(0, {"val_loss": result.val_losses[0]})
+        log_validation(0)
 
     train_iter = iter(data.train)
     # Losses of the steps since the last log, and the first step with a non-finite loss, stay
@@ -219,18 +236,22 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         )
         lr = lr_schedule.apply(optimizer, step)
         step_loss = torch.zeros((), device=device)
-        for _ in range(num_micro):
-            td = next(train_iter)
+        batches = [next(train_iter) for _ in range(num_micro)]
+        # Each micro-batch's mean loss weighted by its share of the step's labelled tokens: the
+        # step's loss is the mean over all its tokens on this rank, whatever the micro-batches
+        # hold (FSDP then averages the ranks). Counts come from the loader: no device sync.
+        num_labels = [td["num_label_tokens"] for td in batches]
+        for td, n in zip(batches, num_labels, strict=True):
             # Exact FLOPs of this rank's micro-batch (document-causal attention pairs included),
             # counted on the host from the loader's CPU-side numbers: no device sync.
             window_flops += training_flops(
                 **flops_args, num_tokens=td["input_ids"].numel(),
                 num_attention_pairs=int(td["num_attention_pairs"]),
             )
+            weight = n / max(sum(num_labels), 1)
             loss = forward(td)
-            # Mean of the micro-batch means; FSDP averages over data-parallel ranks.
-            (loss / num_micro).backward()
-            step_loss += loss.detach().float() / num_micro
+            (loss * weight).backward()
+            step_loss += loss.detach().float() * weight
         grad_norm = clip_grad_norm_(list(model.parameters()), o.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -267,8 +288,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             window_tokens, window_flops, window_start = 0, 0, time.perf_counter()
         val_interval = cfg.metrics.val_interval
         if last or (val_interval and step % val_interval == 0):
-            result.val_losses[step] = validate()
-            metrics.log(step, {"val_loss": result.val_losses[step]})
+            log_validation(step)
             window_start = time.perf_counter()  # keep validation out of tokens/s
         if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or last):
             ckpt.save(
@@ -277,8 +297,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             )
             window_start = time.perf_counter()
     metrics.close()
-    if rank == 0 and result.val_losses:
-        first, final = result.val_losses[min(result.val_losses)], result.val_losses[t_cfg.steps]
+    if rank == 0 and len(result.val_losses) > 1:
+        first, final = result.val_losses[min(result.val_losses)], result.val_losses[max(result.val_losses)]
         logger.info("validation loss %.3f -> %.3f (%.2f nats)", first, final, first - final)
     if not all(math.isfinite(v) for v in result.val_losses.values()):
         raise FloatingPointError(f"non-finite validation loss: {result.val_losses}")

@@ -1,0 +1,111 @@
+"""Exact training FLOPs of a Llama-style decoder, for tokens/s -> MFU.
+
+What: `training_flops` counts the floating-point operations of one forward + backward pass of a
+decoder with RMSNorm, RoPE, grouped-query attention (GQA), a SwiGLU feed-forward network and an
+output head (tied or untied: the count is the same), over `num_tokens` tokens whose attention mask
+allows `num_attention_pairs` (query, key) pairs.
+
+Why exact: MFU is compared across runs, frameworks and attention masks; the usual "6 * params"
+ignores attention, and a dense T^2 attention count overstates causal and packed-document masks.
+
+Derivation. A matmul of (m x k) @ (k x n) costs 2*m*n*k FLOPs (one multiply and one add per
+term). With head_dim = dim // num_heads, q_dim = num_heads * head_dim and
+kv_dim = num_kv_heads * head_dim, per token and per layer the forward pass runs
+    wq: dim -> q_dim,  wk: dim -> kv_dim,  wv: dim -> kv_dim,  wo: q_dim -> dim
+    w1: dim -> ffn_dim,  w3: dim -> ffn_dim,  w2: ffn_dim -> dim
+    layer_matmul = 2*dim*q_dim + 2*2*dim*kv_dim + 2*q_dim*dim + 3*2*dim*ffn_dim
+and once per token the output head dim -> vocab_size: head = 2*dim*vocab_size.
+Attention, per layer, per query head and per allowed (query, key) pair: the score q.k costs
+2*head_dim, and adding p * v to the output costs 2*head_dim, so 4*head_dim*num_heads per pair.
+    forward = num_tokens * (num_layers * layer_matmul + head)
+              + num_attention_pairs * num_layers * 4 * head_dim * num_heads
+The backward pass of a matmul Y = X @ W computes dX = dY @ W^T and dW = X^T @ dY, two matmuls
+of the same size, so backward = 2 * forward and
+    training_flops = 3 * forward.
+This is "model FLOPs" (PaLM's MFU definition): the recompute of attention scores in a
+flash-attention backward and activation checkpointing are not counted.
+
+Not counted (each is O(dim) per token, under 1% of the total for real models): the embedding
+lookup (a gather, 0 FLOPs), RMSNorm, RoPE, SiLU and the SwiGLU product, softmax, residual adds,
+the cross-entropy loss, and the optimizer step.
+
+Worked example: dim 2048, 16 layers, 16 heads, 8 kv heads (head_dim 128, kv_dim 1024),
+ffn_dim 8192, vocab 128256, one causal sequence of 4096 tokens:
+    layer_matmul = 2*2048*2048*2 + 2*2048*1024*2 + 3*2*2048*8192  = 125,829,120
+    head         = 2*2048*128256                                   = 525,336,576
+    pairs        = 4096 * 4097 / 2                                 = 8,390,656
+    forward      = 4096 * (16*125,829,120 + 525,336,576)           = 10,398,115,823,616
+                   + 8,390,656 * 16 * 4 * 128 * 16                 =  1,099,780,063,232
+    training     = 3 * 11,497,895,886,848                          = 34,493,687,660,544
+which is about 8.42 GFLOPs per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def training_flops(
+    *,
+    dim: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    ffn_dim: int,
+    vocab_size: int,
+    num_tokens: int,
+    num_attention_pairs: int,
+) -> int:
+    """Forward + backward FLOPs of a Llama-style decoder (see the module docstring)."""
+    for name, value in (
+        ("dim", dim),
+        ("num_layers", num_layers),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("ffn_dim", ffn_dim),
+        ("vocab_size", vocab_size),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if num_tokens < 0 or num_attention_pairs < 0:
+        raise ValueError(
+            f"num_tokens ({num_tokens}) and num_attention_pairs ({num_attention_pairs}) "
+            "must be >= 0"
+        )
+    if dim % num_heads != 0:
+        raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+        )
+    head_dim = dim // num_heads
+    q_dim = num_heads * head_dim
+    kv_dim = num_kv_heads * head_dim
+    layer_matmul = (
+        2 * dim * q_dim  # wq
+        + 2 * 2 * dim * kv_dim  # wk, wv
+        + 2 * q_dim * dim  # wo
+        + 3 * 2 * dim * ffn_dim  # w1, w3, w2
+    )
+    head = 2 * dim * vocab_size
+    attention_per_pair = num_layers * 4 * head_dim * num_heads  # q.k and p*v, every head
+    forward = num_tokens * (num_layers * layer_matmul + head)
+    forward += num_attention_pairs * attention_per_pair
+    return 3 * forward
+
+
+def dense_causal_pairs(batch_size: int, seq_len: int) -> int:
+    """(query, key) pairs of a causal mask: each sequence of T tokens has T*(T+1)/2."""
+    if batch_size < 0 or seq_len < 0:
+        raise ValueError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 0")
+    return batch_size * seq_len * (seq_len + 1) // 2
+
+
+def document_causal_pairs(document_lengths: Iterable[int]) -> int:
+    """Pairs of a document-causal mask (packed sequences): sum over documents of L*(L+1)/2."""
+    total = 0
+    for length in document_lengths:
+        if length < 0:
+            raise ValueError(f"document length must be >= 0, got {length}")
+        total += length * (length + 1) // 2
+    return total

@@ -1,0 +1,160 @@
+"""Rank-0 metrics logging: JSON lines, TensorBoard, a console line and a progress bar.
+
+What: `MetricsLogger.log(step, metrics)` appends {"step", "time", "elapsed_s", **metrics} as one
+JSON object per line to run_dir/metrics.jsonl, writes each metric as a TensorBoard scalar under
+run_dir/tb, and prints a one-line summary to stdout. When stderr is a terminal a progress bar is
+drawn there (`progress(step)` may be called every step; it is host-only and cheap).
+
+Why: JSONL is the record a script can read without TensorBoard; TensorBoard is what people look at.
+Only rank 0 writes, so a multi-rank run has one log; other ranks' calls return at once.
+
+Values must be python numbers: the trainer converts tensors with .item() at log steps only
+(a device sync), never here. Non-finite values are written to JSONL as the strings "nan", "inf",
+"-inf", because NaN and Infinity are not valid JSON.
+
+Metric names the console line knows (all optional; every metric goes to JSONL and TensorBoard):
+loss, val_loss, lr, grad_norm, tokens_per_s, mfu (a fraction, printed in percent),
+memory/peak_allocated_gib (CUDA) or memory/max_rss_gib (CPU), see
+`graphtrain.metrics.hardware.memory_stats`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from graphtrain.metrics.progress import ProgressBar
+
+_warned_no_tensorboard = False
+
+
+def _warn_no_tensorboard(error: Exception) -> None:
+    """Warn once per process that TensorBoard logging is off."""
+    global _warned_no_tensorboard
+    if not _warned_no_tensorboard:
+        _warned_no_tensorboard = True
+        warnings.warn(
+            f"TensorBoard logging disabled: {error} (pip install tensorboard to enable it); "
+            "metrics.jsonl is still written",
+            stacklevel=3,
+        )
+
+
+def _json_value(value: float) -> float | str:
+    """A JSON-safe number: non-finite floats become "nan" / "inf" / "-inf"."""
+    value = float(value)
+    if not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def format_summary(step: int, metrics: dict[str, float], total_steps: int | None = None) -> str:
+    """The concise console line, e.g. "step 10/100 | loss 3.2100 | lr 3.00e-04 | ..."."""
+    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
+    if "loss" in metrics:
+        parts.append(f"loss {metrics['loss']:.4f}")
+    if "val_loss" in metrics:
+        parts.append(f"val_loss {metrics['val_loss']:.4f}")
+    if "lr" in metrics:
+        parts.append(f"lr {metrics['lr']:.2e}")
+    if "grad_norm" in metrics:
+        parts.append(f"grad_norm {metrics['grad_norm']:.3f}")
+    if "tokens_per_s" in metrics:
+        parts.append(f"tok/s {metrics['tokens_per_s']:,.0f}")
+    if "mfu" in metrics:
+        parts.append(f"mfu {metrics['mfu'] * 100:.1f}%")
+    for key, label in (("memory/peak_allocated_gib", "mem"), ("memory/max_rss_gib", "rss")):
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:.2f} GiB")
+            break
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0; a no-op on every other rank."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        rank: int,
+        tensorboard: bool = True,
+        total_steps: int | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.total_steps = total_steps
+        self.enabled = rank == 0
+        self._start = time.time()
+        self._jsonl = None
+        self._writer: Any = None
+        self._bar: ProgressBar | None = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Append: a resumed run continues the same file (rows may repeat steps after a restart).
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"), flush_secs=30)
+            except ImportError as error:
+                _warn_no_tensorboard(error)
+        if sys.stderr.isatty():
+            self._bar = ProgressBar(sys.stderr, total=total_steps)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record `metrics` for optimizer step `step` (python numbers only)."""
+        if not self.enabled:
+            return
+        for key, value in metrics.items():
+            if not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"metric {key!r} is a {type(value).__name__}, expected a python float; "
+                    "convert tensors with .item() at log steps"
+                )
+        now = time.time()
+        record: dict[str, Any] = {"step": step, "time": now, "elapsed_s": now - self._start}
+        # ints (token counts) stay ints; floats become JSON-safe floats.
+        record.update({k: v if isinstance(v, int) else _json_value(v) for k, v in metrics.items()})
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+        self._jsonl.flush()
+        if self._writer is not None:
+            for key, value in metrics.items():
+                self._writer.add_scalar(key, float(value), global_step=step)
+        line = format_summary(step, metrics, self.total_steps)
+        if self._bar is not None:
+            self._bar.clear()
+        print(line, flush=True)
+        if self._bar is not None:
+            self._bar.update(step, force=True)
+
+    def progress(self, step: int) -> None:
+        """Advance the progress bar to `step` (no-op without a terminal or off rank 0)."""
+        if self._bar is not None:
+            self._bar.update(step)
+
+    def close(self) -> None:
+        """Flush and close the files and end the progress bar; safe to call twice."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

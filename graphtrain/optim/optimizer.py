@@ -1,0 +1,116 @@
+"""AdamW construction with weight-decay parameter groups.
+
+What: `build_optimizer` splits a model's trainable parameters into a "decay" group and a "no decay"
+group and returns a `torch.optim.AdamW` over them, using the fused or foreach implementation.
+
+Why: weight decay on norms, biases and (usually) embeddings hurts LLM training, so those are excluded
+by name patterns and by shape (every parameter with fewer than 2 dimensions). The fused kernel is the
+fastest AdamW on CUDA and on CPU (torch >= 2.4); foreach is the portable fallback.
+
+DTensor parameters (FSDP2 / tensor parallel) work with both implementations: AdamW is elementwise,
+so DTensor runs it shard by shard on the local tensors (checked on CPU with gloo, torch 2.13).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+_IMPLEMENTATIONS = ("auto", "fused", "foreach")
+
+
+def _fused_supported_device_types() -> set[str]:
+    """Device types with a fused AdamW kernel in this torch build."""
+    try:
+        # Private helper, present since torch 2.2; the fallback covers a rename.
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        return set(_get_fused_kernels_supported_devices())
+    except ImportError:  # pragma: no cover - depends on torch internals
+        return {"cuda", "cpu"}
+
+
+def _is_no_decay(names: list[str], param: torch.Tensor, patterns: list[str]) -> bool:
+    """True when any name of `param` matches a pattern, or the parameter has < 2 dims."""
+    if param.ndim < 2:
+        return True
+    return any(fnmatch.fnmatchcase(name, pat) for name in names for pat in patterns)
+
+
+def _choose_implementation(params: list[torch.Tensor], implementation: str) -> str:
+    """Resolve "auto" to "fused" where every parameter's device and dtype allow it, else "foreach"."""
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown optimizer implementation {implementation!r}; expected one of {_IMPLEMENTATIONS}"
+        )
+    if implementation != "auto":
+        return implementation
+    supported = _fused_supported_device_types()
+    # For a DTensor, .device is the device of its local shard, which is what the kernel sees.
+    if params and all(p.device.type in supported and p.is_floating_point() for p in params):
+        return "fused"
+    return "foreach"
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    no_decay_patterns: list[str],
+    implementation: str = "auto",
+) -> torch.optim.AdamW:
+    """Build AdamW with two parameter groups: decayed and not decayed.
+
+    A parameter gets no weight decay if it has fewer than 2 dimensions (norm weights, biases) or if
+    any of its names (a tied parameter has several, e.g. "tok_embeddings.weight" and
+    "output.weight") matches one of `no_decay_patterns` with fnmatch on the full dotted name
+    ("*norm*", "*bias", "tok_embeddings.*"). Tied parameters appear once. Frozen parameters
+    (requires_grad False) are left out. Empty groups are dropped.
+
+    `implementation`: "fused", "foreach", or "auto" (fused when every parameter is a floating
+    tensor on a device type with a fused kernel, else foreach). Any other value is a ValueError.
+    """
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown optimizer implementation {implementation!r}; expected one of {_IMPLEMENTATIONS}"
+        )
+    # remove_duplicate=False lists every name of a tied parameter; group the names by identity.
+    names_by_param: dict[int, list[str]] = {}
+    params_by_id: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            continue
+        names_by_param.setdefault(id(param), []).append(name)
+        params_by_id.setdefault(id(param), param)
+
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for key, param in params_by_id.items():
+        if _is_no_decay(names_by_param[key], param, no_decay_patterns):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    if not decay and not no_decay:
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+
+    chosen = _choose_implementation(decay + no_decay, implementation)
+    return torch.optim.AdamW(
+        groups,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        fused=chosen == "fused",
+        foreach=chosen == "foreach",
+    )

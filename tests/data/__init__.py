@@ -1,0 +1,1 @@
+"""Tests of graphtrain.data (a package so test module names cannot clash with other test dirs)."""

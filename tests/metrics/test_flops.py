@@ -1,0 +1,168 @@
+"""training_flops against torch's FlopCounterMode on a tiny Llama-like model, and by hand.
+
+The model is written here (RMSNorm, RoPE, GQA attention through SDPA, SwiGLU, tied or untied
+head) because the real one lives elsewhere. SDPA runs on the math backend so FlopCounterMode sees
+its two batched matmuls and their backward matmuls; it computes the full T x T score matrix even
+with a causal mask, so the check uses num_attention_pairs = B * T * T. (The fused CPU/flash SDPA
+kernels are either not counted on CPU or counted with the backward's recompute of the scores,
+which "model FLOPs" leave out.)
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from graphtrain.metrics import dense_causal_pairs, document_causal_pairs, training_flops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def rope(x, pos):  # x: (B, H, T, D), rotate-half RoPE: elementwise only
+    d = x.shape[-1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = pos[:, None].float() * inv_freq[None, :]  # (T, D/2)
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Block(nn.Module):
+    def __init__(self, dim, num_heads, num_kv_heads, ffn_dim):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = dim // num_heads
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+        self.wq = nn.Linear(dim, num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(num_heads * self.head_dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.attention_norm(x)
+        q = self.wq(h).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(h).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(h).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        pos = torch.arange(T)
+        q, k = rope(q, pos), rope(k, pos)
+        rep = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # GQA
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(attn.transpose(1, 2).reshape(B, T, -1))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, *, dim, num_layers, num_heads, num_kv_heads, ffn_dim, vocab_size, tied):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(
+            Block(dim, num_heads, num_kv_heads, ffn_dim) for _ in range(num_layers)
+        )
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        if tied:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=48, vocab_size=50),
+        dict(dim=24, num_layers=1, num_heads=3, num_kv_heads=3, ffn_dim=40, vocab_size=37),
+    ],
+)
+def test_matches_flop_counter(shape, tied):
+    torch.manual_seed(0)
+    B, T = 2, 7
+    model = TinyLlama(**shape, tied=tied)
+    tokens = torch.randint(0, shape["vocab_size"], (B, T))
+    targets = torch.randint(0, shape["vocab_size"], (B, T))
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    expected = training_flops(**shape, num_tokens=B * T, num_attention_pairs=B * T * T)
+    assert counter.get_total_flops() == expected
+
+
+def test_worked_example_from_docstring():
+    pairs = dense_causal_pairs(1, 4096)
+    assert pairs == 8_390_656
+    flops = training_flops(
+        dim=2048,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=8,
+        ffn_dim=8192,
+        vocab_size=128256,
+        num_tokens=4096,
+        num_attention_pairs=pairs,
+    )
+    assert flops == 34_493_687_660_544
+
+
+def test_by_hand_one_layer():
+    # dim 4, 2 heads (head_dim 2), 1 kv head (kv_dim 2), ffn 6, vocab 10, 3 tokens, 6 pairs:
+    # layer = 2*4*4 (wq) + 2*2*4*2 (wk, wv) + 2*4*4 (wo) + 3*2*4*6 (ffn) = 32+32+32+144 = 240
+    # head = 2*4*10 = 80; attention per pair = 4 * 2 * 2 = 16
+    # forward = 3 * (240 + 80) + 6 * 16 = 1056; training = 3168
+    got = training_flops(
+        dim=4,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        ffn_dim=6,
+        vocab_size=10,
+        num_tokens=3,
+        num_attention_pairs=6,
+    )
+    assert got == 3168
+
+
+def test_pairs():
+    assert dense_causal_pairs(3, 4) == 3 * 10
+    assert dense_causal_pairs(0, 4) == 0
+    # A packed row of documents 3 + 1 + 4 tokens: 6 + 1 + 10 pairs, fewer than 8*9/2 = 36.
+    assert document_causal_pairs([3, 1, 4]) == 17
+    assert document_causal_pairs([8]) == dense_causal_pairs(1, 8)
+
+
+def test_errors():
+    kw = dict(
+        dim=30,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_dim=8,
+        vocab_size=10,
+        num_tokens=1,
+        num_attention_pairs=1,
+    )
+    with pytest.raises(ValueError, match=r"dim \(30\).*num_heads \(4\)"):
+        training_flops(**kw)
+    with pytest.raises(ValueError, match=r"num_heads \(4\).*num_kv_heads \(3\)"):
+        training_flops(**(kw | dict(dim=32, num_kv_heads=3)))
+    with pytest.raises(ValueError, match="num_layers must be positive, got 0"):
+        training_flops(**(kw | dict(dim=32, num_layers=0)))

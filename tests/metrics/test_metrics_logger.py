@@ -1,0 +1,94 @@
+"""MetricsLogger: JSONL lines, TensorBoard events, console line, rank != 0 silent."""
+
+import io
+import json
+import sys
+
+import pytest
+import torch
+
+import graphtrain.metrics.logger as logger_module
+from graphtrain.metrics import MetricsLogger, ProgressBar, format_summary
+
+
+def read_jsonl(path):
+    # parse_constant rejects NaN / Infinity: the file must be strict JSON.
+    def reject(name):
+        raise ValueError(name)
+
+    return [json.loads(line, parse_constant=reject) for line in path.read_text().splitlines()]
+
+
+def test_rank0_writes_jsonl_tensorboard_and_console(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    with MetricsLogger(tmp_path, rank=0, total_steps=100) as log:
+        assert log._bar is None  # stderr is not a terminal under pytest
+        log.log(1, {"loss": 3.5, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 12345.0})
+        log.log(2, {"loss": float("nan"), "mfu": 0.4125, "memory/max_rss_gib": 1.5})
+        log.log(3, {"grad_norm": float("inf"), "consumed_tokens": 2**40, "val_loss": 2.0})
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["loss"] == 3.5 and rows[0]["tokens_per_s"] == 12345.0
+    assert rows[1]["loss"] == "nan" and rows[2]["grad_norm"] == "inf"
+    assert rows[2]["consumed_tokens"] == 2**40 and isinstance(rows[2]["consumed_tokens"], int)
+    assert all(r["time"] > 0 and r["elapsed_s"] >= 0 for r in rows)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "step 1/100 | loss 3.5000 | lr 1.00e-04 | grad_norm 0.500 | tok/s 12,345"
+    assert out[1] == "step 2/100 | loss nan | mfu 41.2% | rss 1.50 GiB"
+    assert out[2] == "step 3/100 | val_loss 2.0000 | grad_norm inf"
+
+
+def test_appends_across_loggers(tmp_path):
+    for step in (1, 2):
+        with MetricsLogger(tmp_path, rank=0, tensorboard=False) as log:
+            log.log(step, {"loss": 1.0})
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert not (tmp_path / "tb").exists()
+
+
+def test_other_ranks_write_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    log = MetricsLogger(run_dir, rank=1, total_steps=10)
+    log.log(1, {"loss": 1.0})
+    log.progress(2)
+    log.close()
+    assert not run_dir.exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_tensor_values_rejected(tmp_path):
+    with (
+        MetricsLogger(tmp_path, rank=0, tensorboard=False) as log,
+        pytest.raises(TypeError, match="'loss' is a Tensor"),
+    ):
+        log.log(1, {"loss": torch.tensor(1.0)})
+
+
+def test_missing_tensorboard_warns_once(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises
+    monkeypatch.setattr(logger_module, "_warned_no_tensorboard", False)
+    with pytest.warns(UserWarning, match="TensorBoard logging disabled"):
+        MetricsLogger(tmp_path / "a", rank=0).close()
+    with MetricsLogger(tmp_path / "b", rank=0) as log:  # no second warning
+        log.log(1, {"loss": 2.0})
+    assert read_jsonl(tmp_path / "b" / "metrics.jsonl")[0]["loss"] == 2.0
+
+
+def test_format_summary_memory_and_no_total():
+    line = format_summary(5, {"memory/peak_allocated_gib": 12.345, "other": 1.0})
+    assert line == "step 5 | mem 12.35 GiB"
+
+
+def test_progress_bar_render():
+    stream = io.StringIO()
+    bar = ProgressBar(stream, total=10, width=10, min_interval_s=0.0)
+    bar.update(0)
+    bar.update(5)
+    bar.clear()
+    bar.update(10)
+    bar.close()
+    text = stream.getvalue()
+    assert "[#####.....] 5/10  50.0%" in text
+    assert "[##########] 10/10 100.0%" in text
+    assert text.endswith("\n")

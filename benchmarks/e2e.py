@@ -65,8 +65,12 @@ def run(name: str, compile_fn, args, data) -> dict:
     seconds = start.elapsed_time(end) / 1e3
     tokens = args.steps * args.batch * args.seq_len
     flops = args.steps * training_flops(
-        dim=cfg.dim, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size,
+        dim=cfg.dim,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        ffn_dim=cfg.ffn_dim,
+        vocab_size=cfg.vocab_size,
         num_tokens=args.batch * args.seq_len,
         num_attention_pairs=args.batch * args.seq_len * (args.seq_len + 1) // 2,
     )
@@ -79,14 +83,13 @@ def run(name: str, compile_fn, args, data) -> dict:
         "warmup_s": compile_s,
         "final_loss": loss.item(),
     }
-    del model, opt
-    gc.collect()
-    torch._dynamo.reset()
     return row
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="1b", choices=list(MODEL_PRESETS))
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)
@@ -105,10 +108,14 @@ def main() -> None:
         )
         for _ in range(args.warmup + args.steps)
     ]
-    rows = [
-        run("torch.compile (plain)", _plain_compile, args, data),
-        run("graphtrain", lambda m: apply_compile(m), args, data),
-    ]
+    rows = []
+    for name, compile_fn in (
+        ("torch.compile (plain)", _plain_compile),
+        ("graphtrain", apply_compile),
+    ):
+        rows.append(run(name, compile_fn, args, data))
+        gc.collect()  # the model and optimizer of the last row go before the next is built
+        torch._dynamo.reset()
     base = rows[0]["tokens_per_s"]
     lines = [
         f"| run | tokens/s | MFU | peak mem GiB | vs plain | warmup s | loss after {args.warmup + args.steps} steps |",
@@ -121,7 +128,9 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     import triton
 
     header = (

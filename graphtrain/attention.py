@@ -23,11 +23,13 @@ ATTENTION_KINDS = ("flex", "sdpa", "causal")
 
 
 def resolve_attention(kind: str, device: torch.device) -> str:
-    """"auto" -> flex on CUDA, sdpa elsewhere; an explicit choice is checked."""
+    """ "auto" -> flex on CUDA, sdpa elsewhere; an explicit choice is checked."""
     if kind == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if kind not in ATTENTION_KINDS:
-        raise ValueError(f"training.attention must be auto or one of {ATTENTION_KINDS}, got {kind!r}")
+        raise ValueError(
+            f"training.attention must be auto or one of {ATTENTION_KINDS}, got {kind!r}"
+        )
     if kind == "flex" and device.type != "cuda":
         raise ValueError(
             "training.attention='flex' needs a CUDA device (FlexAttention has no CPU backward); "

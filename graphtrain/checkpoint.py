@@ -44,8 +44,14 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def save(
-    run_dir: Path, *, step: int, consumed_tokens: int, model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer, data: Any, keep_last: int,
+    run_dir: Path,
+    *,
+    step: int,
+    consumed_tokens: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
+    keep_last: int,
 ) -> Path:
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:07d}"
@@ -57,7 +63,9 @@ def save(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     extra = {
-        "step": step, "consumed_tokens": consumed_tokens, "data": data.state_dict(),
+        "step": step,
+        "consumed_tokens": consumed_tokens,
+        "data": data.state_dict(),
         "rng_cpu": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
@@ -78,24 +86,35 @@ def resolve(run_dir: Path, which: str) -> Path:
     found = complete_checkpoints(run_dir)
     if which == "latest":
         if not found:
-            raise ValueError(f"checkpoint.resume='latest' but {run_dir}/checkpoints has no complete checkpoint")
+            raise ValueError(
+                f"checkpoint.resume='latest' but {run_dir}/checkpoints has no complete checkpoint"
+            )
         return found[-1]
     path = Path(run_dir) / "checkpoints" / which
     if path not in found:
         names = ", ".join(p.name for p in found) or "none"
-        raise ValueError(f"checkpoint.resume={which!r} is not a complete checkpoint of {run_dir}; found: {names}")
+        raise ValueError(
+            f"checkpoint.resume={which!r} is not a complete checkpoint of {run_dir}; found: {names}"
+        )
     return path
 
 
 def load(
-    run_dir: Path, which: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Any,
+    run_dir: Path,
+    which: str,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
 ) -> tuple[int, int]:
     """Restore model, optimizer, data position and RNG; returns (step, consumed_tokens)."""
     path = resolve(run_dir, which)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     extra_path = path / f"trainer-rank{_rank()}.pt"
     if not extra_path.exists():  # resumed on more ranks than saved: rank 0's position is global
         extra_path = path / "trainer-rank0.pt"

@@ -19,7 +19,9 @@ def _setup_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(message)s" if rank == 0 else f"[rank{rank}] %(levelname)s %(message)s",
+        format="%(asctime)s %(message)s"
+        if rank == 0
+        else f"[rank{rank}] %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
 
@@ -52,12 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command != "train":
-        print(f"graphtrain: unknown command {command!r}\n\n" + USAGE.format(presets=_presets()), file=sys.stderr)
+        print(
+            f"graphtrain: unknown command {command!r}\n\n" + USAGE.format(presets=_presets()),
+            file=sys.stderr,
+        )
         return 2
     _setup_logging()
     try:
         return _train(rest)
-    except (ValueError, FileNotFoundError) as e:  # a user error: config, data, tokenizer, checkpoint
+    except (
+        ValueError,
+        FileNotFoundError,
+    ) as e:  # a user error: config, data, tokenizer, checkpoint
         print(f"graphtrain: error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # the run diverged

@@ -15,12 +15,13 @@ The `model` section is the model's own config dataclass (models/), chosen by the
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from models import MODEL_PRESETS, GPTConfig
 
@@ -141,7 +142,9 @@ class ScheduleConfig:
         if not 0.0 <= self.decay_ratio <= 1.0:
             raise ValueError(f"schedule.decay_ratio must be in [0, 1], got {self.decay_ratio}")
         _choice(
-            "schedule", "decay_style", self.decay_style,
+            "schedule",
+            "decay_style",
+            self.decay_style,
             ("linear", "cosine", "exponential", "minus_sqrt"),
         )
 
@@ -206,11 +209,13 @@ class JobConfig:
 # it learns the embedded corpus on a 2-core CPU in a few minutes.
 JOB_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
+        # About 180 x 4096 tokens: ~3.5 min of training at ~3.4k tokens/s on 2 CPU cores, which
+        # takes the validation loss from ~9.5 to below 5.
         "model": "tiny",
-        "training": {"steps": 600, "seq_len": 256, "micro_batch_size": 16},
+        "training": {"steps": 180, "seq_len": 256, "micro_batch_size": 16},
         "optim": {"lr": 2e-3, "weight_decay": 0.1},
-        "schedule": {"warmup_steps": 30, "decay_ratio": 0.5, "min_lr": 2e-4},
-        "metrics": {"log_interval": 20, "val_interval": 200, "val_batches": 8},
+        "schedule": {"warmup_steps": 20, "decay_ratio": 0.4, "min_lr": 2e-4},
+        "metrics": {"log_interval": 10, "val_interval": 60, "val_batches": 8},
     },
     "debug": {
         "model": "debug",
@@ -233,8 +238,12 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
     },
     "8b": {
         "model": "8b",
-        "training": {"steps": 50000, "seq_len": 8192, "micro_batch_size": 1,
-                     "activation_checkpoint": "full"},
+        "training": {
+            "steps": 50000,
+            "seq_len": 8192,
+            "micro_batch_size": 1,
+            "activation_checkpoint": "full",
+        },
         "optim": {"lr": 3e-4},
         "schedule": {"warmup_steps": 2000, "min_lr": 3e-5},
     },
@@ -257,7 +266,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str):  # from the command line: "a,b,c"
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list | tuple):
-            raise ValueError(f"config key {key!r} expects a list of {_type_name(item_tp)}, got {value!r}")
+            raise ValueError(
+                f"config key {key!r} expects a list of {_type_name(item_tp)}, got {value!r}"
+            )
         return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         raise TypeError(f"config field {key!r}: union types are not supported")  # internal

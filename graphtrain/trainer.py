@@ -32,7 +32,13 @@ from graphtrain.metrics import (
     write_run_info,
 )
 from graphtrain.optim import BatchSizeSchedule, LRSchedule, build_optimizer, clip_grad_norm_
-from graphtrain.parallel import ParallelDims, build_mesh, parallelize_model, validate_model_for_tp
+from graphtrain.parallel import (
+    ParallelDims,
+    build_mesh,
+    dp_mesh,
+    parallelize_model,
+    validate_model_for_tp,
+)
 from models import build_model
 from models.gpt_plan import GPT_TP_PLAN
 
@@ -63,7 +69,10 @@ def _init_distributed(device_choice: str) -> tuple[torch.device, int, int]:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            device_id=device if device.type == "cuda" else None,
+        )
     return device, rank, world_size
 
 
@@ -107,20 +116,25 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     t_cfg, m_cfg = cfg.training, cfg.model
     # Layout and model checks first: nothing large is allocated before they pass.
     p = cfg.parallel
-    dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, world_size=world_size)
+    dims = ParallelDims(
+        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, world_size=world_size
+    )
     validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len)
     attention = resolve_attention(t_cfg.attention, device)
     # One process needs no mesh: every axis is 1 and nothing is sharded.
     mesh = build_mesh(dims, device.type) if world_size > 1 else None
-    dp_group = mesh["dp"].get_group() if dims.dp_size > 1 else None
-    dp_rank = mesh["dp"].get_local_rank() if dims.dp_size > 1 else 0
+    dp_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
+    dp_rank = dp_mesh(mesh).get_local_rank() if dims.dp_size > 1 else 0
 
     run_dir = _run_dir(cfg, rank, world_size)
     if rank == 0:
         (run_dir / "config.toml").write_text(to_toml(cfg))
         write_run_info(run_dir, {"world_size": world_size, "parallel": str(dims)})
 
-    cache_dir = Path(cfg.data.cache_dir or os.environ.get("GRAPHTRAIN_CACHE", Path.home() / ".cache" / "graphtrain"))
+    cache_dir = Path(
+        cfg.data.cache_dir
+        or os.environ.get("GRAPHTRAIN_CACHE", Path.home() / ".cache" / "graphtrain")
+    )
     data = build_data(
         paths=cfg.data.paths or None,
         tokenizer_path=cfg.data.tokenizer or None,
@@ -143,7 +157,9 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         cfg.schedule.batch_size or t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
     )
     # Every entry must split into whole micro-batches on every rank: checked before training.
-    batch_schedule.check(micro_batch_size=t_cfg.micro_batch_size, seq_len=t_cfg.seq_len, dp_world_size=dims.dp_size)
+    batch_schedule.check(
+        micro_batch_size=t_cfg.micro_batch_size, seq_len=t_cfg.seq_len, dp_world_size=dims.dp_size
+    )
 
     param_dtype = _param_dtype(cfg, device)
     fsdp = dims.dp_size > 1
@@ -152,10 +168,19 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     compile_options = None
     if cfg.compile.enable:
         dump_dir = run_dir / "graphs" if cfg.compile.dump_graphs and rank == 0 else None
-        compile_options = {"passes": cfg.compile.passes, "inner": cfg.compile.backend, "dump_dir": dump_dir}
+        compile_options = {
+            "passes": cfg.compile.passes,
+            "inner": cfg.compile.backend,
+            "dump_dir": dump_dir,
+        }
     parallelize_model(
-        model, mesh, dims, plan=GPT_TP_PLAN, ac_mode=t_cfg.activation_checkpoint,
-        compile_options=compile_options, param_dtype=param_dtype,
+        model,
+        mesh,
+        dims,
+        plan=GPT_TP_PLAN,
+        ac_mode=t_cfg.activation_checkpoint,
+        compile_options=compile_options,
+        param_dtype=param_dtype,
         reduce_dtype=_DTYPES[t_cfg.reduce_dtype],
     )
     model.to_empty(device=device)
@@ -171,25 +196,48 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
 
     o = cfg.optim
     optimizer = build_optimizer(
-        model, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-        no_decay_patterns=o.no_decay, implementation=o.implementation,
+        model,
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        no_decay_patterns=o.no_decay,
+        implementation=o.implementation,
     )
     lr_schedule = LRSchedule(
-        lr=o.lr, min_lr=cfg.schedule.min_lr, warmup_steps=cfg.schedule.warmup_steps,
-        decay_steps=cfg.decay_steps, total_steps=t_cfg.steps, decay_style=cfg.schedule.decay_style,
+        lr=o.lr,
+        min_lr=cfg.schedule.min_lr,
+        warmup_steps=cfg.schedule.warmup_steps,
+        decay_steps=cfg.decay_steps,
+        total_steps=t_cfg.steps,
+        decay_style=cfg.schedule.decay_style,
     )
     step, consumed_tokens = 0, 0
     if cfg.checkpoint.resume:
         step, consumed_tokens = ckpt.load(
-            run_dir, cfg.checkpoint.resume, model=model, optimizer=optimizer, data=data.train,
+            run_dir,
+            cfg.checkpoint.resume,
+            model=model,
+            optimizer=optimizer,
+            data=data.train,
         )
 
-    peak = cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else peak_flops(device, param_dtype)
-    metrics = MetricsLogger(run_dir, rank=rank, tensorboard=cfg.metrics.tensorboard, total_steps=t_cfg.steps)
+    peak = (
+        cfg.metrics.peak_tflops * 1e12
+        if cfg.metrics.peak_tflops
+        else peak_flops(device, param_dtype)
+    )
+    metrics = MetricsLogger(
+        run_dir, rank=rank, tensorboard=cfg.metrics.tensorboard, total_steps=t_cfg.steps
+    )
     result = TrainResult(run_dir=run_dir, steps=t_cfg.steps, losses=[], val_losses={})
     flops_args = dict(
-        dim=m_cfg.dim, num_layers=m_cfg.num_layers, num_heads=m_cfg.num_heads,
-        num_kv_heads=m_cfg.num_kv_heads, ffn_dim=m_cfg.ffn_dim, vocab_size=m_cfg.vocab_size,
+        dim=m_cfg.dim,
+        num_layers=m_cfg.num_layers,
+        num_heads=m_cfg.num_heads,
+        num_kv_heads=m_cfg.num_kv_heads,
+        ffn_dim=m_cfg.ffn_dim,
+        vocab_size=m_cfg.vocab_size,
     )
 
     def forward(td) -> torch.Tensor:
@@ -231,7 +279,9 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     window_tokens, window_flops, window_start = 0, 0, time.perf_counter()
     while step < t_cfg.steps:
         num_micro = batch_schedule.micro_batches_per_step(
-            consumed_tokens, micro_batch_size=t_cfg.micro_batch_size, seq_len=t_cfg.seq_len,
+            consumed_tokens,
+            micro_batch_size=t_cfg.micro_batch_size,
+            seq_len=t_cfg.seq_len,
             dp_world_size=dims.dp_size,
         )
         lr = lr_schedule.apply(optimizer, step)
@@ -245,7 +295,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             # Exact FLOPs of this rank's micro-batch (document-causal attention pairs included),
             # counted on the host from the loader's CPU-side numbers: no device sync.
             window_flops += training_flops(
-                **flops_args, num_tokens=td["input_ids"].numel(),
+                **flops_args,
+                num_tokens=td["input_ids"].numel(),
                 num_attention_pairs=int(td["num_attention_pairs"]),
             )
             weight = n / max(sum(num_labels), 1)
@@ -259,7 +310,11 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         tokens = num_micro * t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
         consumed_tokens += tokens
         window_tokens += tokens
-        first_bad = torch.where(torch.isfinite(step_loss), first_bad, torch.minimum(first_bad, torch.tensor(step, device=device)))
+        first_bad = torch.where(
+            torch.isfinite(step_loss),
+            first_bad,
+            torch.minimum(first_bad, torch.tensor(step, device=device)),
+        )
         pending.append(step_loss)
 
         last = step == t_cfg.steps
@@ -275,8 +330,11 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             pending.clear()
             elapsed = time.perf_counter() - window_start
             entry = {
-                "loss": result.losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
-                "tokens_per_s": window_tokens / elapsed, "consumed_tokens": consumed_tokens,
+                "loss": result.losses[-1],
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s": window_tokens / elapsed,
+                "consumed_tokens": consumed_tokens,
                 "micro_batches": num_micro,
             }
             device_flops = window_flops / dims.tp  # tensor parallel splits each matmul
@@ -292,13 +350,21 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             window_start = time.perf_counter()  # keep validation out of tokens/s
         if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or last):
             ckpt.save(
-                run_dir, step=step, consumed_tokens=consumed_tokens, model=model,
-                optimizer=optimizer, data=data.train, keep_last=cfg.checkpoint.keep_last,
+                run_dir,
+                step=step,
+                consumed_tokens=consumed_tokens,
+                model=model,
+                optimizer=optimizer,
+                data=data.train,
+                keep_last=cfg.checkpoint.keep_last,
             )
             window_start = time.perf_counter()
     metrics.close()
     if rank == 0 and len(result.val_losses) > 1:
-        first, final = result.val_losses[min(result.val_losses)], result.val_losses[max(result.val_losses)]
+        first, final = (
+            result.val_losses[min(result.val_losses)],
+            result.val_losses[max(result.val_losses)],
+        )
         logger.info("validation loss %.3f -> %.3f (%.2f nats)", first, final, first - final)
     if not all(math.isfinite(v) for v in result.val_losses.values()):
         raise FloatingPointError(f"non-finite validation loss: {result.val_losses}")

@@ -66,27 +66,55 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {
     # About 5M parameters: learns the default corpus on a 2-core CPU within minutes.
     "tiny": GPTConfig(
-        vocab_size=8192, dim=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=768,
+        vocab_size=8192,
+        dim=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_dim=768,
         max_seq_len=1024,
     ),
     # Small enough for fast tests, with every feature (GQA, untied head) exercised.
     "debug": GPTConfig(
-        vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=160,
+        vocab_size=512,
+        dim=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_dim=160,
         max_seq_len=256,
     ),
     "125m": GPTConfig(
-        vocab_size=32768, dim=768, num_layers=12, num_heads=12, num_kv_heads=12, ffn_dim=2048,
-        max_seq_len=2048, tie_embeddings=True,
+        vocab_size=32768,
+        dim=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        ffn_dim=2048,
+        max_seq_len=2048,
+        tie_embeddings=True,
     ),
     # The end-to-end benchmark shape of MISSION.md.
     "1b": GPTConfig(
-        vocab_size=128256, dim=2048, num_layers=16, num_heads=16, num_kv_heads=8, ffn_dim=8192,
-        max_seq_len=4096, rope_theta=500000.0,
+        vocab_size=128256,
+        dim=2048,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=8,
+        ffn_dim=8192,
+        max_seq_len=4096,
+        rope_theta=500000.0,
     ),
     # Llama-3-8B shape.
     "8b": GPTConfig(
-        vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
-        max_seq_len=8192, rope_theta=500000.0,
+        vocab_size=128256,
+        dim=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        ffn_dim=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
     ),
 }
 
@@ -227,7 +255,9 @@ class GPT(nn.Module):
         if seed is not None:
             torch.manual_seed(seed)
         with torch.no_grad():
-            self.rope.copy_(rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope.device))
+            self.rope.copy_(
+                rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope.device)
+            )
         std = cfg.init_std
         out_std = std / math.sqrt(2 * cfg.num_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not cfg.tie_embeddings else std)
@@ -262,7 +292,9 @@ class GPT(nn.Module):
         """Final norm, output head and cross-entropy: one compile region of its own, so the
         linear -> cross_entropy pattern is visible to the fusion pass."""
         logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100
+        )
 
 
 def build_gpt(cfg: GPTConfig) -> GPT:

@@ -2,6 +2,7 @@
 
 import json
 import operator
+import re
 
 import pytest
 import torch
@@ -42,13 +43,14 @@ def count_mm_pass(gm, example_inputs, *, ctx):
 
 @pytest.fixture
 def test_passes(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    register_pass("relu_to_clamp", stage="pre_grad", order=1, default_on=False, preserves_numerics=True)(
-        relu_to_clamp_pass
-    )
-    register_pass("count_mm", stage="post_grad", order=1, default_on=False, preserves_numerics=True)(
-        count_mm_pass
-    )
+    # Only the test passes: the dumps below list exactly the steps they ran.
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    register_pass(
+        "relu_to_clamp", stage="pre_grad", order=1, default_on=False, preserves_numerics=True
+    )(relu_to_clamp_pass)
+    register_pass(
+        "count_mm", stage="post_grad", order=1, default_on=False, preserves_numerics=True
+    )(count_mm_pass)
     SEEN_POST.clear()
 
 
@@ -58,12 +60,18 @@ def mlp(x, w1, w2):
 
 def inputs():
     torch.manual_seed(0)
-    return (torch.randn(5, 7, requires_grad=True), torch.randn(7, 9, requires_grad=True), torch.randn(9, 3, requires_grad=True))
+    return (
+        torch.randn(5, 7, requires_grad=True),
+        torch.randn(7, 9, requires_grad=True),
+        torch.randn(9, 3, requires_grad=True),
+    )
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_passes_run_in_both_stages(test_passes, tmp_path, inner):
-    be = backend(passes=["+relu_to_clamp", "+count_mm"], inner=inner, dump_dir=tmp_path, region="mlp")
+    be = backend(
+        passes=["+relu_to_clamp", "+count_mm"], inner=inner, dump_dir=tmp_path, region="mlp"
+    )
     args = inputs()
     out = torch.compile(mlp, backend=be, fullgraph=True)(*args)
     out.backward()
@@ -99,7 +107,7 @@ def test_pass_off_leaves_graph_alone(test_passes, tmp_path):
 def test_registered_backend_name_and_errors():
     out = torch.compile(lambda x: x * 2 + 1, backend="graphtrain")(torch.ones(3))
     assert torch.equal(out, torch.full((3,), 3.0))
-    with pytest.raises(ValueError, match="compile.backend must be one of"):
+    with pytest.raises(ValueError, match=re.escape("compile.backend must be one of")):
         backend(inner="tvm")
     with pytest.raises(ValueError, match="'\\+no_such_pass'"):
         backend(passes=["+no_such_pass"])

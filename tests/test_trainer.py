@@ -7,6 +7,7 @@ default corpus is exercised by the data tests and by `./launch.sh` itself.
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,13 @@ def corpus(tmp_path_factory):
         n = rng.randint(5, 60)
         start = rng.randrange(len(words))
         # Mostly a fixed cycle through the words: a model can learn to predict the next one.
-        docs.append(" ".join(words[(start + k) % len(words)] if rng.random() < 0.9 else rng.choice(words) for k in range(n)) + f" end{i % 3}.")
+        docs.append(
+            " ".join(
+                words[(start + k) % len(words)] if rng.random() < 0.9 else rng.choice(words)
+                for k in range(n)
+            )
+            + f" end{i % 3}."
+        )
     with open(root / "docs.jsonl", "w") as f:
         for d in docs:
             f.write(json.dumps({"text": d}) + "\n")
@@ -42,7 +49,8 @@ def corpus(tmp_path_factory):
 
 def job(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
     return [
-        "--preset", "debug",
+        "--preset",
+        "debug",
         f"--data.paths={corpus / 'docs.jsonl'}",
         f"--data.tokenizer={corpus / 'tokenizer.json'}",
         f"--data.cache_dir={tmp_path / 'cache'}",
@@ -54,7 +62,9 @@ def job(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
 
 
 def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
-    result = train(load_config(job(corpus, tmp_path, "--training.steps=40", "--metrics.val_interval=20")))
+    result = train(
+        load_config(job(corpus, tmp_path, "--training.steps=40", "--metrics.val_interval=20"))
+    )
     assert len(result.losses) == 40
     assert sorted(result.val_losses) == [0, 20, 40]
     assert result.val_losses[40] < result.val_losses[0] - 2.0, result.val_losses
@@ -75,18 +85,33 @@ def test_eager_and_graphtrain_losses_are_bitwise_equal(corpus, tmp_path):
     from graphtrain.passes import all_passes
 
     switches = ",".join(("+" if p.preserves_numerics else "-") + p.name for p in all_passes())
-    eager = train(load_config(job(corpus, tmp_path / "e", "--training.steps=3", "--compile.enable=false")))
-    compiled = train(load_config(job(corpus, tmp_path / "c", "--training.steps=3", f"--compile.passes={switches}")))
+    eager = train(
+        load_config(job(corpus, tmp_path / "e", "--training.steps=3", "--compile.enable=false"))
+    )
+    compiled = train(
+        load_config(
+            job(corpus, tmp_path / "c", "--training.steps=3", f"--compile.passes={switches}")
+        )
+    )
     assert eager.losses == compiled.losses
 
 
 def test_gradient_accumulation_matches_a_bigger_micro_batch(corpus, tmp_path):
     """Two micro-batches of 2 rows accumulate to the step of one micro-batch of 4 rows."""
-    one = train(load_config(job(corpus, tmp_path / "a", "--training.steps=4", "--training.micro_batch_size=4")))
+    one = train(
+        load_config(
+            job(corpus, tmp_path / "a", "--training.steps=4", "--training.micro_batch_size=4")
+        )
+    )
     two = train(
         load_config(
-            job(corpus, tmp_path / "b", "--training.steps=4", "--training.micro_batch_size=2",
-                f"--schedule.batch_size={4 * 64}")
+            job(
+                corpus,
+                tmp_path / "b",
+                "--training.steps=4",
+                "--training.micro_batch_size=2",
+                f"--schedule.batch_size={4 * 64}",
+            )
         )
     )
     for a, b in zip(one.losses, two.losses, strict=True):
@@ -98,7 +123,8 @@ def test_resume_is_bitwise_exact(corpus, tmp_path):
     args = job(corpus, tmp_path / "r", "--training.steps=6", "--checkpoint.interval=3")
     first = train(load_config(args))
     assert [p.name for p in (tmp_path / "r" / "run" / "checkpoints").iterdir()] == [
-        "step-0000003", "step-0000006"
+        "step-0000003",
+        "step-0000006",
     ]
     # Throw away the end of the run and continue from step 3.
     import shutil
@@ -127,19 +153,27 @@ def test_tokenizer_larger_than_model_vocab_is_refused(corpus, tmp_path):
 
 
 def test_missing_data_is_refused(corpus, tmp_path):
-    with pytest.raises(FileNotFoundError, match="nothing.jsonl"):
+    with pytest.raises(FileNotFoundError, match=re.escape("nothing.jsonl")):
         train(load_config(job(corpus, tmp_path, f"--data.paths={tmp_path / 'nothing.jsonl'}")))
 
 
 def test_non_finite_loss_names_the_step(corpus, tmp_path):
     with pytest.raises(FloatingPointError, match=r"non-finite training loss at step \d+"):
-        train(load_config(job(corpus, tmp_path, "--training.steps=10", "--optim.lr=1e30", "--optim.max_norm=0")))
+        train(
+            load_config(
+                job(
+                    corpus, tmp_path, "--training.steps=10", "--optim.lr=1e30", "--optim.max_norm=0"
+                )
+            )
+        )
 
 
 def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "graphtrain", "train", "--training.stepz=3"],
-        capture_output=True, text=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert out.returncode == 2
     assert out.stderr.strip() == (
@@ -149,20 +183,46 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
 
 
 def test_launch_sh_dry_run_builds_the_torchrun_command():
-    env = {**os.environ, "DRY_RUN": "1", "NGPU": "4", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0"}
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "NGPU": "4",
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "node0",
+    }
     out = subprocess.run(
-        ["bash", str(REPO / "launch.sh"), "--parallel.tp=2"], capture_output=True, text=True, env=env, check=True
+        ["bash", str(REPO / "launch.sh"), "--parallel.tp=2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     ).stdout
-    assert "torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1 --master-addr node0" in out
+    assert (
+        "torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1 --master-addr node0"
+        in out
+    )
     assert out.strip().endswith("-m graphtrain train --parallel.tp=2")
 
 
 def _torchrun(nproc: int, args: list[str], tmp_path: Path) -> list[float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         "-m", "graphtrain", "train", *args],
-        check=True, env=env, timeout=300, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "graphtrain",
+            "train",
+            *args,
+        ],
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
     )
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     return [x["loss"] for x in lines if "loss" in x]
@@ -170,7 +230,10 @@ def _torchrun(nproc: int, args: list[str], tmp_path: Path) -> list[float]:
 
 @pytest.mark.parametrize(
     "layout",
-    [["--parallel.dp_shard=2", "--training.micro_batch_size=2"], ["--parallel.tp=2", "--training.micro_batch_size=4"]],
+    [
+        ["--parallel.dp_shard=2", "--training.micro_batch_size=2"],
+        ["--parallel.tp=2", "--training.micro_batch_size=4"],
+    ],
     ids=["dp_shard2", "tp2"],
 )
 def test_two_processes_follow_the_single_process_curve(corpus, tmp_path, layout):
@@ -180,7 +243,9 @@ def test_two_processes_follow_the_single_process_curve(corpus, tmp_path, layout)
     averages ranks (the single process weights all tokens of the step together), and both
     layouts reduce in another order; bf16 is not involved (fp32 on CPU)."""
     common = ["--training.steps=8", "--metrics.log_interval=1", "--metrics.val_interval=0"]
-    single = train(load_config(job(corpus, tmp_path / "one", *common, "--training.micro_batch_size=4")))
+    single = train(
+        load_config(job(corpus, tmp_path / "one", *common, "--training.micro_batch_size=4"))
+    )
     multi = _torchrun(2, job(corpus, tmp_path / "two", *common, *layout), tmp_path / "two")
     assert len(multi) == 8
     for a, b in zip(single.losses, multi, strict=True):

@@ -1,5 +1,6 @@
 """Graph passes: the registry, and one module per pass (imported here so each registers itself)."""
 
+import graphtrain.passes.fuse_linear_cross_entropy  # noqa: F401  (registers the pass)
 from graphtrain.passes.registry import (
     PassContext,
     PassSpec,

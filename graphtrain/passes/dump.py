@@ -48,7 +48,9 @@ def op_name(node: torch.fx.Node) -> str:
 
 def op_counts(gm: torch.fx.GraphModule) -> Counter[str]:
     return Counter(
-        op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
+        op_name(n)
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module")
     )
 
 
@@ -79,11 +81,18 @@ class GraphDumper:
         text = graph_text(gm)
         (self.directory / f"{stem}.txt").write_text(text)
         counts = op_counts(gm)
-        entry = {"label": label, "file": f"{stem}.txt", "op_counts": dict(counts), "notes": list(notes)}
+        entry = {
+            "label": label,
+            "file": f"{stem}.txt",
+            "op_counts": dict(counts),
+            "notes": list(notes),
+        }
         if self._last_text is not None:
             diff = difflib.unified_diff(
-                self._last_text.splitlines(keepends=True), text.splitlines(keepends=True),
-                fromfile=self.steps[-1]["file"], tofile=entry["file"],
+                self._last_text.splitlines(keepends=True),
+                text.splitlines(keepends=True),
+                fromfile=self.steps[-1]["file"],
+                tofile=entry["file"],
             )
             (self.directory / f"{stem}.diff.txt").write_text("".join(diff))
             entry["diff_file"] = f"{stem}.diff.txt"

@@ -12,9 +12,15 @@ def fresh_registry(monkeypatch):
         """Does nothing."""
         return gm
 
-    register_pass("late_post", stage="post_grad", order=1, default_on=True, preserves_numerics=True)(noop)
-    register_pass("b_pre", stage="pre_grad", order=20, default_on=True, preserves_numerics=True)(noop)
-    register_pass("a_pre", stage="pre_grad", order=10, default_on=False, preserves_numerics=False)(noop)
+    register_pass(
+        "late_post", stage="post_grad", order=1, default_on=True, preserves_numerics=True
+    )(noop)
+    register_pass("b_pre", stage="pre_grad", order=20, default_on=True, preserves_numerics=True)(
+        noop
+    )
+    register_pass("a_pre", stage="pre_grad", order=10, default_on=False, preserves_numerics=False)(
+        noop
+    )
 
 
 def test_run_order_is_stage_then_order(fresh_registry):

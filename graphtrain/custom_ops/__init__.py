@@ -1,0 +1,6 @@
+"""Custom ops: one module per op (Triton kernels, launchers, torch.library registration, <op>_ref).
+
+Importing this package registers the ops under torch.ops.graphtrain.
+"""
+
+import graphtrain.custom_ops.linear_cross_entropy  # noqa: F401  (graphtrain::linear_cross_entropy)

@@ -1,0 +1,109 @@
+"""Parallelism on a named DeviceMesh: parallelize_model applies TP, compile, activation
+checkpointing and FSDP2 to a model built on the meta device, in one fixed order.
+
+    model = build_gpt(cfg)                       # on torch.device("meta")
+    dims = ParallelDims(dp_shard=-1, tp=2, world_size=world)
+    mesh = build_mesh(dims, "cuda")
+    parallelize_model(model, mesh, dims, plan=GPT_TP_PLAN, ac_mode="full",
+                      compile_options={"inner": "inductor"},
+                      param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model.to_empty(device="cuda")
+    model.init_weights(seed)                     # same values as the unsharded model's init
+
+Data: each rank reads the slice dp_mesh(mesh).get_local_rank() of dp_size slices of the global
+batch (ranks of one tp group read the same rows). Loss to report: its average over dp_mesh(mesh).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from graphtrain.parallel.activation_checkpoint import AC_MODES, apply_ac
+from graphtrain.parallel.fsdp import apply_fsdp
+from graphtrain.parallel.init import apply_reproducible_init
+from graphtrain.parallel.mesh import ParallelDims, build_mesh, dp_mesh, validate_model_for_tp
+from graphtrain.parallel.tensor_parallel import STYLES, apply_tp
+
+__all__ = [
+    "AC_MODES",
+    "STYLES",
+    "ParallelDims",
+    "apply_ac",
+    "apply_fsdp",
+    "apply_reproducible_init",
+    "apply_tp",
+    "build_mesh",
+    "dp_mesh",
+    "parallelize_model",
+    "validate_model_for_tp",
+]
+
+
+def parallelize_model(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    dims: ParallelDims,
+    *,
+    plan: dict[str, str],
+    ac_mode: str,
+    compile_options: dict[str, Any] | None,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+) -> nn.Module:
+    """Apply TP -> compile -> AC -> FSDP to `model` in place (and return it).
+
+    `mesh` comes from build_mesh(dims, ...); None is fine for one process (nothing to shard).
+    compile_options: keyword arguments of graphtrain.compile.apply_compile, None for eager.
+    param_dtype/reduce_dtype: FSDP2's mixed precision; without data parallelism there is no
+    FSDP and the parameters' own dtype is used. Afterwards model.init_weights(seed) gives the
+    values of the unsharded model (see graphtrain.parallel.init).
+    """
+    if dims.tp_enabled:
+        validate_model_for_tp(model.cfg, dims.tp)
+    if mesh is None and dims.world_size > 1:
+        raise ValueError(f"parallelize_model needs a mesh for world size {dims.world_size}")
+    if ac_mode not in AC_MODES:  # fail before any work, not half-way
+        raise ValueError(f"activation checkpoint mode must be one of {AC_MODES}, got {ac_mode!r}")
+
+    # 1. TP first: it turns parameters into DTensors on the tp axis and installs the hooks that
+    #    redistribute activations; everything after (compiled graphs, checkpoint recompute,
+    #    FSDP's sharding of the TP shards) must see that final layout.
+    if dims.tp_enabled:
+        apply_tp(model, mesh["tp"], plan)
+
+    # 2. Compile before AC and FSDP: per-block regions, so that the checkpoint and FSDP2's
+    #    all-gather/reduce-scatter hooks run around the compiled code, not inside it.
+    #    (torchtitan applies AC before compile, putting the checkpoint inside the graph; with TP
+    #    that fails on torch 2.13, see graphtrain.parallel.activation_checkpoint.)
+    if compile_options is not None:
+        from graphtrain.compile import apply_compile  # not imported for eager runs
+
+        apply_compile(model, **compile_options)
+
+    # 3. AC around each (compiled) block call.
+    apply_ac(model, ac_mode)
+
+    # 4. FSDP last: it shards whatever parameters exist by now (DTensor TP shards included,
+    #    giving 2-D dp x tp parameters) and wraps the blocks as they will run.
+    #    dp_replicate > 1 uses the 2-D ("dp_replicate", "dp_shard") mesh: HSDP, or with
+    #    dp_shard == 1 plain replication done by fully_shard over a size-1 shard axis. That
+    #    costs a local copy per gather (no communication) but keeps one code path: the same
+    #    DTensor parameters, state dict and composition with TP/compile as FSDP, where
+    #    replicate() (DDP) has its own state-dict and TP rules.
+    if dims.dp_replicate > 1:
+        apply_fsdp(
+            model,
+            mesh["dp_replicate", "dp_shard"],
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+        )
+    elif dims.dp_shard > 1:
+        apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    # 5. Seeded init must reproduce the unsharded values whatever the layout above.
+    apply_reproducible_init(model)
+    return model

@@ -1,0 +1,130 @@
+"""Named parallel axes: the layout (ParallelDims), the DeviceMesh built from it, and the checks
+that a model can be split the way the layout asks.
+
+The mesh always has the three axes ("dp_replicate", "dp_shard", "tp"), size-1 axes included, so
+code can slice `mesh["tp"]` without asking whether TP is on. A flattened "dp" axis
+(dp_replicate x dp_shard) is what data loading (which rank reads which rows) and loss averaging
+use: get it with dp_mesh(mesh). (mesh["dp"] works on torch 2.13 but warns that slicing a
+flattened axis from the root mesh is deprecated.)
+
+Axis order is outer to inner: ranks that differ only in "tp" are neighbours (same node, fastest
+links), then "dp_shard", then "dp_replicate" (the one that may cross slow links: HSDP only
+all-reduces over it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the parallel axes. dp_shard=-1 means "whatever is left" of world_size.
+
+    Later axes (ep, cp, pp) go here as fields, into `_sizes` and MESH_AXES (pp outermost, cp next
+    to dp_shard, ep carved out of dp_shard x cp), each with the same validation.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {self.world_size}")
+        for name in ("dp_replicate", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.tp
+            if self.world_size % rest:
+                raise ValueError(
+                    f"parallel.dp_shard=-1 takes what is left of the world size, but world size "
+                    f"{self.world_size} is not divisible by parallel.dp_replicate="
+                    f"{self.dp_replicate} * tp={self.tp} = {rest}"
+                )
+            # Frozen dataclass: __post_init__ is the one place allowed to fill in a field.
+            object.__setattr__(self, "dp_shard", self.world_size // rest)
+        elif self.dp_shard < 1:
+            raise ValueError(
+                f"parallel.dp_shard must be >= 1 or -1 (the rest), got {self.dp_shard}"
+            )
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ValueError(
+                f"parallel.dp_replicate={self.dp_replicate} * dp_shard={self.dp_shard} * "
+                f"tp={self.tp} = {product} != world size {self.world_size}"
+            )
+
+    @property
+    def _sizes(self) -> tuple[int, ...]:
+        return (self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks: each reads different rows of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1 and self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The 3-D mesh ("dp_replicate", "dp_shard", "tp"), with the flattened "dp" axis created
+    (and its process group with it, collectively, now rather than at first use).
+
+    Needs torch.distributed initialised with dims.world_size ranks. `DeviceMesh._flatten` is
+    private (added in torch 2.5, what torchtitan uses; checked on 2.13, no public replacement
+    there); it is idempotent, which dp_mesh relies on.
+    """
+    world = torch.distributed.get_world_size()
+    if world != dims.world_size:
+        raise ValueError(
+            f"ParallelDims was built for world size {dims.world_size}, but torch.distributed "
+            f"has {world} ranks"
+        )
+    mesh = init_device_mesh(device_type, dims._sizes, mesh_dim_names=MESH_AXES)
+    dp_mesh(mesh)
+    return mesh
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D flattened "dp" axis (dp_replicate x dp_shard) of a build_mesh mesh: data-loading
+    rank = dp_mesh(mesh).get_local_rank(), loss average over dp_mesh(mesh).get_group()."""
+    # _flatten returns the cached mesh when it exists with the same layout.
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None) -> None:
+    """Raise ValueError unless every dimension the TP plan (models/gpt_plan.py) splits is
+    divisible by tp: heads (wq/wk/wv/wo), ffn_dim (w1/w2/w3), vocab (embedding, output) and,
+    when given, the sequence length (sequence parallel shards activations on it)."""
+    if tp < 1:
+        raise ValueError(f"parallel.tp must be >= 1, got {tp}")
+    checks = [
+        ("model.num_heads", cfg.num_heads),
+        ("model.num_kv_heads", cfg.num_kv_heads),
+        ("model.ffn_dim", cfg.ffn_dim),
+        ("model.vocab_size", cfg.vocab_size),
+    ]
+    if seq_len is not None:
+        checks.append(("seq_len", seq_len))
+    for name, value in checks:
+        if value % tp:
+            raise ValueError(f"{name}={value} is not divisible by parallel.tp={tp}")

@@ -1,0 +1,145 @@
+"""Tensor parallelism with sequence parallel: a model's plan of style NAMES (models/*_plan.py)
+turned into torch.distributed.tensor.parallel styles and applied with parallelize_module.
+
+Activations between blocks are sharded on the sequence dim (Shard(1)): the residual stream
+costs 1/tp of the memory and the norms run on 1/tp of the tokens. Inside attention and the MLP
+they are gathered (all-gather on T), the weights are split column-wise then row-wise, and the
+row-wise output is reduce-scattered back onto T.
+
+The residual stream stays a DTensor (use_local_output=False on the embedding and the row-wise
+outputs), unlike torchtitan's plain local tensors. Why: with plain tensors the first block's
+input is `to_local()`'s output, a view of the DTensor's inner tensor, and on torch 2.13 a
+compiled block fed that view sends a plain-tensor gradient into the embedding's Redistribute
+backward ("'Tensor' object has no attribute '_local_tensor'"). DTensor block inputs and outputs
+are handled by AOT autograd as subclass inputs, with no such view; eager cost: the residual adds
+go through DTensor dispatch (a local add, no communication).
+
+The output head gathers the logits to a full (B, T, V) tensor so that the model's plain
+F.cross_entropy works unchanged; a vocab-parallel fused loss (logits kept Shard(-1), no gather)
+replaces "colwise_head" when the fused linear+cross-entropy op learns tp.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+_SEQ = Shard(1)  # (B, T, ...): the sequence dim of activations
+
+
+def _gather_sequence(module: nn.Module) -> ParallelStyle:
+    # All-gather the first input (the activation) on T; every other input (rope, attn_mask) is
+    # full-sequence already and passes untouched (None layout). PrepareModuleInput wants one
+    # layout per positional input, so count them from forward's signature.
+    num_inputs = sum(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in inspect.signature(module.forward).parameters.values()
+    )
+    rest = (None,) * (num_inputs - 1)
+    return PrepareModuleInput(
+        input_layouts=(_SEQ, *rest), desired_input_layouts=(Replicate(), *rest)
+    )
+
+
+# Style name -> factory (given the module, for styles that depend on its signature).
+STYLES: dict[str, Callable[[nn.Module], ParallelStyle]] = {
+    # Vocab-split table; partial sums reduce-scattered onto T, kept a DTensor (module docstring).
+    "embedding_rowwise": lambda m: RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=_SEQ, use_local_output=False
+    ),
+    # Norm on the local T slice, output a DTensor Shard(1) for the next gather_sequence/head.
+    "sequence_parallel": lambda m: SequenceParallel(sequence_dim=1),
+    "gather_sequence": _gather_sequence,
+    # Replicated input -> output split on the last dim (heads / ffn), returned local: the
+    # attention reshapes it with -1 heads and SDPA/FlexAttention run on plain tensors.
+    "colwise": lambda m: ColwiseParallel(),
+    # Input split on the last dim -> partial sums reduce-scattered onto T, kept a DTensor.
+    "rowwise": lambda m: RowwiseParallel(output_layouts=_SEQ, use_local_output=False),
+    # Sequence-sharded input gathered, vocab-split matmul, logits gathered to full (Replicate).
+    # use_local_output: a plain tensor reaches F.cross_entropy.
+    "colwise_head": lambda m: ColwiseParallel(
+        input_layouts=_SEQ, output_layouts=Replicate(), use_local_output=True
+    ),
+}
+
+
+def _match(name: str, pattern: str) -> bool:
+    # "*" stands for exactly one path component, as in parallelize_module.
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(
+        fnmatchcase(a, p) for a, p in zip(parts, pats, strict=True)
+    )
+
+
+def _shared_params(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, name) that hold the same Parameter object (tied weights)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    # parallelize_module registers a new Parameter(DTensor) on every module it shards, so a
+    # tied weight comes out as two different parameters (two copies, two gradients).
+    # Put the first one back everywhere, after checking both sides agree on the layout.
+    for group in groups:
+        first_module, first_name = group[0]
+        keep = getattr(first_module, first_name)
+        for module, name in group[1:]:
+            other = getattr(module, name)
+            if other is keep:
+                continue
+            keep_layout = keep.placements if isinstance(keep, DTensor) else None
+            other_layout = other.placements if isinstance(other, DTensor) else None
+            if keep_layout != other_layout:
+                raise ValueError(
+                    f"tied parameter {first_name!r} of {type(first_module).__name__} and "
+                    f"{name!r} of {type(module).__name__} got different tensor-parallel "
+                    f"layouts ({keep_layout} vs {other_layout}); give both the same split"
+                )
+            setattr(module, name, keep)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    """Apply `plan` (module-path pattern -> style name, see STYLES) to `model` in place.
+
+    Works on a meta-device model (parameters become meta DTensors). Raises ValueError for an
+    unknown style name or a pattern that matches no module, before touching the model.
+    """
+    module_names = [name for name, _ in model.named_modules() if name]
+    resolved: list[tuple[str, str]] = []
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(
+                f"tensor-parallel plan: unknown style {style!r} for {pattern!r}; "
+                f"known: {sorted(STYLES)}"
+            )
+        matches = [name for name in module_names if _match(name, pattern)]
+        if not matches:
+            raise ValueError(
+                f"tensor-parallel plan: pattern {pattern!r} matches no module of "
+                f"{type(model).__name__}"
+            )
+        resolved.extend((name, style) for name in matches)
+
+    tied = _shared_params(model)
+    for name, style in resolved:
+        module = model.get_submodule(name)
+        parallelize_module(model, tp_mesh, {name: STYLES[style](module)})
+    _retie(tied)

@@ -1,0 +1,371 @@
+"""Pass fuse_linear_cross_entropy: cross_entropy(linear(h, W)) -> graphtrain::linear_cross_entropy.
+
+What
+    In the Dynamo graph (pre-grad, torch IR) it finds a cross_entropy whose input is the output
+    of a bias-free linear head, reached through the reshapes and upcasts people write:
+        head       F.linear(h, W) / torch._C._nn.linear (what an nn.Linear head becomes with
+                   inlined nn modules) / h @ W.t(), h @ W.T, torch.matmul(h, W.t()) / a
+                   call_module nn.Linear (graphs traced without module inlining)
+        in between .float(), .to(torch.float32), .view(-1, V), .reshape(-1, V), .flatten(0, 1),
+                   torch.flatten, torch.reshape, .contiguous()
+        the loss   F.cross_entropy(logits, target, ignore_index=..., label_smoothing=...,
+                   reduction=...), keywords or positions, nn.CrossEntropyLoss (inlined)
+    and replaces the chain with graphtrain.linear_cross_entropy(h.reshape(-1, H), W, target).
+
+Why
+    The fused op never holds the [N, V] logits and brings its own backward (gradients computed
+    in the forward). Matching before autograd is easiest: cross_entropy is still one node.
+
+Refusals (the graph is left as it was and ctx.note says why)
+    the logits, or any reshape/cast between the head and the loss, have another user (returned,
+    argmax for accuracy, a z-loss written by hand, ...); class weights or the legacy
+    size_average/reduce arguments; options that are not constants; a bias on the head; a cast
+    to anything but float32; autocast (linear output dtype differs from its inputs); DTensor
+    (tensor-parallel) heads: wiring the vocab-parallel op to DTensor graphs is not done yet;
+    symbolic H or V; graphs without example_value meta.
+
+Invariant and numerics
+    Only the matched nodes are replaced; every other node, and the graph's outputs (values and
+    dtypes), stay as they were. The loss and gradients change only by rounding: the fused op
+    sums in a different order and keeps the softmax and both gradient accumulations in fp32
+    (preserves_numerics=False). On the debug model in fp32 the loss curve with and without the
+    pass agrees to about 1e-5 relative (tests/passes/test_fuse_linear_cross_entropy.py). Where
+    the graph computed cross_entropy on unconverted bf16 logits, the fused op still works in
+    fp32 and the loss is cast back to the graph's dtype.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+import graphtrain.custom_ops.linear_cross_entropy  # noqa: F401  (registers graphtrain::linear_cross_entropy)
+from graphtrain.passes.registry import PassContext, register_pass
+
+_CE_TARGETS = (F.cross_entropy,)
+_LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
+_MATMUL_TARGETS = (operator.matmul, torch.matmul)
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+_FUSED_OP = torch.ops.graphtrain.linear_cross_entropy.default
+
+# Nodes that only reinterpret the logits (row-major order kept, so row n of the [N, V] result
+# is still the linear's n-th row) or upcast them.
+_RESHAPE_METHODS = ("view", "reshape", "flatten", "contiguous")
+_RESHAPE_FUNCTIONS = (torch.flatten, torch.reshape)
+
+
+@dataclass
+class _Match:
+    hidden: torch.fx.Node
+    weight: torch.fx.Node | str  # a node, or the qualified name of an nn.Linear's weight
+    target: torch.fx.Node
+    chain: list[torch.fx.Node]  # from the cross_entropy's input back to the head (inclusive)
+    transpose: torch.fx.Node | None  # W.t() of the matmul form
+    ignore_index: int
+    label_smoothing: float
+    reduction: str
+
+
+_DTENSOR_REFUSAL = (
+    "the head is a DTensor (tensor parallel): the pass does not yet wire DTensor graphs to "
+    "graphtrain::linear_cross_entropy_vocab_parallel"
+)
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
+def _describe_users(node: torch.fx.Node, expected: torch.fx.Node | None) -> str:
+    others = []
+    for user in node.users:
+        if user is expected:
+            continue
+        if user.op == "output":
+            others.append("the graph output")
+        else:
+            others.append(
+                f"{user.name} ({user.op} {getattr(user.target, '__name__', user.target)})"
+            )
+    return ", ".join(others)
+
+
+def _is_dtype_cast(node: torch.fx.Node) -> bool:
+    return node.op == "call_method" and node.target in (
+        "float",
+        "to",
+        "type",
+        "double",
+        "half",
+        "bfloat16",
+    )
+
+
+def _cast_problem(node: torch.fx.Node) -> str | None:
+    """None when `node` converts to float32 only; otherwise why it is not a harmless upcast."""
+    if node.target == "float":
+        return None
+    if node.target in ("to", "type"):
+        args = [*node.args[1:], node.kwargs.get("dtype")]
+        dtypes = [a for a in args if isinstance(a, torch.dtype)]
+        others = [a for a in node.args[1:] if not isinstance(a, torch.dtype)]
+        extra_kwargs = set(node.kwargs) - {"dtype"}
+        if dtypes == [torch.float32] and not others and not extra_kwargs:
+            return None
+        return f"{node.name} converts the logits with .{node.target}{tuple(node.args[1:])} {dict(node.kwargs)}"
+    return f"{node.name} casts the logits with .{node.target}()"
+
+
+def _is_reshape(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _RESHAPE_METHODS
+    return node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS
+
+
+def _transposed_weight(node: torch.fx.Node) -> torch.fx.Node | None:
+    """W when `node` is W.t() / W.T / W.transpose(0, 1) / torch.t(W) of a 2-D W."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    base = node.args[0] if node.args else None
+    if not isinstance(base, torch.fx.Node):
+        return None
+    base_val = _val(base)
+    if base_val is None or base_val.dim() != 2:
+        return None
+    if node.op == "call_method" and node.target == "t" and len(node.args) == 1:
+        return base
+    if node.op == "call_function" and node.target is torch.t and len(node.args) == 1:
+        return base
+    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+        return base
+    transpose = (node.op == "call_method" and node.target == "transpose") or (
+        node.op == "call_function" and node.target is torch.transpose
+    )
+    if transpose and len(node.args) == 3 and all(isinstance(d, int) for d in node.args[1:]):
+        if {node.args[1] % 2, node.args[2] % 2} == {0, 1}:  # (0, 1), (1, 0), (-1, -2), ...
+            return base
+    return None
+
+
+def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
+    """The matched pattern ending in `ce`, or the reason it does not match."""
+    try:
+        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
+    except TypeError as e:
+        return f"cannot read its arguments ({e})"
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["weight"] is not None:
+        return "it has class weights (weight=...): the fused op has none"
+    if a["size_average"] is not None or a["reduce"] is not None:
+        return "it uses the legacy size_average/reduce arguments"
+    ignore_index, reduction, smoothing = a["ignore_index"], a["reduction"], a["label_smoothing"]
+    if not isinstance(ignore_index, int) or not isinstance(reduction, str):
+        return "ignore_index/reduction are not constants"
+    if not isinstance(smoothing, int | float):
+        return "label_smoothing is not a constant"
+    if reduction not in ("mean", "sum", "none"):
+        return f"unknown reduction {reduction!r}"
+    logits_in, target = a["input"], a["target"]
+    if not isinstance(logits_in, torch.fx.Node) or not isinstance(target, torch.fx.Node):
+        return "its input or target is not a graph value"
+
+    # Walk from the loss's input back to the head through reshapes and float32 casts; each
+    # step must feed only the next one, or the logits are needed elsewhere.
+    chain: list[torch.fx.Node] = []
+    node, consumer = logits_in, ce
+    while True:
+        if len(node.users) != 1:
+            return (
+                f"the logits {node.name} are also used by {_describe_users(node, consumer)}; "
+                "they must exist, so there is nothing to save"
+            )
+        chain.append(node)
+        if _is_dtype_cast(node):
+            problem = _cast_problem(node)
+            if problem is not None:
+                return problem
+        elif not _is_reshape(node):
+            break
+        consumer, node = node, node.args[0]
+        if not isinstance(node, torch.fx.Node):
+            return f"{consumer.name} does not read a graph value"
+    head = chain[-1]
+
+    transpose = None
+    weight: torch.fx.Node | str
+    if head.op == "call_function" and head.target in _LINEAR_TARGETS:
+        hidden = head.args[0] if head.args else head.kwargs.get("input")
+        weight = head.args[1] if len(head.args) > 1 else head.kwargs.get("weight")
+        bias = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
+        if bias is not None:
+            return f"the head {head.name} has a bias"
+    elif head.op == "call_function" and head.target in _MATMUL_TARGETS:
+        hidden, other = head.args[0], head.args[1]
+        weight = _transposed_weight(other)
+        if weight is None:
+            return (
+                f"the matmul {head.name} does not multiply by a transposed 2-D weight (h @ W.t())"
+            )
+        transpose = other
+    elif head.op == "call_module" and isinstance(gm.get_submodule(head.target), nn.Linear):
+        module = gm.get_submodule(head.target)
+        if module.bias is not None:
+            return f"the head {head.target} has a bias"
+        hidden, weight = head.args[0], f"{head.target}.weight"
+    else:
+        source = head.args[0] if head.args else None
+        if _is_dtensor(_val(source)) or _is_dtensor(_val(head)):
+            return f"{_DTENSOR_REFUSAL} (logits via {head.target})"
+        return f"its input does not come from a linear head (found {head.op} {head.target})"
+    if not isinstance(hidden, torch.fx.Node):
+        return f"the head {head.name} does not read a graph value"
+
+    # Shapes, dtypes, tensor kinds: from the fake values Dynamo recorded.
+    hidden_val, logits_val, target_val, head_val = (
+        _val(hidden),
+        _val(logits_in),
+        _val(target),
+        _val(head),
+    )
+    weight_val = _val(weight) if isinstance(weight, torch.fx.Node) else gm.get_parameter(weight)
+    vals = (hidden_val, weight_val, logits_val, target_val, head_val)
+    if any(v is None for v in vals):
+        return "example_value meta is missing (not a Dynamo graph?)"
+    if any(_is_dtensor(v) for v in vals):
+        return _DTENSOR_REFUSAL
+    if weight_val.dim() != 2:
+        return "the weight is not 2-D"
+    V, H = weight_val.shape
+    if not isinstance(V, int) or not isinstance(H, int):
+        return "the vocab or hidden size is symbolic"
+    if hidden_val.dim() < 1 or hidden_val.shape[-1] != H:
+        return "hidden and weight sizes do not fit"
+    if (
+        not (hidden_val.dtype == weight_val.dtype == head_val.dtype)
+        or not head_val.is_floating_point()
+    ):
+        return (
+            f"the head computes in {head_val.dtype} from {hidden_val.dtype} x {weight_val.dtype} "
+            "(autocast?): the fused op would not reproduce it"
+        )
+    if logits_val.dim() != 2 or logits_val.shape[1] != V:
+        return f"cross_entropy's input has shape {tuple(logits_val.shape)}, not [N, {V}]"
+    if logits_val.dtype not in (torch.float32, head_val.dtype):
+        return f"the logits reach cross_entropy as {logits_val.dtype}"
+    if target_val.dim() != 1 or target_val.dtype != torch.int64:
+        return "the target is not a 1-D int64 tensor of class ids (probabilities are not supported)"
+    return _Match(
+        hidden, weight, target, chain, transpose, ignore_index, float(smoothing), reduction
+    )
+
+
+def _fake_mode(vals: Sequence[Any]) -> Any:
+    # The mode that made the recorded values (the tracing context's may be another one).
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for v in vals:
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    raise AssertionError("the matched values are not fake tensors")  # _match checked meta
+
+
+def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx.Node:
+    graph = gm.graph
+    meta_keys = ("stack_trace", "nn_module_stack", "source_fn_stack")
+    with graph.inserting_before(ce):
+        weight = m.weight if isinstance(m.weight, torch.fx.Node) else graph.get_attr(m.weight)
+        hidden_val = _val(m.hidden)
+        weight_val = (
+            _val(weight) if isinstance(m.weight, torch.fx.Node) else gm.get_parameter(m.weight)
+        )
+        if isinstance(m.weight, str):
+            weight.meta["example_value"] = weight_val
+        fake_mode = _fake_mode([hidden_val, _val(m.target)])
+        hidden = m.hidden
+        H = weight_val.shape[1]
+        if hidden_val.dim() != 2:
+            hidden = graph.call_method("reshape", (m.hidden, -1, H))
+            with fake_mode:
+                hidden.meta["example_value"] = hidden_val.reshape(-1, H)
+        kwargs = {
+            "ignore_index": m.ignore_index,
+            "label_smoothing": m.label_smoothing,
+            "reduction": m.reduction,
+        }
+        fused = graph.call_function(_FUSED_OP, (hidden, weight, m.target), kwargs)
+        with fake_mode:
+            fused.meta["example_value"] = _FUSED_OP(
+                _val(hidden), weight_val, _val(m.target), **kwargs
+            )
+        result = fused
+        ce_dtype = _val(ce).dtype
+        if fused.meta["example_value"].dtype != ce_dtype:
+            # The graph computed the loss in a narrower dtype: keep its outputs' dtypes.
+            result = graph.call_method("to", (fused, ce_dtype))
+            with fake_mode:
+                result.meta["example_value"] = fused.meta["example_value"].to(ce_dtype)
+        for node in {hidden, fused, result} - {m.hidden}:
+            for key in meta_keys:
+                if key in ce.meta:
+                    node.meta[key] = ce.meta[key]
+    ce.replace_all_uses_with(result)
+    graph.erase_node(ce)
+    for node in m.chain:  # from the loss's input back to the head: users go first
+        graph.erase_node(node)
+    if m.transpose is not None and not m.transpose.users:
+        graph.erase_node(m.transpose)
+    return fused
+
+
+@register_pass(
+    "fuse_linear_cross_entropy",
+    stage="pre_grad",
+    order=10,
+    default_on=True,
+    preserves_numerics=False,
+)
+def fuse_linear_cross_entropy_pass(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
+) -> torch.fx.GraphModule:
+    """Replace cross_entropy(linear(h, W)) with the fused graphtrain::linear_cross_entropy op."""
+    # Order 10: before passes that rewrite linears (an FP8 pass must not take the head first).
+    ces = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _CE_TARGETS]
+    if not ces:
+        ctx.note("no cross_entropy in this graph: nothing to fuse")
+        return gm
+    changed = False
+    for ce in ces:
+        m = _match(gm, ce)
+        if isinstance(m, str):
+            ctx.note(f"left {ce.name} unchanged: {m}")
+            continue
+        fused = _rewrite(gm, ce, m)
+        V, H = fused.args[1].meta["example_value"].shape
+        ctx.note(
+            f"replaced {ce.name} and its head ({', '.join(n.name for n in reversed(m.chain))}) "
+            f"with {fused.name} = graphtrain.linear_cross_entropy(H={H}, V={V}, "
+            f"reduction={m.reduction!r}, ignore_index={m.ignore_index}, "
+            f"label_smoothing={m.label_smoothing})"
+        )
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm

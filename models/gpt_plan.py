@@ -1,0 +1,48 @@
+"""Tensor-parallel plan for models/gpt.py: module-path patterns -> style names.
+
+Plain strings, so models/ imports no distributed code; graphtrain.parallel.tensor_parallel maps
+each name to a torch.distributed.tensor.parallel style. "*" matches one path component.
+
+Layouts over the tp axis (B batch, T sequence, V vocab; "Shard(1)" = split on T):
+
+    input_ids (B, T), full on every rank
+    tok_embeddings    embedding_rowwise   table split on V; each rank looks up its rows, the
+                                          partial sums are reduce-scattered -> h Shard(1)
+    per block, h is a DTensor Shard(1), (B, T/tp, dim) on each rank (sequence parallel):
+      attention_norm  sequence_parallel   norm runs on the local T slice; weight replicated
+      attention       gather_sequence     all-gather x on T -> Replicate; rope (B, T, D/2, 2)
+                                          and attn_mask (None, bool (B,1,T,T) or BlockMask)
+                                          pass through untouched (full sequence everywhere)
+      wq, wk, wv      colwise             split on heads: each rank attends with H/tp heads
+      wo              rowwise             split on heads (its input dim); the partial outputs
+                                          are reduce-scattered onto T -> Shard(1)
+      ffn_norm        sequence_parallel
+      feed_forward    gather_sequence
+      w1, w3          colwise             split on ffn_dim
+      w2              rowwise             split on ffn_dim, reduce-scatter onto T
+    norm              sequence_parallel
+    output            colwise_head        all-gather on T, split on V, logits all-gathered to
+                                          full (B, T, V) so F.cross_entropy stays plain
+
+The residual adds inside a block are on the local T slices: no communication.
+A tied output head (cfg.tie_embeddings) shares the table with tok_embeddings: both split on V.
+"""
+
+from __future__ import annotations
+
+GPT_TP_PLAN: dict[str, str] = {
+    "tok_embeddings": "embedding_rowwise",
+    "layers.*.attention_norm": "sequence_parallel",
+    "layers.*.attention": "gather_sequence",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.ffn_norm": "sequence_parallel",
+    "layers.*.feed_forward": "gather_sequence",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "norm": "sequence_parallel",
+    "output": "colwise_head",
+}

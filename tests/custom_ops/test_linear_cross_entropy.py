@@ -1,0 +1,566 @@
+"""Tests of graphtrain::linear_cross_entropy: values and both gradients against float64 torch.
+
+The oracle is plain torch in float64: F.cross_entropy on the full logits plus z_loss * lse**2.
+CPU runs the op's pure-torch path; the Triton kernels run under TRITON_INTERPRET=1 in a child
+process (the interpreter is chosen when the kernels are defined, at import), in fp32 (the
+interpreter's bf16 arithmetic is wrong); the vocab-parallel op runs on 2 gloo ranks.
+GPU tests (marker gpu) check bf16 by signal-to-noise ratio and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphtrain.custom_ops import linear_cross_entropy as lce
+
+REDUCTIONS = ("mean", "sum", "none")
+# (label_smoothing, z_loss)
+OPTIONS = [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-2), (0.25, 3e-3)]
+IGNORE = -100
+
+
+def plain_f64(
+    hidden,
+    weight,
+    target,
+    *,
+    ignore_index=IGNORE,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    reduction="mean",
+):
+    """The semantics, written the obvious way in float64."""
+    logits = F.linear(hidden.double(), weight.double())
+    per_token = F.cross_entropy(
+        logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
+    )
+    valid = target != ignore_index
+    per_token = per_token + z_loss * torch.logsumexp(logits, dim=-1) ** 2 * valid
+    if reduction == "mean":
+        return per_token.sum() / valid.sum().clamp_min(1)
+    if reduction == "sum":
+        return per_token.sum()
+    return per_token
+
+
+def make_inputs(seed, N=37, H=19, V=131, dtype=torch.float32, ignore_every=3, device="cpu"):
+    """Fresh random inputs; N, H, V multiples of no block size; some targets ignored."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) / H**0.5 * 3).to(dtype)
+    target = torch.randint(0, V, (N,), generator=g)
+    if ignore_every:
+        target[::ignore_every] = IGNORE
+    return hidden.to(device), weight.to(device), target.to(device)
+
+
+def grads(fn, hidden, weight, grad_out_seed=None):
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    out = fn(h, w)
+    if grad_out_seed is None:
+        go = torch.ones_like(out)
+    else:  # drawn in float64 whatever out's dtype, so the op and the oracle get the same values
+        g = torch.Generator().manual_seed(grad_out_seed)
+        go = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)
+    gh, gw = torch.autograd.grad(out, (h, w), go)
+    return out.detach(), gh, gw
+
+
+def assert_close(actual, expected, tol, what=""):
+    """max |a - e| <= tol * max |e| (relative to the tensor's scale, not per element)."""
+    actual, expected = actual.double(), expected.double()
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    scale = expected.abs().max().clamp_min(1e-30)
+    err = (actual - expected).abs().max()
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x scale {scale:.3e}"
+
+
+def snr_db(actual, expected):
+    noise = (actual.double() - expected.double()).pow(2).mean()
+    return float(10 * torch.log10(expected.double().pow(2).mean() / noise.clamp_min(1e-300)))
+
+
+# ------------------------------------------------------------------------------------------
+# the op on CPU (its pure-torch path)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing,z_loss", OPTIONS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_op_matches_float64(reduction, label_smoothing, z_loss, dtype, tol):
+    seed = zlib.crc32(repr((reduction, label_smoothing, z_loss, dtype)).encode()) % 10_000
+    hidden, weight, target = make_inputs(seed, dtype=dtype)
+    opts = dict(label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction)
+    grad_seed = seed + 1  # a random grad_output: per token for "none", a 0-d scale otherwise
+    out, gh, gw = grads(
+        lambda h, w: torch.ops.graphtrain.linear_cross_entropy(h, w, target, **opts),
+        hidden,
+        weight,
+        grad_seed,
+    )
+    ref, rgh, rgw = grads(lambda h, w: plain_f64(h, w, target, **opts), hidden, weight, grad_seed)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert gh.dtype == dtype and gw.dtype == dtype
+    assert_close(out, ref, tol, "loss")
+    assert_close(gh, rgh, tol, "grad_hidden")
+    assert_close(gw, rgw, tol, "grad_weight")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_ref_token_chunks(reduction):
+    """Several token chunks (the reference never holds [N, V]) give the same as the oracle."""
+    hidden, weight, target = make_inputs(7, N=53, H=11, V=97, dtype=torch.float64)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3)
+    loss, lse, gh, gw = lce.linear_cross_entropy_ref(
+        hidden, weight, target, token_chunk=8, reduction=reduction, **opts
+    )
+    ref, rgh, rgw = grads(
+        lambda h, w: plain_f64(h, w, target, reduction=reduction, **opts), hidden, weight, 0
+    )
+    if reduction == "none":
+        assert gh.numel() == 0 and gw.numel() == 0  # computed in the backward instead
+        go = torch.randn(53, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        gh, gw = lce.linear_cross_entropy_backward_ref(
+            go, hidden, weight, target, lse, token_chunk=8, **opts
+        )
+    else:  # grads() used a random 0-d grad_output; the forward's gradients are for 1
+        go = torch.randn((), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        gh, gw = gh * go, gw * go
+    assert_close(loss, ref, 1e-12, "loss")
+    assert_close(gh, rgh, 1e-12, "grad_hidden")
+    assert_close(gw, rgw, 1e-12, "grad_weight")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_ignored_gives_zero_not_nan(reduction):
+    hidden, weight, target = make_inputs(3, dtype=torch.float32)
+    target = torch.full_like(target, IGNORE)
+    out, gh, gw = grads(
+        lambda h, w: torch.ops.graphtrain.linear_cross_entropy(
+            h, w, target, reduction=reduction, label_smoothing=0.1, z_loss=1e-2
+        ),
+        hidden,
+        weight,
+    )
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(gh, torch.zeros_like(gh)) and torch.equal(gw, torch.zeros_like(gw))
+
+
+def test_other_ignore_index_and_grad_scale():
+    """ignore_index = a real class id, and a 0-d grad_output != 1 (gradient accumulation)."""
+    hidden, weight, target = make_inputs(11, ignore_every=0)
+    target[::4] = 5
+    opts = dict(ignore_index=5, label_smoothing=0.05)
+
+    def op(h, w):
+        return torch.ops.graphtrain.linear_cross_entropy(h, w, target, **opts) * 0.37
+
+    def ref(h, w):
+        return plain_f64(h, w, target, **opts) * 0.37
+
+    for a, b, what in zip(
+        grads(op, hidden, weight), grads(ref, hidden, weight), ("loss", "gh", "gw"), strict=True
+    ):
+        assert_close(a, b, 2e-6, what)
+
+
+def test_frozen_weight_and_no_grad():
+    hidden, weight, target = make_inputs(5)
+    h = hidden.clone().requires_grad_(True)
+    loss = torch.ops.graphtrain.linear_cross_entropy(h, weight, target)
+    (gh,) = torch.autograd.grad(loss, (h,))
+    _, rgh, _ = grads(lambda h, w: plain_f64(h, w, target), hidden, weight)
+    assert_close(gh, rgh, 2e-6)
+    with torch.no_grad():
+        loss2 = torch.ops.graphtrain.linear_cross_entropy(hidden, weight, target)
+    assert_close(loss2, plain_f64(hidden, weight, target), 2e-6)
+    # Under no_grad the forward computes no gradient at all (one GEMM, not four).
+    with torch.no_grad():
+        _, _, g_h, g_w = torch.ops.graphtrain.linear_cross_entropy_forward(
+            hidden, weight, target, IGNORE, 0.0, 0.0, "mean", None, False, False
+        )
+    assert g_h.numel() == 0 and g_w.numel() == 0
+
+
+def test_bf16_reference_snr():
+    """bf16 inputs on CPU: the logits are rounded like F.linear's, the rest is fp32."""
+    hidden, weight, target = make_inputs(13, N=64, H=48, V=300, dtype=torch.bfloat16)
+    out, gh, gw = grads(
+        lambda h, w: torch.ops.graphtrain.linear_cross_entropy(h, w, target), hidden, weight
+    )
+    ref, rgh, rgw = grads(lambda h, w: plain_f64(h, w, target), hidden, weight)
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+    assert snr_db(out, ref) > 40
+    assert snr_db(gh, rgh) > 35 and snr_db(gw, rgw) > 35
+
+
+def test_bad_arguments_raise():
+    hidden, weight, target = make_inputs(1)
+    with pytest.raises(ValueError, match="reduction"):
+        torch.ops.graphtrain.linear_cross_entropy(hidden, weight, target, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        torch.ops.graphtrain.linear_cross_entropy(hidden, weight, target, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="int64"):
+        torch.ops.graphtrain.linear_cross_entropy(hidden, weight, target.int())
+    with pytest.raises(ValueError, match="shapes"):
+        torch.ops.graphtrain.linear_cross_entropy(hidden, weight[:, :5], target)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_opcheck(reduction):
+    hidden, weight, target = make_inputs(2, N=13, H=8, V=29)
+    h, w = hidden.requires_grad_(True), weight.requires_grad_(True)
+    torch.library.opcheck(
+        torch.ops.graphtrain.linear_cross_entropy.default,
+        (h, w, target),
+        dict(label_smoothing=0.1, z_loss=1e-3, reduction=reduction),
+    )
+    torch.library.opcheck(
+        torch.ops.graphtrain.linear_cross_entropy_forward.default,
+        (h, w, target, IGNORE, 0.1, 1e-3, reduction, None, True, True),
+    )
+    if reduction == "none":
+        lse = torch.logsumexp(F.linear(hidden, weight), dim=-1).detach()
+        torch.library.opcheck(
+            torch.ops.graphtrain.linear_cross_entropy_backward.default,
+            (
+                torch.randn(13),
+                hidden.detach(),
+                weight.detach(),
+                target,
+                lse,
+                IGNORE,
+                0.1,
+                1e-3,
+                None,
+                True,
+                True,
+            ),
+        )
+
+
+def test_compiled_matches_eager():
+    """fullgraph torch.compile (aot_eager): the op stays one node and its backward is traced."""
+    hidden, weight, target = make_inputs(17)
+
+    def f(h, w):
+        return (
+            torch.ops.graphtrain.linear_cross_entropy(
+                h, w, target, label_smoothing=0.1, z_loss=1e-3
+            )
+            * 2
+        )
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for a, b in zip(grads(compiled, hidden, weight), grads(f, hidden, weight), strict=True):
+        assert_close(a, b, 1e-6)
+
+
+def test_second_backward_fails_loudly():
+    """The backward scales the saved gradients in place: a retained second backward must fail."""
+    hidden, weight, target = make_inputs(19)
+    h = hidden.clone().requires_grad_(True)
+    loss = torch.ops.graphtrain.linear_cross_entropy(h, weight.requires_grad_(True), target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
+# ------------------------------------------------------------------------------------------
+# the Triton kernels, under the interpreter (fp32, tiny shapes, several vocab chunks)
+# ------------------------------------------------------------------------------------------
+
+
+def _triton_case(
+    hidden, weight, target, *, reduction, label_smoothing, z_loss, grad_seed, chunk, group_name=None
+):
+    """The Triton path's loss and gradients for a random grad_output, like autograd would."""
+    valid = target != IGNORE
+    opts = dict(
+        ignore_index=IGNORE, label_smoothing=label_smoothing, z_loss=z_loss, group_name=group_name
+    )
+    g = torch.Generator().manual_seed(grad_seed)
+    N = hidden.shape[0]
+    if reduction == "none":
+        loss_tok, lse, _, _ = lce._lce_triton(
+            hidden,
+            weight,
+            target,
+            row_scale=None,
+            lse_in=None,
+            compute_grad_hidden=True,
+            compute_grad_weight=True,
+            vocab_chunk=chunk,
+            **opts,
+        )
+        go = torch.randn(N, generator=g, dtype=torch.float64).float()
+        _, _, gh, gw = lce._lce_triton(
+            hidden,
+            weight,
+            target,
+            row_scale=torch.where(valid, go, 0.0),
+            lse_in=lse,
+            compute_grad_hidden=True,
+            compute_grad_weight=True,
+            vocab_chunk=chunk,
+            **opts,
+        )
+        return loss_tok, gh, gw
+    go = torch.randn((), generator=g, dtype=torch.float64).float()
+    row_scale = lce._row_scale(valid, reduction, torch.float32) * go
+    loss_tok, _, gh, gw = lce._lce_triton(
+        hidden,
+        weight,
+        target,
+        row_scale=row_scale,
+        lse_in=None,
+        compute_grad_hidden=True,
+        compute_grad_weight=True,
+        vocab_chunk=chunk,
+        **opts,
+    )
+    return lce._reduce(loss_tok, valid, reduction), gh, gw
+
+
+def _interpreter_checks() -> None:
+    """Run in a child with TRITON_INTERPRET=1: every kernel of the CUDA path, on CPU, fp32."""
+    assert lce._interpreting()
+    cases = [
+        # (reduction, label_smoothing, z_loss, N, H, V, vocab chunk, ignore every)
+        ("mean", 0.0, 0.0, 37, 45, 301, 128, 3),  # 3 chunks, the last one partial
+        ("sum", 0.1, 1e-2, 29, 33, 200, 128, 4),
+        ("none", 0.2, 1e-3, 21, 40, 150, 64, 2),  # the backward of "none" (known lse)
+        ("mean", 0.1, 1e-3, 17, 20, 70, 128, 1),  # every target ignored: zeros, no NaN
+    ]
+    for i, (red, ls, zl, N, H, V, chunk, every) in enumerate(cases):
+        t0 = time.time()
+        hidden, weight, target = make_inputs(100 + i, N=N, H=H, V=V, ignore_every=every)
+        opts = dict(label_smoothing=ls, z_loss=zl, reduction=red)
+        out, gh, gw = _triton_case(
+            hidden,
+            weight,
+            target,
+            reduction=red,
+            label_smoothing=ls,
+            z_loss=zl,
+            grad_seed=i,
+            chunk=chunk,
+        )
+        ref, rgh, rgw = grads(
+            lambda h, w, o=opts, t=target: plain_f64(h, w, t, **o), hidden, weight, i
+        )
+        if every == 1:
+            assert torch.equal(out, torch.zeros_like(out)), out
+            assert not gh.any() and not gw.any()
+        else:
+            assert_close(out, ref, 5e-6, f"case {i} loss")
+            assert_close(gh, rgh, 5e-6, f"case {i} grad_hidden")
+            assert_close(gw, rgw, 5e-6, f"case {i} grad_weight")
+        print(
+            f"interpreter case {i} ({red}, ls={ls}, z={zl}, {N}x{H}x{V}) ok in {time.time() - t0:.1f}s"
+        )
+    # The in-place grad_output scaling kernel.
+    x = torch.randn(5000)
+    g = torch.tensor(0.3)
+    expected = x * g
+    lce._lce_scale_kernel[(2,)](x, g, x.numel(), BLOCK=4096)
+    assert torch.equal(x, expected)
+    print("interpreter scale kernel ok")
+
+
+def test_triton_kernels_under_interpreter():
+    if lce._interpreting():
+        _interpreter_checks()
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--interpreter-checks"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "scale kernel ok" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# vocab parallel: 2 gloo ranks against the single-rank op (and the Triton path, interpreted)
+# ------------------------------------------------------------------------------------------
+
+TP_CASES = [("mean", 0.1, 1e-3), ("sum", 0.0, 0.0), ("none", 0.2, 1e-2)]
+
+
+def _tp_worker(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        group_name = dist.group.WORLD.group_name
+        hidden, weight, target = make_inputs(250, N=11, H=6, V=2 * 9)
+        shard = weight[rank * 9 : (rank + 1) * 9].clone().requires_grad_(True)
+        torch.library.opcheck(  # every rank runs the same sequence, so the collectives pair up
+            torch.ops.graphtrain.linear_cross_entropy_vocab_parallel.default,
+            (hidden.requires_grad_(True), shard, target, group_name),
+            dict(label_smoothing=0.1, z_loss=1e-3),
+        )
+        for i, (red, ls, zl) in enumerate(TP_CASES):
+            hidden, weight, target = make_inputs(200 + i, N=23, H=14, V=2 * 43)  # same on all ranks
+            V_loc = weight.shape[0] // world
+            shard = weight[rank * V_loc : (rank + 1) * V_loc]
+            opts = dict(label_smoothing=ls, z_loss=zl, reduction=red)
+            out, gh, gw = grads(
+                lambda h, w, o=opts, t=target: (
+                    torch.ops.graphtrain.linear_cross_entropy_vocab_parallel(
+                        h, w, t, group_name, **o
+                    )
+                ),
+                hidden,
+                shard,
+                grad_out_seed=i,
+            )
+            ref, rgh, rgw = grads(
+                lambda h, w, o=opts, t=target: torch.ops.graphtrain.linear_cross_entropy(
+                    h, w, t, **o
+                ),
+                hidden,
+                weight,
+                grad_out_seed=i,
+            )
+            assert_close(out, ref, 2e-6, f"rank {rank} {red} loss")
+            assert_close(gh, rgh, 2e-6, f"rank {rank} {red} grad_hidden")
+            assert_close(
+                gw, rgw[rank * V_loc : (rank + 1) * V_loc], 2e-6, f"rank {rank} {red} grad_weight"
+            )
+            if lce._interpreting():  # the Triton path's collectives
+                t_out, t_gh, t_gw = _triton_case(
+                    hidden,
+                    shard,
+                    target,
+                    reduction=red,
+                    label_smoothing=ls,
+                    z_loss=zl,
+                    grad_seed=i,
+                    chunk=32,
+                    group_name=group_name,
+                )
+                assert_close(t_out, ref, 5e-6, f"rank {rank} {red} triton loss")
+                assert_close(t_gh, rgh, 5e-6, f"rank {rank} {red} triton grad_hidden")
+                assert_close(
+                    t_gw,
+                    rgw[rank * V_loc : (rank + 1) * V_loc],
+                    5e-6,
+                    f"rank {rank} {red} triton gw",
+                )
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vocab_parallel_tp2_gloo(monkeypatch):
+    """tp=2 on gloo equals one rank; the children interpret the Triton kernels too."""
+    import torch.multiprocessing as mp
+
+    # Children inherit the environment at spawn and import the kernels afresh: interpreted.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ctx = mp.start_processes(
+        _tp_worker, args=(2, _free_port()), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.time() + 240
+    while not ctx.join(timeout=5):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("tp=2 gloo test timed out")
+
+
+# ------------------------------------------------------------------------------------------
+# GPU (skipped on CPU): bf16 by SNR, fp32 tightly, CUDA-graph capture
+# ------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_matches_float64(reduction, dtype):
+    hidden, weight, target = make_inputs(31, N=1000, H=520, V=9000, dtype=dtype, device="cuda")
+    opts = dict(label_smoothing=0.1, z_loss=1e-4, reduction=reduction)
+    out, gh, gw = grads(
+        lambda h, w: torch.ops.graphtrain.linear_cross_entropy(h, w, target, **opts),
+        hidden,
+        weight,
+        5,
+    )
+    ref, rgh, rgw = grads(lambda h, w: plain_f64(h, w, target, **opts), hidden, weight, 5)
+    if dtype == torch.float32:
+        assert_close(out, ref, 1e-4, "loss")  # cuBLAS may use TF32 for the logits
+        assert snr_db(gh, rgh) > 60 and snr_db(gw, rgw) > 60
+    else:
+        assert snr_db(out, ref) > 40
+        assert snr_db(gh, rgh) > 35 and snr_db(gw, rgw) > 35
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_capture():
+    """No host sync: forward + backward capture into a CUDA graph and replay correctly."""
+    hidden, weight, target = make_inputs(
+        41, N=512, H=256, V=5000, dtype=torch.bfloat16, device="cuda"
+    )
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+
+    def step():
+        h.grad = w.grad = None
+        loss = torch.ops.graphtrain.linear_cross_entropy(h, w, target, label_smoothing=0.1)
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: Triton compilation and autotuning happen here
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    h.grad = w.grad = None
+    with torch.cuda.graph(graph):
+        loss = torch.ops.graphtrain.linear_cross_entropy(h, w, target, label_smoothing=0.1)
+        gh, gw = torch.autograd.grad(loss, (h, w))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    assert torch.equal(loss, eager.detach())
+    assert torch.equal(gh, h.grad) and torch.equal(gw, w.grad)
+
+
+if __name__ == "__main__":
+    if "--interpreter-checks" in sys.argv:
+        _interpreter_checks()

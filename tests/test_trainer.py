@@ -63,7 +63,15 @@ def job(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
 
 def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
     result = train(
-        load_config(job(corpus, tmp_path, "--training.steps=40", "--metrics.val_interval=20"))
+        load_config(
+            job(
+                corpus,
+                tmp_path,
+                "--training.steps=40",
+                "--metrics.val_interval=20",
+                "--compile.dump_graphs",
+            )
+        )
     )
     assert len(result.losses) == 40
     assert sorted(result.val_losses) == [0, 20, 40]
@@ -78,6 +86,22 @@ def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
     for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_device"):
         assert all(key in x for x in logged), key
     assert [x["step"] for x in lines if "val_loss" in x] == [0, 20, 40]
+    # The graph dump shows the fusion pass replacing the loss in the head region. Each region
+    # is compiled twice: for the no-grad validation at step 0 (-0), then for training (-1).
+    graphs = run / "graphs"
+    assert sorted(p.name for p in graphs.iterdir()) == [
+        "block-0",
+        "block-1",
+        "head_loss-0",
+        "head_loss-1",
+    ]
+    assert not (graphs / "block-0" / "backward").exists()
+    assert (graphs / "block-1" / "backward" / "summary.json").exists()
+    for graph in ("head_loss-0", "head_loss-1"):
+        head = json.loads((graphs / graph / "summary.json").read_text())
+        assert [s["label"] for s in head] == ["captured", "fuse_linear_cross_entropy"]
+        assert head[1]["op_diff"]["graphtrain.linear_cross_entropy.default"] == 1
+        assert head[1]["op_diff"]["torch.nn.functional.cross_entropy"] == -1
 
 
 def test_eager_and_graphtrain_losses_are_bitwise_equal(corpus, tmp_path):

@@ -127,6 +127,13 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     dp_rank = dp_mesh(mesh).get_local_rank() if dims.dp_size > 1 else 0
 
     run_dir = _run_dir(cfg, rank, world_size)
+    saved = ckpt.complete_checkpoints(run_dir)
+    if saved and not cfg.checkpoint.resume:
+        # A fresh start would overwrite and prune these: never lose saved work silently.
+        raise ValueError(
+            f"training.run_dir={str(run_dir)!r} already holds checkpoints (newest {saved[-1].name}); "
+            "continue it with --checkpoint.resume=latest or choose another training.run_dir"
+        )
     if rank == 0:
         (run_dir / "config.toml").write_text(to_toml(cfg))
         write_run_info(run_dir, {"world_size": world_size, "parallel": str(dims)})
@@ -241,6 +248,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     )
 
     def forward(td) -> torch.Tensor:
+        if device.type == "cuda":
+            td = td.pin_memory()  # so that the copy below is really asynchronous
         td = td.to(device, non_blocking=True)
         mask = build_attention_mask(td["document_ids"], attention)
         with autocast:
@@ -310,11 +319,9 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         tokens = num_micro * t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
         consumed_tokens += tokens
         window_tokens += tokens
-        first_bad = torch.where(
-            torch.isfinite(step_loss),
-            first_bad,
-            torch.minimum(first_bad, torch.tensor(step, device=device)),
-        )
+        # min(first_bad, step) where the loss is not finite; clamp takes the step as a Python
+        # number (a torch.tensor(step) would be a blocking host-to-device copy every step).
+        first_bad = torch.where(torch.isfinite(step_loss), first_bad, first_bad.clamp(max=step))
         pending.append(step_loss)
 
         last = step == t_cfg.steps

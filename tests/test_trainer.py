@@ -154,6 +154,8 @@ def test_resume_is_bitwise_exact(corpus, tmp_path):
     import shutil
 
     shutil.rmtree(tmp_path / "r" / "run" / "checkpoints" / "step-0000006")
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        train(load_config(args))  # a fresh start must not overwrite the saved run
     resumed = train(load_config([*args, "--checkpoint.resume=latest"]))
     assert first.losses == straight.losses
     assert resumed.losses == straight.losses[3:]

@@ -10,6 +10,8 @@ USAGE = """usage: graphtrain train [--preset NAME] [--config FILE.toml] [--secti
 
 commands:
   train     train a model (see `graphtrain train --help` for every config key)
+  inspect   show what the compiler does to a model (see `graphtrain inspect --help`)
+  export    write a run's model as Hugging Face safetensors (see `graphtrain export --help`)
 
 presets: {presets}
 """
@@ -41,6 +43,47 @@ def _train(args: list[str]) -> int:
     return 0
 
 
+def _inspect(args: list[str]) -> int:
+    from graphtrain.inspect.cli import main as inspect_main
+
+    try:
+        return inspect_main(args)
+    except (ValueError, FileNotFoundError) as e:  # a user error: config, device, paths
+        print(f"graphtrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _export(args: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="graphtrain export",
+        description="Write a checkpoint as Hugging Face safetensors (Llama names), config.json "
+        "and the run's tokenizer, loadable by transformers.AutoModelForCausalLM.",
+    )
+    parser.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint")
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export")
+    parser.add_argument("--max-shard-size", default="5GB", help="split files above this size")
+    ns = parser.parse_args(args)
+    from graphtrain.checkpoint.hf import export_hf, parse_size
+
+    try:
+        out = export_hf(
+            ns.source,
+            ns.out_dir,
+            dtype=ns.dtype,
+            overwrite=ns.overwrite,
+            max_shard_size=parse_size(ns.max_shard_size),
+        )
+    except (ValueError, FileNotFoundError) as e:  # a user error: paths, checkpoint
+        print(f"graphtrain: error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported to {out}")
+    return 0
+
+
 def _presets() -> str:
     from graphtrain.config import JOB_PRESETS
 
@@ -53,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE.format(presets=_presets()))
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    if command == "inspect":
+        return _inspect(rest)
+    if command == "export":
+        return _export(rest)
     if command != "train":
         print(
             f"graphtrain: unknown command {command!r}\n\n" + USAGE.format(presets=_presets()),

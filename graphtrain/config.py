@@ -118,6 +118,9 @@ class OptimConfig:
     no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias", "tok_embeddings.*"])
     implementation: str = "auto"  # fused, foreach, auto
     max_norm: float = 1.0  # gradient clipping by the global norm; <= 0 disables clipping
+    # dtype of the AdamW moments: float32, or bfloat16 (half the memory; fp32 math, rounded to
+    # nearest on store; see graphtrain.optim.adamw_bf16).
+    state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _positive("optim", self, "lr")
@@ -125,6 +128,7 @@ class OptimConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
         _choice("optim", "implementation", self.implementation, ("auto", "fused", "foreach"))
+        _choice("optim", "state_dtype", self.state_dtype, ("float32", "bfloat16"))
 
 
 @dataclass(frozen=True)
@@ -153,10 +157,17 @@ class ScheduleConfig:
 class CheckpointConfig:
     interval: int = 0  # save every N steps and at the end; 0: no checkpoints
     keep_last: int = 2
-    resume: str = ""  # "" none, "latest", or a checkpoint folder name (step-000100)
+    # Also keep every checkpoint whose step is a multiple of this; 0: only the last keep_last.
+    retain_interval: int = 0
+    resume: str = ""  # "" none, "latest", or a checkpoint folder name (step-0000100)
+    # Write checkpoints in the background (DCP async_save); CUDA only.
+    async_save: bool = False
+    # A Hugging Face Llama safetensors directory (as `graphtrain export` writes) to start from,
+    # instead of a random init; ignored when resuming.
+    init_from_hf: str = ""
 
     def __post_init__(self) -> None:
-        _positive("checkpoint", self, "interval", allow_zero=True)
+        _positive("checkpoint", self, "interval", "retain_interval", allow_zero=True)
         _positive("checkpoint", self, "keep_last")
 
 
@@ -198,6 +209,11 @@ class JobConfig:
                 f"schedule.warmup_steps={s.warmup_steps} + decay steps {self.decay_steps} "
                 f"(schedule.decay_ratio={s.decay_ratio} of training.steps={self.training.steps}) "
                 f"exceed training.steps"
+            )
+        if self.checkpoint.async_save and self.training.device == "cpu":
+            raise ValueError(
+                "checkpoint.async_save=true needs CUDA (it overlaps writing with GPU compute); "
+                "training.device='cpu' saves synchronously: set checkpoint.async_save=false"
             )
 
     @property

@@ -13,17 +13,21 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from graphtrain import checkpoint as ckpt
 from graphtrain.attention import build_attention_mask, resolve_attention
+from graphtrain.checkpoint import CheckpointManager, complete_checkpoints
+from graphtrain.checkpoint.hf import load_hf_into
 from graphtrain.config import JobConfig, to_toml
 from graphtrain.data import build_data
+from graphtrain.inspect import write_report
 from graphtrain.metrics import (
     MetricsLogger,
     memory_stats,
@@ -31,7 +35,13 @@ from graphtrain.metrics import (
     training_flops,
     write_run_info,
 )
-from graphtrain.optim import BatchSizeSchedule, LRSchedule, build_optimizer, clip_grad_norm_
+from graphtrain.optim import (
+    BatchSizeSchedule,
+    LRSchedule,
+    build_optimizer,
+    clip_grad_norm_,
+    global_norm,
+)
 from graphtrain.parallel import (
     ParallelDims,
     build_mesh,
@@ -121,13 +131,18 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     )
     validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len)
     attention = resolve_attention(t_cfg.attention, device)
+    if cfg.checkpoint.async_save and device.type != "cuda":
+        raise ValueError(
+            f"checkpoint.async_save=true needs CUDA but training runs on {device.type}; "
+            "set checkpoint.async_save=false"
+        )
     # One process needs no mesh: every axis is 1 and nothing is sharded.
     mesh = build_mesh(dims, device.type) if world_size > 1 else None
     dp_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
     dp_rank = dp_mesh(mesh).get_local_rank() if dims.dp_size > 1 else 0
 
     run_dir = _run_dir(cfg, rank, world_size)
-    saved = ckpt.complete_checkpoints(run_dir)
+    saved = complete_checkpoints(run_dir)
     if saved and not cfg.checkpoint.resume:
         # A fresh start would overwrite and prune these: never lose saved work silently.
         raise ValueError(
@@ -160,6 +175,9 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             f"the data needs a vocabulary of {data.vocab_size_needed} tokens but "
             f"model.vocab_size={m_cfg.vocab_size}; raise model.vocab_size or use another tokenizer"
         )
+    if rank == 0 and data.tokenizer is not None and data.tokenizer.path is not None:
+        # The run dir holds its tokenizer, so `graphtrain export` can always find it.
+        shutil.copyfile(data.tokenizer.path, run_dir / "tokenizer.json")
     batch_schedule = BatchSizeSchedule.parse(
         cfg.schedule.batch_size or t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
     )
@@ -172,7 +190,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     fsdp = dims.dp_size > 1
     with torch.device("meta"):
         model = build_model(m_cfg)
-    compile_options = None
+    compile_options, dump_dir = None, None
     if cfg.compile.enable:
         dump_dir = run_dir / "graphs" if cfg.compile.dump_graphs and rank == 0 else None
         compile_options = {
@@ -192,6 +210,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     )
     model.to_empty(device=device)
     model.init_weights(seed=t_cfg.seed)
+    if cfg.checkpoint.init_from_hf and not cfg.checkpoint.resume:
+        load_hf_into(model, Path(cfg.checkpoint.init_from_hf))
     model.train()
     # FSDP2 casts parameters for compute itself; without it, autocast does, and the fp32
     # parameters stay the master weights either way.
@@ -210,7 +230,23 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         weight_decay=o.weight_decay,
         no_decay_patterns=o.no_decay,
         implementation=o.implementation,
+        state_dtype=o.state_dtype,
     )
+    # AdamW keeps two moments per parameter element; report what they cost on this rank.
+    local_numel = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
+    )
+    optim_state = {
+        "optim_state_bytes": 2 * local_numel * _DTYPES[o.state_dtype].itemsize,
+        "optim_state_bytes_fp32": 2 * local_numel * 4,
+    }
+    if rank == 0:
+        logger.info(
+            "optimizer moments: %.1f MiB per rank in %s (%.1f MiB in float32)",
+            optim_state["optim_state_bytes"] / 2**20,
+            o.state_dtype,
+            optim_state["optim_state_bytes_fp32"] / 2**20,
+        )
     lr_schedule = LRSchedule(
         lr=o.lr,
         min_lr=cfg.schedule.min_lr,
@@ -219,15 +255,24 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         total_steps=t_cfg.steps,
         decay_style=cfg.schedule.decay_style,
     )
+    checkpoints = CheckpointManager(
+        run_dir,
+        keep_last=cfg.checkpoint.keep_last,
+        retain_interval=cfg.checkpoint.retain_interval,
+        async_save=cfg.checkpoint.async_save,
+    )
     step, consumed_tokens = 0, 0
     if cfg.checkpoint.resume:
-        step, consumed_tokens = ckpt.load(
-            run_dir,
-            cfg.checkpoint.resume,
-            model=model,
-            optimizer=optimizer,
-            data=data.train,
-        )
+        saved_state = checkpoints.load(cfg.checkpoint.resume, model=model, optimizer=optimizer)
+        step, consumed_tokens = saved_state["step"], saved_state["consumed_tokens"]
+        data.train.load_state_dict(saved_state["data"])
+        # Both schedules are functions of (step, consumed tokens) and the config: the config
+        # wins, so a run can be extended or re-scheduled; a change is worth a line in the log.
+        for name, sched in (("lr_schedule", lr_schedule), ("batch_schedule", batch_schedule)):
+            saved_sched = saved_state[name]
+            current = {k: v for k, v in sched.state_dict().items() if k != "last_step"}
+            if {k: v for k, v in saved_sched.items() if k != "last_step"} != current and rank == 0:
+                logger.warning("%s differs from the checkpoint's: %s", name, current)
 
     peak = (
         cfg.metrics.peak_tflops * 1e12
@@ -237,6 +282,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     metrics = MetricsLogger(
         run_dir, rank=rank, tensorboard=cfg.metrics.tensorboard, total_steps=t_cfg.steps
     )
+    metrics.log(step, optim_state)
     result = TrainResult(run_dir=run_dir, steps=t_cfg.steps, losses=[], val_losses={})
     flops_args = dict(
         dim=m_cfg.dim,
@@ -340,6 +386,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
                 "loss": result.losses[-1],
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
+                # Every rank joins this reduction (a collective), also one with empty shards.
+                "param_norm": global_norm(list(model.parameters())).item(),
                 "tokens_per_s": window_tokens / elapsed,
                 "consumed_tokens": consumed_tokens,
                 "micro_batches": num_micro,
@@ -356,17 +404,23 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             log_validation(step)
             window_start = time.perf_counter()  # keep validation out of tokens/s
         if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or last):
-            ckpt.save(
-                run_dir,
-                step=step,
-                consumed_tokens=consumed_tokens,
+            checkpoints.save(
+                step,
                 model=model,
                 optimizer=optimizer,
-                data=data.train,
-                keep_last=cfg.checkpoint.keep_last,
+                trainer_state={
+                    "step": step,
+                    "consumed_tokens": consumed_tokens,
+                    "data": data.train.state_dict(),
+                    "lr_schedule": lr_schedule.state_dict(),
+                    "batch_schedule": batch_schedule.state_dict(),
+                },
             )
             window_start = time.perf_counter()
+    checkpoints.wait()  # an async save in flight is complete before train() returns
     metrics.close()
+    if dump_dir is not None:  # what the compiler did, as `graphtrain inspect` shows it
+        write_report(dump_dir, run_dir / "inspect", inner=cfg.compile.backend)
     if rank == 0 and len(result.val_losses) > 1:
         first, final = (
             result.val_losses[min(result.val_losses)],

@@ -6,59 +6,18 @@ default corpus is exercised by the data tests and by `./launch.sh` itself.
 
 import json
 import os
-import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import job
 
 from graphtrain.config import load_config
-from graphtrain.data.tokenizer import train_bpe_tokenizer
 from graphtrain.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Documents of a toy language (learnable quickly), and a 300-token BPE tokenizer for it."""
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
-    docs = []
-    for i in range(400):
-        n = rng.randint(5, 60)
-        start = rng.randrange(len(words))
-        # Mostly a fixed cycle through the words: a model can learn to predict the next one.
-        docs.append(
-            " ".join(
-                words[(start + k) % len(words)] if rng.random() < 0.9 else rng.choice(words)
-                for k in range(n)
-            )
-            + f" end{i % 3}."
-        )
-    with open(root / "docs.jsonl", "w") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
-    tok = train_bpe_tokenizer(docs, 300)
-    tok.save(str(root / "tokenizer.json"))
-    return root
-
-
-def job(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
-    return [
-        "--preset",
-        "debug",
-        f"--data.paths={corpus / 'docs.jsonl'}",
-        f"--data.tokenizer={corpus / 'tokenizer.json'}",
-        f"--data.cache_dir={tmp_path / 'cache'}",
-        f"--training.run_dir={tmp_path / 'run'}",
-        "--compile.backend=aot_eager",
-        "--metrics.tensorboard=false",
-        *extra,
-    ]
 
 
 def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
@@ -102,6 +61,8 @@ def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
         assert [s["label"] for s in head] == ["captured", "fuse_linear_cross_entropy"]
         assert head[1]["op_diff"]["graphtrain.linear_cross_entropy.default"] == 1
         assert head[1]["op_diff"]["torch.nn.functional.cross_entropy"] == -1
+    # ... and the same report `graphtrain inspect` writes.
+    assert "fuse_linear_cross_entropy" in (run / "inspect" / "report.html").read_text()
 
 
 def test_eager_and_graphtrain_losses_are_bitwise_equal(corpus, tmp_path):

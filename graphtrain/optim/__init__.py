@@ -1,6 +1,7 @@
 """Optimizer, gradient clipping and schedules (learning rate, batch size)."""
 
-from graphtrain.optim.clip import clip_grad_norm_
+from graphtrain.optim.adamw_bf16 import AdamWBF16
+from graphtrain.optim.clip import clip_grad_norm_, global_norm
 from graphtrain.optim.optimizer import build_optimizer
 from graphtrain.optim.schedule import (
     DECAY_STYLES,
@@ -11,9 +12,11 @@ from graphtrain.optim.schedule import (
 
 __all__ = [
     "DECAY_STYLES",
+    "AdamWBF16",
     "BatchSizeSchedule",
     "LRSchedule",
     "build_optimizer",
     "clip_grad_norm_",
+    "global_norm",
     "parse_token_count",
 ]

@@ -53,6 +53,18 @@ def _combine_norms(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 
 @torch.no_grad()
+def global_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all `tensors` (plain or DTensors, sharded or not) as if they were one unsharded
+    tensor: a 0-d plain tensor, equal on every rank. A collective over every mesh involved: every
+    rank must call it with the same tensors, including a rank whose shards are empty."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(_group_key(t), []).append(t)
+    norms = [_full_norm(group, float(norm_type)) for group in groups.values()]
+    return norms[0] if len(norms) == 1 else _combine_norms(norms, float(norm_type))
+
+
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
@@ -79,11 +91,7 @@ def clip_grad_norm_(
     if not grads:
         return torch.tensor(0.0)
 
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(_group_key(g), []).append(g)
-    norms = [_full_norm(group, norm_type) for group in groups.values()]
-    total_norm = norms[0] if len(norms) == 1 else _combine_norms(norms, norm_type)
+    total_norm = global_norm(grads, norm_type)
 
     if max_norm > 0:
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

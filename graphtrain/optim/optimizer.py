@@ -1,7 +1,7 @@
 """AdamW construction with weight-decay parameter groups.
 
 What: `build_optimizer` splits a model's trainable parameters into a "decay" group and a "no decay"
-group and returns a `torch.optim.AdamW` over them, using the fused or foreach implementation.
+group and returns a `torch.optim.AdamW` (or, with bf16 moment states, AdamWBF16) over them, using the fused or foreach implementation.
 
 Why: weight decay on norms, biases and (usually) embeddings hurts LLM training, so those are excluded
 by name patterns and by shape (every parameter with fewer than 2 dimensions). The fused kernel is the
@@ -17,6 +17,8 @@ import fnmatch
 
 import torch
 from torch import nn
+
+from graphtrain.optim.adamw_bf16 import AdamWBF16
 
 _IMPLEMENTATIONS = ("auto", "fused", "foreach")
 
@@ -63,7 +65,8 @@ def build_optimizer(
     weight_decay: float,
     no_decay_patterns: list[str],
     implementation: str = "auto",
-) -> torch.optim.AdamW:
+    state_dtype: str = "float32",
+) -> torch.optim.Optimizer:
     """Build AdamW with two parameter groups: decayed and not decayed.
 
     A parameter gets no weight decay if it has fewer than 2 dimensions (norm weights, biases) or if
@@ -74,6 +77,8 @@ def build_optimizer(
 
     `implementation`: "fused", "foreach", or "auto" (fused when every parameter is a floating
     tensor on a device type with a fused kernel, else foreach). Any other value is a ValueError.
+    `state_dtype`: "float32" (torch's AdamW) or "bfloat16" (AdamWBF16: bf16 moments, fp32 math;
+    `implementation` does not apply to it).
     """
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
@@ -104,6 +109,10 @@ def build_optimizer(
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
 
+    if state_dtype == "bfloat16":
+        return AdamWBF16(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if state_dtype != "float32":
+        raise ValueError(f"optimizer state_dtype must be float32 or bfloat16, got {state_dtype!r}")
     chosen = _choose_implementation(decay + no_decay, implementation)
     return torch.optim.AdamW(
         groups,

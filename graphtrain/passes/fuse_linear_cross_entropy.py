@@ -321,10 +321,15 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
             result = graph.call_method("to", (fused, ce_dtype))
             with fake_mode:
                 result.meta["example_value"] = fused.meta["example_value"].to(ce_dtype)
+        # Provenance for the dumps and `graphtrain inspect`: the loss's source line and module;
+        # where the loss has none (a loss written at the top level of the compiled function has
+        # no nn_module_stack), the head's (e.g. "output").
+        head = m.chain[-1]
         for node in {hidden, fused, result} - {m.hidden}:
             for key in meta_keys:
-                if key in ce.meta:
-                    node.meta[key] = ce.meta[key]
+                source = ce if key in ce.meta else head
+                if key in source.meta:
+                    node.meta[key] = source.meta[key]
     ce.replace_all_uses_with(result)
     graph.erase_node(ce)
     for node in m.chain:  # from the loss's input back to the head: users go first

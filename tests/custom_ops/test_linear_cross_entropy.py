@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -404,12 +403,12 @@ def test_triton_kernels_under_interpreter():
 TP_CASES = [("mean", 0.1, 1e-3), ("sum", 0.0, 0.0), ("none", 0.2, 1e-2)]
 
 
-def _tp_worker(rank: int, world: int, port: int) -> None:
+def _tp_worker(rank: int, world: int, rendezvous: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{rendezvous}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
@@ -475,20 +474,19 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_vocab_parallel_tp2_gloo(monkeypatch):
+def test_vocab_parallel_tp2_gloo(monkeypatch, tmp_path):
     """tp=2 on gloo equals one rank; the children interpret the Triton kernels too."""
     import torch.multiprocessing as mp
 
     # Children inherit the environment at spawn and import the kernels afresh: interpreted.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     ctx = mp.start_processes(
-        _tp_worker, args=(2, _free_port()), nprocs=2, join=False, start_method="spawn"
+        # A file rendezvous: no race for a free TCP port.
+        _tp_worker,
+        args=(2, str(tmp_path / "rendezvous")),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.time() + 240
     while not ctx.join(timeout=5):

@@ -120,6 +120,18 @@ def worker(rank: int, world_size: int, init_file: str, case: str) -> None:
             ]
         check_case(specs, max_norm=1.0)  # clips: the grad norms are ~5-10
         check_case(specs, max_norm=0.0)  # norm only
+        if case == "1d":
+            # The parameter-norm metric: a (1, 3) weight sharded over 2 ranks leaves rank 1 an
+            # empty shard; it still joins the reduction and gets the same global norm.
+            from torch.distributed.tensor import distribute_tensor
+
+            from graphtrain.optim import global_norm
+
+            full = [torch.arange(3.0).reshape(1, 3), torch.ones(5)]
+            sharded = [distribute_tensor(full[0], mesh, [Shard(0)]), full[1]]
+            assert sharded[0].to_local().numel() == (3 if rank == 0 else 0)
+            torch.testing.assert_close(global_norm(sharded[:1]), torch.tensor(5.0**0.5))
+            torch.testing.assert_close(global_norm(sharded), torch.tensor(10.0**0.5))
     finally:
         dist.destroy_process_group()
 

@@ -6,8 +6,6 @@ blocking CI: the children are killed and TimeoutError is raised.
 
 from __future__ import annotations
 
-import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,23 +18,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    # Port 0: the OS picks an unused port. Closed right away, so another process could take it
-    # before rank 0 binds it; rare enough on a test machine.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(
-    rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple
-) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _entry(rank: int, world_size: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
     # One intra-op thread per rank: 4 ranks on 2 cores otherwise oversubscribe badly.
     torch.set_num_threads(1)
+    # A file rendezvous in this run's own temp dir: no race for a free TCP port with whatever
+    # else runs on the machine (a port picked and released can be taken before rank 0 binds it).
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+        "gloo",
+        init_method=f"file://{Path(out_dir) / 'rendezvous'}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
     )
     try:
         result = fn(rank, world_size, *args)
@@ -56,7 +48,7 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _entry,
-            args=(world_size, free_port(), out_dir, fn, args),
+            args=(world_size, out_dir, fn, args),
             nprocs=world_size,
             join=False,
             start_method="spawn",

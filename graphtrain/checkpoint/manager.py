@@ -1,0 +1,262 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): save, retention, resume.
+
+Layout: <run_dir>/checkpoints/step-0000100/ holds the DCP shards of the model and optimizer
+(every rank writes its own shards, `__<rank>_<i>.distcp`, rank 0 also `.metadata`) and
+trainer-rank<r>.pt with what the trainer hands over (step, consumed tokens, data loader position,
+LR and batch-size schedule state), this rank's RNG states and the sizes of the files it wrote.
+
+Never losing work:
+- a save is written under step-N.tmp and renamed to step-N only after every rank finished (the
+  rename is atomic, so the final name is the completion marker); `latest` is the newest name
+  without a suffix, so a save killed half-way is never loaded, and its .tmp is removed by the next
+  save (which also overwrites a .tmp of its own step);
+- a failed save (disk full, permission) raises CheckpointSaveError on every rank, naming the
+  path and the previous checkpoint, which is untouched: nothing is deleted before a newer
+  checkpoint is complete;
+- retention: after a save completes, checkpoints are deleted except the last `keep_last` and
+  those whose step is a multiple of `retain_interval`.
+Not covered: a power loss right after the rename can lose page-cache data (no fsync).
+
+Async save (DCP async_save, checkpoint.async_save): the state is staged to host memory and written
+by a background thread while training goes on; the rename and retention happen at the next save
+or at `wait()` (the end of training), so the completion marker still comes last. The background
+collectives run on a gloo group, which works next to NCCL.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from graphtrain.checkpoint.integrity import check_files, check_shapes, read_shapes, written_files
+
+logger = logging.getLogger("graphtrain")
+
+_NAME = re.compile(r"^step-(\d{7})$")
+_STALE = re.compile(r"^step-\d{7}\.(tmp|old)$")
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written; the previous checkpoints are intact."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree(error: BaseException | None) -> str | None:
+    """Every rank's error, joined, on every rank (None when all succeeded). A collective."""
+    text = None if error is None else f"rank {_rank()}: {type(error).__name__}: {error}"
+    if not dist.is_initialized():
+        return text
+    texts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, text)
+    failed = [t for t in texts if t is not None]
+    return "; ".join(failed) if failed else None
+
+
+def step_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+
+
+def to_delete(complete: list[Path], *, keep_last: int, retain_interval: int) -> list[Path]:
+    """The checkpoints retention removes: all but the last keep_last and the retained steps."""
+    keep = set(complete[-keep_last:])
+    if retain_interval:
+        keep |= {p for p in complete if step_of(p) % retain_interval == 0}
+    return [p for p in complete if p not in keep]
+
+
+def resolve(path: Path, which: str = "latest") -> Path:
+    """A run dir + `latest` or a checkpoint name -> its folder; a checkpoint folder -> itself.
+
+    A clear ValueError when there is no such complete checkpoint.
+    """
+    path = Path(path)
+    if _NAME.match(path.name) and path.is_dir():
+        return path
+    found = complete_checkpoints(path)
+    if which == "latest":
+        if not found:
+            raise ValueError(f"{path}/checkpoints has no complete checkpoint")
+        return found[-1]
+    ckpt = path / "checkpoints" / which
+    if ckpt not in found:
+        names = ", ".join(p.name for p in found) or "none"
+        raise ValueError(
+            f"checkpoint.resume={which!r} is not a complete checkpoint of {path}; found: {names}"
+        )
+    return ckpt
+
+
+def _load_trainer_file(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # a truncated pickle raises EOFError, RuntimeError, UnpicklingError...
+        raise ValueError(f"checkpoint file {path} is truncated or corrupted ({e})") from e
+
+
+class CheckpointManager:
+    """Saves and loads the checkpoints of one run; every rank makes the same calls."""
+
+    def __init__(
+        self, run_dir: Path, *, keep_last: int, retain_interval: int, async_save: bool
+    ) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.run_dir = Path(run_dir)
+        self.keep_last = keep_last
+        self.retain_interval = retain_interval
+        self.async_save = async_save
+        # An async save in flight: (future, tmp folder, final folder, trainer state).
+        self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
+        self._async_group = None
+        if async_save and dist.is_initialized():
+            # The background thread's collectives need a group that runs on the host.
+            self._async_group = dist.new_group(backend="gloo")
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+    ) -> None:
+        """Save checkpoint step-<step> (returns before it is on disk when async)."""
+        self.wait()
+        final = self.root / f"step-{step:07d}"
+        tmp = self.root / f"{final.name}.tmp"
+        error = None
+        if _rank() == 0:
+            try:
+                for stale in self.root.glob("step-*.*"):  # left by saves that were killed
+                    if _STALE.match(stale.name):
+                        shutil.rmtree(stale)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = e
+        self._raise_if_failed(_agree(error), final, tmp)
+        state = {
+            **trainer_state,
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        }
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        try:
+            if self.async_save:
+                future = dcp.async_save(
+                    {"model": model_sd, "optim": optim_sd},
+                    checkpoint_id=str(tmp),
+                    process_group=self._async_group,
+                )
+                self._pending = (future, tmp, final, state)
+                return
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        except Exception as e:  # DCP wraps the failure of any rank into one exception
+            error = e
+        self._raise_if_failed(_agree(error), final, tmp)
+        self._complete(tmp, final, state)
+
+    def wait(self) -> None:
+        """Finish an async save in flight (a no-op otherwise)."""
+        if self._pending is None:
+            return
+        future, tmp, final, state = self._pending
+        self._pending = None
+        error = None
+        try:
+            future.result()
+        except Exception as e:
+            error = e
+        self._raise_if_failed(_agree(error), final, tmp)
+        self._complete(tmp, final, state)
+
+    def _complete(self, tmp: Path, final: Path, state: dict[str, Any]) -> None:
+        """Write the trainer state, then mark complete (rename) and apply retention."""
+        error = None
+        try:
+            state = {**state, "files": written_files(tmp, _rank())}
+            torch.save(state, tmp / f"trainer-rank{_rank()}.pt")
+        except OSError as e:
+            error = e
+        self._raise_if_failed(_agree(error), final, tmp)
+        if _rank() == 0:
+            try:
+                if final.exists():  # the same step saved again (a resumed run): replace it
+                    old = final.with_name(f"{final.name}.old")
+                    final.rename(old)
+                    tmp.rename(final)
+                    shutil.rmtree(old)
+                else:
+                    tmp.rename(final)
+            except OSError as e:
+                error = e
+        self._raise_if_failed(_agree(error), final, tmp)
+        if _rank() == 0:
+            complete = complete_checkpoints(self.run_dir)
+            for old in to_delete(
+                complete, keep_last=self.keep_last, retain_interval=self.retain_interval
+            ):
+                shutil.rmtree(old)
+            logger.info("saved checkpoint %s", final)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _raise_if_failed(self, error: str | None, final: Path, tmp: Path) -> None:
+        if error is None:
+            return
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = [p for p in complete_checkpoints(self.run_dir) if p != final]
+        intact = (
+            f"the previous checkpoint {previous[-1]} is intact"
+            if previous
+            else "no earlier checkpoint exists"
+        )
+        raise CheckpointSaveError(f"saving checkpoint {final} failed ({error}); {intact}")
+
+    def load(
+        self, which: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """Restore model, optimizer and RNG from checkpoint `which` ("latest" or a name); returns
+        the trainer state saved with it (that of rank 0 when resumed on more ranks than saved)."""
+        path = resolve(self.run_dir, which)
+        saved = [_load_trainer_file(p) for p in sorted(path.glob("trainer-rank*.pt"))]
+        if not saved:
+            raise ValueError(f"checkpoint {path} has no trainer-rank*.pt: it is incomplete")
+        check_files(path, [s["files"] for s in saved])
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        shapes = {k: v for k, v in read_shapes(path).items() if k.startswith("model.")}
+        expected = {f"model.{k}": v.shape for k, v in model_sd.items()}
+        check_shapes(expected, shapes, source=f"checkpoint {path}")
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as e:
+            raise ValueError(f"checkpoint {path} is corrupted: reading it failed ({e})") from e
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        own = path / f"trainer-rank{_rank()}.pt"
+        extra = _load_trainer_file(own) if own.exists() else saved[0]
+        torch.set_rng_state(extra["rng_cpu"])
+        if extra["rng_cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(extra["rng_cuda"])
+        logger.info("resumed from checkpoint %s (step %d)", path, extra["step"])
+        return extra

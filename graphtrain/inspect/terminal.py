@@ -1,0 +1,91 @@
+"""The terminal summary of a Report: plain-text tables, ANSI colours only on a terminal."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from graphtrain.inspect.report import Report
+
+_COLOURS = {"green": "32", "yellow": "33", "red": "31", "bold": "1", "dim": "2"}
+
+
+def use_color(stream=None) -> bool:
+    """Colours when writing to a terminal and NO_COLOR (https://no-color.org) is unset."""
+    stream = stream or sys.stdout
+    return stream.isatty() and "NO_COLOR" not in os.environ
+
+
+def _table(headers: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def _diff_text(op_diff: dict[str, int]) -> str:
+    return ", ".join(f"{n:+d} {op}" for op, n in op_diff.items()) or "-"
+
+
+def render_summary(report: Report, *, color: bool = False) -> str:
+    def paint(text: str, colour: str) -> str:
+        return f"\033[{_COLOURS[colour]}m{text}\033[0m" if color else text
+
+    out = [paint("graphtrain inspect", "bold")]
+    out.append(
+        f"{len(report.graphs)} compiled graph(s) in {len(report.regions)} region(s): "
+        f"{', '.join(report.regions) or '-'}; inner backend: {report.inner or 'unknown'}"
+    )
+    out.append("")
+    out.append(paint("Compiled graphs", "bold"))
+    rows = []
+    for g in report.graphs:
+        pre = g.stage("pre_grad")
+        ops = sum(pre.steps[-1].op_counts.values()) if pre else 0
+        aot = ", ".join(s.stage for s in g.stages if s.stage != "pre_grad") or "-"
+        if report.inner == "inductor":
+            code = ", ".join(g.output_code) or "(none recorded)"
+        elif report.inner == "aot_eager":
+            code = "none (aot_eager runs the aten graphs)"
+        else:
+            code = "-"
+        rows.append([g.name, str(ops), aot, code])
+    out += _table(["graph", "ops", "AOT graphs", "generated code"], rows)
+
+    out.append("")
+    out.append(paint("Passes", "bold"))
+    rows = []
+    for p in report.passes:
+        if not p.enabled:
+            rows.append([p.name, p.stage, "-", paint("off", "dim"), p.reason])
+            continue
+        for r in (r for r in report.pass_results if r.name == p.name):
+            status = paint("matched", "green") if r.matched else paint("no match", "yellow")
+            rows.append([p.name, r.graph, _diff_text(r.op_diff), status, "; ".join(r.notes)])
+    out += _table(["pass", "graph", "op diff", "result", "notes"], rows) if rows else ["(none)"]
+
+    out.append("")
+    out.append(paint("graphtrain custom ops", "bold"))
+    rows = [
+        [
+            s.op,
+            s.graph,
+            s.module_path or "(root)",
+            s.source or "?",
+            ", ".join(f"{k}={v!r}" for k, v in s.options.items()),
+        ]
+        for s in report.custom_op_sites
+    ]
+    out += _table(["op", "graph", "module", "source", "options"], rows) if rows else ["(none)"]
+
+    out.append("")
+    out.append(paint("Graph breaks", "bold"))
+    if report.graph_breaks:
+        rows = [[b.graph, b.source or "?", b.reason] for b in report.graph_breaks]
+        out += [paint(line, "red") for line in _table(["graph", "source", "reason"], rows)]
+    else:
+        out.append("(none)")
+    return "\n".join(out) + "\n"

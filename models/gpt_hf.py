@@ -1,0 +1,107 @@
+"""The Hugging Face Llama layout of models/gpt.py: parameter names and config.json fields.
+
+Export is a renaming: our RoPE is Hugging Face's rotate-half layout (x1 * cos - x2 * sin,
+x2 * cos + x1 * sin over the two halves of each head), so q/k need no permutation; RMSNorm,
+SwiGLU (gate_proj = w1, up_proj = w3, down_proj = w2) and grouped-query attention are Llama's.
+A tied output head is written once, as the embedding, with tie_word_embeddings = true.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from models.gpt import GPTConfig
+
+# Our name (with {i} for the layer) -> the Hugging Face LlamaForCausalLM name.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_TO_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_TO_TOP = {v: k for k, v in _TOP_NAMES.items()}
+
+
+def to_hf_name(name: str) -> str:
+    """Our parameter name -> the Hugging Face Llama name; KeyError for an unknown name."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _LAYER.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def from_hf_name(name: str) -> str:
+    """The Hugging Face Llama name -> ours; KeyError for a name the GPT model has no slot for."""
+    if name in _HF_TO_TOP:
+        return _HF_TO_TOP[name]
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _HF_TO_LAYER:
+        return f"layers.{m.group(1)}.{_HF_TO_LAYER[m.group(2)]}"
+    raise KeyError(f"the GPT model has no parameter for the Hugging Face tensor {name!r}")
+
+
+def hf_config(cfg: GPTConfig, *, dtype: str, eos_token_id: int | None) -> dict[str, Any]:
+    """config.json of LlamaForCausalLM for `cfg` (dtype: "bfloat16" or "float32")."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers >= 5 reads rope_parameters, earlier versions rope_theta.
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+
+
+def gpt_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The GPTConfig fields a Hugging Face Llama config.json describes (to compare or to build)."""
+    if hf.get("model_type") != "llama":
+        raise ValueError(
+            f"config.json has model_type={hf.get('model_type')!r}; only 'llama' maps onto the "
+            "GPT model"
+        )
+    rope = hf.get("rope_parameters") or {}
+    return {
+        "vocab_size": hf["vocab_size"],
+        "dim": hf["hidden_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": hf["num_attention_heads"],
+        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        "ffn_dim": hf["intermediate_size"],
+        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "norm_eps": hf["rms_norm_eps"],
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }

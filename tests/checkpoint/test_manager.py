@@ -1,0 +1,116 @@
+"""Checkpoint save/resume: retention, failed saves, bad checkpoints, bf16 optimizer states."""
+
+import shutil
+
+import pytest
+import torch
+from conftest import job
+from torch.distributed.checkpoint import FileSystemReader
+
+from graphtrain.checkpoint import CheckpointSaveError, complete_checkpoints, to_delete
+from graphtrain.config import load_config
+from graphtrain.trainer import train
+
+
+def _names(run_dir):
+    return [p.name for p in complete_checkpoints(run_dir)]
+
+
+def test_retention_keeps_the_last_and_the_retained_steps(tmp_path):
+    root = tmp_path / "checkpoints"
+    paths = [root / f"step-{s:07d}" for s in (2, 4, 6, 8, 10, 12)]
+    gone = to_delete(paths, keep_last=2, retain_interval=4)
+    assert [p.name for p in gone] == ["step-0000002", "step-0000006"]
+    assert to_delete(paths, keep_last=3, retain_interval=0) == paths[:3]
+
+
+def test_training_with_retention_and_bf16_states_resumes_exactly(corpus, tmp_path):
+    """Saves at 2, 4, 6, 8 with keep_last=2, retain_interval=4 leave exactly 4, 6, 8; resuming
+    from 4 with bf16 moments (stored as bf16) reproduces the straight run bitwise."""
+    bf16 = "--optim.state_dtype=bfloat16"
+    straight = train(load_config(job(corpus, tmp_path / "s", "--training.steps=8", bf16)))
+    args = job(
+        corpus,
+        tmp_path / "r",
+        "--training.steps=8",
+        bf16,
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_last=2",
+        "--checkpoint.retain_interval=4",
+    )
+    first = train(load_config(args))
+    run = tmp_path / "r" / "run"
+    assert _names(run) == ["step-0000004", "step-0000006", "step-0000008"]
+    meta = FileSystemReader(str(run / "checkpoints" / "step-0000004")).read_metadata()
+    state = meta.state_dict_metadata["optim.state.layers.0.attention.wq.weight.exp_avg"]
+    assert state.properties.dtype == torch.bfloat16
+    resumed = train(load_config([*args, "--checkpoint.resume=step-0000004"]))
+    assert first.losses == straight.losses
+    assert resumed.losses == straight.losses[4:]
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_says_so(corpus, tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def save(state, checkpoint_id):
+        if checkpoint_id.endswith("step-0000004.tmp"):
+            raise OSError(28, "No space left on device")
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr("graphtrain.checkpoint.manager.dcp.save", save)
+    args = job(corpus, tmp_path, "--training.steps=4", "--checkpoint.interval=2")
+    with pytest.raises(CheckpointSaveError) as e:
+        train(load_config(args))
+    msg = str(e.value)
+    assert "step-0000004" in msg and "No space left on device" in msg
+    assert "previous checkpoint" in msg and "step-0000002 is intact" in msg
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000002"]
+    monkeypatch.setattr("graphtrain.checkpoint.manager.dcp.save", real_save)
+    resumed = train(load_config([*args, "--checkpoint.resume=latest"]))
+    assert len(resumed.losses) == 2
+
+
+@pytest.fixture(scope="module")
+def saved_run(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("saved")
+    args = job(corpus, tmp, "--training.steps=3", "--checkpoint.interval=3")
+    train(load_config(args))
+    return tmp / "run", args
+
+
+def test_a_checkpoint_of_another_shape_names_keys_and_shapes(saved_run, tmp_path):
+    run, args = saved_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    args = [a for a in args if not a.startswith("--training.run_dir")]
+    bad = [*args, f"--training.run_dir={copy}", "--checkpoint.resume=latest", "--model.ffn_dim=96"]
+    with pytest.raises(ValueError, match="does not fit the model") as e:
+        train(load_config(bad))
+    assert "model.layers.0.feed_forward.w1.weight: model (96, 64), checkpoint" in str(e.value)
+    assert "(160, 64)" in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["truncate_shard", "garble_metadata", "truncate_trainer"])
+def test_a_damaged_checkpoint_is_reported(saved_run, tmp_path, damage):
+    run, args = saved_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    ckpt = copy / "checkpoints" / "step-0000003"
+    if damage == "truncate_shard":
+        f = ckpt / "__0_0.distcp"
+        f.write_bytes(f.read_bytes()[:-100])
+        match = r"truncated or damaged: __0_0.distcp was written with \d+ bytes but is \d+ bytes"
+    elif damage == "garble_metadata":
+        f = ckpt / ".metadata"
+        f.write_bytes(b"\0" * f.stat().st_size)
+        match = "is corrupted: its .metadata cannot be read"
+    else:
+        f = ckpt / "trainer-rank0.pt"
+        f.write_bytes(f.read_bytes()[:50])
+        match = "trainer-rank0.pt is truncated or corrupted"
+    args = [a for a in args if not a.startswith("--training.run_dir")]
+    with pytest.raises(ValueError, match=match):
+        train(load_config([*args, f"--training.run_dir={copy}", "--checkpoint.resume=latest"]))

@@ -75,11 +75,14 @@ def inspect_config(
     """Build the configured model, compile its regions as training would (cfg.compile.passes,
     inner backend cfg.compile.backend unless given) and run one forward+backward on random
     tokens of one micro-batch. device "meta": no weights are allocated and nothing is computed,
-    only traced (use inner="aot_eager"), so that large presets can be inspected on a laptop."""
+    only traced (with inner="aot_eager", the default there), so that large presets can be
+    inspected on a laptop."""
     from models.gpt import build_gpt
 
     target = resolve_device(device)
-    inner = inner or cfg.compile.backend
+    # On meta nothing runs, so Inductor has nothing to compile for: trace with aot_eager unless
+    # the caller insists on another backend (which is then an error).
+    inner = inner or ("aot_eager" if target.type == "meta" else cfg.compile.backend)
     if target.type == "meta" and inner != "aot_eager":
         raise ValueError("device 'meta' needs backend 'aot_eager': Inductor cannot run on meta")
     t = cfg.training

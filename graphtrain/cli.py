@@ -1,4 +1,4 @@
-"""`graphtrain train ...` (also `python -m graphtrain train ...`)."""
+"""`graphtrain train | inspect | export` (also `python -m graphtrain ...`)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import logging
 import os
 import sys
 
-USAGE = """usage: graphtrain train [--preset NAME] [--config FILE.toml] [--section.key=value ...]
+USAGE = """usage: graphtrain COMMAND ...
 
 commands:
-  train     train a model (see `graphtrain train --help` for every config key)
+  train     train a model: graphtrain train [--preset NAME] [--config FILE.toml]
+            [--section.key=value ...] (`graphtrain train --help` lists every config key)
   inspect   show what the compiler does to a model (see `graphtrain inspect --help`)
   export    write a run's model as Hugging Face safetensors (see `graphtrain export --help`)
 
@@ -46,11 +47,7 @@ def _train(args: list[str]) -> int:
 def _inspect(args: list[str]) -> int:
     from graphtrain.inspect.cli import main as inspect_main
 
-    try:
-        return inspect_main(args)
-    except (ValueError, FileNotFoundError) as e:  # a user error: config, device, paths
-        print(f"graphtrain: error: {e}", file=sys.stderr)
-        return 2
+    return inspect_main(args)
 
 
 def _export(args: list[str]) -> int:
@@ -69,17 +66,13 @@ def _export(args: list[str]) -> int:
     ns = parser.parse_args(args)
     from graphtrain.checkpoint.hf import export_hf, parse_size
 
-    try:
-        out = export_hf(
-            ns.source,
-            ns.out_dir,
-            dtype=ns.dtype,
-            overwrite=ns.overwrite,
-            max_shard_size=parse_size(ns.max_shard_size),
-        )
-    except (ValueError, FileNotFoundError) as e:  # a user error: paths, checkpoint
-        print(f"graphtrain: error: {e}", file=sys.stderr)
-        return 2
+    out = export_hf(
+        ns.source,
+        ns.out_dir,
+        dtype=ns.dtype,
+        overwrite=ns.overwrite,
+        max_shard_size=parse_size(ns.max_shard_size),
+    )
     print(f"exported to {out}")
     return 0
 
@@ -90,17 +83,16 @@ def _presets() -> str:
     return ", ".join(JOB_PRESETS)
 
 
+COMMANDS = {"train": _train, "inspect": _inspect, "export": _export}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE.format(presets=_presets()))
         return 0 if args else 2
     command, rest = args[0], args[1:]
-    if command == "inspect":
-        return _inspect(rest)
-    if command == "export":
-        return _export(rest)
-    if command != "train":
+    if command not in COMMANDS:
         print(
             f"graphtrain: unknown command {command!r}\n\n" + USAGE.format(presets=_presets()),
             file=sys.stderr,
@@ -108,11 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging()
     try:
-        return _train(rest)
-    except (
-        ValueError,
-        FileNotFoundError,
-    ) as e:  # a user error: config, data, tokenizer, checkpoint
+        return COMMANDS[command](rest)
+    # User and environment errors (config, data, checkpoint, paths, a save that failed for lack
+    # of disk or permission) carry their explanation in the message: no traceback.
+    except (ValueError, OSError) as e:
         print(f"graphtrain: error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # the run diverged

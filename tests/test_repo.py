@@ -1,7 +1,8 @@
 """House rules that a reviewer would otherwise have to check by eye."""
 
-import shutil
+import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,13 @@ def tracked_files() -> list[Path]:
     "args", [["check", "."], ["format", "--check", "."]], ids=["lint", "format"]
 )
 def test_ruff_is_clean(args):
-    ruff = shutil.which("ruff")
-    if ruff is None:
+    # The interpreter's own ruff: `./launch.sh test` runs the venv's python without activating
+    # the venv, so a PATH lookup would miss it.
+    if importlib.util.find_spec("ruff") is None:
         pytest.skip("ruff is not installed (pip install -e '.[dev]')")
-    out = subprocess.run([ruff, *args], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", *args], cwd=REPO, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

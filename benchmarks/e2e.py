@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from graphtrain.compile import apply_compile
-from graphtrain.metrics import peak_flops, training_flops
+from graphtrain.metrics import dense_causal_pairs, model_training_flops, peak_flops
 from models import MODEL_PRESETS, build_model
 
 
@@ -64,15 +64,10 @@ def run(name: str, compile_fn, args, data) -> dict:
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1e3
     tokens = args.steps * args.batch * args.seq_len
-    flops = args.steps * training_flops(
-        dim=cfg.dim,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        ffn_dim=cfg.ffn_dim,
-        vocab_size=cfg.vocab_size,
+    flops = args.steps * model_training_flops(
+        cfg,
         num_tokens=args.batch * args.seq_len,
-        num_attention_pairs=args.batch * args.seq_len * (args.seq_len + 1) // 2,
+        num_attention_pairs=dense_causal_pairs(args.batch, args.seq_len),
     )
     peak = peak_flops(torch.device("cuda"), torch.bfloat16)
     row = {

@@ -31,8 +31,8 @@ from graphtrain.inspect import write_report
 from graphtrain.metrics import (
     MetricsLogger,
     memory_stats,
+    model_training_flops,
     peak_flops,
-    training_flops,
     write_run_info,
 )
 from graphtrain.optim import (
@@ -284,14 +284,6 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     )
     metrics.log(step, optim_state)
     result = TrainResult(run_dir=run_dir, steps=t_cfg.steps, losses=[], val_losses={})
-    flops_args = dict(
-        dim=m_cfg.dim,
-        num_layers=m_cfg.num_layers,
-        num_heads=m_cfg.num_heads,
-        num_kv_heads=m_cfg.num_kv_heads,
-        ffn_dim=m_cfg.ffn_dim,
-        vocab_size=m_cfg.vocab_size,
-    )
 
     def forward(td) -> torch.Tensor:
         if device.type == "cuda":
@@ -349,8 +341,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         for td, n in zip(batches, num_labels, strict=True):
             # Exact FLOPs of this rank's micro-batch (document-causal attention pairs included),
             # counted on the host from the loader's CPU-side numbers: no device sync.
-            window_flops += training_flops(
-                **flops_args,
+            window_flops += model_training_flops(
+                m_cfg,
                 num_tokens=td["input_ids"].numel(),
                 num_attention_pairs=int(td["num_attention_pairs"]),
             )

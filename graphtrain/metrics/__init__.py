@@ -1,6 +1,11 @@
 """Metrics: FLOPs and MFU inputs, hardware peaks and memory, logging, run info."""
 
-from graphtrain.metrics.flops import dense_causal_pairs, document_causal_pairs, training_flops
+from graphtrain.metrics.flops import (
+    dense_causal_pairs,
+    document_causal_pairs,
+    model_training_flops,
+    training_flops,
+)
 from graphtrain.metrics.hardware import (
     memory_stats,
     peak_flops,
@@ -20,6 +25,7 @@ __all__ = [
     "format_summary",
     "git_info",
     "memory_stats",
+    "model_training_flops",
     "peak_flops",
     "peak_flops_for_name",
     "reset_memory_stats",

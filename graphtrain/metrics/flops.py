@@ -43,6 +43,7 @@ which is about 8.42 GFLOPs per token.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 
 def training_flops(
@@ -92,6 +93,20 @@ def training_flops(
     forward = num_tokens * (num_layers * layer_matmul + head)
     forward += num_attention_pairs * attention_per_pair
     return 3 * forward
+
+
+def model_training_flops(cfg: Any, *, num_tokens: int, num_attention_pairs: int) -> int:
+    """training_flops with the shape read from a model config (models.GPTConfig's fields)."""
+    return training_flops(
+        dim=cfg.dim,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        ffn_dim=cfg.ffn_dim,
+        vocab_size=cfg.vocab_size,
+        num_tokens=num_tokens,
+        num_attention_pairs=num_attention_pairs,
+    )
 
 
 def dense_causal_pairs(batch_size: int, seq_len: int) -> int:

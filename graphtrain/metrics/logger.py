@@ -53,21 +53,21 @@ def _json_value(value: float) -> float | str:
     return value
 
 
+# (metric key, label, format) of the console line, in order.
+_SUMMARY = (
+    ("loss", "loss", "{:.4f}".format),
+    ("val_loss", "val_loss", "{:.4f}".format),
+    ("lr", "lr", "{:.2e}".format),
+    ("grad_norm", "grad_norm", "{:.3f}".format),
+    ("tokens_per_s", "tok/s", "{:,.0f}".format),
+    ("mfu", "mfu", lambda v: f"{v * 100:.1f}%"),
+)
+
+
 def format_summary(step: int, metrics: dict[str, float], total_steps: int | None = None) -> str:
     """The concise console line, e.g. "step 10/100 | loss 3.2100 | lr 3.00e-04 | ..."."""
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
-    if "loss" in metrics:
-        parts.append(f"loss {metrics['loss']:.4f}")
-    if "val_loss" in metrics:
-        parts.append(f"val_loss {metrics['val_loss']:.4f}")
-    if "lr" in metrics:
-        parts.append(f"lr {metrics['lr']:.2e}")
-    if "grad_norm" in metrics:
-        parts.append(f"grad_norm {metrics['grad_norm']:.3f}")
-    if "tokens_per_s" in metrics:
-        parts.append(f"tok/s {metrics['tokens_per_s']:,.0f}")
-    if "mfu" in metrics:
-        parts.append(f"mfu {metrics['mfu'] * 100:.1f}%")
+    parts += [f"{label} {fmt(metrics[key])}" for key, label, fmt in _SUMMARY if key in metrics]
     for key, label in (("memory/peak_allocated_gib", "mem"), ("memory/max_rss_gib", "rss")):
         if key in metrics:
             parts.append(f"{label} {metrics[key]:.2f} GiB")

@@ -52,28 +52,6 @@ class LRSchedule:
         total_steps: int,
         decay_style: str,
     ) -> None:
-        self._configure(
-            lr=lr,
-            min_lr=min_lr,
-            warmup_steps=warmup_steps,
-            decay_steps=decay_steps,
-            total_steps=total_steps,
-            decay_style=decay_style,
-        )
-        # The step most recently passed to apply(); -1 before the first call.
-        self.last_step = -1
-
-    def _configure(
-        self,
-        *,
-        lr: float,
-        min_lr: float,
-        warmup_steps: int,
-        decay_steps: int,
-        total_steps: int,
-        decay_style: str,
-    ) -> None:
-        """Validate and store the configuration (shared by __init__ and load_state_dict)."""
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"unknown decay_style {decay_style!r}; expected one of {DECAY_STYLES}")
         for name, value in (
@@ -107,6 +85,8 @@ class LRSchedule:
         self.decay_steps = int(decay_steps)
         self.total_steps = int(total_steps)
         self.decay_style = decay_style
+        # The step most recently passed to apply(); -1 before the first call.
+        self.last_step = -1
 
     @property
     def decay_start(self) -> int:
@@ -162,7 +142,7 @@ class LRSchedule:
         """Restore a state_dict (validated like the constructor's arguments)."""
         state = dict(state)
         last_step = int(state.pop("last_step", -1))
-        self._configure(**state)
+        self.__init__(**state)  # validated like the constructor's arguments
         self.last_step = last_step
 
     def __repr__(self) -> str:

@@ -116,7 +116,12 @@ def train(cfg: JobConfig) -> TrainResult:
     # (another model, other passes) must neither be reused nor count against the recompile limit.
     torch._dynamo.reset()
     try:
-        return _train(cfg, device, rank, world_size)
+        result = _train(cfg, device, rank, world_size)
+        if dist.is_initialized():
+            # Every rank done with its collectives before the group is torn down: destroying it
+            # while a peer still talks aborts that peer (seen with gloo).
+            dist.barrier()
+        return result
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

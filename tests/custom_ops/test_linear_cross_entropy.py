@@ -470,6 +470,7 @@ def _tp_worker(rank: int, world: int, rendezvous: str) -> None:
                     5e-6,
                     f"rank {rank} {red} triton gw",
                 )
+        dist.barrier()  # every rank done with its collectives before gloo tears down
     finally:
         dist.destroy_process_group()
 

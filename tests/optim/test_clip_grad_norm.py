@@ -132,6 +132,7 @@ def worker(rank: int, world_size: int, init_file: str, case: str) -> None:
             assert sharded[0].to_local().numel() == (3 if rank == 0 else 0)
             torch.testing.assert_close(global_norm(sharded[:1]), torch.tensor(5.0**0.5))
             torch.testing.assert_close(global_norm(sharded), torch.tensor(10.0**0.5))
+        dist.barrier()  # every rank done with its collectives before gloo tears down
     finally:
         dist.destroy_process_group()
 

@@ -33,6 +33,7 @@ def _entry(rank: int, world_size: int, out_dir: str, fn: Callable[..., Any], arg
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # every rank done with its collectives before gloo tears down
     finally:
         dist.destroy_process_group()
 

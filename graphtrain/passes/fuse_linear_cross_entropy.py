@@ -20,7 +20,8 @@ Refusals (the graph is left as it was and ctx.note says why)
     the logits, or any reshape/cast between the head and the loss, have another user (returned,
     argmax for accuracy, a z-loss written by hand, ...); class weights or the legacy
     size_average/reduce arguments; options that are not constants; a bias on the head; a cast
-    to anything but float32; autocast (linear output dtype differs from its inputs); DTensor
+    to anything but float32; a head whose output dtype differs from its inputs other than by
+    autocast (fp32 operands, bf16/fp16 output: the pass then casts h and W explicitly); DTensor
     (tensor-parallel) heads: wiring the vocab-parallel op to DTensor graphs is not done yet;
     symbolic H or V; graphs without example_value meta.
 
@@ -72,7 +73,11 @@ class _Match:
     ignore_index: int
     label_smoothing: float
     reduction: str
+    compute_dtype: torch.dtype  # the head's output dtype: autocast's, where autocast is on
 
+
+# Head output dtypes autocast produces from fp32 operands.
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 _DTENSOR_REFUSAL = (
     "the head is a DTensor (tensor parallel): the pass does not yet wire DTensor graphs to "
@@ -257,13 +262,14 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
         return "the vocab or hidden size is symbolic"
     if hidden_val.dim() < 1 or hidden_val.shape[-1] != H:
         return "hidden and weight sizes do not fit"
-    if (
-        not (hidden_val.dtype == weight_val.dtype == head_val.dtype)
-        or not head_val.is_floating_point()
+    in_dtypes = {hidden_val.dtype, weight_val.dtype}
+    autocast = in_dtypes != {head_val.dtype} and head_val.dtype in _AUTOCAST_DTYPES
+    if not head_val.is_floating_point() or (
+        in_dtypes != {head_val.dtype} and not (autocast and in_dtypes <= {torch.float32})
     ):
         return (
-            f"the head computes in {head_val.dtype} from {hidden_val.dtype} x {weight_val.dtype} "
-            "(autocast?): the fused op would not reproduce it"
+            f"the head computes in {head_val.dtype} from {hidden_val.dtype} x {weight_val.dtype}: "
+            "the fused op would not reproduce it"
         )
     if logits_val.dim() != 2 or logits_val.shape[1] != V:
         return f"cross_entropy's input has shape {tuple(logits_val.shape)}, not [N, {V}]"
@@ -272,7 +278,15 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
     if target_val.dim() != 1 or target_val.dtype != torch.int64:
         return "the target is not a 1-D int64 tensor of class ids (probabilities are not supported)"
     return _Match(
-        hidden, weight, target, chain, transpose, ignore_index, float(smoothing), reduction
+        hidden,
+        weight,
+        target,
+        chain,
+        transpose,
+        ignore_index,
+        float(smoothing),
+        reduction,
+        head_val.dtype,
     )
 
 
@@ -286,9 +300,19 @@ def _fake_mode(vals: Sequence[Any]) -> Any:
     raise AssertionError("the matched values are not fake tensors")  # _match checked meta
 
 
+def _cast(
+    graph: torch.fx.Graph, fake_mode: Any, node: torch.fx.Node, val: Any, dtype: torch.dtype
+) -> torch.fx.Node:
+    cast = graph.call_method("to", (node, dtype))
+    with fake_mode:
+        cast.meta["example_value"] = val.to(dtype)
+    return cast
+
+
 def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx.Node:
     graph = gm.graph
     meta_keys = ("stack_trace", "nn_module_stack", "source_fn_stack")
+    nodes_before = set(graph.nodes)
     with graph.inserting_before(ce):
         weight = m.weight if isinstance(m.weight, torch.fx.Node) else graph.get_attr(m.weight)
         hidden_val = _val(m.hidden)
@@ -304,6 +328,13 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
             hidden = graph.call_method("reshape", (m.hidden, -1, H))
             with fake_mode:
                 hidden.meta["example_value"] = hidden_val.reshape(-1, H)
+        if weight_val.dtype != m.compute_dtype:
+            # Autocast: the linear ran on bf16/fp16 copies of fp32 operands; make the casts
+            # explicit (their backward casts the gradients back, as autocast's do).
+            weight = _cast(graph, fake_mode, weight, weight_val, m.compute_dtype)
+            weight_val = _val(weight)
+        if _val(hidden).dtype != m.compute_dtype:
+            hidden = _cast(graph, fake_mode, hidden, _val(hidden), m.compute_dtype)
         kwargs = {
             "ignore_index": m.ignore_index,
             "label_smoothing": m.label_smoothing,
@@ -325,7 +356,7 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
         # where the loss has none (a loss written at the top level of the compiled function has
         # no nn_module_stack), the head's (e.g. "output").
         head = m.chain[-1]
-        for node in {hidden, fused, result} - {m.hidden}:
+        for node in set(graph.nodes) - nodes_before:
             for key in meta_keys:
                 source = ce if key in ce.meta else head
                 if key in source.meta:

@@ -218,6 +218,28 @@ def test_bf16_logits_without_upcast_keep_their_dtype(tmp_path):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
 
 
+def test_autocast_head_is_fused_with_explicit_casts(tmp_path):
+    """Under autocast the head runs in bf16 on fp32 operands: the pass casts h and W to bf16
+    explicitly, and loss and fp32 gradients equal autocast's unfused computation."""
+    args = _inputs()
+
+    def fn(h, w, t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(F.linear(h, w).float().view(-1, V), t.view(-1))
+
+    out, grads = _run(fn, args, tmp_path)
+    step = _pass_step(tmp_path)
+    assert step["op_counts"].get(OP) == 1, step
+    ref_out, ref_grads = _run(fn, args, None)
+    assert out[0].dtype == ref_out[0].dtype == torch.float32
+    # Both compute the logits from the same bf16 operands; the fused op's fp32 softmax and
+    # accumulations differ from eager's only by bf16 rounding of the logits' consumers.
+    torch.testing.assert_close(out[0], ref_out[0], rtol=1e-3, atol=1e-3)
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
 def test_disabled_pass_changes_nothing(tmp_path):
     fn, _ = FUSED["F.linear + view"]
     _run(fn, _inputs(), tmp_path, passes=("-" + PASS,))

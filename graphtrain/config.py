@@ -55,6 +55,9 @@ class TrainingConfig:
     dtype: str = "auto"
     # Gradient reduction dtype across data-parallel ranks.
     reduce_dtype: str = "float32"
+    # Storage (and update) dtype of the parameters: float32 keeps fp32 master weights; bfloat16
+    # is pure bf16 training (half the parameter and gradient memory; see optim.fp32_grad_accum).
+    master_dtype: str = "float32"
     # Attention for packed documents: auto (flex on CUDA, sdpa on CPU), flex, sdpa, or causal
     # (ignore document boundaries).
     attention: str = "auto"
@@ -68,6 +71,12 @@ class TrainingConfig:
         _choice("training", "device", self.device, ("auto", "cuda", "cpu"))
         _choice("training", "dtype", self.dtype, DTYPES)
         _choice("training", "reduce_dtype", self.reduce_dtype, DTYPES[1:])
+        _choice("training", "master_dtype", self.master_dtype, ("float32", "bfloat16"))
+        if self.master_dtype == "bfloat16" and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError(
+                f"training.master_dtype='bfloat16' computes in bfloat16, but training.dtype="
+                f"{self.dtype!r}; set training.dtype to 'bfloat16' (or 'auto')"
+            )
         _choice("training", "attention", self.attention, ("auto", "flex", "sdpa", "causal"))
         _choice("training", "activation_checkpoint", self.activation_checkpoint, ("none", "full"))
 
@@ -121,6 +130,10 @@ class OptimConfig:
     # dtype of the AdamW moments: float32, or bfloat16 (half the memory; fp32 math, rounded to
     # nearest on store; see graphtrain.optim.adamw_bf16).
     state_dtype: str = "float32"
+    # Parameters (fnmatch on dotted names, e.g. "*norm*", "*.router.*") whose gradients are
+    # summed over the micro-batches in fp32 when training.master_dtype is bfloat16 (see
+    # graphtrain.optim.precision); fp32 parameters accumulate in fp32 anyway.
+    fp32_grad_accum: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _positive("optim", self, "lr")
@@ -428,14 +441,17 @@ def load_config(args: list[str] | None = None, *, file: str | Path | None = None
     file_values.pop("preset", None)
     values = _merge(preset_updates(preset), file_values)
     values["preset"] = preset
+    # The preset's model decides the model section's class (GPTConfig, MoEConfig, ...): its
+    # keys are the ones a file or the command line may set.
+    base = JobConfig(model=type(MODEL_PRESETS[JOB_PRESETS[preset]["model"]])())
     # Merge everything as plain dicts, then build each section once, so the __post_init__ checks
     # see the final values (a preset value overridden on the command line never trips a check).
-    values = _merge(values, _cli_values(JobConfig(), overrides))
+    values = _merge(values, _cli_values(base, overrides))
     unknown = set(values) - {f.name for f in dataclasses.fields(JobConfig)}
     if unknown:
         known = ", ".join(f.name for f in dataclasses.fields(JobConfig))
         raise ValueError(f"unknown config section(s) {sorted(unknown)}; known sections: {known}")
-    return _apply(JobConfig(), values, "")
+    return _apply(base, values, "")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,8 +37,10 @@ from graphtrain.metrics import (
 )
 from graphtrain.optim import (
     BatchSizeSchedule,
+    FP32GradAccumulator,
     LRSchedule,
     build_optimizer,
+    cast_parameters_,
     clip_grad_norm_,
     global_norm,
 )
@@ -98,6 +100,8 @@ def _run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
 
 
 def _param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
+    if cfg.training.master_dtype != "float32":  # pure low-precision: compute in it too
+        return _DTYPES[cfg.training.master_dtype]
     if cfg.training.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[cfg.training.dtype]
@@ -195,6 +199,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     fsdp = dims.dp_size > 1
     with torch.device("meta"):
         model = build_model(m_cfg)
+    if t_cfg.master_dtype != "float32":
+        cast_parameters_(model, _DTYPES[t_cfg.master_dtype])  # before sharding: FSDP2 keeps it
     compile_options, dump_dir = None, None
     if cfg.compile.enable:
         dump_dir = run_dir / "graphs" if cfg.compile.dump_graphs and rank == 0 else None
@@ -237,6 +243,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         implementation=o.implementation,
         state_dtype=o.state_dtype,
     )
+    fp32_grads = FP32GradAccumulator(model, o.fp32_grad_accum)
     # AdamW keeps two moments per parameter element; report what they cost on this rank.
     local_numel = sum(
         (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
@@ -354,7 +361,9 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             weight = n / max(sum(num_labels), 1)
             loss = forward(td)
             (loss * weight).backward()
+            fp32_grads.after_backward()
             step_loss += loss.detach().float() * weight
+        fp32_grads.finalize()
         grad_norm = clip_grad_norm_(list(model.parameters()), o.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

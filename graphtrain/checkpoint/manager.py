@@ -15,7 +15,10 @@ Never losing work:
   checkpoint is complete;
 - retention: after a save completes, checkpoints are deleted except the last `keep_last` and
   those whose step is a multiple of `retain_interval`.
-Not covered: a power loss right after the rename can lose page-cache data (no fsync).
+- durability: before the rename every rank's files are fsynced (DCP syncs its shards, we sync
+  the trainer file) and rank 0 fsyncs the folder; after it, the checkpoints folder: a power
+  loss right after the rename cannot leave a complete-looking checkpoint whose data was still
+  in the page cache.
 
 Async save (DCP async_save, checkpoint.async_save): the state is staged to host memory and written
 by a background thread while training goes on; the rename and retention happen at the next save
@@ -26,6 +29,7 @@ collectives run on a gloo group, which works next to NCCL.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -112,6 +116,15 @@ def _load_trainer_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint file {path} is truncated or corrupted ({e})") from e
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class CheckpointManager:
     """Saves and loads the checkpoints of one run; every rank makes the same calls."""
 
@@ -192,12 +205,15 @@ class CheckpointManager:
         error = None
         try:
             state = {**state, "files": written_files(tmp, _rank())}
-            torch.save(state, tmp / f"trainer-rank{_rank()}.pt")
+            trainer_file = tmp / f"trainer-rank{_rank()}.pt"
+            torch.save(state, trainer_file)
+            _fsync(trainer_file)  # DCP's FileSystemWriter fsyncs its own shards (sync_files)
         except OSError as e:
             error = e
         self._raise_if_failed(_agree(error), final, tmp)
         if _rank() == 0:
             try:
+                _fsync(tmp)
                 if final.exists():  # the same step saved again (a resumed run): replace it
                     old = final.with_name(f"{final.name}.old")
                     final.rename(old)
@@ -205,6 +221,7 @@ class CheckpointManager:
                     shutil.rmtree(old)
                 else:
                     tmp.rename(final)
+                _fsync(final.parent)
             except OSError as e:
                 error = e
         self._raise_if_failed(_agree(error), final, tmp)

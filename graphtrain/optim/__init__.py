@@ -3,6 +3,7 @@
 from graphtrain.optim.adamw_bf16 import AdamWBF16
 from graphtrain.optim.clip import clip_grad_norm_, global_norm
 from graphtrain.optim.optimizer import build_optimizer
+from graphtrain.optim.precision import FP32GradAccumulator, cast_parameters_
 from graphtrain.optim.schedule import (
     DECAY_STYLES,
     BatchSizeSchedule,
@@ -14,8 +15,10 @@ __all__ = [
     "DECAY_STYLES",
     "AdamWBF16",
     "BatchSizeSchedule",
+    "FP32GradAccumulator",
     "LRSchedule",
     "build_optimizer",
+    "cast_parameters_",
     "clip_grad_norm_",
     "global_norm",
     "parse_token_count",

@@ -114,3 +114,36 @@ def test_a_damaged_checkpoint_is_reported(saved_run, tmp_path, damage):
     args = [a for a in args if not a.startswith("--training.run_dir")]
     with pytest.raises(ValueError, match=match):
         train(load_config([*args, f"--training.run_dir={copy}", "--checkpoint.resume=latest"]))
+
+
+def test_every_written_file_and_both_folders_are_fsynced(tmp_path, monkeypatch):
+    """Durability: the data reaches the disk before the rename marks the checkpoint complete."""
+    import os
+
+    from graphtrain.checkpoint import CheckpointManager
+
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr("graphtrain.checkpoint.manager.os.fsync", fsync)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    manager = CheckpointManager(tmp_path, keep_last=1, retain_interval=0, async_save=False)
+    manager.save(1, model=model, optimizer=optimizer, trainer_state={"step": 1})
+    final = tmp_path / "checkpoints" / "step-0000001"
+    tmp = final.with_name(final.name + ".tmp")
+    files = sorted(p.name for p in final.iterdir())
+    assert ".metadata" in files and "trainer-rank0.pt" in files
+    # DCP syncs its shards under their final names (.metadata via .metadata.tmp), we the rest.
+    synced_names = {
+        os.path.basename(p).removesuffix(".tmp") for p in synced if p.startswith(f"{tmp}/")
+    }
+    assert set(files) <= synced_names, (files, synced_names)
+    assert str(tmp) in synced and str(final.parent) in synced
+    assert synced.index(str(tmp)) < synced.index(str(final.parent))

@@ -55,7 +55,7 @@ def _export(args: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="graphtrain export",
-        description="Write a checkpoint as Hugging Face safetensors (Llama names), config.json "
+        description="Write a checkpoint as Hugging Face safetensors (Llama, Glm4Moe or Qwen2Moe names), config.json "
         "and the run's tokenizer, loadable by transformers.AutoModelForCausalLM.",
     )
     parser.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint")

@@ -41,6 +41,37 @@ INNER_BACKENDS = ("inductor", "aot_eager")
 torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
+def _allow_fp32_grouped_mm_under_compile() -> None:
+    """Let torch.compile trace fp32 torch._grouped_mm (every CPU run of the MoE model).
+
+    torch 2.13's fake-tensor (meta) kernel of aten._grouped_mm accepts bf16 only, although the
+    CPU kernel and CUDA's fallback compute fp32 (pytorch PR 162059 enabled fp32 and left
+    "better compile support" for later): compiling fails with "Expected inputs of BF16 type".
+    This registers a fake kernel that returns, for fp32, the output layout torch's own meta code
+    gives, and defers to torch's kernel for every other dtype. Registered only while torch still
+    rejects fp32, so it disappears by itself once torch is fixed.
+    """
+    try:  # private helpers; where they are missing, so is the fix's need (checked on 2.13)
+        from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
+    except ImportError:
+        return
+    probe = torch.empty(8, 8, device="meta")
+    try:
+        meta_grouped_mm(probe, probe.expand(1, 8, 8), offs=probe.new_empty(1, dtype=torch.int32))
+        return
+    except RuntimeError:
+        pass
+
+    @torch.library.register_fake("aten::_grouped_mm")
+    def _grouped_mm_fake(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        if mat_a.dtype == mat_b.dtype == torch.float32 and bias is None and out_dtype is None:
+            return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+
+
+_allow_fp32_grouped_mm_under_compile()
+
+
 def _run_passes(
     passes: Sequence[PassSpec],
     gm: torch.fx.GraphModule,

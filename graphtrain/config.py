@@ -86,9 +86,11 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: every rank not used by the other axes
     tp: int = 1
+    # Expert parallel (MoE models): experts split over ep ranks carved out of dp_shard.
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        _positive("parallel", self, "dp_replicate", "tp")
+        _positive("parallel", self, "dp_replicate", "tp", "ep")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be >= 1 or -1, got {self.dp_shard}")
 
@@ -175,7 +177,7 @@ class CheckpointConfig:
     resume: str = ""  # "" none, "latest", or a checkpoint folder name (step-0000100)
     # Write checkpoints in the background (DCP async_save); CUDA only.
     async_save: bool = False
-    # A Hugging Face Llama safetensors directory (as `graphtrain export` writes) to start from,
+    # A Hugging Face safetensors directory (as `graphtrain export` writes) to start from,
     # instead of a random init; ignored when resuming.
     init_from_hf: str = ""
 
@@ -262,6 +264,27 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
     "1b": {
         "model": "1b",
         "training": {"steps": 20000, "seq_len": 4096, "micro_batch_size": 2},
+        "optim": {"lr": 3e-4},
+        "schedule": {"warmup_steps": 1000, "min_lr": 3e-5},
+    },
+    # MoE (models/moe.py). moe-tiny learns the embedded corpus on a 2-core CPU in minutes.
+    "moe-tiny": {
+        "model": "moe-tiny",
+        "training": {"steps": 150, "seq_len": 256, "micro_batch_size": 16},
+        "optim": {"lr": 2e-3, "weight_decay": 0.1},
+        "schedule": {"warmup_steps": 20, "decay_ratio": 0.4, "min_lr": 2e-4},
+        "metrics": {"log_interval": 10, "val_interval": 50, "val_batches": 8},
+    },
+    "moe-debug": {
+        "model": "moe-debug",
+        "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
+        "optim": {"lr": 1e-3},
+        "schedule": {"warmup_steps": 2, "decay_ratio": 0.25, "min_lr": 1e-4},
+        "metrics": {"log_interval": 5, "val_interval": 10, "val_batches": 2},
+    },
+    "moe-1b": {
+        "model": "moe-1b",
+        "training": {"steps": 20000, "seq_len": 4096, "micro_batch_size": 4},
         "optim": {"lr": 3e-4},
         "schedule": {"warmup_steps": 1000, "min_lr": 3e-5},
     },

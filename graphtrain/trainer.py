@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from graphtrain.attention import build_attention_mask, resolve_attention
+from graphtrain.balance import RouterBalance
 from graphtrain.checkpoint import CheckpointManager, complete_checkpoints
 from graphtrain.checkpoint.hf import load_hf_into
 from graphtrain.config import JobConfig, to_toml
@@ -48,7 +49,10 @@ from graphtrain.parallel import (
     ParallelDims,
     build_mesh,
     dp_mesh,
+    expert_dp_mesh,
+    expert_params,
     parallelize_model,
+    reduce_expert_grads,
     validate_model_for_tp,
 )
 from models import build_model
@@ -136,7 +140,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     # Layout and model checks first: nothing large is allocated before they pass.
     p = cfg.parallel
     dims = ParallelDims(
-        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, world_size=world_size
+        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, world_size=world_size
     )
     validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len)
     attention = resolve_attention(t_cfg.attention, device)
@@ -208,6 +212,9 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             "passes": cfg.compile.passes,
             "inner": cfg.compile.backend,
             "dump_dir": dump_dir,
+            # Expert parallel's all-to-all has data-dependent sizes and runs outside the graph:
+            # an MoE block compiles as two graphs around it.
+            "fullgraph": dims.ep == 1,
         }
     parallelize_model(
         model,
@@ -244,19 +251,27 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         state_dtype=o.state_dtype,
     )
     fp32_grads = FP32GradAccumulator(model, o.fp32_grad_accum)
+    ep_params = expert_params(model)
+    # Ranks holding the same experts (none besides this one when ep covers every dp rank).
+    ep_grad_group = expert_dp_mesh(mesh).get_group() if 1 < dims.ep < dims.dp_size else None
+    balance = RouterBalance(
+        model, dp_group=dp_group, bias_update_rate=getattr(m_cfg, "bias_update_rate", 0.0)
+    )
     # AdamW keeps two moments per parameter element; report what they cost on this rank.
     local_numel = sum(
         (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
     )
     optim_state = {
-        "optim_state_bytes": 2 * local_numel * _DTYPES[o.state_dtype].itemsize,
+        # torch's AdamW keeps its moments in the parameters' dtype, AdamWBF16 in bf16.
+        "optim_state_bytes": 2
+        * local_numel
+        * min(_DTYPES[o.state_dtype].itemsize, _DTYPES[t_cfg.master_dtype].itemsize),
         "optim_state_bytes_fp32": 2 * local_numel * 4,
     }
     if rank == 0:
         logger.info(
-            "optimizer moments: %.1f MiB per rank in %s (%.1f MiB in float32)",
+            "optimizer moments: %.1f MiB per rank (%.1f MiB in float32)",
             optim_state["optim_state_bytes"] / 2**20,
-            o.state_dtype,
             optim_state["optim_state_bytes_fp32"] / 2**20,
         )
     lr_schedule = LRSchedule(
@@ -359,14 +374,19 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
                 num_attention_pairs=int(td["num_attention_pairs"]),
             )
             weight = n / max(sum(num_labels), 1)
+            balance.before_micro_batch(weight)
             loss = forward(td)
             (loss * weight).backward()
+            balance.after_micro_batch(weight)
             fp32_grads.after_backward()
             step_loss += loss.detach().float() * weight
         fp32_grads.finalize()
+        if dims.ep > 1:
+            reduce_expert_grads(ep_params, ep_grad_group, dims.dp_size)
         grad_norm = clip_grad_norm_(list(model.parameters()), o.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        balance.after_step()  # expert biases move once per optimizer step
         step += 1
         tokens = num_micro * t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
         consumed_tokens += tokens
@@ -403,6 +423,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             if peak:
                 entry["mfu"] = device_flops / elapsed / peak
             entry.update(memory_stats(device))
+            entry.update(balance.metrics())
             metrics.log(step, entry)
             window_tokens, window_flops, window_start = 0, 0, time.perf_counter()
         val_interval = cfg.metrics.val_interval

@@ -1,13 +1,25 @@
 """Plain-PyTorch models and their presets. Nothing here imports distributed, compile or kernel code."""
 
 from models.gpt import GPT, PRESETS, GPTConfig, build_gpt
+from models.moe import MOE_PRESETS, MoEConfig, MoEGPT, active_params, build_moe
 
-MODEL_PRESETS: dict[str, GPTConfig] = dict(PRESETS)
+MODEL_PRESETS: dict[str, GPTConfig] = {**PRESETS, **MOE_PRESETS}
 
 
 def build_model(cfg: GPTConfig) -> GPT:
-    """The model for a config (called under torch.device("meta"), then to_empty + init_weights)."""
+    """The model for a config (called under torch.device("meta"), then to_empty + init_weights):
+    MoEGPT for an MoEConfig, the dense GPT otherwise."""
+    if isinstance(cfg, MoEConfig):
+        return build_moe(cfg)
     return build_gpt(cfg)
 
 
-__all__ = ["GPT", "MODEL_PRESETS", "GPTConfig", "build_model"]
+__all__ = [
+    "GPT",
+    "MODEL_PRESETS",
+    "GPTConfig",
+    "MoEConfig",
+    "MoEGPT",
+    "active_params",
+    "build_model",
+]

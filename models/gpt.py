@@ -210,19 +210,28 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.build_ffn(cfg)
+
+    def build_ffn(self, cfg: GPTConfig) -> None:
+        """Registers the position-wise network that follows ffn_norm (models.moe.MoEBlock
+        registers an MoE layer named `moe` instead)."""
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.feed_forward
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, attn_mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.ffn(self.ffn_norm(h))
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.attention_norm.init_weights()
         self.ffn_norm.init_weights()
         self.attention.init_weights(std, out_std)
-        self.feed_forward.init_weights(std, out_std)
+        self.ffn.init_weights(std, out_std)
 
 
 class GPT(nn.Module):
@@ -232,7 +241,7 @@ class GPT(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0".."L-1" keeps Llama's names and lets layers be replaced
         # (compiled, checkpointed, or removed by pipeline stages) without renumbering.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -241,6 +250,10 @@ class GPT(nn.Module):
         self.register_buffer(
             "rope", rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
         )
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        """Block number layer_id (models.moe.MoEGPT builds MoE blocks after the dense ones)."""
+        return TransformerBlock(self.cfg)
 
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter and buffer in place (after to_empty from the meta device).

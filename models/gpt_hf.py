@@ -4,12 +4,17 @@ Export is a renaming: our RoPE is Hugging Face's rotate-half layout (x1 * cos - 
 x2 * cos + x1 * sin over the two halves of each head), so q/k need no permutation; RMSNorm,
 SwiGLU (gate_proj = w1, up_proj = w3, down_proj = w2) and grouped-query attention are Llama's.
 A tied output head is written once, as the embedding, with tie_word_embeddings = true.
+
+graphtrain.checkpoint.hf uses a layout module through four functions, which models/moe_hf.py
+(the MoE layouts) has too: hf_config, config_mismatches, to_hf_state, from_hf_state.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+import torch
 
 from models.gpt import GPTConfig
 
@@ -86,12 +91,33 @@ def hf_config(cfg: GPTConfig, *, dtype: str, eos_token_id: int | None) -> dict[s
     }
 
 
-def gpt_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """The GPTConfig fields a Hugging Face Llama config.json describes (to compare or to build)."""
-    if hf.get("model_type") != "llama":
+def to_hf_state(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our state dict -> the Hugging Face Llama tensors (the same tensors, renamed)."""
+    return {to_hf_name(k): v for k, v in state.items()}
+
+
+def from_hf_state(tensors: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama tensors -> our state dict; KeyError for a tensor we have no slot for."""
+    return {from_hf_name(k): v for k, v in tensors.items()}
+
+
+def config_mismatches(cfg: GPTConfig, hf: dict[str, Any], model_type: str = "llama") -> list[str]:
+    """'model.dim=32 but dim=64' for each GPTConfig field a config.json of `model_type` sets
+    otherwise than `cfg`."""
+    return [
+        f"model.{k}={getattr(cfg, k)} but {k}={v}"
+        for k, v in gpt_config_from_hf(hf, model_type).items()
+        if getattr(cfg, k) != v
+    ]
+
+
+def gpt_config_from_hf(hf: dict[str, Any], model_type: str = "llama") -> dict[str, Any]:
+    """The GPTConfig fields a Hugging Face config.json of `model_type` describes (the attention,
+    norms and dense FFN keys, which Llama and the MoE layouts of models/moe_hf.py share)."""
+    if hf.get("model_type") != model_type:
         raise ValueError(
-            f"config.json has model_type={hf.get('model_type')!r}; only 'llama' maps onto the "
-            "GPT model"
+            f"config.json has model_type={hf.get('model_type')!r}; the model maps onto "
+            f"{model_type!r}"
         )
     rope = hf.get("rope_parameters") or {}
     return {

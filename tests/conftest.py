@@ -1,8 +1,11 @@
-"""Shared fixtures: a small synthetic corpus with its tokenizer, and the argv of a debug job on it
-(used by the trainer and checkpoint tests)."""
+"""Shared fixtures: a small synthetic corpus with its tokenizer, the argv of a debug job on it
+(used by the trainer and checkpoint tests), and a torchrun launcher for multi-rank jobs."""
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,3 +51,27 @@ def job(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
         "--metrics.tensorboard=false",
         *extra,
     ]
+
+
+def torchrun_metrics(nproc: int, args: list[str]) -> list[dict]:
+    """Run `graphtrain train ARGS` on nproc CPU ranks (gloo); the lines of its metrics.jsonl."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "graphtrain",
+            "train",
+            *args,
+        ],
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
+    )
+    run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--training.run_dir="))
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

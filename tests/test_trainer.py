@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import job
+from conftest import job, torchrun_metrics
 
 from graphtrain.config import load_config
 from graphtrain.trainer import train
@@ -199,7 +199,8 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == (
         "graphtrain: error: unknown config key 'training.stepz'; known keys here: activation_checkpoint, "
-        "attention, device, dtype, micro_batch_size, reduce_dtype, run_dir, seed, seq_len, steps"
+        "attention, device, dtype, master_dtype, micro_batch_size, reduce_dtype, run_dir, seed, "
+        "seq_len, steps"
     )
 
 
@@ -226,29 +227,6 @@ def test_launch_sh_dry_run_builds_the_torchrun_command():
     assert out.strip().endswith("-m graphtrain train --parallel.tp=2")
 
 
-def _torchrun(nproc: int, args: list[str], tmp_path: Path) -> list[float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "graphtrain",
-            "train",
-            *args,
-        ],
-        check=True,
-        env=env,
-        timeout=300,
-        capture_output=True,
-    )
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    return [x["loss"] for x in lines if "loss" in x]
-
-
 @pytest.mark.parametrize(
     "layout",
     [
@@ -267,7 +245,11 @@ def test_two_processes_follow_the_single_process_curve(corpus, tmp_path, layout)
     single = train(
         load_config(job(corpus, tmp_path / "one", *common, "--training.micro_batch_size=4"))
     )
-    multi = _torchrun(2, job(corpus, tmp_path / "two", *common, *layout), tmp_path / "two")
+    multi = [
+        m["loss"]
+        for m in torchrun_metrics(2, job(corpus, tmp_path / "two", *common, *layout))
+        if "loss" in m
+    ]
     assert len(multi) == 8
     for a, b in zip(single.losses, multi, strict=True):
         assert b == pytest.approx(a, rel=1e-3)

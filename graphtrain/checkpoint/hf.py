@@ -1,16 +1,20 @@
 """Hugging Face safetensors: export a checkpoint for transformers, and start training from one.
 
 Export (`graphtrain export RUN_OR_CHECKPOINT OUT_DIR`): the model part of a DCP checkpoint (saved
-by any number of ranks) is read into one process as full tensors, renamed to the Llama names of
-models/gpt_hf.py, cast to the chosen dtype and written as `model.safetensors`, or, above
-`max_shard_size` bytes, as `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`;
-beside them `config.json` (LlamaForCausalLM) and the run's tokenizer (tokenizer.json,
-tokenizer_config.json for PreTrainedTokenizerFast, special_tokens_map.json). The model config and
-the tokenizer come from the run directory (config.toml and tokenizer.json, which the trainer
-writes at start). MoE: graphtrain has no MoE model yet, so only the dense GPT is exported.
+by any number of ranks) is read into one process as full tensors, its parameters cast to the
+chosen dtype (buffers, the MoE routers' fp32 expert_bias, keep theirs), converted to the names
+of the model's Hugging Face layout and written as `model.safetensors`, or, above `max_shard_size`
+bytes, as `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`; beside them
+`config.json` and the run's tokenizer (tokenizer.json, tokenizer_config.json for
+PreTrainedTokenizerFast, special_tokens_map.json). The model config and the tokenizer come from
+the run directory (config.toml and tokenizer.json, which the trainer writes at start).
 
-Import (`--checkpoint.init_from_hf DIR`): the same files read back, renamed, shape-checked against
-the model and copied into its (possibly sharded) parameters.
+Layouts: the dense GPT is LlamaForCausalLM (models/gpt_hf.py); an MoE model is Glm4MoeForCausalLM
+or Qwen2MoeForCausalLM by its routing, and an MoE config neither computes is refused before
+anything is read or written (models/moe_hf.py says which and why).
+
+Import (`--checkpoint.init_from_hf DIR`): the same files read back, converted, shape-checked
+against the model and copied into its (possibly sharded) parameters.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -27,8 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graphtrain.checkpoint.integrity import check_shapes, read_shapes
 from graphtrain.checkpoint.manager import resolve
-from models import GPTConfig, build_model
-from models.gpt_hf import from_hf_name, gpt_config_from_hf, hf_config, to_hf_name
+from models import GPTConfig, MoEConfig, build_model, gpt_hf, moe_hf
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _INDEX = "model.safetensors.index.json"
@@ -53,8 +57,15 @@ def parse_size(text: str) -> int:
     return int(value * units[unit])
 
 
-def _read_model(ckpt: Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model state of a DCP checkpoint, on the CPU."""
+def _layout(cfg: GPTConfig) -> ModuleType:
+    """The module that maps the model onto Hugging Face: models.moe_hf for an MoE model,
+    models.gpt_hf (Llama) for the dense one. Both have hf_config, config_mismatches,
+    to_hf_state and from_hf_state."""
+    return moe_hf if isinstance(cfg, MoEConfig) else gpt_hf
+
+
+def _read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The full (unsharded) model state of a DCP checkpoint, on the CPU, and its buffers' names."""
     with torch.device("meta"):
         model = build_model(cfg)
     model.to_empty(device="cpu")
@@ -69,7 +80,7 @@ def _read_model(ckpt: Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
         dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     except Exception as e:
         raise ValueError(f"checkpoint {ckpt} is corrupted: reading it failed ({e})") from e
-    return state["model"]
+    return state["model"], {name for name, _ in model.named_buffers()}
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -126,17 +137,23 @@ def export_hf(
     run_dir = ckpt.parent.parent
     if not (run_dir / "config.toml").is_file():
         raise ValueError(f"{run_dir} has no config.toml: {ckpt} is not inside a graphtrain run")
+    cfg = load_config(["--config", str(run_dir / "config.toml")]).model
+    layout = _layout(cfg)
+    # Refuses a model no Hugging Face architecture computes, before anything is read or removed.
+    config = layout.hf_config(
+        cfg, dtype=str(EXPORT_DTYPES[dtype]).removeprefix("torch."), eos_token_id=None
+    )
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
             raise ValueError(f"{out_dir} already holds files; pass --overwrite to replace them")
         for pattern in _EXPORT_GLOBS:
             for f in out_dir.glob(pattern):
                 f.unlink()
-    cfg = load_config(["--config", str(run_dir / "config.toml")]).model
-    state = _read_model(ckpt, cfg)
+    state, buffers = _read_model(ckpt, cfg)
     if cfg.tie_embeddings:
         state.pop("output.weight")  # the same tensor as the embedding: tie_word_embeddings
-    tensors = {to_hf_name(k): v.to(EXPORT_DTYPES[dtype]).contiguous() for k, v in state.items()}
+    state = {k: v if k in buffers else v.to(EXPORT_DTYPES[dtype]) for k, v in state.items()}
+    tensors = {k: v.contiguous() for k, v in layout.to_hf_state(state, cfg).items()}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = _shards(tensors, max_shard_size)
@@ -151,10 +168,7 @@ def export_hf(
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    eos_id = _write_tokenizer(run_dir, out_dir, cfg.max_seq_len)
-    config = hf_config(
-        cfg, dtype=str(EXPORT_DTYPES[dtype]).removeprefix("torch."), eos_token_id=eos_id
-    )
+    config["eos_token_id"] = _write_tokenizer(run_dir, out_dir, cfg.max_seq_len)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
@@ -171,29 +185,28 @@ def _hf_files(hf_dir: Path) -> list[Path]:
 
 
 def read_hf(hf_dir: Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """Our-named full tensors of a Hugging Face Llama directory, checked against `cfg`."""
+    """Our-named full tensors of a Hugging Face directory in the model's layout, checked
+    against `cfg`."""
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"checkpoint.init_from_hf={str(hf_dir)!r} has no config.json")
-    fields = gpt_config_from_hf(json.loads(config_path.read_text()))
-    differ = [
-        f"model.{k}={getattr(cfg, k)} but {k}={v}"
-        for k, v in fields.items()
-        if getattr(cfg, k) != v
-    ]
+    layout = _layout(cfg)
+    differ = layout.config_mismatches(cfg, json.loads(config_path.read_text()))
     if differ:
         raise ValueError(f"{config_path} does not match the model config: " + "; ".join(differ))
-    tensors: dict[str, torch.Tensor] = {}
+    hf_tensors: dict[str, torch.Tensor] = {}
     for path in _hf_files(hf_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    tensors[from_hf_name(name)] = f.get_tensor(name)
-        except KeyError as e:
-            raise ValueError(f"{path}: {e.args[0]}") from None
+                    hf_tensors[name] = f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ValueError(f"{path} is truncated or corrupted ({e})") from e
+    try:
+        tensors = layout.from_hf_state(hf_tensors, cfg)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{hf_dir}: {e.args[0]}") from None
     if cfg.tie_embeddings:
         tensors.setdefault("output.weight", tensors.get("tok_embeddings.weight"))
     return tensors
@@ -201,7 +214,7 @@ def read_hf(hf_dir: Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_hf_into(model: torch.nn.Module, hf_dir: Path) -> None:
-    """Copy a Hugging Face Llama directory into `model`'s parameters (sharded or not)."""
+    """Copy a Hugging Face directory into `model`'s parameters and buffers (sharded or not)."""
     tensors = read_hf(hf_dir, model.cfg)
     own = model.state_dict()
     check_shapes(

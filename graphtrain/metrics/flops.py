@@ -45,6 +45,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from models.moe import MoEConfig, active_params
+
 
 def training_flops(
     *,
@@ -96,7 +98,17 @@ def training_flops(
 
 
 def model_training_flops(cfg: Any, *, num_tokens: int, num_attention_pairs: int) -> int:
-    """training_flops with the shape read from a model config (models.GPTConfig's fields)."""
+    """training_flops with the shape read from a model config (models.GPTConfig's fields).
+
+    MoE models (models.MoEConfig): the matmuls a token runs are those of the active parameters
+    (attention, dense FFNs, router gate, shared experts and its top_k routed experts, head;
+    models.moe.active_params), 2 FLOPs each per token forward, plus the same attention term;
+    backward = 2 * forward as above. Tokens are counted once per routed expert they visit.
+    """
+    if isinstance(cfg, MoEConfig):
+        attention_per_pair = cfg.num_layers * 4 * cfg.head_dim * cfg.num_heads
+        forward = num_tokens * 2 * active_params(cfg) + num_attention_pairs * attention_per_pair
+        return 3 * forward
     return training_flops(
         dim=cfg.dim,
         num_layers=cfg.num_layers,

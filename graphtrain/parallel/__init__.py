@@ -23,9 +23,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from graphtrain.parallel.activation_checkpoint import AC_MODES, apply_ac
+from graphtrain.parallel.expert_parallel import apply_ep, expert_params, reduce_expert_grads
 from graphtrain.parallel.fsdp import apply_fsdp
 from graphtrain.parallel.init import apply_reproducible_init
-from graphtrain.parallel.mesh import ParallelDims, build_mesh, dp_mesh, validate_model_for_tp
+from graphtrain.parallel.mesh import (
+    ParallelDims,
+    build_mesh,
+    dp_mesh,
+    expert_dp_mesh,
+    fsdp_mesh,
+    validate_model_for_tp,
+)
 from graphtrain.parallel.tensor_parallel import STYLES, apply_tp
 
 __all__ = [
@@ -33,12 +41,17 @@ __all__ = [
     "STYLES",
     "ParallelDims",
     "apply_ac",
+    "apply_ep",
     "apply_fsdp",
     "apply_reproducible_init",
     "apply_tp",
     "build_mesh",
     "dp_mesh",
+    "expert_dp_mesh",
+    "expert_params",
+    "fsdp_mesh",
     "parallelize_model",
+    "reduce_expert_grads",
     "validate_model_for_tp",
 ]
 
@@ -54,7 +67,7 @@ def parallelize_model(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
 ) -> nn.Module:
-    """Apply TP -> compile -> AC -> FSDP to `model` in place (and return it).
+    """Apply EP -> TP -> compile -> AC -> FSDP to `model` in place (and return it).
 
     `mesh` comes from build_mesh(dims, ...); None is fine for one process (nothing to shard).
     compile_options: keyword arguments of graphtrain.compile.apply_compile, None for eager.
@@ -68,6 +81,16 @@ def parallelize_model(
         raise ValueError(f"parallelize_model needs a mesh for world size {dims.world_size}")
     if ac_mode not in AC_MODES:  # fail before any work, not half-way
         raise ValueError(f"activation checkpoint mode must be one of {AC_MODES}, got {ac_mode!r}")
+
+    # 0. Expert parallel: the experts' weights become ep shards before anything else sees them
+    #    (FSDP must know to leave them alone; the compiled blocks call the all-to-all run).
+    if dims.ep > 1:
+        if dims.tp_enabled:
+            raise ValueError(
+                f"parallel.ep={dims.ep} with parallel.tp={dims.tp}: tensor parallelism of MoE "
+                "models is not supported yet"
+            )
+        apply_ep(model, mesh["ep"])
 
     # 1. TP first: it turns parameters into DTensors on the tp axis and installs the hooks that
     #    redistribute activations; everything after (compiled graphs, checkpoint recompute,
@@ -94,15 +117,14 @@ def parallelize_model(
     #    costs a local copy per gather (no communication) but keeps one code path: the same
     #    DTensor parameters, state dict and composition with TP/compile as FSDP, where
     #    replicate() (DDP) has its own state-dict and TP rules.
-    if dims.dp_replicate > 1:
+    if dims.dp_replicate > 1 or dims.dp_shard > 1:
         apply_fsdp(
             model,
-            mesh["dp_replicate", "dp_shard"],
+            fsdp_mesh(mesh, dims),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
+            ignored_params=set(expert_params(model)) or None,
         )
-    elif dims.dp_shard > 1:
-        apply_fsdp(model, mesh["dp_shard"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     # 5. Seeded init must reproduce the unsharded values whatever the layout above.
     apply_reproducible_init(model)

@@ -26,6 +26,7 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
     """fully_shard every block of model.layers, then the model itself, in place.
 
@@ -33,6 +34,8 @@ def apply_fsdp(
     master copy keeps its own dtype, fp32). reduce_dtype: dtype of the gradient reduce-scatter
     (fp32 keeps the sum over many ranks accurate). reshard_after_forward=False keeps gathered
     parameters from forward to backward (ZeRO-2 like: more memory, one all-gather fewer).
+    ignored_params: left alone (the expert-parallel weights, which
+    graphtrain.parallel.expert_parallel shards and reduces itself).
     """
     if dp_mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp wants a 1-D (FSDP) or 2-D (HSDP) mesh, got {dp_mesh.ndim}-D")
@@ -42,7 +45,19 @@ def apply_fsdp(
         # The last block's parameters are needed again at once by backward: resharding them
         # after forward would only buy an immediate second all-gather.
         reshard = reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard,
+            ignored_params=ignored_params,
+        )
     # The root unit (embedding, norm, head) is the first one backward needs: keep it gathered
     # (FSDP2's own default for the root, stated because an explicit value overrides it).
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(
+        model,
+        mesh=dp_mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=False,
+        ignored_params=ignored_params,
+    )

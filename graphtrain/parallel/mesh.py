@@ -1,8 +1,9 @@
 """Named parallel axes: the layout (ParallelDims), the DeviceMesh built from it, and the checks
 that a model can be split the way the layout asks.
 
-The mesh always has the three axes ("dp_replicate", "dp_shard", "tp"), size-1 axes included, so
-code can slice `mesh["tp"]` without asking whether TP is on. A flattened "dp" axis
+The mesh always has the axes ("dp_replicate", "dp_shard", "tp"), size-1 axes included, so
+code can slice `mesh["tp"]` without asking whether TP is on; with expert parallelism "dp_shard"
+is the flattening of ("dp_shard_mod_ep", "ep"), see build_mesh. A flattened "dp" axis
 (dp_replicate x dp_shard) is what data loading (which rank reads which rows) and loss averaging
 use: get it with dp_mesh(mesh). (mesh["dp"] works on torch 2.13 but warns that slicing a
 flattened axis from the root mesh is deprecated.)
@@ -21,6 +22,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class ParallelDims:
     dp_shard: int = -1
     tp: int = 1
     world_size: int = 1
+    # Expert parallel: carved out of dp_shard (ranks that read different rows also hold
+    # different experts), so it adds no ranks; dp_shard = dp_shard_mod_ep * ep.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -55,6 +60,11 @@ class ParallelDims:
         elif self.dp_shard < 1:
             raise ValueError(
                 f"parallel.dp_shard must be >= 1 or -1 (the rest), got {self.dp_shard}"
+            )
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ValueError(
+                f"parallel.ep={self.ep} must be >= 1 and divide parallel.dp_shard={self.dp_shard}: "
+                "expert-parallel ranks are carved out of the FSDP (dp_shard) ranks"
             )
         product = self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
@@ -86,12 +96,16 @@ class ParallelDims:
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The 3-D mesh ("dp_replicate", "dp_shard", "tp"), with the flattened "dp" axis created
-    (and its process group with it, collectively, now rather than at first use).
+    """The mesh ("dp_replicate", "dp_shard", "tp"), with the flattened "dp" axis created (and its
+    process group with it, collectively, now rather than at first use).
+
+    With expert parallelism (dims.ep > 1) "dp_shard" is split into ("dp_shard_mod_ep", "ep"):
+    the mesh is ("dp_replicate", "dp_shard_mod_ep", "ep", "tp") and "dp_shard" is their
+    flattening, so fsdp_mesh and dp_mesh mean the same ranks either way.
 
     Needs torch.distributed initialised with dims.world_size ranks. `DeviceMesh._flatten` is
     private (added in torch 2.5, what torchtitan uses; checked on 2.13, no public replacement
-    there); it is idempotent, which dp_mesh relies on.
+    there); it is idempotent, which the accessors below rely on.
     """
     world = torch.distributed.get_world_size()
     if world != dims.world_size:
@@ -99,16 +113,43 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
             f"ParallelDims was built for world size {dims.world_size}, but torch.distributed "
             f"has {world} ranks"
         )
-    mesh = init_device_mesh(device_type, dims._sizes, mesh_dim_names=MESH_AXES)
+    if dims.ep > 1:
+        sizes = (dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.tp)
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=EP_MESH_AXES)
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        expert_dp_mesh(mesh)
+    else:
+        mesh = init_device_mesh(device_type, dims._sizes, mesh_dim_names=MESH_AXES)
     dp_mesh(mesh)
     return mesh
 
 
+def _data_axes(mesh: DeviceMesh) -> tuple[str, ...]:
+    names = mesh.mesh_dim_names or ()
+    return (
+        ("dp_replicate", "dp_shard_mod_ep", "ep") if "ep" in names else ("dp_replicate", "dp_shard")
+    )
+
+
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1-D flattened "dp" axis (dp_replicate x dp_shard) of a build_mesh mesh: data-loading
-    rank = dp_mesh(mesh).get_local_rank(), loss average over dp_mesh(mesh).get_group()."""
+    """The 1-D flattened "dp" axis (every rank that reads different rows) of a build_mesh mesh:
+    data-loading rank = dp_mesh(mesh).get_local_rank(), loss average over its group."""
     # _flatten returns the cached mesh when it exists with the same layout.
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh[_data_axes(mesh)]._flatten("dp")
+
+
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP2 shards the (non-expert) parameters over: ("dp_replicate", "dp_shard") for
+    HSDP or replication, else "dp_shard"."""
+    if "ep" in (mesh.mesh_dim_names or ()):
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")  # cached; makes "dp_shard" sliceable
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Ranks that hold the same experts and read different rows (dp_replicate x
+    dp_shard_mod_ep, flattened): expert gradients are summed over it."""
+    return mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_mod_ep")
 
 
 def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None) -> None:

@@ -15,7 +15,12 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from graphtrain.metrics import dense_causal_pairs, document_causal_pairs, training_flops
+from graphtrain.metrics import (
+    dense_causal_pairs,
+    document_causal_pairs,
+    model_training_flops,
+    training_flops,
+)
 
 
 class RMSNorm(nn.Module):
@@ -166,3 +171,21 @@ def test_errors():
         training_flops(**(kw | dict(dim=32, num_kv_heads=3)))
     with pytest.raises(ValueError, match="num_layers must be positive, got 0"):
         training_flops(**(kw | dict(dim=32, num_layers=0)))
+
+
+def test_moe_flops_count_the_active_experts_only():
+    """One MoE layer, counted by hand: attention + router + shared + top_k routed experts."""
+    from models import MoEConfig
+
+    cfg = MoEConfig(
+        vocab_size=64, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=32,
+        max_seq_len=8, num_experts=8, top_k=2, num_shared_experts=1, moe_ffn_dim=8,
+        first_k_dense=0, num_groups=1, topk_groups=1,
+    )  # fmt: skip
+    hd = 8
+    attention = 2 * 16 * 2 * hd * 2 + 2 * 2 * 16 * 1 * hd  # wq, wo; wk, wv
+    experts = (2 + 1) * 3 * 2 * 16 * 8 + 2 * 16 * 8  # routed top-2 + shared, router gate
+    head = 2 * 16 * 64
+    pairs = 10
+    expected = 3 * (5 * (attention + experts + head) + pairs * 4 * hd * 2)
+    assert model_training_flops(cfg, num_tokens=5, num_attention_pairs=pairs) == expected

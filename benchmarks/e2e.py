@@ -1,6 +1,7 @@
 """End-to-end training throughput: graphtrain against plain torch.compile of the same model.
 
     python benchmarks/e2e.py [--model 1b] [--seq-len 4096] [--batch 2] [--steps 20] [--warmup 5]
+    python benchmarks/e2e.py --model moe-1b --force-balance   # MoE, random balanced routing
 
 Both rows train the same model from the same init on the same random tokens, one GPU, bf16
 autocast with fp32 master weights and fp32 AdamW (fused), causal attention over whole rows:
@@ -13,6 +14,7 @@ the table with date, device, versions and commit to benchmarks/RESULTS.md. Needs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import subprocess
@@ -33,7 +35,7 @@ def _plain_compile(model: torch.nn.Module) -> None:
 
 
 def run(name: str, compile_fn, args, data) -> dict:
-    cfg = MODEL_PRESETS[args.model]
+    cfg = args.cfg
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     with torch.device("meta"):
@@ -90,11 +92,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--force-balance",
+        action="store_true",
+        help="MoE models: random routing with a straight-through gradient (balanced load)",
+    )
     parser.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/e2e.py needs a CUDA GPU")
-    cfg = MODEL_PRESETS[args.model]
+    args.cfg = MODEL_PRESETS[args.model]
+    if args.force_balance:
+        if not hasattr(args.cfg, "force_balance"):
+            raise SystemExit(f"--force-balance needs an MoE model; {args.model} is dense")
+        args.cfg = dataclasses.replace(args.cfg, force_balance=True)
+    cfg = args.cfg
     g = torch.Generator().manual_seed(0)
     data = [
         (
@@ -129,7 +141,7 @@ def main() -> None:
     import triton
 
     header = (
-        f"\n## e2e {args.model}, seq {args.seq_len}, batch {args.batch}, bf16 autocast, fp32 master weights\n\n"
+        f"\n## e2e {args.model}{' (force_balance)' if args.force_balance else ''}, seq {args.seq_len}, batch {args.batch}, bf16 autocast, fp32 master weights\n\n"
         f"{datetime.date.today()} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
         f"triton {triton.__version__} | commit {commit or 'unknown'}\n\n"
     )

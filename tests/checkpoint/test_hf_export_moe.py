@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from graphtrain.checkpoint.hf import export_hf, load_hf_into
 from graphtrain.cli import main
-from graphtrain.config import JobConfig, TrainingConfig, to_toml
+from graphtrain.config import JobConfig, TrainingConfig, load_config, to_toml
 from models import MODEL_PRESETS, build_model
 from models.moe import MoEConfig
 
@@ -204,3 +204,22 @@ def test_a_gated_qwen2_moe_shared_expert_is_refused(tmp_path):
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"layers.2.mlp.shared_expert_gate.weight is not zero"):
         load_hf_into(build(cfg, seed=0), out)
+
+
+def test_a_trained_moe_run_exports_and_a_new_run_starts_from_it(corpus, tmp_path):
+    """Through the trainer: train moe-debug (its expert biases move), export, start a new run
+    with --checkpoint.init_from_hf: its step-0 validation sees exactly the trained weights and
+    biases (the biases change which experts run, so a lost bias would show)."""
+    from conftest import job
+
+    from graphtrain.trainer import train
+
+    moe = ("--preset=moe-debug", "--training.steps=3", "--metrics.val_interval=3")
+    first = train(load_config(job(corpus, tmp_path / "a", *moe, "--checkpoint.interval=3")))
+    out = export_hf(tmp_path / "a" / "run", tmp_path / "hf", dtype="fp32")
+    bias = load_file(out / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.abs().max() > 0
+    again = train(
+        load_config(job(corpus, tmp_path / "b", *moe, f"--checkpoint.init_from_hf={out}"))
+    )
+    assert again.val_losses[0] == first.val_losses[3]

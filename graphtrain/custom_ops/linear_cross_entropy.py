@@ -780,6 +780,25 @@ def _triton_ok(hidden: Tensor) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+def _common_opts(
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    group_name: str | None,
+    compute_grad_hidden: bool,
+    compute_grad_weight: bool,
+) -> dict[str, Any]:
+    """The keyword arguments the reference and the Triton path share."""
+    return {
+        "ignore_index": ignore_index,
+        "label_smoothing": label_smoothing,
+        "z_loss": z_loss,
+        "group_name": group_name,
+        "compute_grad_hidden": compute_grad_hidden,
+        "compute_grad_weight": compute_grad_weight,
+    }
+
+
 def _fake_outputs(
     hidden: Tensor, weight: Tensor, reduction: str, compute_gh: bool, compute_gw: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -856,33 +875,15 @@ def _forward_cuda(
     compute_grad_weight,
 ):
     _check_args(hidden, weight, target, label_smoothing, z_loss, reduction)
+    opts = _common_opts(
+        ignore_index, label_smoothing, z_loss, group_name, compute_grad_hidden, compute_grad_weight
+    )
     if not _triton_ok(hidden):
-        return linear_cross_entropy_ref(
-            hidden,
-            weight,
-            target,
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            reduction=reduction,
-            group_name=group_name,
-            compute_grad_hidden=compute_grad_hidden,
-            compute_grad_weight=compute_grad_weight,
-        )
+        return linear_cross_entropy_ref(hidden, weight, target, reduction=reduction, **opts)
     valid = target != ignore_index
     row_scale = None if reduction == "none" else _row_scale(valid, reduction, torch.float32)
     loss_tok, lse, gh, gw = _lce_triton(
-        hidden,
-        weight,
-        target,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        group_name=group_name,
-        row_scale=row_scale,
-        lse_in=None,
-        compute_grad_hidden=compute_grad_hidden,
-        compute_grad_weight=compute_grad_weight,
+        hidden, weight, target, row_scale=row_scale, lse_in=None, **opts
     )
     return (
         _reduce(loss_tok, valid, reduction),
@@ -955,35 +956,14 @@ def _backward_cuda(
     compute_grad_hidden,
     compute_grad_weight,
 ):
+    opts = _common_opts(
+        ignore_index, label_smoothing, z_loss, group_name, compute_grad_hidden, compute_grad_weight
+    )
     if not _triton_ok(hidden):
-        return linear_cross_entropy_backward_ref(
-            grad_loss,
-            hidden,
-            weight,
-            target,
-            lse,
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            group_name=group_name,
-            compute_grad_hidden=compute_grad_hidden,
-            compute_grad_weight=compute_grad_weight,
-        )
+        return linear_cross_entropy_backward_ref(grad_loss, hidden, weight, target, lse, **opts)
     valid = target != ignore_index
     row_scale = torch.where(valid, grad_loss.to(torch.float32), 0.0)
-    _, _, gh, gw = _lce_triton(
-        hidden,
-        weight,
-        target,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        group_name=group_name,
-        row_scale=row_scale,
-        lse_in=lse,
-        compute_grad_hidden=compute_grad_hidden,
-        compute_grad_weight=compute_grad_weight,
-    )
+    _, _, gh, gw = _lce_triton(hidden, weight, target, row_scale=row_scale, lse_in=lse, **opts)
     return (
         gh if gh is not None else _no_grad_placeholder(hidden),
         gw if gw is not None else _no_grad_placeholder(weight),

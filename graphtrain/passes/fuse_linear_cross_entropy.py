@@ -22,8 +22,15 @@ Refusals (the graph is left as it was and ctx.note says why)
     size_average/reduce arguments; options that are not constants; a bias on the head; a cast
     to anything but float32; a head whose output dtype differs from its inputs other than by
     autocast (fp32 operands, bf16/fp16 output: the pass then casts h and W explicitly); DTensor
-    (tensor-parallel) heads: wiring the vocab-parallel op to DTensor graphs is not done yet;
-    symbolic H or V; graphs without example_value meta.
+    heads other than the vocab-parallel layout below; symbolic H or V; graphs without
+    example_value meta.
+
+Tensor parallel
+    graphtrain's TP plan shards the head on the vocab (W Shard(0), h Replicate) and gathers the
+    logits (redistribute to Replicate, to_local) for a plain loss. The pass matches that chain
+    and calls graphtrain.linear_cross_entropy_vocab_parallel on W.to_local() and h.to_local()
+    with the tp group: the full logits are never gathered (1/tp of them exist per rank, in
+    chunks), and the statistics are combined over the group instead.
 
 Invariant and numerics
     Only the matched nodes are replaced; every other node, and the graph's outputs (values and
@@ -74,15 +81,13 @@ class _Match:
     label_smoothing: float
     reduction: str
     compute_dtype: torch.dtype  # the head's output dtype: autocast's, where autocast is on
+    group_name: str | None = None  # tensor parallel: the vocab-sharded head's tp group
 
 
 # Head output dtypes autocast produces from fp32 operands.
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
-_DTENSOR_REFUSAL = (
-    "the head is a DTensor (tensor parallel): the pass does not yet wire DTensor graphs to "
-    "graphtrain::linear_cross_entropy_vocab_parallel"
-)
+_FUSED_OP_TP = torch.ops.graphtrain.linear_cross_entropy_vocab_parallel.default
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -168,6 +173,53 @@ def _transposed_weight(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def _is_tp_gather(node: torch.fx.Node) -> bool:
+    """.to_local() or .redistribute(...) of a DTensor: how a tensor-parallel head hands the
+    logits to a plain loss (checked in _tp_head)."""
+    return node.op == "call_method" and node.target in ("to_local", "redistribute")
+
+
+def _tp_size(group_name: str | None) -> int:
+    if group_name is None:
+        return 1
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+def _tp_head(
+    hidden: Any, weight: Any, head: Any, logits: Any, chain: list[torch.fx.Node]
+) -> tuple[str, Any, Any] | str:
+    """For a DTensor head: (tp group name, local hidden, local weight) when it is the
+    vocab-parallel layout graphtrain.linear_cross_entropy_vocab_parallel computes (weight
+    Shard(0), hidden Replicate, logits Shard(-1) gathered to Replicate and made local before the
+    loss, even shards, a 1-D mesh); otherwise why not."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not (_is_dtensor(hidden) and _is_dtensor(weight) and _is_dtensor(head)):
+        return "part of the head is a DTensor and part is not"
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or hidden.device_mesh != mesh:
+        return f"the head's DTensors are not on one 1-D mesh ({mesh})"
+    if tuple(weight.placements) != (Shard(0),) or tuple(hidden.placements) != (Replicate(),):
+        return (
+            f"the head is not vocab-parallel (weight {weight.placements}, hidden "
+            f"{hidden.placements}; wanted Shard(0) and Replicate)"
+        )
+    if _is_dtensor(logits):
+        return "the loss reads DTensor logits (loss_parallel?): only local logits are matched"
+    if weight.shape[0] % mesh.size():
+        return f"the vocab {weight.shape[0]} does not split evenly over tp={mesh.size()}"
+    gathers = [n for n in chain if _is_tp_gather(n)]
+    redistribute = [n for n in gathers if n.target == "redistribute"]
+    if len(gathers) != 2 or len(redistribute) != 1:
+        return "the logits do not reach the loss through one redistribute and one to_local"
+    gathered = _val(redistribute[0])
+    if tuple(gathered.placements) != (Replicate(),):
+        return f"the logits are redistributed to {gathered.placements}, not Replicate"
+    return mesh.get_group().group_name, hidden.to_local(), weight.to_local()
+
+
 def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
     """The matched pattern ending in `ce`, or the reason it does not match."""
     try:
@@ -206,7 +258,7 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
             problem = _cast_problem(node)
             if problem is not None:
                 return problem
-        elif not _is_reshape(node):
+        elif not (_is_reshape(node) or _is_tp_gather(node)):
             break
         consumer, node = node, node.args[0]
         if not isinstance(node, torch.fx.Node):
@@ -235,9 +287,6 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
             return f"the head {head.target} has a bias"
         hidden, weight = head.args[0], f"{head.target}.weight"
     else:
-        source = head.args[0] if head.args else None
-        if _is_dtensor(_val(source)) or _is_dtensor(_val(head)):
-            return f"{_DTENSOR_REFUSAL} (logits via {head.target})"
         return f"its input does not come from a linear head (found {head.op} {head.target})"
     if not isinstance(hidden, torch.fx.Node):
         return f"the head {head.name} does not read a graph value"
@@ -253,11 +302,15 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
     vals = (hidden_val, weight_val, logits_val, target_val, head_val)
     if any(v is None for v in vals):
         return "example_value meta is missing (not a Dynamo graph?)"
+    group_name = None
     if any(_is_dtensor(v) for v in vals):
-        return _DTENSOR_REFUSAL
+        tp = _tp_head(hidden_val, weight_val, head_val, logits_val, chain)
+        if isinstance(tp, str):
+            return tp
+        group_name, hidden_val, weight_val = tp
     if weight_val.dim() != 2:
         return "the weight is not 2-D"
-    V, H = weight_val.shape
+    V, H = weight_val.shape  # under tp: the local shard
     if not isinstance(V, int) or not isinstance(H, int):
         return "the vocab or hidden size is symbolic"
     if hidden_val.dim() < 1 or hidden_val.shape[-1] != H:
@@ -271,7 +324,7 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
             f"the head computes in {head_val.dtype} from {hidden_val.dtype} x {weight_val.dtype}: "
             "the fused op would not reproduce it"
         )
-    if logits_val.dim() != 2 or logits_val.shape[1] != V:
+    if logits_val.dim() != 2 or logits_val.shape[1] != V * _tp_size(group_name):
         return f"cross_entropy's input has shape {tuple(logits_val.shape)}, not [N, {V}]"
     if logits_val.dtype not in (torch.float32, head_val.dtype):
         return f"the logits reach cross_entropy as {logits_val.dtype}"
@@ -287,6 +340,7 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
         float(smoothing),
         reduction,
         head_val.dtype,
+        group_name,
     )
 
 
@@ -309,6 +363,13 @@ def _cast(
     return cast
 
 
+def _to_local(graph: torch.fx.Graph, fake_mode: Any, node: torch.fx.Node) -> torch.fx.Node:
+    local = graph.call_method("to_local", (node,))
+    with fake_mode:
+        local.meta["example_value"] = _val(node).to_local()
+    return local
+
+
 def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx.Node:
     graph = gm.graph
     meta_keys = ("stack_trace", "nn_module_stack", "source_fn_stack")
@@ -323,11 +384,21 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
             weight.meta["example_value"] = weight_val
         fake_mode = _fake_mode([hidden_val, _val(m.target)])
         hidden = m.hidden
+        if m.group_name is not None:
+            # Tensor parallel: the op works on this rank's vocab shard of W and the replicated
+            # hidden; to_local's backward wraps the gradients back (Shard(0) for W; Replicate
+            # for h, right because the op all-reduces grad_hidden over the group).
+            hidden, weight = (
+                _to_local(graph, fake_mode, hidden),
+                _to_local(graph, fake_mode, weight),
+            )
+            hidden_val, weight_val = _val(hidden), _val(weight)
         H = weight_val.shape[1]
         if hidden_val.dim() != 2:
-            hidden = graph.call_method("reshape", (m.hidden, -1, H))
+            flat = graph.call_method("reshape", (hidden, -1, H))
             with fake_mode:
-                hidden.meta["example_value"] = hidden_val.reshape(-1, H)
+                flat.meta["example_value"] = hidden_val.reshape(-1, H)
+            hidden = flat
         if weight_val.dtype != m.compute_dtype:
             # Autocast: the linear ran on bf16/fp16 copies of fp32 operands; make the casts
             # explicit (their backward casts the gradients back, as autocast's do).
@@ -340,10 +411,13 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
             "label_smoothing": m.label_smoothing,
             "reduction": m.reduction,
         }
-        fused = graph.call_function(_FUSED_OP, (hidden, weight, m.target), kwargs)
+        op, args = _FUSED_OP, (hidden, weight, m.target)
+        if m.group_name is not None:
+            op, args = _FUSED_OP_TP, (*args, m.group_name)
+        fused = graph.call_function(op, args, kwargs)
         with fake_mode:
-            fused.meta["example_value"] = _FUSED_OP(
-                _val(hidden), weight_val, _val(m.target), **kwargs
+            fused.meta["example_value"] = op(
+                *(_val(a) if isinstance(a, torch.fx.Node) else a for a in args), **kwargs
             )
         result = fused
         ce_dtype = _val(ce).dtype
@@ -394,9 +468,13 @@ def fuse_linear_cross_entropy_pass(
             continue
         fused = _rewrite(gm, ce, m)
         V, H = fused.args[1].meta["example_value"].shape
+        op_name, vocab = "linear_cross_entropy", f"V={V}"
+        if m.group_name is not None:
+            op_name = "linear_cross_entropy_vocab_parallel"
+            vocab = f"V={V} per rank of tp group {m.group_name}"
         ctx.note(
             f"replaced {ce.name} and its head ({', '.join(n.name for n in reversed(m.chain))}) "
-            f"with {fused.name} = graphtrain.linear_cross_entropy(H={H}, V={V}, "
+            f"with {fused.name} = graphtrain.{op_name}(H={H}, {vocab}, "
             f"reduction={m.reduction!r}, ignore_index={m.ignore_index}, "
             f"label_smoothing={m.label_smoothing})"
         )

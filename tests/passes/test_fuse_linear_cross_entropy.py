@@ -336,3 +336,26 @@ def test_debug_model_trains_the_same_with_and_without_the_pass(tmp_path):
     block = json.loads((tmp_path / "block-0" / "summary.json").read_text())
     (step,) = [s for s in block if s["label"] == PASS]
     assert step["notes"] == ["no cross_entropy in this graph: nothing to fuse"]
+
+
+def test_tensor_parallel_head_uses_the_vocab_parallel_op(corpus, tmp_path):
+    """tp=2 (gloo): the vocab-sharded head's chain (linear -> redistribute -> to_local -> loss)
+    becomes graphtrain.linear_cross_entropy_vocab_parallel on the local shards, and training
+    follows the unfused run (fp32; reduction order only)."""
+    from conftest import job, torchrun_metrics
+
+    common = ("--parallel.tp=2", "--training.steps=4", "--metrics.log_interval=1")
+    on = torchrun_metrics(2, job(corpus, tmp_path / "on", *common, "--compile.dump_graphs=true"))
+    off = torchrun_metrics(2, job(corpus, tmp_path / "off", *common, f"--compile.passes=-{PASS}"))
+    on, off = ([m for m in run if "loss" in m] for run in (on, off))
+    assert len(on) == len(off) == 4
+    for a, b in zip(on, off, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    (step,) = [
+        s
+        for s in json.loads((tmp_path / "on/run/graphs/head_loss-0/summary.json").read_text())
+        if s["label"] == PASS
+    ]
+    assert step["op_counts"].get("graphtrain.linear_cross_entropy_vocab_parallel.default") == 1
+    assert CE not in step["op_counts"]

@@ -77,7 +77,7 @@ def inspect_config(
     tokens of one micro-batch. device "meta": no weights are allocated and nothing is computed,
     only traced (with inner="aot_eager", the default there), so that large presets can be
     inspected on a laptop."""
-    from models.gpt import build_gpt
+    from models import build_model
 
     target = resolve_device(device)
     # On meta nothing runs, so Inductor has nothing to compile for: trace with aot_eager unless
@@ -87,14 +87,14 @@ def inspect_config(
         raise ValueError("device 'meta' needs backend 'aot_eager': Inductor cannot run on meta")
     t = cfg.training
     with torch.device("meta"):
-        model = build_gpt(cfg.model)
+        model = build_model(cfg.model)
     if target.type != "meta":
         model.to_empty(device=target)
         model.init_weights(seed=t.seed)
     tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1))
     tokens = tokens.to(target)
     # As the trainer runs it without FSDP: fp32 weights, autocast to a lower compute dtype
-    # (which the passes see: the fused cross-entropy refuses autocast heads, and says so).
+    # (which the passes see: the fused cross-entropy then casts h and W explicitly).
     dtype = t.dtype if t.dtype != "auto" else "bfloat16" if target.type == "cuda" else "float32"
     autocast = (
         torch.autocast(target.type, dtype=getattr(torch, dtype))

@@ -1,7 +1,7 @@
 """Parallelism on a named DeviceMesh: parallelize_model applies TP, compile, activation
 checkpointing and FSDP2 to a model built on the meta device, in one fixed order.
 
-    model = build_gpt(cfg)                       # on torch.device("meta")
+    model = build_model(cfg)                     # on torch.device("meta")
     dims = ParallelDims(dp_shard=-1, tp=2, world_size=world)
     mesh = build_mesh(dims, "cuda")
     parallelize_model(model, mesh, dims, plan=GPT_TP_PLAN, ac_mode="full",

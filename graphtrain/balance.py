@@ -1,13 +1,15 @@
 """MoE routing state across a training step: count reduction, expert-bias updates, metrics.
 
 What
-    RouterBalance(model, dp_group=..., bias_update_rate=...) drives the routers of an MoE model
-    (models.moe.Router, found through model.routers(); a dense model has none and every method
-    is a no-op):
-        install   each router's reduce_counts = an all-reduce (sum) over the data-parallel
-                  group, a functional collective, so it traces into the compiled block; the
-                  routers then see token counts summed over every rank that reads different
-                  rows (expert-parallel ranks included: they are carved out of dp_shard);
+    RouterBalance(model, count_group=..., token_slices=..., bias_update_rate=...) drives the
+    routers of an MoE model (models.moe.Router, found through model.routers(); a dense model has
+    none and every method is a no-op):
+        install   each router's reduce_counts = an all-reduce (sum) over count_group, a
+                  functional collective, so it traces into the compiled block; the routers then
+                  see token counts summed over every rank that sees different tokens: the
+                  data-parallel ranks (expert-parallel ranks included: they are carved out of
+                  dp_shard) and, under tensor parallelism, the tp ranks too (each routes its own
+                  sequence slice, token_slices = tp; the aux losses are then per slice);
         before_micro_batch(weight)  the micro-batch's loss weight becomes its aux-loss scale
                   (the aux losses are averaged over the micro-batches like the loss);
         after_micro_batch()  step_counts += the counts of this micro-batch (for global_aux and
@@ -36,21 +38,29 @@ def _sum_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 class RouterBalance:
     def __init__(
-        self, model: nn.Module, *, dp_group: dist.ProcessGroup | None, bias_update_rate: float
+        self,
+        model: nn.Module,
+        *,
+        count_group: dist.ProcessGroup | None,
+        token_slices: int,
+        bias_update_rate: float,
     ) -> None:
         self.model = model
         self.routers = model.routers() if hasattr(model, "routers") else []
         self.rate = bias_update_rate
+        self.token_slices = token_slices
         for _, router in self.routers:
             router.reduce_counts = (
-                functools.partial(_sum_over, group=dp_group) if dp_group is not None else None
+                functools.partial(_sum_over, group=count_group) if count_group is not None else None
             )
         self._aux: dict[str, torch.Tensor] = {}
         self._stats: dict[str, torch.Tensor] = {}
 
     def before_micro_batch(self, weight: float) -> None:
         if self.routers:
-            self.model.set_aux_loss_scale(weight)
+            # Each tp rank's router sees 1/token_slices of the micro-batch's tokens and the
+            # gradients are summed over tp: the mean of the slices' aux losses.
+            self.model.set_aux_loss_scale(weight / self.token_slices)
 
     def after_micro_batch(self, weight: float) -> None:
         for _, router in self.routers:

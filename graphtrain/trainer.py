@@ -53,10 +53,11 @@ from graphtrain.parallel import (
     expert_params,
     parallelize_model,
     reduce_expert_grads,
+    reduce_partial_grads,
+    sequence_local_params,
     validate_model_for_tp,
 )
-from models import build_model
-from models.gpt_plan import GPT_TP_PLAN
+from models import build_model, tp_plan
 
 logger = logging.getLogger("graphtrain")
 
@@ -216,11 +217,12 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             # an MoE block compiles as two graphs around it.
             "fullgraph": dims.ep == 1,
         }
+    plan = tp_plan(m_cfg)
     parallelize_model(
         model,
         mesh,
         dims,
-        plan=GPT_TP_PLAN,
+        plan=plan,
         ac_mode=t_cfg.activation_checkpoint,
         compile_options=compile_options,
         param_dtype=param_dtype,
@@ -252,10 +254,16 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     )
     fp32_grads = FP32GradAccumulator(model, o.fp32_grad_accum)
     ep_params = expert_params(model)
+    # MoE layers run on each tp rank's own tokens: their gradients are partial over tp.
+    tp_partial = sequence_local_params(model, plan) if dims.tp > 1 else []
     # Ranks holding the same experts (none besides this one when ep covers every dp rank).
     ep_grad_group = expert_dp_mesh(mesh).get_group() if 1 < dims.ep < dims.dp_size else None
     balance = RouterBalance(
-        model, dp_group=dp_group, bias_update_rate=getattr(m_cfg, "bias_update_rate", 0.0)
+        model,
+        # Ranks that see different tokens: the dp ranks, and with tp the sequence slices too.
+        count_group=dist.group.WORLD if dims.tp > 1 else dp_group,
+        token_slices=dims.tp,
+        bias_update_rate=getattr(m_cfg, "bias_update_rate", 0.0),
     )
     # AdamW keeps two moments per parameter element; report what they cost on this rank.
     local_numel = sum(
@@ -383,6 +391,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         fp32_grads.finalize()
         if dims.ep > 1:
             reduce_expert_grads(ep_params, ep_grad_group, dims.dp_size)
+        if tp_partial:
+            reduce_partial_grads(tp_partial, mesh["tp"])
         grad_norm = clip_grad_norm_(list(model.parameters()), o.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,7 +1,9 @@
 """Plain-PyTorch models and their presets. Nothing here imports distributed, compile or kernel code."""
 
 from models.gpt import GPT, PRESETS, GPTConfig, build_gpt
+from models.gpt_plan import GPT_TP_PLAN
 from models.moe import MOE_PRESETS, MoEConfig, MoEGPT, active_params, build_moe
+from models.moe_plan import moe_tp_plan
 
 MODEL_PRESETS: dict[str, GPTConfig] = {**PRESETS, **MOE_PRESETS}
 
@@ -14,6 +16,11 @@ def build_model(cfg: GPTConfig) -> GPT:
     return build_gpt(cfg)
 
 
+def tp_plan(cfg: GPTConfig) -> dict[str, str]:
+    """The tensor-parallel plan (module pattern -> style name) of the model for `cfg`."""
+    return moe_tp_plan(cfg) if isinstance(cfg, MoEConfig) else GPT_TP_PLAN
+
+
 __all__ = [
     "GPT",
     "MODEL_PRESETS",
@@ -22,4 +29,5 @@ __all__ = [
     "MoEGPT",
     "active_params",
     "build_model",
+    "tp_plan",
 ]

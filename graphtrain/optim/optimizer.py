@@ -17,6 +17,7 @@ import fnmatch
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from graphtrain.optim.adamw_bf16 import AdamWBF16
 
@@ -104,10 +105,13 @@ def build_optimizer(
         raise ValueError("build_optimizer: the model has no trainable parameters")
 
     groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    for params, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        # Plain tensors and DTensors in separate groups: the fused/foreach kernels take one
+        # list per group and refuse a mix (tensor parallelism leaves MoE layers plain).
+        for kind in (False, True):
+            chosen = [p for p in params if isinstance(p, DTensor) == kind]
+            if chosen:
+                groups.append({"params": chosen, "weight_decay": wd})
 
     if state_dtype == "bfloat16":
         return AdamWBF16(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

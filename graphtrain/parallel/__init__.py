@@ -34,7 +34,12 @@ from graphtrain.parallel.mesh import (
     fsdp_mesh,
     validate_model_for_tp,
 )
-from graphtrain.parallel.tensor_parallel import STYLES, apply_tp
+from graphtrain.parallel.tensor_parallel import (
+    STYLES,
+    apply_tp,
+    reduce_partial_grads,
+    sequence_local_params,
+)
 
 __all__ = [
     "AC_MODES",
@@ -52,6 +57,8 @@ __all__ = [
     "fsdp_mesh",
     "parallelize_model",
     "reduce_expert_grads",
+    "reduce_partial_grads",
+    "sequence_local_params",
     "validate_model_for_tp",
 ]
 
@@ -85,11 +92,6 @@ def parallelize_model(
     # 0. Expert parallel: the experts' weights become ep shards before anything else sees them
     #    (FSDP must know to leave them alone; the compiled blocks call the all-to-all run).
     if dims.ep > 1:
-        if dims.tp_enabled:
-            raise ValueError(
-                f"parallel.ep={dims.ep} with parallel.tp={dims.tp}: tensor parallelism of MoE "
-                "models is not supported yet"
-            )
         apply_ep(model, mesh["ep"])
 
     # 1. TP first: it turns parameters into DTensors on the tp axis and installs the hooks that

@@ -25,12 +25,15 @@ import inspect
 from collections.abc import Callable
 from fnmatch import fnmatchcase
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -72,6 +75,18 @@ STYLES: dict[str, Callable[[nn.Module], ParallelStyle]] = {
     # use_local_output: a plain tensor reaches F.cross_entropy.
     "colwise_head": lambda m: ColwiseParallel(
         input_layouts=_SEQ, output_layouts=Replicate(), use_local_output=True
+    ),
+    # A module that works on this rank's own tokens (an MoE layer, expert TP size 1): it gets
+    # the local T slice as a plain tensor and its output is the local slice of a Shard(1)
+    # DTensor. Its parameters stay plain tensors, replicated over tp; each rank's gradient is
+    # a partial sum over its tokens, summed over tp by reduce_partial_grads.
+    "sequence_local": lambda m: PrepareModuleInputOutput(
+        input_layouts=(_SEQ,),
+        desired_input_layouts=(_SEQ,),
+        use_local_input=True,
+        output_layouts=(_SEQ,),
+        desired_output_layouts=(_SEQ,),
+        use_local_output=False,
     ),
 }
 
@@ -143,3 +158,29 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> Non
         module = model.get_submodule(name)
         parallelize_module(model, tp_mesh, {name: STYLES[style](module)})
     _retie(tied)
+
+
+def sequence_local_params(model: nn.Module, plan: dict[str, str]) -> list[nn.Parameter]:
+    """Parameters of the modules `plan` makes "sequence_local": their gradients are partial
+    over tp (each rank saw its own tokens) and need reduce_partial_grads."""
+    names = [name for name, _ in model.named_modules() if name]
+    params: dict[int, nn.Parameter] = {}
+    for pattern, style in plan.items():
+        if style != "sequence_local":
+            continue
+        for name in names:
+            if _match(name, pattern):
+                for p in model.get_submodule(name).parameters():
+                    params.setdefault(id(p), p)
+    return list(params.values())
+
+
+@torch.no_grad()
+def reduce_partial_grads(params: list[nn.Parameter], tp_mesh: DeviceMesh) -> None:
+    """Sum the gradients of `params` over the tp ranks (their local shards, whatever other
+    sharding they carry: FSDP's over dp, expert parallel's over ep). Once per step."""
+    group = tp_mesh.get_group()
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(grad, group=group)

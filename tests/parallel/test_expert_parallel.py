@@ -1,11 +1,15 @@
-"""Expert parallel on CPU (gloo): ep=2 trains exactly like ep=1; bad layouts are refused."""
+"""MoE layouts on CPU (gloo): expert parallel (ep=2 trains exactly like ep=1), tensor
+parallel of MoE models (expert TP size 1) and all of them composed follow the single process;
+bad layouts are refused."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import job, torchrun_metrics
 
+from graphtrain.config import load_config
 from graphtrain.parallel import ParallelDims, apply_ep
+from graphtrain.trainer import train
 from models import MODEL_PRESETS, build_model
 
 
@@ -36,6 +40,50 @@ def test_ep2_gives_the_losses_and_gradients_of_ep1(corpus, tmp_path):
     for a, b in zip(runs[1], runs[2], strict=True):
         for key in ("loss", "grad_norm", "param_norm", "moe/layers.1/load_max_over_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), key
+
+
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [
+        (2, ["--parallel.tp=2", "--training.micro_batch_size=4"]),
+        (
+            4,
+            [
+                "--parallel.tp=2",
+                "--parallel.dp_shard=2",
+                "--parallel.ep=2",
+                "--training.micro_batch_size=2",
+            ],
+        ),
+    ],
+    ids=["tp2", "dp2_tp2_ep2"],
+)
+def test_tensor_and_expert_parallel_follow_the_single_process(corpus, tmp_path, nproc, layout):
+    """Same global batch (4 rows), same init: one process against tp=2 (each tp rank routes its
+    own sequence slice; MoE gradients summed over tp) and dp_shard=2 x tp=2 x ep=2 (FSDP, TP
+    and the all-to-all together). The aux losses that depend on how tokens are split (aux,
+    seq_aux: computed per slice under tp) are off; global_aux (counts reduced over every rank)
+    and the z-loss are on, with the expert bias. Tolerance 1e-4: reduction order, and dp
+    weighting each rank's tokens within the rank (as in the dense two-process test)."""
+    common = [
+        "--preset=moe-debug",
+        "--training.steps=4",
+        "--model.aux_loss_coef=0",
+        "--model.seq_aux_loss_coef=0",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+    ]
+    single = train(
+        load_config(job(corpus, tmp_path / "one", *common, "--training.micro_batch_size=4"))
+    )
+    multi = [
+        m
+        for m in torchrun_metrics(nproc, job(corpus, tmp_path / "many", *common, *layout))
+        if "loss" in m
+    ]
+    assert len(multi) == 4
+    for a, b in zip(single.losses, multi, strict=True):
+        assert b["loss"] == pytest.approx(a, rel=1e-4)
 
 
 def test_ep_must_divide_dp_shard():

@@ -1,7 +1,5 @@
-"""graphtrain inspect: the Report on the debug GPT, pass switches, graph breaks, HTML, CLI, trace.
-
-Dense model only: the MoE model and its router pass do not exist yet.
-"""
+"""graphtrain inspect: the Report on the debug GPT, pass switches, graph breaks, HTML, CLI, trace;
+and on the MoE debug model: its own block graphs and the fused router."""
 
 import json
 import re
@@ -73,6 +71,21 @@ def test_fused_op_once_with_location_and_options(report):
     assert site.module_path == "output"
     assert site.source == f"{GPT_SOURCE}:{_head_loss_line()} in head_loss"
     assert site.options == {"ignore_index": -100, "label_smoothing": 0.0, "reduction": "mean"}
+
+
+def test_moe_model_shows_its_blocks_and_the_fused_router():
+    """moe-debug: a dense first block and MoE blocks (two graphs in the block region), the
+    router fused once in the MoE block graph, the head fused as for the dense model."""
+    report = inspect_config(
+        load_config(["--preset", "moe-debug", "--training.micro_batch_size=2"]),
+        device="cpu",
+        inner="aot_eager",
+    )
+    assert [g.name for g in report.graphs] == ["block-0", "block-1", "head_loss-0"]
+    assert report.custom_ops == {FUSED: 1, "graphtrain.moe_route.default": 1}
+    (router,) = [s for s in report.custom_op_sites if s.graph == "block-1"]
+    assert router.module_path.endswith("moe.router")
+    assert report.graph_breaks == []
 
 
 def test_pass_results_in_order_with_reasons(report):

@@ -1,10 +1,11 @@
-"""Parallelism on a named DeviceMesh: parallelize_model applies TP, compile, activation
-checkpointing and FSDP2 to a model built on the meta device, in one fixed order.
+"""Parallelism on a named DeviceMesh: parallelize_model applies expert parallel (MoE), TP,
+compile, activation checkpointing and FSDP2 to a model built on the meta device, in one fixed
+order.
 
     model = build_model(cfg)                     # on torch.device("meta")
     dims = ParallelDims(dp_shard=-1, tp=2, world_size=world)
     mesh = build_mesh(dims, "cuda")
-    parallelize_model(model, mesh, dims, plan=GPT_TP_PLAN, ac_mode="full",
+    parallelize_model(model, mesh, dims, plan=tp_plan(cfg), ac_mode="full",
                       compile_options={"inner": "inductor"},
                       param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model.to_empty(device="cuda")
@@ -12,6 +13,8 @@ checkpointing and FSDP2 to a model built on the meta device, in one fixed order.
 
 Data: each rank reads the slice dp_mesh(mesh).get_local_rank() of dp_size slices of the global
 batch (ranks of one tp group read the same rows). Loss to report: its average over dp_mesh(mesh).
+Once per step, after backward, the trainer finishes two kinds of gradients no hook reduces:
+expert-parallel weights (reduce_expert_grads) and MoE layers under tp (reduce_partial_grads).
 """
 
 from __future__ import annotations

@@ -55,14 +55,24 @@ def test_ep2_gives_the_losses_and_gradients_of_ep1(corpus, tmp_path):
                 "--training.micro_batch_size=2",
             ],
         ),
+        (
+            4,
+            [
+                "--parallel.dp_replicate=2",
+                "--parallel.dp_shard=2",
+                "--parallel.ep=2",
+                "--training.micro_batch_size=1",
+            ],
+        ),
     ],
-    ids=["tp2", "dp2_tp2_ep2"],
+    ids=["tp2", "dp2_tp2_ep2", "hsdp_ep2"],
 )
 def test_tensor_and_expert_parallel_follow_the_single_process(corpus, tmp_path, nproc, layout):
     """Same global batch (4 rows), same init: one process against tp=2 (each tp rank routes its
-    own sequence slice; MoE gradients summed over tp) and dp_shard=2 x tp=2 x ep=2 (FSDP, TP
-    and the all-to-all together). The aux losses that depend on how tokens are split (aux,
-    seq_aux: computed per slice under tp) are off; global_aux (counts reduced over every rank)
+    own sequence slice; MoE gradients summed over tp), dp_shard=2 x tp=2 x ep=2 (FSDP, TP
+    and the all-to-all together) and HSDP 2 x 2 with ep=2 (expert weights replicated over
+    dp_replicate: their gradients summed over the replicas). The aux losses that depend on
+    how tokens are split (aux, seq_aux: computed per slice under tp) are off; global_aux (counts reduced over every rank)
     and the z-loss are on, with the expert bias. Tolerance 1e-4: reduction order, and dp
     weighting each rank's tokens within the rank (as in the dense two-process test)."""
     common = [

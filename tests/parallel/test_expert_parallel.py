@@ -72,9 +72,10 @@ def test_tensor_and_expert_parallel_follow_the_single_process(corpus, tmp_path, 
     own sequence slice; MoE gradients summed over tp), dp_shard=2 x tp=2 x ep=2 (FSDP, TP
     and the all-to-all together) and HSDP 2 x 2 with ep=2 (expert weights replicated over
     dp_replicate: their gradients summed over the replicas). The aux losses that depend on
-    how tokens are split (aux, seq_aux: computed per slice under tp) are off; global_aux (counts reduced over every rank)
-    and the z-loss are on, with the expert bias. Tolerance 1e-4: reduction order, and dp
-    weighting each rank's tokens within the rank (as in the dense two-process test)."""
+    how tokens are split (aux, seq_aux: computed per slice under tp) are off; global_aux
+    (counts reduced over every rank) and the z-loss are on, with the expert bias. Tolerance
+    1e-4: reduction order, and dp weighting each rank's tokens within the rank (as in the dense
+    two-process test)."""
     common = [
         "--preset=moe-debug",
         "--training.steps=4",

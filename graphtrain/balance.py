@@ -8,8 +8,9 @@ What
                   functional collective, so it traces into the compiled block; the routers then
                   see token counts summed over every rank that sees different tokens: the
                   data-parallel ranks (expert-parallel ranks included: they are carved out of
-                  dp_shard) and, under tensor parallelism, the tp ranks too (each routes its own
-                  sequence slice, token_slices = tp; the aux losses are then per slice);
+                  dp_shard) and, under tensor parallelism with expert TP size 1, the tp ranks
+                  too (each routes its own sequence slice; the aux losses are then per slice);
+                  token_slices = tp either way: the routers' gradients are summed over tp;
         before_micro_batch(weight)  the micro-batch's loss weight becomes its aux-loss scale
                   (the aux losses are averaged over the micro-batches like the loss);
         after_micro_batch()  step_counts += the counts of this micro-batch (for global_aux and
@@ -58,8 +59,8 @@ class RouterBalance:
 
     def before_micro_batch(self, weight: float) -> None:
         if self.routers:
-            # Each tp rank's router sees 1/token_slices of the micro-batch's tokens and the
-            # gradients are summed over tp: the mean of the slices' aux losses.
+            # The routers' gradients are summed over the token_slices tp ranks: each rank's
+            # aux losses (of its slice, or the same whole-sequence ones) count 1/tp.
             self.model.set_aux_loss_scale(weight / self.token_slices)
 
     def after_micro_batch(self, weight: float) -> None:

@@ -88,9 +88,11 @@ class ParallelConfig:
     tp: int = 1
     # Expert parallel (MoE models): experts split over ep ranks carved out of dp_shard.
     ep: int = 1
+    # Expert tensor parallel (MoE models with tp): 1, or tp to split every expert over tp.
+    etp: int = 1
 
     def __post_init__(self) -> None:
-        _positive("parallel", self, "dp_replicate", "tp", "ep")
+        _positive("parallel", self, "dp_replicate", "tp", "ep", "etp")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be >= 1 or -1, got {self.dp_shard}")
 

@@ -52,9 +52,9 @@ from graphtrain.parallel import (
     expert_dp_mesh,
     expert_params,
     parallelize_model,
+    partial_grad_params,
     reduce_expert_grads,
     reduce_partial_grads,
-    sequence_local_params,
     validate_model_for_tp,
 )
 from models import build_model, tp_plan
@@ -141,9 +141,14 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     # Layout and model checks first: nothing large is allocated before they pass.
     p = cfg.parallel
     dims = ParallelDims(
-        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, world_size=world_size
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        ep=p.ep,
+        etp=p.etp,
+        world_size=world_size,
     )
-    validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len)
+    validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len, etp=dims.etp)
     attention = resolve_attention(t_cfg.attention, device)
     if cfg.checkpoint.async_save and device.type != "cuda":
         raise ValueError(
@@ -217,7 +222,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             # an MoE block compiles as two graphs around it.
             "fullgraph": dims.ep == 1,
         }
-    plan = tp_plan(m_cfg)
+    plan = tp_plan(m_cfg, dims.etp)
     parallelize_model(
         model,
         mesh,
@@ -254,14 +259,15 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     )
     fp32_grads = FP32GradAccumulator(model, o.fp32_grad_accum)
     ep_params = expert_params(model)
-    # MoE layers run on each tp rank's own tokens: their gradients are partial over tp.
-    tp_partial = sequence_local_params(model, plan) if dims.tp > 1 else []
+    # MoE layers (etp=1) or their routers (etp=tp): gradients partial over tp.
+    tp_partial = partial_grad_params(model, plan) if dims.tp > 1 else []
     # Ranks holding the same experts (none besides this one when ep covers every dp rank).
     ep_grad_group = expert_dp_mesh(mesh).get_group() if 1 < dims.ep < dims.dp_size else None
     balance = RouterBalance(
         model,
-        # Ranks that see different tokens: the dp ranks, and with tp the sequence slices too.
-        count_group=dist.group.WORLD if dims.tp > 1 else dp_group,
+        # Ranks that route different tokens: the dp ranks, and with tp and expert TP size 1
+        # the sequence slices too (with etp = tp every tp rank routes the whole sequence).
+        count_group=dist.group.WORLD if dims.tp > 1 and dims.etp == 1 else dp_group,
         token_slices=dims.tp,
         bias_update_rate=getattr(m_cfg, "bias_update_rate", 0.0),
     )

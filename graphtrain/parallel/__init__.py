@@ -40,8 +40,8 @@ from graphtrain.parallel.mesh import (
 from graphtrain.parallel.tensor_parallel import (
     STYLES,
     apply_tp,
+    partial_grad_params,
     reduce_partial_grads,
-    sequence_local_params,
 )
 
 __all__ = [
@@ -59,9 +59,9 @@ __all__ = [
     "expert_params",
     "fsdp_mesh",
     "parallelize_model",
+    "partial_grad_params",
     "reduce_expert_grads",
     "reduce_partial_grads",
-    "sequence_local_params",
     "validate_model_for_tp",
 ]
 

@@ -40,6 +40,9 @@ class ParallelDims:
     # Expert parallel: carved out of dp_shard (ranks that read different rows also hold
     # different experts), so it adds no ranks; dp_shard = dp_shard_mod_ep * ep.
     ep: int = 1
+    # Expert tensor parallel: 1 (MoE layers not split by tp: each tp rank routes its own
+    # sequence slice) or tp (experts split on their hidden dim over the tp axis).
+    etp: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -65,6 +68,16 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.ep={self.ep} must be >= 1 and divide parallel.dp_shard={self.dp_shard}: "
                 "expert-parallel ranks are carved out of the FSDP (dp_shard) ranks"
+            )
+        if self.etp not in (1, self.tp):
+            raise ValueError(
+                f"parallel.etp={self.etp} must be 1 or parallel.tp={self.tp}: experts are split "
+                "over the whole tp axis or not at all"
+            )
+        if self.etp > 1 and self.ep > 1:
+            raise ValueError(
+                f"parallel.etp={self.etp} with parallel.ep={self.ep}: expert tensor parallel and "
+                "expert parallel together are not supported yet (use etp=1 with ep)"
             )
         product = self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
@@ -152,10 +165,11 @@ def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_mod_ep")
 
 
-def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None) -> None:
+def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None, etp: int = 1) -> None:
     """Raise ValueError unless every dimension the TP plan (models/gpt_plan.py) splits is
     divisible by tp: heads (wq/wk/wv/wo), ffn_dim (w1/w2/w3), vocab (embedding, output) and,
-    when given, the sequence length (sequence parallel shards activations on it)."""
+    when given, the sequence length (sequence parallel shards activations on it); with expert
+    TP (etp > 1) the experts' hidden size too."""
     if tp < 1:
         raise ValueError(f"parallel.tp must be >= 1, got {tp}")
     checks = [
@@ -166,6 +180,8 @@ def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None) -> N
     ]
     if seq_len is not None:
         checks.append(("seq_len", seq_len))
+    if etp > 1:  # MoE experts split on their hidden dim (models/moe_plan.py)
+        checks.append(("model.moe_ffn_dim", cfg.moe_ffn_dim))
     for name, value in checks:
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by parallel.tp={tp}")

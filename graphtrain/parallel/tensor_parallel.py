@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -88,7 +88,57 @@ STYLES: dict[str, Callable[[nn.Module], ParallelStyle]] = {
         desired_output_layouts=(_SEQ,),
         use_local_output=False,
     ),
+    # A module split over tp inside (an MoE layer, expert TP size = tp): the T slices gathered
+    # into a plain full-sequence tensor, and its plain output taken as partial sums over tp,
+    # reduce-scattered onto T (one collective each way, as for the dense MLP).
+    "gather_sequence_partial_out": lambda m: PrepareModuleInputOutput(
+        input_layouts=(_SEQ,),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Partial(),),
+        desired_output_layouts=(_SEQ,),
+        use_local_output=False,
+    ),
+    # Replicated parameters fed identical inputs whose gradients come out partial over tp (an
+    # MoE router weighting partial expert outputs): the module is left as it is and its
+    # parameters are summed over tp by reduce_partial_grads.
+    "replicate": lambda m: _Unchanged(),
+    # Split on the last dim -> local partial sums, left for the enclosing module to reduce.
+    "rowwise_partial": lambda m: RowwiseParallel(output_layouts=Partial(), use_local_output=True),
+    # Stacked experts (models.moe.GroupedExperts) split on their hidden dim: w1/w3 (E, F, D)
+    # on F, w2 (E, D, F) on F; each rank's grouped GEMMs give partial sums over tp.
+    "experts_hidden": lambda m: _SplitExperts(),
 }
+
+# Styles whose parameters get a partial gradient on each tp rank (reduce_partial_grads).
+_PARTIAL_GRAD_STYLES = ("sequence_local", "replicate")
+
+
+class _Unchanged(ParallelStyle):
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+
+class _SplitExperts(ParallelStyle):
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from models.moe import swiglu_experts
+
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+            full = getattr(module, name)
+            size = full.shape[dim] // tp
+            local = full.detach().narrow(dim, rank * size, size)
+            shard = DTensor.from_local(local, device_mesh, [Shard(dim)], run_check=False)
+            setattr(module, name, nn.Parameter(shard, full.requires_grad))
+
+        def run(xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            # The experts' shards as plain tensors: the token rows are plain (variable-size
+            # groups are no DTensor layout), and the result is this rank's partial sum.
+            w1, w2, w3 = (getattr(module, n).to_local() for n in ("w1", "w2", "w3"))
+            return swiglu_experts(xs, counts, w1, w2, w3)
+
+        module.run = run  # an instance attribute shadows GroupedExperts.run
+        return module
 
 
 def _match(name: str, pattern: str) -> bool:
@@ -160,13 +210,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> Non
     _retie(tied)
 
 
-def sequence_local_params(model: nn.Module, plan: dict[str, str]) -> list[nn.Parameter]:
-    """Parameters of the modules `plan` makes "sequence_local": their gradients are partial
-    over tp (each rank saw its own tokens) and need reduce_partial_grads."""
+def partial_grad_params(model: nn.Module, plan: dict[str, str]) -> list[nn.Parameter]:
+    """Parameters of the modules `plan` gives a "sequence_local" or "replicate" style: their
+    gradients are partial over tp and need reduce_partial_grads."""
     names = [name for name, _ in model.named_modules() if name]
     params: dict[int, nn.Parameter] = {}
     for pattern, style in plan.items():
-        if style != "sequence_local":
+        if style not in _PARTIAL_GRAD_STYLES:
             continue
         for name in names:
             if _match(name, pattern):

@@ -1,6 +1,6 @@
 """MoE layouts on CPU (gloo): expert parallel (ep=2 trains exactly like ep=1), tensor
-parallel of MoE models (expert TP size 1) and all of them composed follow the single process;
-bad layouts are refused."""
+parallel of MoE models (expert TP size 1 or tp) and their compositions with FSDP/HSDP follow the
+single process; bad layouts are refused."""
 
 from __future__ import annotations
 
@@ -42,19 +42,16 @@ def test_ep2_gives_the_losses_and_gradients_of_ep1(corpus, tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-5), key
 
 
+_SPLIT = ("--parallel.tp=2", "--parallel.dp_shard=2")
+
+
 @pytest.mark.parametrize(
     ("nproc", "layout"),
     [
         (2, ["--parallel.tp=2", "--training.micro_batch_size=4"]),
-        (
-            4,
-            [
-                "--parallel.tp=2",
-                "--parallel.dp_shard=2",
-                "--parallel.ep=2",
-                "--training.micro_batch_size=2",
-            ],
-        ),
+        (2, ["--parallel.tp=2", "--parallel.etp=2", "--training.micro_batch_size=4"]),
+        (4, [*_SPLIT, "--parallel.ep=2", "--training.micro_batch_size=2"]),
+        (4, [*_SPLIT, "--parallel.etp=2", "--training.micro_batch_size=2"]),
         (
             4,
             [
@@ -65,25 +62,23 @@ def test_ep2_gives_the_losses_and_gradients_of_ep1(corpus, tmp_path):
             ],
         ),
     ],
-    ids=["tp2", "dp2_tp2_ep2", "hsdp_ep2"],
+    ids=["tp2", "tp2_etp2", "dp2_tp2_ep2", "dp2_tp2_etp2", "hsdp_ep2"],
 )
 def test_tensor_and_expert_parallel_follow_the_single_process(corpus, tmp_path, nproc, layout):
-    """Same global batch (4 rows), same init: one process against tp=2 (each tp rank routes its
-    own sequence slice; MoE gradients summed over tp), dp_shard=2 x tp=2 x ep=2 (FSDP, TP
-    and the all-to-all together) and HSDP 2 x 2 with ep=2 (expert weights replicated over
-    dp_replicate: their gradients summed over the replicas). The aux losses that depend on
-    how tokens are split (aux, seq_aux: computed per slice under tp) are off; global_aux
-    (counts reduced over every rank) and the z-loss are on, with the expert bias. Tolerance
+    """Same global batch (4 rows), same init, one process against:
+    tp=2, expert TP 1 (each tp rank routes its own sequence slice; MoE gradients summed over
+    tp); tp=2 with expert TP 2 (experts split on their hidden dim, sequence gathered, router
+    gradients summed over tp); dp_shard=2 x tp=2 with ep=2 (FSDP, TP and the all-to-all
+    together) or with etp=2 (FSDP over tp-split experts); HSDP 2 x 2 with ep=2 (expert weights
+    replicated over dp_replicate: their gradients summed over the replicas).
+    Every aux loss is on, with the expert bias, where the tokens each router sees are whole
+    sequences; with expert TP 1 and tp=2 the per-slice ones (aux, seq_aux) are off. Tolerance
     1e-4: reduction order, and dp weighting each rank's tokens within the rank (as in the dense
     two-process test)."""
-    common = [
-        "--preset=moe-debug",
-        "--training.steps=4",
-        "--model.aux_loss_coef=0",
-        "--model.seq_aux_loss_coef=0",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-    ]
+    common = ["--preset=moe-debug", "--training.steps=4", "--metrics.log_interval=1"]
+    common.append("--metrics.val_interval=0")
+    if "--parallel.tp=2" in layout and "--parallel.etp=2" not in layout:
+        common += ["--model.aux_loss_coef=0", "--model.seq_aux_loss_coef=0"]
     single = train(
         load_config(job(corpus, tmp_path / "one", *common, "--training.micro_batch_size=4"))
     )
@@ -95,6 +90,13 @@ def test_tensor_and_expert_parallel_follow_the_single_process(corpus, tmp_path, 
     assert len(multi) == 4
     for a, b in zip(single.losses, multi, strict=True):
         assert b["loss"] == pytest.approx(a, rel=1e-4)
+
+
+def test_expert_tp_must_span_tp_and_not_meet_ep():
+    with pytest.raises(ValueError, match=r"parallel.etp=2 must be 1 or parallel.tp=4"):
+        ParallelDims(tp=4, etp=2, world_size=4)
+    with pytest.raises(ValueError, match="expert tensor parallel and expert parallel together"):
+        ParallelDims(dp_shard=2, tp=2, ep=2, etp=2, world_size=4)
 
 
 def test_ep_must_divide_dp_shard():

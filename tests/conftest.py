@@ -1,5 +1,6 @@
 """Shared fixtures: a small synthetic corpus with its tokenizer, the argv of a debug job on it
-(used by the trainer and checkpoint tests), and a torchrun launcher for multi-rank jobs."""
+(used by the trainer and checkpoint tests), a torchrun launcher for multi-rank jobs, a
+one-rank gloo group, and the TRITON_INTERPRET=1 subprocess the kernel tests run."""
 
 import json
 import os
@@ -75,3 +76,32 @@ def torchrun_metrics(nproc: int, args: list[str]) -> list[dict]:
     )
     run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--training.run_dir="))
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def run_interpreter_checks(script: str, marker: str) -> None:
+    """Run `python SCRIPT --interpreter-checks` with TRITON_INTERPRET=1 (set before Triton is
+    imported, hence a subprocess); it must succeed and print `marker` (its last check)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, script, "--interpreter-checks"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert marker in proc.stdout

@@ -10,8 +10,6 @@ GPU tests (marker gpu) check bf16 by signal-to-noise ratio and CUDA-graph captur
 from __future__ import annotations
 
 import datetime
-import os
-import subprocess
 import sys
 import time
 import zlib
@@ -384,16 +382,9 @@ def test_triton_kernels_under_interpreter():
     if lce._interpreting():
         _interpreter_checks()
         return
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--interpreter-checks"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "scale kernel ok" in proc.stdout
+    from conftest import run_interpreter_checks  # not at the top: this file also runs as a script
+
+    run_interpreter_checks(__file__, "scale kernel ok")
 
 
 # ------------------------------------------------------------------------------------------

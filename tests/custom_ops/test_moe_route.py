@@ -384,16 +384,9 @@ def test_triton_kernels_under_interpreter():
     if mr._interpreting():
         _interpreter_checks()
         return
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--interpreter-checks"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "interpreter strided ok" in proc.stdout
+    from conftest import run_interpreter_checks  # not at the top: this file also runs as a script
+
+    run_interpreter_checks(__file__, "interpreter strided ok")
 
 
 def _compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, object]) -> None:

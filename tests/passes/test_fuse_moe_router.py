@@ -537,20 +537,6 @@ def test_moe_model_routers_fuse_and_train_the_same(tmp_path):
         assert torch.equal(r.last_counts, rc.last_counts)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_dtensor_router_left_unchanged(one_rank_group, tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor

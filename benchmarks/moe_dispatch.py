@@ -1,0 +1,197 @@
+"""Benchmark: the MoE token dispatch (permute) and weighted combine (unpermute), fwd and fwd+bwd.
+
+What
+    moe-1b's shape by default: T = 16384 tokens (4 x 4096), k = 6 slots per token, D = 1024;
+    x fp32 (the normalised residual under autocast), slots bf16, weights fp32, one random
+    expert per slot (64 experts), as models/moe.py writes it:
+        xs  = x[order // k].to(bf16)                                    the permute
+        out = (empty_like(ys).index_copy_(0, order, ys).view(T, k, D).float()
+               * weights.unsqueeze(-1)).sum(1)                          the combine
+    with `ys` an independent input (the experts' GEMMs sit between the two in a model, so
+    nothing fuses across them), run as
+        eager           the plain code
+        torch.compile   the plain code under torch.compile (Inductor, default options)
+        graphtrain      the plain code through graphtrain's backend: fuse_moe_dispatch puts
+                        graphtrain.moe_permute / moe_unpermute in (checked from the pass dump)
+    reporting the median wall time (triton.testing.do_bench) and the GPU kernel time (the
+    profiler's sum over kernels per call) of the forward and of forward + backward (d x, d ys,
+    d weights for fixed random output gradients), each row's agreement with eager, and the
+    memory floor: the bytes the forward must move (read x, write xs, read ys, write out) and
+    the backward (read d xs, write d x, read d out and ys, write d ys) at 3.0 TB/s.
+
+Run
+    python benchmarks/moe_dispatch.py [--tokens 16384 --top-k 6 --dim 1024] [--no-record]
+    python benchmarks/moe_dispatch.py --cpu-smoke     # no GPU: tiny shape, the pass fires and
+                                                      # the three rows agree
+The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from cross_entropy import RESULTS, git_commit  # run as a script: benchmarks/ is on sys.path
+from moe_router import HBM_BYTES_PER_S, kernel_ms
+
+from graphtrain.compile import backend as graphtrain_backend
+
+IMPLS = ("eager", "torch.compile", "graphtrain")
+
+
+def plain_dispatch(x, ys, weights, experts):
+    T, k = experts.shape
+    order = torch.argsort(experts.flatten(), stable=True)
+    xs = x[order // k].to(ys.dtype)
+    y = torch.empty_like(ys).index_copy_(0, order, ys)
+    out = (y.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(1)
+    return xs, out
+
+
+def build(impl: str, dump_dir: str | None = None):
+    if impl == "eager":
+        return plain_dispatch
+    if impl == "torch.compile":
+        return torch.compile(plain_dispatch, fullgraph=True)
+    if impl == "graphtrain":
+        return torch.compile(
+            plain_dispatch, backend=graphtrain_backend(dump_dir=dump_dir), fullgraph=True
+        )
+    raise ValueError(f"unknown impl {impl!r}; known: {', '.join(IMPLS)}")
+
+
+def inputs(T: int, k: int, D: int, device: str, slot_dtype: torch.dtype):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(T, D, device=device, generator=g, requires_grad=True)
+    ys = torch.randn(T * k, D, device=device, generator=g).to(slot_dtype).requires_grad_()
+    weights = torch.rand(T, k, device=device, generator=g, requires_grad=True)
+    experts = torch.randint(0, 64, (T, k), device=device, generator=g)
+    grad_xs = torch.randn(T * k, D, device=device, generator=g).to(slot_dtype)
+    grad_out = torch.randn(T, D, device=device, generator=g)
+    return x, ys, weights, experts, grad_xs, grad_out
+
+
+def run_all(fn, x, ys, weights, experts, grad_xs, grad_out):
+    xs, out = fn(x, ys, weights, experts)
+    grads = torch.autograd.grad([xs, out], [x, ys, weights], [grad_xs, grad_out])
+    return (xs.detach(), out.detach(), *grads)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _pass_fired(dump: str) -> bool:
+    for summary in Path(dump).glob("*/summary.json"):
+        for step in json.loads(summary.read_text()):
+            counts = step.get("op_counts", {})
+            if step["label"] == "fuse_moe_dispatch" and counts.get(
+                "graphtrain.moe_permute.default"
+            ):
+                return counts.get("graphtrain.moe_unpermute.default", 0) == 1
+    return False
+
+
+def cpu_smoke() -> None:
+    args = inputs(37, 3, 24, "cpu", torch.float32)
+    want = run_all(plain_dispatch, *args)
+    with tempfile.TemporaryDirectory() as dump:
+        fn = torch.compile(
+            plain_dispatch,
+            backend=graphtrain_backend(inner="aot_eager", dump_dir=dump),
+            fullgraph=True,
+        )
+        got = run_all(fn, *args)
+        assert _pass_fired(dump), "the pass did not insert both ops"
+    errs = [_rel(g, w) for g, w in zip(got, want, strict=True)]
+    assert max(errs) < 1e-6, errs
+    print("cpu smoke: eager and graphtrain (both ops inserted) agree")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--cpu-smoke", action="store_true")
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        cpu_smoke()
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/moe_dispatch.py needs a CUDA GPU (or --cpu-smoke)")
+    T, k, D = args.tokens, args.top_k, args.dim
+    data = inputs(T, k, D, "cuda", torch.bfloat16)
+    x, ys, weights, experts, *_ = data
+    want = run_all(plain_dispatch, *data)
+    fwd_bytes = T * D * 4 + T * k * D * 2 + T * k * D * 2 + T * D * 4
+    bwd_bytes = T * k * D * 2 + T * D * 4 + T * D * 4 + 2 * T * k * D * 2
+    rows = []
+    with tempfile.TemporaryDirectory() as dump:
+        for impl in IMPLS:
+            torch._dynamo.reset()
+            fn = build(impl, dump)
+            got = run_all(fn, *data)  # compiles
+            err = max(_rel(g, w) for g, w in zip(got, want, strict=True))
+
+            def forward(fn=fn):
+                with torch.no_grad():
+                    return fn(x, ys, weights, experts)
+
+            def step(fn=fn):
+                return run_all(fn, *data)
+
+            rows.append(
+                {
+                    "impl": impl,
+                    "fwd": triton.testing.do_bench(forward, return_mode="median"),
+                    "fwd_k": kernel_ms(forward, x),
+                    "step": triton.testing.do_bench(step, return_mode="median"),
+                    "step_k": kernel_ms(step, x),
+                    "err": err,
+                }
+            )
+        fired = _pass_fired(dump)
+    base = rows[1]
+    lines = [
+        f"memory floor: forward {fwd_bytes / 2**20:.0f} MiB -> "
+        f"{fwd_bytes / HBM_BYTES_PER_S * 1e3:.3f} ms; forward+backward "
+        f"{(fwd_bytes + bwd_bytes) / 2**20:.0f} MiB -> "
+        f"{(fwd_bytes + bwd_bytes) / HBM_BYTES_PER_S * 1e3:.3f} ms (at 3.0 TB/s)",
+        "",
+        "| impl | fwd ms | fwd kernels ms (vs compile) | fwd+bwd ms | "
+        "fwd+bwd kernels ms (vs compile) | max rel err vs eager |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['impl']} | {r['fwd']:.3f} | {r['fwd_k']:.3f} "
+            f"({base['fwd_k'] / r['fwd_k']:.2f}x) | {r['step']:.3f} | {r['step_k']:.3f} "
+            f"({base['step_k'] / r['step_k']:.2f}x) | {r['err']:.1e} |"
+        )
+    lines.append("")
+    lines.append(f"- fuse_moe_dispatch inserted both ops: {fired}")
+    table = "\n".join(lines)
+    print(table)
+    if not args.no_record:
+        header = (
+            f"\n## moe_dispatch: permute + combine, T={T}, k={k}, D={D}, x fp32, slots bf16 "
+            f"({datetime.datetime.now():%Y-%m-%d %H:%M}, {torch.cuda.get_device_name()}, "
+            f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()})\n\n"
+        )
+        with open(RESULTS, "a") as f:
+            f.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,9 +7,10 @@ What: the dense Llama-style model of models/gpt.py in which every block after th
                     normalised and scaled weights, tokens per expert, auxiliary losses;
     routed experts  stacked SwiGLU weights, tokens permuted by expert, torch._grouped_mm;
     shared experts  a dense SwiGLU every token goes through (models.gpt.FeedForward).
-The router is written the obvious way because a compiler pass (graphtrain.passes) finds it in
-the graph and replaces it with a fused kernel; the semantics it must keep are those of
-`Router.forward` (the spec all MoE code shares).
+The router and the token permutation / weighted combine are written the obvious way because
+compiler passes (graphtrain.passes) find them in the graph and replace them with fused kernels;
+the semantics they must keep are those of `Router.forward` (the spec all MoE code shares) and
+`GroupedExperts.forward`.
 
 Why the auxiliary losses never appear in the returned loss: they reach the gradient through
 AuxLossInjector (Megatron's MoEAuxLossAutoScaler), so the model keeps the dense model's contract

@@ -60,7 +60,12 @@ def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
     for graph in ("head_loss-0", "head_loss-1"):
         head = json.loads((graphs / graph / "summary.json").read_text())
         labels = [s["label"] for s in head]
-        assert labels == ["captured", "fuse_linear_cross_entropy", "fuse_moe_router"]
+        assert labels == [
+            "captured",
+            "fuse_linear_cross_entropy",
+            "fuse_moe_router",
+            "fuse_moe_dispatch",
+        ]
         assert head[1]["op_diff"]["graphtrain.linear_cross_entropy.default"] == 1
         assert head[1]["op_diff"]["torch.nn.functional.cross_entropy"] == -1
     # ... and the same report `graphtrain inspect` writes.

@@ -87,12 +87,14 @@ _MAX_PADDED_EXPERTS = 4096
 # Padded experts x tokens per program and warps, from a sweep on an H100 (65536 tokens, 256
 # experts, top-8, sigmoid with 8 groups): forward 0.18 ms at 2048 / 8 warps (0.21 at 4 warps,
 # 0.29 when a program looped over 4-8 blocks to add fewer histograms: parallelism wins over
-# atomics); backward 0.058 ms at 1024 / 2 warps (0.075 at 4 warps), a clone of the logits 0.050.
+# atomics; 4096 / 4 warps the same). Backward, per score function (the sweep's best; a clone of
+# the logits takes 0.050 ms): sigmoid 0.053 ms at 4096 / 2 warps (0.059 at 1024 / 2); softmax
+# over all experts 0.067 ms at 512 / 1 warp (0.123 at 1024 / 2); softmax after the top-k was
+# not swept and keeps 1024 / 2.
 _FWD_TILE, _FWD_WARPS = 2048, 8
-_BWD_TILE, _BWD_WARPS = 1024, 2
-
 # Kernel codes of the score function.
 _SOFTMAX_PRE, _SOFTMAX_POST, _SIGMOID = 0, 1, 2
+_BWD_TILE_WARPS = {_SOFTMAX_PRE: (512, 1), _SOFTMAX_POST: (1024, 2), _SIGMOID: (4096, 2)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,7 +571,11 @@ def moe_route_backward_triton(
         return grad_logits
     K = indices.shape[1]
     block_e = triton.next_power_of_2(E)
-    block_t = max(1, min(_BWD_TILE // block_e, triton.next_power_of_2(T)))
+    code = _score_code(score_func, pre_softmax)
+    tile, warps = _BWD_TILE_WARPS[code]
+    block_t = max(1, min(tile // block_e, triton.next_power_of_2(T)))
+    # Rows wider than the tile (many experts) get more warps, not more registers per thread.
+    warps = min(16, max(warps, block_t * block_e * warps // tile))
     _moe_route_bwd_kernel[(triton.cdiv(T, block_t),)](
         grad_weights.contiguous(),  # autograd may hand over an expanded (stride 0) gradient
         logits,
@@ -581,11 +587,11 @@ def moe_route_backward_triton(
         float(route_scale),
         K=K,
         K_PAD=triton.next_power_of_2(K),
-        SCORE=_score_code(score_func, pre_softmax),
+        SCORE=code,
         NORMALIZE=normalize,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
-        num_warps=_BWD_WARPS,
+        num_warps=warps,
     )
     return grad_logits
 

@@ -455,7 +455,14 @@ def test_kernels_compile_for_hopper(dtype, score, groups):
             "stride_t": "i32",
             "route_scale": "fp32",
         },
-        dict(K=K, K_PAD=K, SCORE=code, NORMALIZE=True, BLOCK_T=mr._BWD_TILE // E, BLOCK_E=E),
+        dict(
+            K=K,
+            K_PAD=K,
+            SCORE=code,
+            NORMALIZE=True,
+            BLOCK_T=mr._BWD_TILE_WARPS[code][0] // E,
+            BLOCK_E=E,
+        ),
     )
 
 

@@ -75,15 +75,25 @@ def test_fused_op_once_with_location_and_options(report):
 
 def test_moe_model_shows_its_blocks_and_the_fused_router():
     """moe-debug: a dense first block and MoE blocks (two graphs in the block region), the
-    router fused once in the MoE block graph, the head fused as for the dense model."""
+    router, the token permutation and the combine fused once each in the MoE block graph, the
+    head fused as for the dense model."""
     report = inspect_config(
         load_config(["--preset", "moe-debug", "--training.micro_batch_size=2"]),
         device="cpu",
         inner="aot_eager",
     )
     assert [g.name for g in report.graphs] == ["block-0", "block-1", "head_loss-0"]
-    assert report.custom_ops == {FUSED: 1, "graphtrain.moe_route.default": 1}
-    (router,) = [s for s in report.custom_op_sites if s.graph == "block-1"]
+    assert report.custom_ops == {
+        FUSED: 1,
+        "graphtrain.moe_route.default": 1,
+        "graphtrain.moe_permute.default": 1,
+        "graphtrain.moe_unpermute.default": 1,
+    }
+    (router,) = [
+        s
+        for s in report.custom_op_sites
+        if s.graph == "block-1" and s.op == "graphtrain.moe_route.default"
+    ]
     assert router.module_path.endswith("moe.router")
     assert report.graph_breaks == []
 

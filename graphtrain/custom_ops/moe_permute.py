@@ -23,8 +23,8 @@ Why
     scatter-add with one fp32 atomic per element into a zeroed [T, D] buffer), scatters the
     expert outputs back with index_copy into a fresh [T*k, D] buffer, then reads that again
     for the weighted sum (and the backward gathers and multiplies in separate passes). Here
-    every pass is a gather that reads each input row once and writes each output row once,
-    without atomics (so deterministic) and without the intermediate [T*k, D] buffers.
+    every pass walks the tokens, reads each row once and writes each row once, without
+    atomics (so deterministic) and without the intermediate [T*k, D] buffers.
 
 Layers (the pair shares its two kernels, so both ops live in this file)
     moe_permute, moe_unpermute, moe_unpermute_backward
@@ -79,6 +79,12 @@ def check_dispatch_args(
             f"weights must be a floating [T, k] = [{num_tokens}, {top_k}] tensor, got "
             f"{weights.dtype} of shape {tuple(weights.shape)}"
         )
+
+
+def check_unpermute_args(ys: Tensor, order: Tensor, weights: Tensor | None, top_k: int) -> None:
+    if ys.dim() >= 1 and order.dim() >= 1 and ys.shape[0] != order.shape[0]:
+        raise ValueError(f"ys has {ys.shape[0]} rows, order {order.shape[0]} slots")
+    check_dispatch_args(ys, order, top_k, weights, ys.shape[0] // top_k if top_k > 0 else 0)
 
 
 def _unpermute_dtype(ys: Tensor, weights: Tensor | None, dtype: torch.dtype | None):
@@ -324,6 +330,7 @@ def moe_permute(
     x: Tensor, order: Tensor, top_k: int, *, dtype: torch.dtype | None = None
 ) -> Tensor:
     """xs [T*k, D], xs[r] = x[order[r] // top_k] in `dtype`. This body is the CPU kernel."""
+    check_dispatch_args(x, order, top_k, None, x.shape[0])
     return moe_permute_ref(x, order, top_k, dtype=dtype)
 
 
@@ -356,21 +363,20 @@ def moe_unpermute(
     dtype: torch.dtype | None = None,
 ) -> Tensor:
     """out [T, D], out[t] = sum_j ys[inv[t*k + j]] * weights[t, j]. The body is the CPU kernel."""
+    check_unpermute_args(ys, order, weights, top_k)
     return moe_unpermute_ref(ys, order, weights, top_k, dtype=dtype)
 
 
 @moe_unpermute.register_fake
 def _moe_unpermute_fake(ys, order, weights, top_k, *, dtype=None):
-    check_dispatch_args(ys, order, top_k, weights, ys.shape[0] // top_k if top_k > 0 else 0)
-    if ys.shape[0] != order.shape[0]:
-        raise ValueError(f"ys has {ys.shape[0]} rows, order {order.shape[0]} slots")
+    check_unpermute_args(ys, order, weights, top_k)
     T = ys.shape[0] // top_k
     return ys.new_empty((T, ys.shape[1]), dtype=_unpermute_dtype(ys, weights, dtype))
 
 
 @moe_unpermute.register_kernel("cuda")
 def _moe_unpermute_cuda(ys, order, weights, top_k, *, dtype=None):
-    _moe_unpermute_fake(ys, order, weights, top_k, dtype=dtype)  # the checks
+    check_unpermute_args(ys, order, weights, top_k)
     run = moe_unpermute_triton if _use_triton(ys) else moe_unpermute_ref
     return run(ys, order, weights, top_k, dtype=dtype)
 

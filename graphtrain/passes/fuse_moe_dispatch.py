@@ -180,7 +180,10 @@ def _rewrite_permute(gm: torch.fx.GraphModule, xs: Node, x: Node, index: Node) -
     if not index.users:
         graph.erase_node(index)
     folded = f", dtype={dtype} (folded {len(casts)} cast(s))" if fold else ""
-    return f"replaced {xs.name} = {x.name}[{order.name} // {k}] with {new.name} = graphtrain.moe_permute({x.name}, {order.name}, {k}{folded})"
+    return (
+        f"replaced {xs.name} = {x.name}[{order.name} // {k}] with {new.name} = "
+        f"graphtrain.moe_permute({x.name}, {order.name}, {k}{folded})"
+    )
 
 
 def _cast_dtype(node: Node) -> torch.dtype | None:
@@ -260,7 +263,8 @@ def _rewrite_unpermute(gm: torch.fx.GraphModule, copy: Node) -> str:
     weights = _weights_of(other, T, k)
     if weights is None:
         raise _Refuse(
-            f"{node.name} multiplies the slots by {getattr(other, 'name', other)}, not by [T, k] weights unsqueezed"
+            f"{node.name} multiplies the slots by {getattr(other, 'name', other)}, "
+            "not by [T, k] weights unsqueezed"
         )
     _plain_tensor(weights, "the weights")
     chain.append(node)

@@ -156,6 +156,14 @@ def test_bad_arguments_raise(change, match):
         mp.check_dispatch_args(x, order, 3, w, 6)
 
 
+def test_bad_arguments_raise_eagerly():
+    x, order, ys, *_ = _inputs(6, 3, 4, 0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="order has 17 slots"):
+        torch.ops.graphtrain.moe_permute(x, order[:-1], 3)
+    with pytest.raises(ValueError, match="ys has 17 rows, order 18 slots"):
+        torch.ops.graphtrain.moe_unpermute(ys[:-1], order, None, 3)
+
+
 def test_bad_arguments_raise_at_trace_time():
     _, order, ys, w, *_ = _inputs(6, 3, 4, 0, dtype=torch.float32)
     f = torch.compile(
@@ -163,7 +171,7 @@ def test_bad_arguments_raise_at_trace_time():
         backend="aot_eager",
         fullgraph=True,
     )
-    with pytest.raises(Exception, match="order has 17 slots"):
+    with pytest.raises(Exception, match="ys has 18 rows, order 17 slots"):
         f(ys, w)
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures: a small synthetic corpus with its tokenizer, the argv of a debug job on it
 (used by the trainer and checkpoint tests), a torchrun launcher for multi-rank jobs, a
-one-rank gloo group, and the TRITON_INTERPRET=1 subprocess the kernel tests run."""
+one-rank gloo group, the TRITON_INTERPRET=1 subprocess the kernel tests run, and a pass's
+entry in a graph dump."""
 
 import json
 import os
@@ -10,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from graphtrain.compile import backend
 from graphtrain.data.tokenizer import train_bpe_tokenizer
 
 
@@ -105,3 +108,29 @@ def run_interpreter_checks(script: str, marker: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert marker in proc.stdout
+
+
+def pass_step(dump: Path, label: str) -> dict:
+    """The entry of pass `label` in the summary.json of the single graph compiled into `dump`
+    (graphtrain's backend with dump_dir=dump): op counts, op diff, notes."""
+    (summary,) = list(dump.glob("*/summary.json"))
+    (step,) = [s for s in json.loads(summary.read_text()) if s["label"] == label]
+    return step
+
+
+def module_grads(module, x, dump: Path | None, autocast: bool = False) -> tuple:
+    """(output, gradients of x and of every parameter) for a fixed random output gradient:
+    eager (dump=None), or compiled through graphtrain's backend (aot_eager) with its graph
+    dumps in `dump`; optionally under CPU bf16 autocast."""
+    x = x.detach().clone().requires_grad_()
+    fn = module
+    if dump is not None:
+        torch._dynamo.reset()
+        fn = torch.compile(
+            module, backend=backend(inner="aot_eager", dump_dir=dump), fullgraph=True
+        )
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = fn(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    grads = torch.autograd.grad(out, [x, *module.parameters()], g)
+    return out.detach(), grads

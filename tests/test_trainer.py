@@ -65,6 +65,7 @@ def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
             "fuse_linear_cross_entropy",
             "fuse_moe_router",
             "fuse_moe_dispatch",
+            "fuse_sibling_grouped_mm",
         ]
         assert head[1]["op_diff"]["graphtrain.linear_cross_entropy.default"] == 1
         assert head[1]["op_diff"]["torch.nn.functional.cross_entropy"] == -1

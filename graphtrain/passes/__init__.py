@@ -1,7 +1,11 @@
 """Graph passes: the registry, and one module per pass (imported here so each registers itself)."""
 
 import graphtrain.passes.fuse_linear_cross_entropy  # noqa: F401  (registers the pass)
-from graphtrain.passes import fuse_moe_dispatch, fuse_moe_router  # noqa: F401  (register)
+from graphtrain.passes import (  # noqa: F401  (each registers its pass)
+    fuse_moe_dispatch,
+    fuse_moe_router,
+    fuse_sibling_grouped_mm,
+)
 from graphtrain.passes.registry import (
     PassContext,
     PassSpec,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import pass_step
 from torch import nn
 
 from graphtrain.compile import apply_compile, backend
@@ -26,11 +27,7 @@ B, T, H, V = 2, 7, 12, 37  # odd sizes: T * B = 14 tokens
 
 
 def _pass_step(dump: Path) -> dict:
-    """The pass's entry in the single compiled graph's summary.json."""
-    (summary,) = list(dump.glob("*/summary.json"))
-    steps = json.loads(summary.read_text())
-    (step,) = [s for s in steps if s["label"] == PASS]
-    return step
+    return pass_step(dump, PASS)
 
 
 def _run(

@@ -9,11 +9,11 @@ tests read what the pass did from the dump, as `graphtrain inspect` shows it.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import module_grads, pass_step
 from torch import nn
 
 from graphtrain.compile import backend
@@ -25,29 +25,11 @@ T, D, E, K = 13, 8, 5, 3
 
 
 def _pass_step(dump: Path) -> dict:
-    (summary,) = list(dump.glob("*/summary.json"))
-    (step,) = [s for s in json.loads(summary.read_text()) if s["label"] == PASS]
-    return step
+    return pass_step(dump, PASS)
 
 
 def _counts(step: dict) -> tuple[int, int]:
     return step["op_counts"].get(PERMUTE, 0), step["op_counts"].get(UNPERMUTE, 0)
-
-
-def _grads(module: nn.Module, x: torch.Tensor, dump: Path | None, autocast: bool = False):
-    """Output and the gradients of x and every parameter, eager (dump=None) or compiled."""
-    x = x.detach().clone().requires_grad_()
-    fn = module
-    if dump is not None:
-        torch._dynamo.reset()
-        fn = torch.compile(
-            module, backend=backend(inner="aot_eager", dump_dir=dump), fullgraph=True
-        )
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = fn(x)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-    grads = torch.autograd.grad(out, [x, *module.parameters()], g)
-    return out.detach(), grads
 
 
 class Dispatch(nn.Module):
@@ -100,8 +82,8 @@ def test_fuses_once_and_matches(spelling, tmp_path):
     torch.manual_seed(0)
     module = Dispatch(spelling)
     x = torch.randn(T, D)
-    want, want_grads = _grads(module, x, None)
-    got, got_grads = _grads(module, x, tmp_path)
+    want, want_grads = module_grads(module, x, None)
+    got, got_grads = module_grads(module, x, tmp_path)
     assert _counts(_pass_step(tmp_path)) == (1, 1), _pass_step(tmp_path)["notes"]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for g, w in zip(got_grads, want_grads, strict=True):
@@ -174,8 +156,8 @@ def test_moe_layer_fuses_and_matches(autocast, tmp_path):
     model.init_weights(seed=0)
     moe = model.layers["0"].moe
     x = torch.randn(2, 11, cfg.dim, generator=torch.Generator().manual_seed(2))
-    want, want_grads = _grads(moe, x, None, autocast)
-    got, got_grads = _grads(moe, x, tmp_path, autocast)
+    want, want_grads = module_grads(moe, x, None, autocast)
+    got, got_grads = module_grads(moe, x, tmp_path, autocast)
     step = _pass_step(tmp_path)
     assert _counts(step) == (1, 1), step["notes"]
     assert step["op_counts"].get("Tensor.index_copy_", 0) == 0

@@ -1,0 +1,179 @@
+"""Pass fuse_sibling_grouped_mm: two grouped GEMMs of one input -> one over concatenated weights.
+
+What
+    In the Dynamo graph (pre-grad, torch IR) it finds pairs of torch._grouped_mm that multiply
+    the same input rows with the same group offsets,
+        a = torch._grouped_mm(x, Wa.transpose(-2, -1), offs=offs)      Wa [E, Fa, D]
+        b = torch._grouped_mm(x, Wb.transpose(-2, -1), offs=offs)      Wb [E, Fb, D]
+    (the gate and up projections of SwiGLU experts: models/moe.py's w1 and w3, once
+    fuse_moe_dispatch has given both the same permuted input) and replaces them with
+        ab = torch._grouped_mm(x, torch.cat([Wa, Wb], 1).transpose(-2, -1), offs=offs)
+        a, b = ab.narrow(-1, 0, Fa), ab.narrow(-1, Fa, Fb)
+    The weights' producers (autocast's casts) are moved before the first GEMM when they came
+    after it; the cast and the concatenation fuse into one kernel under Inductor.
+
+Why
+    The backward of two GEMMs of one input ends in an add of their two [N, D] input gradients
+    (a full extra pass over the [T*k, D] slots at moe-1b's shape); one GEMM with the
+    concatenated weight produces that gradient directly, and its GEMMs are twice as wide.
+
+Refusals (the graph is left as it was and ctx.note says why)
+    a bias or an out_dtype on either GEMM; weights that are not [E, F, D] tensors transposed
+    on their last two dims with one layout and dtype between them; a transposed weight with
+    another user; a weight whose producers (after the first GEMM) are not side-effect-free
+    or depend on the first GEMM; DTensors; symbolic shapes. Inputs with a single grouped GEMM
+    get no note.
+
+Invariant and numerics (preserves_numerics=False)
+    Only the two GEMMs, their transposes and their uses change; every element of a and b is
+    the same dot product, but the GEMM kernel (tile shape, hence summation order) may differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+from graphtrain.passes.registry import PassContext, register_pass
+
+_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+class _Refuse(Exception):
+    """Why a pair is left alone (becomes the pass note)."""
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, Node) else None
+
+
+def _is_grouped_mm(node: Node) -> bool:
+    return node.op == "call_function" and node.target is torch._grouped_mm
+
+
+def _offs(node: Node) -> Any:
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+
+
+def _weight(gemm: Node) -> Node:
+    """W of a grouped GEMM whose second operand is W.transpose(-2, -1), W [E, F, D]."""
+    if len(gemm.args) > 3 or set(gemm.kwargs) - {"offs"}:
+        raise _Refuse(f"{gemm.name} has a bias or an out_dtype")
+    t = gemm.args[1]
+    dims = tuple(t.args[1:3]) if isinstance(t, Node) and t.op == "call_method" else ()
+    if not (t.target == "transpose" and dims in ((-2, -1), (-1, -2), (1, 2), (2, 1))):
+        raise _Refuse(f"the weight operand of {gemm.name} is not W.transpose(-2, -1)")
+    if len(t.users) != 1:
+        raise _Refuse(f"the transposed weight {t.name} has other users")
+    w = t.args[0]
+    v = _val(w)
+    if not isinstance(v, torch.Tensor) or v.dim() != 3:
+        raise _Refuse(f"the weight {getattr(w, 'name', w)} of {gemm.name} is not [E, F, D]")
+    if type(v).__name__ == "DTensor" or not all(isinstance(s, int) for s in v.shape):
+        raise _Refuse(f"the weight {w.name} of {gemm.name} is a DTensor or has symbolic shape")
+    return w
+
+
+def _late_producers(w: Node, anchor: Node, order: dict[Node, int]) -> list[Node]:
+    """The nodes after `anchor` that `w` depends on, in graph order; refuse impure ones."""
+    late, stack = set(), [w]
+    while stack:
+        n = stack.pop()
+        if n in late or order[n] < order[anchor]:
+            continue
+        if n is anchor:
+            raise _Refuse(f"the weight {w.name} depends on {anchor.name}")
+        impure = n.op not in ("call_method", "call_function") or (
+            n.op == "call_method" and n.target.endswith("_")
+        )
+        if impure or n.is_impure():
+            raise _Refuse(f"the weight {w.name} comes from {n.name}, which cannot be moved")
+        late.add(n)
+        stack.extend(n.all_input_nodes)
+    return sorted(late, key=order.__getitem__)
+
+
+def _fuse(gm: torch.fx.GraphModule, first: Node, second: Node) -> str:
+    wa, wb = _weight(first), _weight(second)
+    va, vb = _val(wa), _val(wb)
+    if va.shape[0] != vb.shape[0] or va.shape[2] != vb.shape[2] or va.dtype != vb.dtype:
+        raise _Refuse(
+            f"the weights {wa.name} {tuple(va.shape)} {va.dtype} and {wb.name} "
+            f"{tuple(vb.shape)} {vb.dtype} differ in experts, input dim or dtype"
+        )
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late = _late_producers(wb, first, order)
+    for n in late:
+        first.prepend(n)
+    x, offs = first.args[0], _offs(first)
+    fa, fb = va.shape[1], vb.shape[1]
+    fake_mode = _val(x).fake_mode
+    with graph.inserting_before(first), fake_mode:
+        cat = graph.call_function(torch.cat, ([wa, wb], 1))
+        cat.meta["example_value"] = torch.cat([va, vb], 1)
+        t = graph.call_method("transpose", (cat, -2, -1))
+        t.meta["example_value"] = cat.meta["example_value"].transpose(-2, -1)
+        ab = graph.call_function(torch._grouped_mm, (x, t), {"offs": offs})
+        ab.meta["example_value"] = torch._grouped_mm(
+            _val(x), t.meta["example_value"], offs=_val(offs)
+        )
+        parts = []
+        for start, length in ((0, fa), (fa, fb)):
+            part = graph.call_function(torch.narrow, (ab, -1, start, length))
+            part.meta["example_value"] = ab.meta["example_value"].narrow(-1, start, length)
+            parts.append(part)
+    for node in (cat, t, ab, *parts):
+        for key in _META_KEYS:
+            if key in first.meta:
+                node.meta[key] = first.meta[key]
+    for old, new in zip((first, second), parts, strict=True):
+        transpose = old.args[1]
+        old.replace_all_uses_with(new)
+        graph.erase_node(old)
+        graph.erase_node(transpose)
+    moved = f"; moved {', '.join(n.name for n in late)} before it" if late else ""
+    return (
+        f"fused {first.name} and {second.name} (weights {wa.name} [.., {fa}, ..] and "
+        f"{wb.name} [.., {fb}, ..]) into {ab.name} = grouped_mm({x.name}, "
+        f"cat([{wa.name}, {wb.name}], 1).transpose(-2, -1)){moved}"
+    )
+
+
+@register_pass(
+    "fuse_sibling_grouped_mm",
+    stage="pre_grad",
+    order=40,
+    default_on=True,
+    preserves_numerics=False,
+)
+def fuse_sibling_grouped_mm_pass(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
+) -> torch.fx.GraphModule:
+    """Merge two grouped GEMMs of the same input and offsets into one over concatenated
+    weights (the experts' gate and up projections)."""
+    # Order 40: after fuse_moe_dispatch (30), which gives both GEMMs one input node.
+    groups: dict[tuple[Node, Any], list[Node]] = {}
+    for node in gm.graph.nodes:
+        if _is_grouped_mm(node) and isinstance(node.args[0], Node):
+            groups.setdefault((node.args[0], _offs(node)), []).append(node)
+    pairs = [g for g in groups.values() if len(g) >= 2]
+    if not pairs:
+        ctx.note("no two grouped GEMMs share an input: nothing to fuse")
+        return gm
+    changed = False
+    for gemms in pairs:
+        first, second = gemms[0], gemms[1]
+        try:
+            ctx.note(_fuse(gm, first, second))
+            changed = True
+        except _Refuse as why:
+            ctx.note(f"left {first.name} and {second.name} unchanged: {why}")
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm

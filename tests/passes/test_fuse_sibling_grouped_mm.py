@@ -66,9 +66,11 @@ def test_fuses_and_matches(variant, tmp_path):
     }
     if variant == "weight-late":
         assert "moved" in step["notes"][0]
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # fp32: the same dot products, summed in another order by another GEMM (gradients of
+    # magnitude ~3 were seen 5e-6 apart)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 class WeightReturned(Siblings):

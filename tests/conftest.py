@@ -1,7 +1,7 @@
 """Shared fixtures: a small synthetic corpus with its tokenizer, the argv of a debug job on it
 (used by the trainer and checkpoint tests), a torchrun launcher for multi-rank jobs, a
-one-rank gloo group, the TRITON_INTERPRET=1 subprocess the kernel tests run, and a pass's
-entry in a graph dump."""
+one-rank gloo group, the TRITON_INTERPRET=1 subprocess the kernel tests run, and for the pass
+tests a pass's entry in a graph dump and a module's gradients, eager or compiled."""
 
 import json
 import os

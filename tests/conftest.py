@@ -95,19 +95,25 @@ def one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
-def run_interpreter_checks(script: str, marker: str) -> None:
-    """Run `python SCRIPT --interpreter-checks` with TRITON_INTERPRET=1 (set before Triton is
-    imported, hence a subprocess); it must succeed and print `marker` (its last check)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+def _run_python(args: list[str], marker: str, env: dict | None = None) -> None:
+    """`python ARGS` must succeed and print `marker` (its last check)."""
     proc = subprocess.run(
-        [sys.executable, script, "--interpreter-checks"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert marker in proc.stdout
+
+
+def run_interpreter_checks(script: str, marker: str) -> None:
+    """Run `python SCRIPT --interpreter-checks` with TRITON_INTERPRET=1 (set before Triton is
+    imported, hence a subprocess); it must succeed and print `marker` (its last check)."""
+    _run_python([script, "--interpreter-checks"], marker, {**os.environ, "TRITON_INTERPRET": "1"})
+
+
+def run_benchmark_smoke(name: str, marker: str) -> None:
+    """Run `python benchmarks/NAME --cpu-smoke`; it must succeed and print `marker`."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / name
+    _run_python([str(script), "--cpu-smoke"], marker)
 
 
 def pass_step(dump: Path, label: str) -> dict:

@@ -11,8 +11,6 @@ kernels in fp32 and bf16.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
@@ -253,12 +251,11 @@ def test_cuda_matches_float64(T, k, D, dtype, tol):
 
 def test_benchmark_cpu_smoke():
     """benchmarks/moe_dispatch.py imports, the pass inserts both ops, and the results agree."""
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "moe_dispatch.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--cpu-smoke"], capture_output=True, text=True, timeout=300
+    from conftest import run_benchmark_smoke  # not at the top: this file also runs as a script
+
+    run_benchmark_smoke(
+        "moe_dispatch.py", "cpu smoke: eager and graphtrain (both ops inserted) agree"
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "cpu smoke: eager and graphtrain (both ops inserted) agree" in proc.stdout
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ GPU tests (marker gpu) check fp32 tightly, bf16 logits, and CUDA-graph capture.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 import zlib
@@ -537,12 +535,11 @@ def test_cuda_graph_capture():
 
 def test_benchmark_cpu_smoke():
     """benchmarks/moe_router.py imports, and its plain routers, the op and the pass agree."""
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "moe_router.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--cpu-smoke"], capture_output=True, text=True, timeout=300
+    from conftest import run_benchmark_smoke  # not at the top: this file also runs as a script
+
+    run_benchmark_smoke(
+        "moe_router.py", "cpu smoke softmax-aux: eager, graphtrain-op and graphtrain-pass agree"
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "cpu smoke softmax-aux: eager, graphtrain-op and graphtrain-pass agree" in proc.stdout
 
 
 if __name__ == "__main__":

@@ -222,7 +222,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             # an MoE block compiles as two graphs around it.
             "fullgraph": dims.ep == 1,
         }
-    plan = tp_plan(m_cfg, dims.etp)
+    plan = tp_plan(m_cfg, dims.etp, dims.ep)
     parallelize_model(
         model,
         mesh,

@@ -16,10 +16,10 @@ def build_model(cfg: GPTConfig) -> GPT:
     return build_gpt(cfg)
 
 
-def tp_plan(cfg: GPTConfig, etp: int = 1) -> dict[str, str]:
-    """The tensor-parallel plan (module pattern -> style name) of the model for `cfg`; `etp`:
-    expert tensor-parallel size of an MoE model (1 or tp)."""
-    return moe_tp_plan(cfg, etp) if isinstance(cfg, MoEConfig) else GPT_TP_PLAN
+def tp_plan(cfg: GPTConfig, etp: int = 1, ep: int = 1) -> dict[str, str]:
+    """The tensor-parallel plan (module pattern -> style name) of the model for `cfg`; `etp`,
+    `ep`: expert tensor-parallel (1 or tp) and expert-parallel sizes of an MoE model."""
+    return moe_tp_plan(cfg, etp, ep) if isinstance(cfg, MoEConfig) else GPT_TP_PLAN
 
 
 __all__ = [

@@ -361,6 +361,10 @@ def swiglu_experts(
     return _grouped_mm(h, w2, offs)
 
 
+# The hidden (ffn) dim of each GroupedExperts weight: what expert tensor parallel splits.
+EXPERT_HIDDEN_DIM = {"w1": 1, "w2": 2, "w3": 1}
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts with stacked weights (torchtitan's layout), run as grouped GEMMs.
 

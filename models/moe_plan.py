@@ -12,7 +12,8 @@ Expert tensor parallel size tp: the layer gathers the sequence (every tp rank ro
 tokens with the replicated router), each expert's and the shared experts' hidden dim is split
 over tp (w1/w3 on their rows, w2 on its columns), and the partial outputs are reduce-scattered
 back onto T, as the dense MLP does. Only the router's gradient is partial over tp (it weights
-partial expert outputs). Expert parallelism (the ep axis) is separate.
+partial expert outputs). With expert parallelism too (ep > 1) the experts' weights are split
+over ("ep", "tp") by graphtrain.parallel.expert_parallel, so the plan leaves them out.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from models.gpt_plan import GPT_TP_PLAN
 from models.moe import MoEConfig
 
 
-def moe_tp_plan(cfg: MoEConfig, etp: int = 1) -> dict[str, str]:
-    """The plan for expert TP size `etp`: 1 (above) or tp (below)."""
+def moe_tp_plan(cfg: MoEConfig, etp: int = 1, ep: int = 1) -> dict[str, str]:
+    """The plan for expert TP size `etp`: 1 (above) or tp (below), and expert-parallel size
+    `ep`."""
     plan = {
         pattern: style
         for pattern, style in GPT_TP_PLAN.items()
@@ -34,7 +36,8 @@ def moe_tp_plan(cfg: MoEConfig, etp: int = 1) -> dict[str, str]:
         return plan
     plan["layers.*.moe"] = "gather_sequence_partial_out"
     plan["layers.*.moe.router"] = "replicate"
-    plan["layers.*.moe.experts"] = "experts_hidden"
+    if ep == 1:
+        plan["layers.*.moe.experts"] = "experts_hidden"
     if cfg.num_shared_experts:
         plan["layers.*.moe.shared_experts.w1"] = "colwise"
         plan["layers.*.moe.shared_experts.w3"] = "colwise"

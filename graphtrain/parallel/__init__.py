@@ -95,7 +95,7 @@ def parallelize_model(
     # 0. Expert parallel: the experts' weights become ep shards before anything else sees them
     #    (FSDP must know to leave them alone; the compiled blocks call the all-to-all run).
     if dims.ep > 1:
-        apply_ep(model, mesh["ep"])
+        apply_ep(model, mesh["ep", "tp"] if dims.etp > 1 else mesh["ep"])
 
     # 1. TP first: it turns parameters into DTensors on the tp axis and installs the hooks that
     #    redistribute activations; everything after (compiled graphs, checkpoint recompute,

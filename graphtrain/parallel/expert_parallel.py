@@ -2,17 +2,23 @@
 to their experts' ranks and back with all-to-all.
 
 What
-    apply_ep(model, ep_mesh) on a meta-device MoE model (models/moe.py): every
-    GroupedExperts' stacked weights w1/w2/w3 (E, ., .) become DTensors Shard(0) on ep_mesh
-    (rank r holds experts [r * E/ep, (r + 1) * E/ep)), and its `run` (rows sorted by expert ->
-    outputs) is replaced by the exchange below. Everything else of the block (attention,
-    router, shared experts, permutation and combination) stays local to the rank.
+    apply_ep(model, mesh) on a meta-device MoE model (models/moe.py), mesh ("ep",) or, with
+    expert tensor parallel (etp = tp), ("ep", "tp"): every GroupedExperts' stacked weights
+    w1/w2/w3 (E, ., .) become DTensors Shard(0) on "ep" (rank r holds experts
+    [r * E/ep, (r + 1) * E/ep)), and on "tp" also split on their hidden dim
+    (EXPERT_HIDDEN_DIM). Its `run` (rows sorted by expert -> outputs) is replaced by
+    the exchange below. Everything else of the block (attention, router, shared experts,
+    permutation and combination) stays local to the rank.
         1. counts (E,) -> all-to-all -> recv (ep, E/ep): rows each source rank sends to each of
            this rank's experts; the split sizes go to the host (.tolist(): a device sync per
            MoE layer, which variable-size all-to-all needs)
         2. the sorted rows (already contiguous per destination rank) -> all-to-all
         3. re-sort the received rows by local expert, grouped GEMMs on the local weights,
            un-sort, all-to-all back: the rows return in the order they left.
+    With etp = tp the tp ranks of a group route the same (gathered) tokens the same way, and
+    each exchanges them with the ranks of its own tp index; its grouped GEMMs on its hidden
+    slice give partial sums over tp, which the layer's tensor-parallel output style
+    reduce-scatters (models/moe_plan.py), as without expert parallelism.
     expert_params(model) lists those DTensor parameters; reduce_expert_grads(params, group,
     dp_size) finishes their gradients once per step (see below).
 
@@ -24,7 +30,8 @@ Why this shape
     them over the ranks that hold the same experts (dp_replicate x dp_shard_mod_ep) and divides
     by the number of data-parallel ranks, which is exactly FSDP's mean over ranks for the other
     parameters. Expert weights are therefore replicated, not sharded, over dp_shard_mod_ep
-    (ep = dp_shard shards them fully).
+    (ep = dp_shard shards them fully). With etp = tp every tp rank's gradient is already
+    the whole gradient of its slice (its partial output got the full output gradient).
     The exchange has data-dependent sizes, so it runs outside the compiled graph
     (torch._dynamo.disable): an MoE block compiles into the part before and the part after it
     (the trainer compiles with fullgraph=False when ep > 1). Compute dtype: the local weights
@@ -40,17 +47,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from models.moe import GroupedExperts, swiglu_experts
+from models.moe import EXPERT_HIDDEN_DIM, GroupedExperts, swiglu_experts
 
 _WEIGHTS = ("w1", "w2", "w3")
 
 
 def _all_to_all_run(
-    experts: GroupedExperts, xs: torch.Tensor, counts: torch.Tensor, *, ep_mesh: DeviceMesh
+    experts: GroupedExperts, xs: torch.Tensor, counts: torch.Tensor, *, mesh: DeviceMesh
 ) -> torch.Tensor:
-    group, ep = ep_mesh.get_group(), ep_mesh.size()
+    group, ep = mesh.get_group("ep"), mesh.size(mesh.mesh_dim_names.index("ep"))
     num_local = counts.numel() // ep
     recv = torch.empty_like(counts)
     dist.all_to_all_single(recv, counts, group=group)
@@ -68,41 +75,46 @@ def _all_to_all_run(
     return all_to_all_single_autograd(yr, in_splits, out_splits, group)
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split every GroupedExperts of `model` over `ep_mesh` (in place, on the meta device)."""
-    ep = ep_mesh.size()
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split every GroupedExperts of `model` over `mesh` (in place, on the meta device): its
+    axes are ("ep",), or ("ep", "tp") to split the experts' hidden dim over tp as well."""
+    axes = tuple(mesh.mesh_dim_names or ())
+    if axes not in (("ep",), ("ep", "tp")):
+        raise ValueError(f"apply_ep wants a mesh with axes ('ep',) or ('ep', 'tp'), got {axes}")
     found = False
     for module in model.modules():
         if not isinstance(module, GroupedExperts):
             continue
         found = True
-        num_experts = module.w1.shape[0]
-        if num_experts % ep:
-            raise ValueError(
-                f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}"
-            )
-        rank = ep_mesh.get_local_rank()
-        rows = slice(rank * num_experts // ep, (rank + 1) * num_experts // ep)
         for name in _WEIGHTS:
             full = getattr(module, name)
-            local = full.detach()[rows]
-            shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            placements = [Shard(0), Shard(EXPERT_HIDDEN_DIM[name])][: len(axes)]
+            for axis, placement in zip(axes, placements, strict=True):
+                size = mesh.size(axes.index(axis))
+                if full.shape[placement.dim] % size:
+                    what = "num_experts" if placement.dim == 0 else "moe_ffn_dim"
+                    raise ValueError(
+                        f"model.{what}={full.shape[placement.dim]} is not divisible by "
+                        f"parallel.{axis}={size}"
+                    )
+            # Each rank cuts its own block (on the meta device: no data, no communication).
+            shard = distribute_tensor(full.detach(), mesh, placements, src_data_rank=None)
             setattr(module, name, nn.Parameter(shard, full.requires_grad))
         # An instance attribute shadows GroupedExperts.run for this module only.
-        module.run = functools.partial(
-            torch._dynamo.disable(_all_to_all_run), module, ep_mesh=ep_mesh
-        )
+        module.run = functools.partial(torch._dynamo.disable(_all_to_all_run), module, mesh=mesh)
     if not found:
         raise ValueError("parallel.ep > 1 needs an MoE model (one with routed experts)")
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The expert-parallel weights (DTensors on a mesh with an "ep" axis; expert weights split
+    by tp alone are ordinary TP parameters, which FSDP shards and reduces)."""
     return [
-        getattr(m, name)
+        p
         for m in model.modules()
         if isinstance(m, GroupedExperts)
-        for name in _WEIGHTS
-        if isinstance(getattr(m, name), DTensor)
+        for p in (getattr(m, name) for name in _WEIGHTS)
+        if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
     ]
 
 

@@ -41,7 +41,8 @@ class ParallelDims:
     # different experts), so it adds no ranks; dp_shard = dp_shard_mod_ep * ep.
     ep: int = 1
     # Expert tensor parallel: 1 (MoE layers not split by tp: each tp rank routes its own
-    # sequence slice) or tp (experts split on their hidden dim over the tp axis).
+    # sequence slice) or tp (experts split on their hidden dim over the tp axis; with ep > 1
+    # each expert-parallel shard is split so).
     etp: int = 1
 
     def __post_init__(self) -> None:
@@ -73,11 +74,6 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.etp={self.etp} must be 1 or parallel.tp={self.tp}: experts are split "
                 "over the whole tp axis or not at all"
-            )
-        if self.etp > 1 and self.ep > 1:
-            raise ValueError(
-                f"parallel.etp={self.etp} with parallel.ep={self.ep}: expert tensor parallel and "
-                "expert parallel together are not supported yet (use etp=1 with ep)"
             )
         product = self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:

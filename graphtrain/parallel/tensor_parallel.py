@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -121,14 +121,12 @@ class _Unchanged(ParallelStyle):
 
 class _SplitExperts(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from models.moe import swiglu_experts
+        from models.moe import EXPERT_HIDDEN_DIM, swiglu_experts
 
-        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
-        for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        for name, dim in EXPERT_HIDDEN_DIM.items():
             full = getattr(module, name)
-            size = full.shape[dim] // tp
-            local = full.detach().narrow(dim, rank * size, size)
-            shard = DTensor.from_local(local, device_mesh, [Shard(dim)], run_check=False)
+            # Each rank cuts its own block (on the meta device: no data, no communication).
+            shard = distribute_tensor(full.detach(), device_mesh, [Shard(dim)], src_data_rank=None)
             setattr(module, name, nn.Parameter(shard, full.requires_grad))
 
         def run(xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ What
     each written as plain torch (the MoE spec's pseudo-code) and run as
         eager             the plain code
         torch.compile     the plain code under torch.compile (Inductor, default options)
-        graphtrain op     torch.ops.graphtrain.moe_route called directly (the aux loss, which is
-                          not part of the op, in plain torch next to it)
+        graphtrain op     torch.ops.graphtrain.moe_route called directly (the aux loss from
+                          its aux_sums: the per-expert sums of p come out of the op)
         graphtrain pass   the plain code compiled with graphtrain's backend (Inductor), where the
                           fuse_moe_router pass inserts the op
     reporting, for the forward (under no_grad) and for forward + backward (d logits from a fixed
@@ -96,12 +96,12 @@ def op_sigmoid_groups(logits: torch.Tensor, bias: torch.Tensor, top_k: int = TOP
         topk_groups=TOPK_GROUPS,
         normalize=True,
         route_scale=ROUTE_SCALE,
-    )
+    )[:3]
 
 
-def _aux_loss(p: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
-    T, E = p.shape
-    return AUX_COEF * E / (top_k * T * T) * (p.sum(dim=0) * counts).sum()
+def _aux_loss(p_sum: torch.Tensor, counts: torch.Tensor, top_k: int, T: int) -> torch.Tensor:
+    E = p_sum.shape[0]
+    return AUX_COEF * E / (top_k * T * T) * (p_sum * counts).sum()
 
 
 def plain_softmax_aux(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int = TOP_K):
@@ -109,12 +109,15 @@ def plain_softmax_aux(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
     indices = scores.topk(top_k, dim=-1).indices
     weights = scores.gather(1, indices)
     counts = torch.bincount(indices.flatten(), minlength=logits.shape[1])
-    return weights, indices, counts, _aux_loss(scores, counts, top_k)
+    return weights, indices, counts, _aux_loss(scores.sum(0), counts, top_k, logits.shape[0])
 
 
 def op_softmax_aux(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int = TOP_K):
-    weights, indices, counts = torch.ops.graphtrain.moe_route(logits, None, top_k)
-    return weights, indices, counts, _aux_loss(torch.softmax(logits, dim=-1), counts, top_k)
+    T = logits.shape[0]
+    weights, indices, counts, aux_sums = torch.ops.graphtrain.moe_route(
+        logits, None, top_k, aux_seq_len=T
+    )
+    return weights, indices, counts, _aux_loss(aux_sums.sum(0), counts, top_k, T)
 
 
 PLAIN = {"sigmoid-groups": plain_sigmoid_groups, "softmax-aux": plain_softmax_aux}

@@ -2,8 +2,9 @@
 
 What
     moe_route(logits [T, E], bias [E] or None, top_k, *, score_func="softmax", pre_softmax=True,
-              num_groups=1, topk_groups=1, normalize=False, route_scale=1.0, group_score="top2")
-        -> (weights [T, k] fp32, indices [T, k] int64, counts [E] int64)
+              num_groups=1, topk_groups=1, normalize=False, route_scale=1.0, group_score="top2",
+              aux_seq_len=0)
+        -> (weights [T, k] fp32, indices [T, k] int64, counts [E] int64, aux_sums [S, E] fp32)
     is the router of the MoE spec (models/moe.py's Router writes it out), from `logits` on:
         scores   softmax(logits)          score_func "softmax", pre_softmax=True
                  logits                   score_func "softmax", pre_softmax=False (softmax later)
@@ -16,14 +17,20 @@ What
         weights  scores.gather(1, indices) (never biased); then softmax over the k
                  (pre_softmax=False) or, if normalize, / (sum + 1e-20); then * route_scale
         counts   tokens per expert (a bincount of indices)
+        aux_sums what the load-balancing losses need: with aux_seq_len = L > 0 (dividing T),
+                 aux_sums[s, e] = sum over the L tokens of sequence s of p[t, e], the
+                 probabilities of the aux losses: softmax(logits) (score_func "softmax", before
+                 or after the top-k) or scores / scores.sum(-1) (sigmoid, DeepSeek-V3's
+                 normalised form). The aux and global_aux losses use aux_sums.sum(0), seq_aux
+                 the rows. aux_seq_len=0: S = 0, nothing computed.
     Ties (in sel and in the group scores) go to the lower expert/group index, in the reference
     and in the kernels alike. `weights` is differentiable w.r.t. `logits`; indices, counts and
-    the bias get no gradient. normalize has no effect after the post-top-k softmax (those weights
+    the bias get no gradient; aux_sums is differentiable too. normalize has no effect after the post-top-k softmax (those weights
     already sum to 1).
     group_score="max" is the group score of DeepSeek-V3's public inference Gate when it has no
     bias (it takes the top-2 sum only with a bias); the spec itself always uses the top-2 sum.
-    moe_route_backward(grad_weights, logits, indices, ...) -> grad_logits is the backward, an op
-    of its own (a Triton kernel on CUDA).
+    moe_route_backward(grad_weights, grad_aux_sums or None, logits, indices, ...) -> grad_logits
+    is the backward, an op of its own (a Triton kernel on CUDA).
 
 Why
     The plain router is a dozen small ops over [T, E] (softmax, add, view, topk, topk, scatter,
@@ -49,14 +56,20 @@ CUDA algorithm
     lowest-index-among-the-max reductions, so the tie-break is the reference's. Weights are
     recomputed from a gathered load of the chosen logit (the same arithmetic as the tile's
     scores, so no extra reduction). Each program adds its tokens' histogram to `counts` with
-    one int64 atomic add per expert (integer adds: deterministic).
+    one int64 atomic add per expert (integer adds: deterministic). With aux_sums, a program's
+    tokens all belong to one sequence (the grid is sequences x blocks of a sequence) and it
+    writes its own partial sum of p per expert; torch adds the partials of each sequence (no
+    float atomics: the sums are the same on every run). That costs the forward about 0.05-0.07
+    ms at the benchmark shape (H100; the sum over a block's tokens reduces across warps), the
+    sigmoid backward 0.05 ms (sigmoid over the whole row): benchmarks/RESULTS.md.
     On an H100 at 65536 x 256, top-8 it takes 0.18 ms, about 7x the memory floor: it is bound
     by the dependent reductions, not by memory or the atomics (one packed int64 key reduction
     per pick instead of two, or no atomics at all, measured the same).
     backward: one program per block of tokens over a [BLOCK_T, E_PAD] tile: d weights -> d of the
     selected scores (through route_scale, the normalisation or the post-top-k softmax) ->
     d logits (softmax: p * (dS - sum p dS) over all E; sigmoid: s (1 - s) at the k chosen
-    experts; post-top-k softmax: dS itself).
+    experts; post-top-k softmax: dS itself). d aux_sums adds its sequence's row to d p of
+    every token, taken back through the aux probabilities over the whole row.
 
 Numerics
     Everything is computed in fp32 from the logits (bf16/fp16 logits are upcast on load, like
@@ -112,6 +125,7 @@ def check_route_args(
     topk_groups: int,
     route_scale: float,
     group_score: str,
+    aux_seq_len: int = 0,
 ) -> None:
     """Raise ValueError naming the bad value when the arguments do not describe a router."""
     if score_func not in SCORE_FUNCS:
@@ -157,6 +171,12 @@ def check_route_args(
             raise ValueError(f"moe_route: bias is on {bias.device}, logits on {logits.device}")
     if not math.isfinite(route_scale):
         raise ValueError(f"moe_route: route_scale must be finite, got {route_scale}")
+    T = logits.shape[0]
+    if aux_seq_len < 0 or (aux_seq_len and T % aux_seq_len):
+        raise ValueError(
+            f"moe_route: aux_seq_len={aux_seq_len} must be 0 (no aux sums) or divide the number "
+            f"of tokens T={T}"
+        )
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -183,6 +203,17 @@ def _scores(x: Tensor, code: int) -> Tensor:
     return x
 
 
+def _aux_probs(x: Tensor, scores: Tensor, code: int) -> Tensor:
+    """The aux losses' probabilities p [T, E] (module docstring)."""
+    if code == _SIGMOID:
+        return scores / scores.sum(dim=-1, keepdim=True)
+    return scores if code == _SOFTMAX_PRE else torch.softmax(x, dim=-1)
+
+
+def _aux_sequences(T: int, aux_seq_len: int) -> int:
+    return T // aux_seq_len if aux_seq_len else 0
+
+
 def _top_indices(values: Tensor, k: int) -> Tensor:
     """The k largest per row, descending; a stable sort puts equal values in index order."""
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
@@ -200,8 +231,9 @@ def moe_route_ref(
     normalize: bool = False,
     route_scale: float = 1.0,
     group_score: str = "top2",
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(weights, indices, counts) of the router, in plain torch (see the module docstring)."""
+    aux_seq_len: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(weights, indices, counts, aux_sums) of the router, in plain torch (module docstring)."""
     check_route_args(
         logits,
         bias,
@@ -212,6 +244,7 @@ def moe_route_ref(
         topk_groups,
         route_scale,
         group_score,
+        aux_seq_len,
     )
     code = _score_code(score_func, pre_softmax)
     x = logits.to(_compute_dtype(logits.dtype))
@@ -241,11 +274,16 @@ def moe_route_ref(
     counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
-    return weights, indices, counts
+    S = _aux_sequences(T, aux_seq_len)
+    aux_sums = x.new_zeros(S, E)
+    if S:
+        aux_sums = _aux_probs(x, scores, code).view(S, aux_seq_len, E).sum(1)
+    return weights, indices, counts, aux_sums
 
 
 def moe_route_backward_ref(
     grad_weights: Tensor,
+    grad_aux_sums: Tensor | None,
     logits: Tensor,
     indices: Tensor,
     *,
@@ -253,8 +291,10 @@ def moe_route_backward_ref(
     pre_softmax: bool,
     normalize: bool,
     route_scale: float,
+    aux_seq_len: int,
 ) -> Tensor:
-    """d logits for d weights, in plain torch (indices: the forward's, distinct per row)."""
+    """d logits for d weights and d aux_sums, in plain torch (indices: the forward's, distinct
+    per row)."""
     code = _score_code(score_func, pre_softmax)
     x = logits.to(_compute_dtype(logits.dtype))
     scores = _scores(x, code)
@@ -269,12 +309,23 @@ def moe_route_backward_ref(
     else:
         d_picked = g
     d_scores = torch.zeros_like(scores).scatter_add_(1, indices, d_picked)
+    d_p = None  # d aux probabilities, [T, E]
+    if grad_aux_sums is not None and aux_seq_len:
+        d_p = grad_aux_sums.to(x.dtype).repeat_interleave(aux_seq_len, dim=0)
+        if code == _SOFTMAX_PRE:  # p is the scores
+            d_scores = d_scores + d_p
+        elif code == _SIGMOID:  # p = s / sum(s)
+            total = scores.sum(dim=-1, keepdim=True)
+            d_scores = d_scores + (d_p - (d_p * scores).sum(dim=-1, keepdim=True) / total) / total
     if code == _SOFTMAX_PRE:
         d_x = scores * (d_scores - (d_scores * scores).sum(dim=-1, keepdim=True))
     elif code == _SIGMOID:
         d_x = d_scores * scores * (1.0 - scores)
     else:
         d_x = d_scores
+        if d_p is not None:  # p = softmax(logits), apart from the scores
+            p = torch.softmax(x, dim=-1)
+            d_x = d_x + p * (d_p - (d_p * p).sum(dim=-1, keepdim=True))
     return d_x.to(logits.dtype)
 
 
@@ -290,7 +341,10 @@ def _moe_route_fwd_kernel(
     weights_ptr,  # [T, K] fp32 out
     indices_ptr,  # [T, K] int64 out
     counts_ptr,  # [E] int64, zeroed by the caller; every program adds its histogram
+    aux_ptr,  # [programs, E] fp32 out: each program's sum of p (not written without AUX)
     T,
+    SEQ_LEN,  # tokens per sequence: a program's rows stay in one (T without AUX)
+    BLOCKS_PER_SEQ,
     stride_t,
     route_scale,
     K: tl.constexpr,
@@ -305,6 +359,7 @@ def _moe_route_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     NORMALIZE: tl.constexpr,
     GROUP_MAX: tl.constexpr,  # group score = max instead of the top-2 sum
+    AUX: tl.constexpr,  # write the partial sums of the aux probabilities
     BLOCK_T: tl.constexpr,
 ):
     # The experts as a [1, G_PAD, EPG_PAD] grid: row g, slot j is expert g * EPG + j.
@@ -312,29 +367,48 @@ def _moe_route_fwd_kernel(
     j = tl.arange(0, EPG_PAD)[None, None, :]
     eid = g * EPG + j
     e_ok = (j < EPG) & (eid < E)
+    # The same grid without the token axis, for the per-expert outputs.
+    g2 = tl.arange(0, G_PAD)[:, None]
+    j2 = tl.arange(0, EPG_PAD)[None, :]
+    e2 = g2 * EPG + j2
+    e2_ok = (j2 < EPG) & (e2 < E)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + eid, mask=e_ok, other=0.0)
     kcol = tl.arange(0, K_PAD)[None, :]
     k_ok = kcol < K
     gcol = tl.arange(0, G_PAD)[None, :]
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
+    pid = tl.program_id(0)
+    if AUX:
+        in_seq = (pid % BLOCKS_PER_SEQ) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows = (pid // BLOCKS_PER_SEQ) * SEQ_LEN + in_seq
+        row_ok = (in_seq < SEQ_LEN) & (rows < T)
+    else:  # the plain grid (the general one cost 14% on the H100 for sigmoid with groups)
+        rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
     row_off = rows.to(tl.int64) * stride_t
-    # Rows past T read zeros (finite arithmetic); nothing of theirs is stored or counted.
+    # Rows past T (or past their sequence) read zeros (finite arithmetic); nothing of theirs is stored or counted.
     x = tl.load(
         logits_ptr + row_off[:, None, None] + eid,
         mask=row_ok[:, None, None] & e_ok,
         other=0.0,
     ).to(tl.float32)
-    if SCORE == 0:
+    if SCORE == 0 or (SCORE == 1 and AUX):
         m = tl.max(tl.max(tl.where(e_ok, x, float("-inf")), 2), 1)
         ex = tl.where(e_ok, tl.exp(x - m[:, None, None]), 0.0)
         s = tl.sum(tl.sum(ex, 2), 1)
-        scores = ex / s[:, None, None]
+        probs = ex / s[:, None, None]
+    if SCORE == 0:
+        scores = probs
     elif SCORE == 2:
         scores = tl.sigmoid(x)
     else:
         scores = x
+    if AUX:
+        if SCORE == 2:
+            s_ok = tl.where(e_ok, scores, 0.0)
+            probs = s_ok / tl.sum(tl.sum(s_ok, 2), 1)[:, None, None]
+        partial = tl.sum(tl.where(row_ok[:, None, None] & e_ok, probs, 0.0), 0)
+        tl.store(aux_ptr + pid.to(tl.int64) * E + e2, partial, mask=e2_ok)
     if HAS_BIAS:
         sel = scores + bias
     else:
@@ -399,26 +473,26 @@ def _moe_route_fwd_kernel(
     tl.store(weights_ptr + out, w, mask=out_ok)
     tl.store(indices_ptr + out, idx.to(tl.int64), mask=out_ok)
 
-    g2 = tl.arange(0, G_PAD)[:, None]
-    j2 = tl.arange(0, EPG_PAD)[None, :]
-    e2 = g2 * EPG + j2
-    tl.atomic_add(counts_ptr + e2, hist.to(tl.int64), mask=(j2 < EPG) & (e2 < E))
+    tl.atomic_add(counts_ptr + e2, hist.to(tl.int64), mask=e2_ok)
 
 
 @triton.jit
 def _moe_route_bwd_kernel(
     grad_w_ptr,  # [T, K] d weights, contiguous
+    grad_aux_ptr,  # [T / SEQ_LEN, E] d aux_sums, contiguous (not read without AUX)
     logits_ptr,  # [T, E], row stride stride_t, unit column stride
     indices_ptr,  # [T, K] int64, contiguous
     dlogits_ptr,  # [T, E] out (logits' dtype), contiguous
     T,
     E,
+    SEQ_LEN,
     stride_t,
     route_scale,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     SCORE: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    AUX: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
@@ -435,15 +509,22 @@ def _moe_route_bwd_kernel(
     g = tl.load(grad_w_ptr + rows64[:, None] * K + kcol, mask=k_ok, other=0.0).to(tl.float32)
     g = g * route_scale
     picked = tl.load(logits_ptr + row_off[:, None] + idx, mask=k_ok, other=0.0).to(tl.float32)
-    if SCORE == 0:
+    if SCORE == 0 or AUX:
         x = tl.load(
             logits_ptr + row_off[:, None] + cols, mask=row_ok[:, None] & c_ok, other=0.0
         ).to(tl.float32)
-        x = tl.where(c_ok, x, float("-inf"))
-        m = tl.max(x, 1)[:, None]
-        ex = tl.exp(x - m)
+    if SCORE == 0 or (SCORE == 1 and AUX):
+        xm = tl.where(c_ok, x, float("-inf"))
+        m = tl.max(xm, 1)[:, None]
+        ex = tl.exp(xm - m)
         s = tl.sum(ex, 1)[:, None]
-        p = ex / s
+        p = ex / s  # softmax over all experts
+    if AUX:
+        seq = (rows // SEQ_LEN).to(tl.int64)
+        g_aux = tl.load(
+            grad_aux_ptr + seq[:, None] * E + cols, mask=row_ok[:, None] & c_ok, other=0.0
+        ).to(tl.float32)
+    if SCORE == 0:
         picked = tl.exp(picked - m) / s
     elif SCORE == 2:
         picked = tl.sigmoid(picked)
@@ -469,9 +550,22 @@ def _moe_route_bwd_kernel(
         col_i = tl.sum(tl.where(at, idx, 0), 1)
         d_i = tl.sum(tl.where(at, d, 0.0), 1)
         d_scores += tl.where(cols == col_i[:, None], d_i[:, None], 0.0)
-    if SCORE == 0:
-        # softmax backward: p * (dS - sum_e p dS), the sum only over the k picked experts.
+    if SCORE == 0 and AUX:
+        # softmax backward: p * (dP - sum_e p dP), dP = dS + d aux probabilities (= p).
+        d_scores += g_aux
+        d_scores = p * (d_scores - tl.sum(p * d_scores, 1)[:, None])
+    elif SCORE == 0:
+        # The same with dP = dS: the sum only over the k picked experts.
         d_scores = p * (d_scores - tl.sum(d * picked, 1)[:, None])
+    elif SCORE == 1 and AUX:
+        # The aux probabilities are softmax(logits), apart from the scores (the logits).
+        d_scores += p * (g_aux - tl.sum(p * g_aux, 1)[:, None])
+    elif AUX:
+        # Sigmoid: p = s / sum(s), taken back through s to the logits.
+        sg = tl.where(c_ok, tl.sigmoid(x), 0.0)
+        total = tl.sum(sg, 1)[:, None]
+        d_s = (g_aux - tl.sum(g_aux * sg, 1)[:, None] / total) / total
+        d_scores += d_s * sg * (1.0 - sg)
     tl.store(
         dlogits_ptr + rows64[:, None] * E + cols,
         d_scores.to(dlogits_ptr.dtype.element_ty),
@@ -512,7 +606,8 @@ def moe_route_triton(
     normalize: bool = False,
     route_scale: float = 1.0,
     group_score: str = "top2",
-) -> tuple[Tensor, Tensor, Tensor]:
+    aux_seq_len: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The CUDA forward (also CPU tensors under TRITON_INTERPRET=1)."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -521,17 +616,25 @@ def moe_route_triton(
     weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     indices = torch.empty(T, top_k, dtype=torch.int64, device=dev)
     counts = torch.zeros(E, dtype=torch.int64, device=dev)
+    S = _aux_sequences(T, aux_seq_len)
     if T == 0:
-        return weights, indices, counts
+        return weights, indices, counts, torch.zeros(S, E, dtype=torch.float32, device=dev)
     g_pad, epg, epg_pad = _tile(E, num_groups)
-    block_t = max(1, min(_FWD_TILE // (g_pad * epg_pad), triton.next_power_of_2(T)))
-    _moe_route_fwd_kernel[(triton.cdiv(T, block_t),)](
+    seq_len = aux_seq_len or T  # the grid: sequences x blocks of one sequence
+    block_t = max(1, min(_FWD_TILE // (g_pad * epg_pad), triton.next_power_of_2(seq_len)))
+    blocks_per_seq = triton.cdiv(seq_len, block_t)
+    grid = (T // seq_len) * blocks_per_seq
+    partials = torch.empty(grid if S else 0, E, dtype=torch.float32, device=dev)
+    _moe_route_fwd_kernel[(grid,)](
         logits,
         bias if bias is not None else logits,  # a dummy pointer, never read
         weights,
         indices,
         counts,
+        partials if S else weights,  # a dummy pointer, never written
         T,
+        seq_len,
+        blocks_per_seq,
         logits.stride(0),
         float(route_scale),
         K=top_k,
@@ -546,14 +649,17 @@ def moe_route_triton(
         HAS_BIAS=bias is not None,
         NORMALIZE=normalize,
         GROUP_MAX=group_score == "max",
+        AUX=S > 0,
         BLOCK_T=block_t,
         num_warps=_FWD_WARPS,
     )
-    return weights, indices, counts
+    # No aux sums: the empty partials themselves (no extra op on the host path).
+    return weights, indices, counts, partials.view(S, blocks_per_seq, E).sum(1) if S else partials
 
 
 def moe_route_backward_triton(
     grad_weights: Tensor,
+    grad_aux_sums: Tensor | None,
     logits: Tensor,
     indices: Tensor,
     *,
@@ -561,6 +667,7 @@ def moe_route_backward_triton(
     pre_softmax: bool,
     normalize: bool,
     route_scale: float,
+    aux_seq_len: int,
 ) -> Tensor:
     """The CUDA backward (also CPU tensors under TRITON_INTERPRET=1)."""
     if logits.stride(1) != 1:
@@ -576,19 +683,24 @@ def moe_route_backward_triton(
     block_t = max(1, min(tile // block_e, triton.next_power_of_2(T)))
     # Rows wider than the tile (many experts) get more warps, not more registers per thread.
     warps = min(16, max(warps, block_t * block_e * warps // tile))
+    aux = grad_aux_sums is not None and aux_seq_len > 0
     _moe_route_bwd_kernel[(triton.cdiv(T, block_t),)](
-        grad_weights.contiguous(),  # autograd may hand over an expanded (stride 0) gradient
+        # Autograd may hand over expanded (stride 0) gradients.
+        grad_weights.contiguous(),
+        grad_aux_sums.contiguous() if aux else grad_weights,  # a dummy pointer without aux
         logits,
         indices.contiguous(),
         grad_logits,
         T,
         E,
+        aux_seq_len or T,
         logits.stride(0),
         float(route_scale),
         K=K,
         K_PAD=triton.next_power_of_2(K),
         SCORE=code,
         NORMALIZE=normalize,
+        AUX=aux,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         num_warps=warps,
@@ -602,7 +714,7 @@ def moe_route_backward_triton(
 
 _OPTIONS = (
     'str score_func="softmax", bool pre_softmax=True, int num_groups=1, int topk_groups=1, '
-    'bool normalize=False, float route_scale=1.0, str group_score="top2"'
+    'bool normalize=False, float route_scale=1.0, str group_score="top2", int aux_seq_len=0'
 )
 
 
@@ -611,7 +723,7 @@ _OPTIONS = (
     mutates_args=(),
     schema=(
         f"(Tensor logits, Tensor? bias, int top_k, *, {_OPTIONS}) "
-        "-> (Tensor weights, Tensor indices, Tensor counts)"
+        "-> (Tensor weights, Tensor indices, Tensor counts, Tensor aux_sums)"
     ),
 )
 def moe_route(
@@ -626,8 +738,10 @@ def moe_route(
     normalize: bool = False,
     route_scale: float = 1.0,
     group_score: str = "top2",
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(weights [T, k] fp32, indices [T, k] int64, counts [E] int64) of the MoE router.
+    aux_seq_len: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(weights [T, k] fp32, indices [T, k] int64, counts [E] int64, aux_sums [S, E] fp32) of
+    the MoE router.
 
     This body is the CPU (and any non-CUDA) kernel: the torch reference.
     """
@@ -642,6 +756,7 @@ def moe_route(
         normalize=normalize,
         route_scale=route_scale,
         group_score=group_score,
+        aux_seq_len=aux_seq_len,
     )
 
 
@@ -658,6 +773,7 @@ def _moe_route_fake(
     normalize=False,
     route_scale=1.0,
     group_score="top2",
+    aux_seq_len=0,
 ):
     check_route_args(
         logits,
@@ -669,12 +785,15 @@ def _moe_route_fake(
         topk_groups,
         route_scale,
         group_score,
+        aux_seq_len,
     )
     T, E = logits.shape
-    weights = logits.new_empty((T, top_k), dtype=_compute_dtype(logits.dtype))
+    dtype = _compute_dtype(logits.dtype)
+    weights = logits.new_empty((T, top_k), dtype=dtype)
     indices = logits.new_empty((T, top_k), dtype=torch.int64)
     counts = logits.new_empty((E,), dtype=torch.int64)
-    return weights, indices, counts
+    aux_sums = logits.new_empty((_aux_sequences(T, aux_seq_len), E), dtype=dtype)
+    return weights, indices, counts, aux_sums
 
 
 @moe_route.register_kernel("cuda")
@@ -690,6 +809,7 @@ def _moe_route_cuda(
     normalize=False,
     route_scale=1.0,
     group_score="top2",
+    aux_seq_len=0,
 ):
     check_route_args(
         logits,
@@ -701,6 +821,7 @@ def _moe_route_cuda(
         topk_groups,
         route_scale,
         group_score,
+        aux_seq_len,
     )
     run = moe_route_triton if triton_supports(logits, num_groups) else moe_route_ref
     return run(
@@ -714,6 +835,7 @@ def _moe_route_cuda(
         normalize=normalize,
         route_scale=route_scale,
         group_score=group_score,
+        aux_seq_len=aux_seq_len,
     )
 
 
@@ -721,12 +843,14 @@ def _moe_route_cuda(
     "graphtrain::moe_route_backward",
     mutates_args=(),
     schema=(
-        "(Tensor grad_weights, Tensor logits, Tensor indices, *, str score_func, "
-        "bool pre_softmax, bool normalize, float route_scale) -> Tensor"
+        "(Tensor grad_weights, Tensor? grad_aux_sums, Tensor logits, Tensor indices, *, "
+        "str score_func, bool pre_softmax, bool normalize, float route_scale, int aux_seq_len) "
+        "-> Tensor"
     ),
 )
 def moe_route_backward(
     grad_weights: Tensor,
+    grad_aux_sums: Tensor | None,
     logits: Tensor,
     indices: Tensor,
     *,
@@ -734,60 +858,63 @@ def moe_route_backward(
     pre_softmax: bool,
     normalize: bool,
     route_scale: float,
+    aux_seq_len: int,
 ) -> Tensor:
-    """d logits of moe_route for d weights. This body is the CPU kernel: the torch reference."""
+    """d logits of moe_route for d weights and d aux_sums. This body is the CPU kernel: the
+    torch reference."""
     return moe_route_backward_ref(
         grad_weights,
+        grad_aux_sums,
         logits,
         indices,
         score_func=score_func,
         pre_softmax=pre_softmax,
         normalize=normalize,
         route_scale=route_scale,
+        aux_seq_len=aux_seq_len,
     )
 
 
 @moe_route_backward.register_fake
-def _moe_route_backward_fake(
-    grad_weights, logits, indices, *, score_func, pre_softmax, normalize, route_scale
-):
+def _moe_route_backward_fake(grad_weights, grad_aux_sums, logits, indices, **options):
     return torch.empty_like(logits)
 
 
 @moe_route_backward.register_kernel("cuda")
-def _moe_route_backward_cuda(
-    grad_weights, logits, indices, *, score_func, pre_softmax, normalize, route_scale
-):
-    opts = dict(
-        score_func=score_func,
-        pre_softmax=pre_softmax,
-        normalize=normalize,
-        route_scale=route_scale,
-    )
+def _moe_route_backward_cuda(grad_weights, grad_aux_sums, logits, indices, **options):
     if logits.dtype == torch.float64 or logits.shape[1] > _MAX_PADDED_EXPERTS:
-        return moe_route_backward_ref(grad_weights, logits, indices, **opts)
-    return moe_route_backward_triton(grad_weights, logits, indices, **opts)
+        return moe_route_backward_ref(grad_weights, grad_aux_sums, logits, indices, **options)
+    return moe_route_backward_triton(grad_weights, grad_aux_sums, logits, indices, **options)
+
+
+_BACKWARD_OPTIONS = ("score_func", "pre_softmax", "normalize", "route_scale", "aux_seq_len")
 
 
 def _setup_context(
     ctx: Any, inputs: tuple, keyword_only_inputs: dict[str, Any], output: tuple
 ) -> None:
     logits, _bias, _top_k = inputs
-    _weights, indices, counts = output
+    _weights, indices, counts, _aux_sums = output
     ctx.mark_non_differentiable(indices, counts)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(logits, indices)
-    ctx.options = {
-        k: keyword_only_inputs[k] for k in ("score_func", "pre_softmax", "normalize", "route_scale")
-    }
+    ctx.options = {k: keyword_only_inputs[k] for k in _BACKWARD_OPTIONS}
 
 
-def _backward(ctx: Any, grad_weights: Tensor | None, *_unused: Tensor | None) -> tuple:
-    if grad_weights is None or not ctx.needs_input_grad[0]:
+def _backward(
+    ctx: Any,
+    grad_weights: Tensor | None,
+    _grad_indices: Tensor | None,
+    _grad_counts: Tensor | None,
+    grad_aux_sums: Tensor | None,
+) -> tuple:
+    if (grad_weights is None and grad_aux_sums is None) or not ctx.needs_input_grad[0]:
         return None, None, None
     logits, indices = ctx.saved_tensors
+    if grad_weights is None:
+        grad_weights = indices.new_zeros(indices.shape, dtype=_compute_dtype(logits.dtype))
     grad_logits = torch.ops.graphtrain.moe_route_backward(
-        grad_weights, logits, indices, **ctx.options
+        grad_weights, grad_aux_sums, logits, indices, **ctx.options
     )
     return grad_logits, None, None
 

@@ -27,17 +27,25 @@ What
         counts     bincount(indices.flatten(), minlength=E), histc(indices.float() (flattened
                    or not), bins=E, min=0, max=E or E-1), zeros(E).scatter_add(0, flat, ones) /
                    index_add; each replaced by the op's counts cast to its dtype
+        aux sums   the load-balancing losses' sums of their probabilities p (softmax(logits):
+                   the scores themselves or a softmax of the logits of its own; for sigmoid
+                   scores / scores.sum(-1, keepdim=True)): p.sum(0) over the tokens and
+                   p.view(B, L, E).sum(1) per sequence (view / reshape / unflatten), fp32,
+                   after the top-k; they become aux_sums.sum(0) and aux_sums of the op with
+                   aux_seq_len=L (T when there are only token sums). models/moe.py's aux,
+                   seq_aux and global_aux losses read only these.
     This covers the MoE spec's router (every option), DeepSeek-V3's public inference
     Gate.forward (whose group score without bias is the max: the op's group_score="max") and a
     plain softmax top-k router (probs.topk(k) with or without renormalisation).
 
 Why
-    The fused op reads the logits once and writes weights, indices and counts in one kernel,
-    with its own backward; the plain router is a dozen kernels and several passes over [T, E].
+    The fused op reads the logits once and writes weights, indices, counts and the aux sums in
+    one kernel, with its own backward; the plain router is a dozen kernels and several passes
+    over [T, E], and the aux losses' softmax and its backward two more.
 
 What stays
     Only the op's outputs are rewired (the weights at the end of the matched chain, the
-    indices, the counts); every matched node that is still used elsewhere (scores feeding an
+    indices, the counts, the aux sums); every matched node that is still used elsewhere (scores feeding an
     aux loss, the top-k values, the mask, ...) is kept, the others are erased. A chain that
     stops early is still right: e.g. a normalisation with another epsilon is not absorbed and
     stays in the graph, applied to the op's weights.
@@ -281,6 +289,8 @@ class _Router:
     indices: list[Node]  # nodes whose uses become the op's indices
     weights: Node  # the node whose uses become the op's weights
     counts: list[Node]  # nodes whose uses become the op's counts (cast to their dtype)
+    token_sums: list[Node]  # p.sum(0): become aux_sums.sum(0)
+    seq_sums: list[Node]  # p.view(B, L, E).sum(1): become aux_sums
     nodes: set[Node]  # every node of the sub-graph
 
 
@@ -551,6 +561,78 @@ class _Matcher:
         self.take(scores)
         return logits, score_func, pre
 
+    # ---- the aux losses' sums ---------------------------------------------------------------
+
+    def aux_sums(
+        self, anchor: Node, logits: Node, scores: Node, score_func: str, pre_softmax: bool
+    ) -> tuple[int, list[Node], list[Node]]:
+        """(aux_seq_len, token sums, sequence sums) of the aux probabilities p: sums over the
+        tokens (p.sum(0)) and per sequence (p.view(B, L, E).sum(1)) that come after the
+        top-k (where the op's outputs exist), fp32, without keepdim."""
+        T, E = _shape(logits)
+        if score_func == "sigmoid":  # p = scores / scores.sum(-1, keepdim=True)
+            probs = [
+                u
+                for u in scores.users
+                if (c := _is(u, "div")) is not None
+                and not c.inplace
+                and c.args[0] is scores
+                and (total := _is(c.args[1], "sum")) is not None
+                and total.args[0] is scores
+                and _last_dim(total.arg(1, "dim"), 2)
+                and total.arg(2, "keepdim", False)
+                and total.kwargs.get("dtype") is None
+            ]
+        else:  # p = softmax(logits): the scores themselves, or a softmax of their own
+            probs = [scores] if pre_softmax else []
+            probs += [
+                u
+                for u in logits.users
+                if u is not scores
+                and (c := _is(u, "softmax")) is not None
+                and _last_dim(c.arg(1, "dim"), 2)
+                and c.arg(2, "dtype") in (None, torch.float32)
+            ]
+        order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+        token, per_seq, seq_len = [], [], 0
+
+        def is_sum(node: Node, dim: int, shape: tuple) -> bool:
+            c = _is(node, "sum")
+            return (
+                c is not None
+                and c.arg(1, "dim") in (dim, (dim,), [dim])
+                and not c.arg(2, "keepdim", False)
+                and c.kwargs.get("dtype") is None
+                and _shape(node) == shape
+                and order[node] > order[anchor]
+            )
+
+        for p in probs:
+            if _dtype(p) != torch.float32 or _shape(p) != (T, E):
+                continue
+            for u in p.users:
+                if is_sum(u, 0, (E,)):
+                    token.append(u)
+                    self.take(p, u)
+                    continue
+                c = _call(u)
+                view = _shape(u)
+                if c is None or not _is_reinterpret(c) or view is None or len(view) != 3:
+                    continue
+                B, L = view[0], view[1]
+                if B * L != T or view[2] != E or (seq_len and L != seq_len):
+                    continue
+                sums = [v for v in u.users if is_sum(v, 1, (B, E))]
+                if sums:
+                    seq_len = L
+                    per_seq += sums
+                    self.take(p, u, *sums)
+        if score_func == "sigmoid":  # the row sums of the folded p's go with them
+            self.take(*(p.args[1] for p in probs if p in self.nodes))
+        if not token and not per_seq:
+            return 0, [], []
+        return seq_len or T, token, per_seq
+
     # ---- weights and counts ---------------------------------------------------------------
 
     def weights(
@@ -735,6 +817,7 @@ def _match(anchor: Node) -> _Router:
     w0 = m.weights(scores, indices, values, values_are_scores)
     weights, normalize, route_scale = m.weight_chain(w0, post_softmax=not pre_softmax)
     counts = m.counts(indices, T, E, k)
+    aux_seq_len, token_sums, seq_sums = m.aux_sums(anchor, logits, scores, score_func, pre_softmax)
     options = dict(
         score_func=score_func,
         pre_softmax=pre_softmax,
@@ -743,6 +826,7 @@ def _match(anchor: Node) -> _Router:
         normalize=normalize,
         route_scale=route_scale,
         group_score=groups.get("group_score", "top2"),
+        aux_seq_len=aux_seq_len,
     )
     for node in (logits, bias):
         if node is not None and not isinstance(_val(node), FakeTensor):
@@ -761,6 +845,7 @@ def _match(anchor: Node) -> _Router:
             options["topk_groups"],
             route_scale,
             options["group_score"],
+            aux_seq_len,
         )
     except ValueError as e:
         raise _Refuse(str(e)) from None
@@ -771,7 +856,9 @@ def _match(anchor: Node) -> _Router:
         )
     if scores is logits:
         m.nodes.discard(logits)
-    return _Router(anchor, logits, bias, k, options, indices, weights, counts, m.nodes)
+    return _Router(
+        anchor, logits, bias, k, options, indices, weights, counts, token_sums, seq_sums, m.nodes
+    )
 
 
 def _alias_root(node: Node) -> Node:
@@ -802,7 +889,8 @@ def _check_mutations(gm: torch.fx.GraphModule, r: _Router) -> None:
     """Refuse when erasing the router's in-place ops, or computing it all at the top-k from
     the logits, could change what some node sees."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    rewired = {r.weights, *r.indices, *r.counts}  # their readers get the op's outputs
+    # Their readers get the op's outputs.
+    rewired = {r.weights, *r.indices, *r.counts, *r.token_sums, *r.seq_sums}
     inputs = {_alias_root(r.logits)} | ({_alias_root(r.bias)} if r.bias is not None else set())
     watched = inputs | {_alias_root(n) for n in r.nodes}
     for node in gm.graph.nodes:
@@ -843,7 +931,7 @@ def _rewrite(gm: torch.fx.GraphModule, r: _Router) -> tuple[Node, list[str]]:
             outs = _OP(_val(r.logits), _val(r.bias), r.top_k, **r.options)
         route.meta["example_value"] = outs
         parts = []
-        for i in range(3):
+        for i in range(4):
             part = graph.call_function(operator.getitem, (route, i))
             part.meta["example_value"] = outs[i]
             parts.append(part)
@@ -851,8 +939,16 @@ def _rewrite(gm: torch.fx.GraphModule, r: _Router) -> tuple[Node, list[str]]:
             for key in meta_keys:
                 if key in r.anchor.meta:
                     node.meta[key] = r.anchor.meta[key]
-    weights, indices, counts = parts
+    weights, indices, counts, aux_sums = parts
     r.weights.replace_all_uses_with(weights)
+    for node in r.seq_sums:
+        node.replace_all_uses_with(aux_sums)
+    for node in r.token_sums:
+        with graph.inserting_before(node):
+            total = graph.call_function(torch.sum, (aux_sums, 0))
+        with fake_mode:
+            total.meta["example_value"] = outs[3].sum(0)
+        node.replace_all_uses_with(total)
     for node in r.indices:
         node.replace_all_uses_with(indices)
     for node in r.counts:

@@ -1,4 +1,5 @@
-"""Tests of graphtrain::moe_route: weights, indices, counts and d logits against float64 torch.
+"""Tests of graphtrain::moe_route: weights, indices, counts, aux sums and d logits against
+float64 torch.
 
 The oracle is the MoE spec's router pseudo-code written with plain torch ops in float64, with
 top-k taken by repeated argmax (torch.argmax returns the first maximum: the lower-index
@@ -82,8 +83,10 @@ def spec_router_f64(
     normalize=False,
     route_scale=1.0,
     group_score="top2",
+    aux_seq_len=0,
 ):
-    """The spec's router pseudo-code, in float64 (logits keep their autograd history)."""
+    """The spec's router pseudo-code, in float64 (logits keep their autograd history), and the
+    per-sequence sums of the aux losses' probabilities as models/moe.py computes them."""
     logits = logits.double()
     if score_func == "softmax" and pre_softmax:
         scores = torch.softmax(logits, dim=-1)
@@ -112,7 +115,12 @@ def spec_router_f64(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * route_scale
     counts = torch.bincount(indices.flatten(), minlength=E)
-    return weights, indices, counts
+    if score_func == "sigmoid":
+        p = scores / scores.sum(-1, keepdim=True)
+    else:
+        p = torch.softmax(logits, dim=-1)
+    aux_sums = p.view(-1, aux_seq_len, E).sum(1) if aux_seq_len else p.new_zeros(0, E)
+    return weights, indices, counts, aux_sums
 
 
 def make_inputs(seed, T, E, with_bias, *, ties=False, dtype=torch.float32):
@@ -132,14 +140,19 @@ def make_inputs(seed, T, E, with_bias, *, ties=False, dtype=torch.float32):
 
 
 def grad_logits(fn, logits, grad_seed):
-    """(weights, indices, counts, d logits) of fn(logits) for a random grad_output."""
+    """(weights, indices, counts, aux sums, d logits) of fn(logits) for random gradients of the
+    weights and (when there are any) of the aux sums."""
     x = logits.detach().clone().requires_grad_(True)
-    weights, indices, counts = fn(x)
+    weights, indices, counts, aux_sums = fn(x)
     g = torch.Generator().manual_seed(grad_seed)
-    go = torch.randn(weights.shape, generator=g, dtype=torch.float64)
-    go = go.to(weights.device, weights.dtype)
-    (gx,) = torch.autograd.grad(weights, (x,), go)
-    return weights.detach(), indices, counts, gx
+    outs, grads = [weights], []
+    if aux_sums.numel():
+        outs.append(aux_sums)
+    for out in outs:
+        go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        grads.append(go.to(out.device, out.dtype))
+    (gx,) = torch.autograd.grad(outs, (x,), grads)
+    return weights.detach(), indices, counts, aux_sums.detach(), gx
 
 
 def assert_close(actual, expected, tol, what=""):
@@ -147,25 +160,32 @@ def assert_close(actual, expected, tol, what=""):
     actual, expected = actual.double(), expected.double()
     assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    if not expected.numel():
+        return
     scale = expected.abs().max().clamp_min(1e-30)
     err = (actual - expected).abs().max()
     assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x scale {scale:.3e}"
 
 
-def check_against_oracle(fn, name, *, T, dtype, tol, ties=False, near_ties=0.0):
-    """fn(logits, bias, top_k, **opts) -> (weights, indices, counts), forward and d logits.
+def check_against_oracle(fn, name, *, T, dtype, tol, ties=False, near_ties=0.0, aux_seq_len=0):
+    """fn(logits, bias, top_k, **opts) -> (weights, indices, counts, aux sums), forward and
+    d logits (through the weights and the aux sums).
 
     near_ties > 0: up to that fraction of the rows may choose other experts (two scores within
     fp32 rounding of each other, computed in another order than torch's); values are then
     compared on the other rows. 0: exact (the CPU runs on fixed seeds).
     """
     E, k, opts, with_bias = CASES[name]
-    seed = zlib.crc32(repr((name, T, dtype, ties)).encode()) % 10_000
+    seed = zlib.crc32(repr((name, T, dtype, ties, aux_seq_len)).encode()) % 10_000
     logits, bias = make_inputs(seed, T, E, with_bias, ties=ties, dtype=dtype)
-    w, i, c, gx = grad_logits(lambda x: fn(x, bias, k, **opts), logits, seed + 1)
-    rw, ri, rc, rgx = grad_logits(
+    opts = {**opts, "aux_seq_len": aux_seq_len}
+    w, i, c, a, gx = grad_logits(lambda x: fn(x, bias, k, **opts), logits, seed + 1)
+    rw, ri, rc, ra, rgx = grad_logits(
         lambda x: spec_router_f64(x, bias, k, **opts), logits.double(), seed + 1
     )
+    # The aux sums do not depend on the choice of experts: compared on every row.
+    assert a.dtype == w.dtype
+    assert_close(a, ra, tol, f"{name} aux sums")
     if near_ties:
         same = (i == ri).all(dim=-1)
         assert same.float().mean() >= 1 - near_ties, f"{name}: {(~same).sum()} rows differ"
@@ -194,6 +214,7 @@ def op(logits, bias, top_k, **opts):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 def test_op_matches_float64(name, dtype, tol):
     check_against_oracle(op, name, T=37, dtype=dtype, tol=tol)
+    check_against_oracle(op, name, T=36, dtype=dtype, tol=tol, aux_seq_len=12)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -204,10 +225,10 @@ def test_exact_ties_go_to_the_lower_index(name):
 def test_tie_order_spelled_out():
     """Every logit equal: experts 0..k-1 in order; groups: the first topk_groups groups."""
     logits = torch.zeros(3, 8)
-    _, indices, counts = op(logits, None, 3)
+    _, indices, counts, _ = op(logits, None, 3)
     assert indices.tolist() == [[0, 1, 2]] * 3 and counts.tolist() == [3, 3, 3, 0, 0, 0, 0, 0]
     bias = torch.tensor([0.0, 0, 0, 0, 0, 1, 0, 1])  # group 2 (experts 4, 5) and 3 tie at 1
-    _, indices, _ = op(logits, bias, 3, num_groups=4, topk_groups=2)
+    _, indices, _, _ = op(logits, bias, 3, num_groups=4, topk_groups=2)
     assert indices.tolist() == [[5, 7, 4]] * 3  # groups 2 and 3 kept; 4 before 6 on the tie
 
 
@@ -220,20 +241,23 @@ def test_tie_order_spelled_out():
     ],
 )
 def test_gradcheck_float64(name):
+    """Through the weights and the aux sums (two sequences of 3 tokens)."""
     E, k, opts, with_bias = CASES[name]
-    logits, bias = make_inputs(7, 5, E, with_bias, dtype=torch.float64)
+    logits, bias = make_inputs(7, 6, E, with_bias, dtype=torch.float64)
     x = logits.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda x: op(x, bias, k, **opts)[0], (x,))
+    assert torch.autograd.gradcheck(lambda x: op(x, bias, k, **opts, aux_seq_len=3)[::3], (x,))
 
 
 def test_low_precision_logits_compute_in_float32():
     """bf16 logits give exactly what fp32 logits with the same values give."""
     E, k, opts, with_bias = CASES["sigmoid groups bias normalize scale (DeepSeek-V3)"]
     logits, bias = make_inputs(3, 29, E, with_bias, dtype=torch.bfloat16)
-    w, i, c, gx = grad_logits(lambda x: op(x, bias, k, **opts), logits, 4)
-    rw, ri, rc, rgx = grad_logits(lambda x: op(x, bias, k, **opts), logits.float(), 4)
-    assert w.dtype == torch.float32 and gx.dtype == torch.bfloat16
-    assert torch.equal(w, rw) and torch.equal(i, ri) and torch.equal(c, rc)
+    w, i, c, a, gx = grad_logits(lambda x: op(x, bias, k, **opts, aux_seq_len=29), logits, 4)
+    rw, ri, rc, ra, rgx = grad_logits(
+        lambda x: op(x, bias, k, **opts, aux_seq_len=29), logits.float(), 4
+    )
+    assert w.dtype == a.dtype == torch.float32 and gx.dtype == torch.bfloat16
+    assert torch.equal(w, rw) and torch.equal(i, ri) and torch.equal(c, rc) and torch.equal(a, ra)
     assert torch.equal(gx, rgx.bfloat16())
 
 
@@ -241,18 +265,25 @@ def test_only_weights_carry_gradient():
     logits, bias = make_inputs(5, 9, 16, True)
     x = logits.requires_grad_(True)
     b = bias.clone().requires_grad_(True)
-    weights, indices, counts = op(x, b, 2, num_groups=4, topk_groups=2)
-    assert weights.requires_grad and not indices.requires_grad and not counts.requires_grad
-    gx, gb = torch.autograd.grad(weights.sum(), (x, b), allow_unused=True)
+    weights, indices, counts, aux_sums = op(x, b, 2, num_groups=4, topk_groups=2, aux_seq_len=3)
+    assert weights.requires_grad and aux_sums.requires_grad
+    assert not indices.requires_grad and not counts.requires_grad
+    gx, gb = torch.autograd.grad(weights.sum(), (x, b), allow_unused=True, retain_graph=True)
     assert gx is not None and gb is None
+    # The aux sums alone (the weights get no gradient): d logits from them only.
+    (ga,) = torch.autograd.grad(aux_sums.square().sum(), (x,))
+    (ra,) = torch.autograd.grad(torch.softmax(x, -1).view(3, 3, 16).sum(1).square().sum(), (x,))
+    assert_close(ga, ra, 2e-6, "d logits from the aux sums alone")
     with torch.no_grad():
-        w2, _, _ = op(x, b, 2, num_groups=4, topk_groups=2)
+        w2, _, _, _ = op(x, b, 2, num_groups=4, topk_groups=2)
     assert torch.equal(w2, weights.detach())
 
 
 def test_empty_batch():
-    weights, indices, counts = op(torch.zeros(0, 8), None, 2)
-    assert weights.shape == (0, 2) and indices.shape == (0, 2) and counts.tolist() == [0] * 8
+    for aux_seq_len in (0, 4):
+        weights, indices, counts, aux_sums = op(torch.zeros(0, 8), None, 2, aux_seq_len=aux_seq_len)
+        assert weights.shape == (0, 2) and indices.shape == (0, 2) and counts.tolist() == [0] * 8
+        assert aux_sums.shape == (0, 8)
 
 
 BAD_ARGS = [
@@ -266,6 +297,11 @@ BAD_ARGS = [
     (dict(top_k=0), "top_k=0"),
     (dict(group_score="mean"), "group_score"),
     (dict(route_scale=float("nan")), "route_scale"),
+    (
+        dict(aux_seq_len=3),
+        r"aux_seq_len=3 must be 0 \(no aux sums\) or divide the number of tokens T=4",
+    ),
+    (dict(aux_seq_len=-2), "aux_seq_len=-2"),
     (dict(bias=torch.zeros(7)), r"\[E\]=\[8\]"),
     (dict(bias=torch.zeros(8, dtype=torch.bfloat16)), "bias must be float32"),
     (dict(logits=torch.zeros(2, 3, 8)), r"\[T, E\]"),
@@ -289,22 +325,27 @@ def test_bad_arguments_raise(change, match):
 )
 def test_opcheck(name):
     E, k, opts, with_bias = CASES[name]
-    logits, bias = make_inputs(11, 13, E, with_bias)
-    torch.library.opcheck(
-        torch.ops.graphtrain.moe_route.default, (logits.requires_grad_(True), bias, k), opts
-    )
-    _, indices, _ = op(logits, bias, k, **opts)
+    logits, bias = make_inputs(11, 14, E, with_bias)
+    for aux_seq_len in (0, 7):
+        torch.library.opcheck(
+            torch.ops.graphtrain.moe_route.default,
+            (logits.requires_grad_(True), bias, k),
+            {**opts, "aux_seq_len": aux_seq_len},
+        )
+    _, indices, _, _ = op(logits, bias, k, **opts)
     bwd_opts = dict(
         score_func=opts.get("score_func", "softmax"),
         pre_softmax=opts.get("pre_softmax", True),
         normalize=opts.get("normalize", False),
         route_scale=opts.get("route_scale", 1.0),
+        aux_seq_len=7,
     )
-    torch.library.opcheck(
-        torch.ops.graphtrain.moe_route_backward.default,
-        (torch.randn(13, k), logits.detach(), indices),
-        bwd_opts,
-    )
+    for grad_aux in (None, torch.randn(2, E)):
+        torch.library.opcheck(
+            torch.ops.graphtrain.moe_route_backward.default,
+            (torch.randn(14, k), grad_aux, logits.detach(), indices),
+            bwd_opts,
+        )
 
 
 def test_compiled_matches_eager():
@@ -313,8 +354,8 @@ def test_compiled_matches_eager():
     logits, bias = make_inputs(17, 21, E, with_bias)
 
     def f(x):
-        weights, indices, counts = op(x * 2, bias, k, **opts)
-        return weights * 3, indices, counts
+        weights, indices, counts, aux_sums = op(x * 2, bias, k, **opts, aux_seq_len=7)
+        return weights * 3, indices, counts, aux_sums
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     for a, b in zip(grad_logits(compiled, logits, 1), grad_logits(f, logits, 1), strict=True):
@@ -332,22 +373,24 @@ def _triton_op(logits, bias, top_k, **opts):
     class Route(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            weights, indices, counts = mr.moe_route_triton(x, bias, top_k, **opts)
+            weights, indices, counts, aux_sums = mr.moe_route_triton(x, bias, top_k, **opts)
             ctx.save_for_backward(x, indices)
             ctx.mark_non_differentiable(indices, counts)
-            return weights, indices, counts
+            return weights, indices, counts, aux_sums
 
         @staticmethod
-        def backward(ctx, grad_weights, *_):
+        def backward(ctx, grad_weights, _grad_indices, _grad_counts, grad_aux_sums):
             x, indices = ctx.saved_tensors
             return mr.moe_route_backward_triton(
                 grad_weights,
+                grad_aux_sums,
                 x,
                 indices,
                 score_func=opts.get("score_func", "softmax"),
                 pre_softmax=opts.get("pre_softmax", True),
                 normalize=opts.get("normalize", False),
                 route_scale=opts.get("route_scale", 1.0),
+                aux_seq_len=opts["aux_seq_len"],
             )
 
     return Route.apply(logits)
@@ -359,22 +402,20 @@ def _interpreter_checks() -> None:
     for name in CASES:
         t0 = time.time()
         for ties in (False, True):  # T = 37: not a multiple of any block
-            check_against_oracle(
-                _triton_op,
-                name,
-                T=37,
-                dtype=torch.float32,
-                tol=2e-6,
-                ties=ties,
-            )
+            check_against_oracle(_triton_op, name, T=37, dtype=torch.float32, tol=2e-6, ties=ties)
+        # Sequences of 12 tokens: each program's block ends at its sequence's end.
+        check_against_oracle(_triton_op, name, T=36, dtype=torch.float32, tol=2e-6, aux_seq_len=12)
         print(f"interpreter {name} ok in {time.time() - t0:.1f}s")
-    # Strided logits (a column slice of a wider buffer) and E beyond the tile of one warp.
-    wide = torch.randn(19, 300)
+    # Strided logits (a column slice of a wider buffer) and E beyond the tile of one warp; its
+    # sequences of 19 tokens span several blocks of 4, the last one partly.
+    wide = torch.randn(57, 300)
     logits = wide[:, :260]
-    w, i, c = mr.moe_route_triton(logits, None, 8, num_groups=4, topk_groups=2)
-    rw, ri, rc = spec_router_f64(logits, None, 8, num_groups=4, topk_groups=2)
+    opts = dict(num_groups=4, topk_groups=2, aux_seq_len=19)
+    w, i, c, a = mr.moe_route_triton(logits, None, 8, **opts)
+    rw, ri, rc, ra = spec_router_f64(logits, None, 8, **opts)
     assert torch.equal(i, ri) and torch.equal(c, rc)
     assert_close(w, rw, 2e-6, "strided")
+    assert_close(a, ra, 2e-6, "strided aux sums")
     print("interpreter strided ok")
 
 
@@ -404,12 +445,13 @@ def _compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, objec
     assert compiled.asm["cubin"]
 
 
+@pytest.mark.parametrize("aux", [False, True])
 @pytest.mark.parametrize(
     "dtype,score,groups", [("bf16", "sigmoid", 8), ("fp32", "softmax", 1), ("fp16", "post", 1)]
 )
-def test_kernels_compile_for_hopper(dtype, score, groups):
+def test_kernels_compile_for_hopper(dtype, score, groups, aux):
     """The CUDA codegen (which the interpreter skips) accepts both kernels, on a CPU machine:
-    the benchmark's 256 experts, top-8."""
+    the benchmark's 256 experts, top-8, with and without the aux sums."""
     E, K = 256, 8
     code = {"softmax": mr._SOFTMAX_PRE, "post": mr._SOFTMAX_POST, "sigmoid": mr._SIGMOID}[score]
     g_pad, epg, epg_pad = mr._tile(E, groups)
@@ -421,7 +463,10 @@ def test_kernels_compile_for_hopper(dtype, score, groups):
             "weights_ptr": "*fp32",
             "indices_ptr": "*i64",
             "counts_ptr": "*i64",
+            "aux_ptr": "*fp32",
             "T": "i32",
+            "SEQ_LEN": "i32",
+            "BLOCKS_PER_SEQ": "i32",
             "stride_t": "i32",
             "route_scale": "fp32",
         },
@@ -438,6 +483,7 @@ def test_kernels_compile_for_hopper(dtype, score, groups):
             HAS_BIAS=True,
             NORMALIZE=True,
             GROUP_MAX=False,
+            AUX=aux,
             BLOCK_T=mr._FWD_TILE // (g_pad * epg_pad),
         ),
     )
@@ -445,11 +491,13 @@ def test_kernels_compile_for_hopper(dtype, score, groups):
         mr._moe_route_bwd_kernel,
         {
             "grad_w_ptr": "*fp32",
+            "grad_aux_ptr": "*fp32",
             "logits_ptr": f"*{dtype}",
             "indices_ptr": "*i64",
             "dlogits_ptr": f"*{dtype}",
             "T": "i32",
             "E": "i32",
+            "SEQ_LEN": "i32",
             "stride_t": "i32",
             "route_scale": "fp32",
         },
@@ -458,6 +506,7 @@ def test_kernels_compile_for_hopper(dtype, score, groups):
             K_PAD=K,
             SCORE=code,
             NORMALIZE=True,
+            AUX=aux,
             BLOCK_T=mr._BWD_TILE_WARPS[code][0] // E,
             BLOCK_E=E,
         ),
@@ -485,6 +534,9 @@ def _cuda(fn):
 def test_cuda_matches_float64(name):
     check_against_oracle(_cuda(op), name, T=1000, dtype=torch.float32, tol=2e-6, near_ties=2e-3)
     check_against_oracle(_cuda(op), name, T=1000, dtype=torch.float32, tol=2e-6, ties=True)
+    check_against_oracle(
+        _cuda(op), name, T=1000, dtype=torch.float32, tol=2e-6, near_ties=2e-3, aux_seq_len=200
+    )
 
 
 @pytest.mark.gpu
@@ -495,8 +547,12 @@ def test_cuda_deepseek_shape_bf16():
     logits = torch.randn(4096, 256, device="cuda", generator=g).bfloat16()
     bias = torch.randn(256, device="cuda", generator=g) * 0.01
     opts = dict(score_func="sigmoid", num_groups=8, topk_groups=4, normalize=True, route_scale=2.5)
-    w, i, c, gx = grad_logits(lambda x: op(x, bias, 8, **opts), logits, 1)
-    rw, ri, _, rgx = grad_logits(lambda x: mr.moe_route_ref(x.float(), bias, 8, **opts), logits, 1)
+    opts["aux_seq_len"] = 1024
+    w, i, c, a, gx = grad_logits(lambda x: op(x, bias, 8, **opts), logits, 1)
+    rw, ri, _, ra, rgx = grad_logits(
+        lambda x: mr.moe_route_ref(x.float(), bias, 8, **opts), logits, 1
+    )
+    assert_close(a, ra, 2e-6, "aux sums")
     assert torch.equal(c, torch.bincount(i.flatten(), minlength=256))
     same = (i == ri).all(dim=-1)  # near ties (within fp32 rounding) may be ordered otherwise
     assert same.float().mean() > 0.999, (~same).sum()
@@ -514,9 +570,10 @@ def test_cuda_graph_capture():
     opts = dict(score_func="sigmoid", num_groups=8, topk_groups=4, normalize=True)
 
     def step():
-        weights, indices, counts = op(logits, bias, 8, **opts)
-        (gx,) = torch.autograd.grad(weights, (logits,), torch.ones_like(weights))
-        return weights.detach(), indices, counts, gx
+        weights, indices, counts, aux_sums = op(logits, bias, 8, **opts, aux_seq_len=512)
+        grads = (torch.ones_like(weights), torch.ones_like(aux_sums))
+        (gx,) = torch.autograd.grad((weights, aux_sums), (logits,), grads)
+        return weights.detach(), indices, counts, aux_sums.detach(), gx
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

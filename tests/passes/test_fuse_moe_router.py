@@ -91,6 +91,7 @@ class SpecRouter(nn.Module):
         counts="bincount",
         aux=True,
         select="topk",
+        seq_len=None,
     ):
         super().__init__()
         torch.manual_seed(E + k)
@@ -100,6 +101,7 @@ class SpecRouter(nn.Module):
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.normalize, self.route_scale = normalize, route_scale
         self.count_with, self.aux, self.select = counts, aux, select
+        self.seq_len = seq_len  # also a per-sequence aux loss over sequences of seq_len tokens
 
     def top(self, sel, k):
         if self.select == "topk":
@@ -144,13 +146,16 @@ class SpecRouter(nn.Module):
             )
         if not self.aux:
             return weights, indices, counts
-        # The aux probabilities read the scores (or the logits): these nodes must stay.
+        # The aux probabilities and their sums (the op's aux_sums).
         if self.score_func == "sigmoid":
             p = scores / scores.sum(dim=-1, keepdim=True)
         else:
             p = scores if self.pre_softmax else torch.softmax(logits, dim=-1)
         n = p.shape[0]
         aux = self.E / (self.k * n * n) * (p.sum(dim=0) * counts[: self.E].float()).sum()
+        if self.seq_len:
+            p_seq = p.view(n // self.seq_len, self.seq_len, self.E).sum(1)
+            aux = aux + (p_seq * torch.arange(self.E)).sum() / n
         return weights, indices, counts, aux
 
 
@@ -271,7 +276,7 @@ class TwoRouters(nn.Module):
 
 # name -> (module, run with gradients, expected options on the op)
 FUSED = {
-    "spec softmax": (SpecRouter(), True, dict(score_func="softmax")),
+    "spec softmax": (SpecRouter(), True, dict(score_func="softmax", aux_seq_len=T)),
     "spec softmax bias normalize scale": (
         SpecRouter(bias=True, normalize=True, route_scale=2.0),
         True,
@@ -302,7 +307,7 @@ FUSED = {
     "spec with stable sort": (
         SpecRouter(bias=True, num_groups=4, topk_groups=2, select="sort", aux=False),
         True,
-        dict(num_groups=4, topk_groups=2),
+        dict(num_groups=4, topk_groups=2, aux_seq_len=0),
     ),
     "spec with argsort": (
         SpecRouter(score_func="sigmoid", num_groups=8, topk_groups=3, select="argsort"),
@@ -370,13 +375,53 @@ def test_fuses_once_and_matches(name, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_aux_loss_keeps_the_scores(tmp_path):
-    """The aux loss reads the scores: the softmax stays, everything else of the router goes."""
-    _run(SpecRouter(), _x(), tmp_path)
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(pre_softmax=False, bias=True),
+        dict(score_func="sigmoid", bias=True, num_groups=4, topk_groups=2, normalize=True),
+    ],
+    ids=["softmax", "softmax post", "sigmoid groups"],
+)
+def test_aux_sums_come_from_the_op(options, tmp_path):
+    """The aux losses' sums of p over all tokens and per sequence (3 of 4 tokens) become the
+    op's aux_sums: the scores' softmax / sigmoid normalisation and their sums are gone, and
+    the loss and its gradients are the eager ones."""
+    module = SpecRouter(seq_len=4, **options)
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(3))
+    out, grads = _run(module, x, tmp_path)
     step = _pass_step(tmp_path)
-    assert step["op_diff"].get("torch.softmax", 0) == 0, step["op_diff"]
-    assert step["op_diff"]["Tensor.gather"] == -1 and step["op_diff"]["torch.bincount"] == -1
+    (site,) = [s for s in step["custom_ops"] if s["op"] == OP]
+    assert site["options"]["aux_seq_len"] == 4
+    assert step["op_counts"].get("torch.softmax", 0) == 0, step["op_counts"]
+    assert step["op_diff"].get("Tensor.sum", 0) <= -2, step["op_diff"]  # 2 sums of p, + 1 here
+    assert not any("kept (used elsewhere)" in n for n in step["notes"]), step["notes"]
+    ref_out, ref_grads = _run(module, x, None)
+    torch.testing.assert_close(out[3], ref_out[3], rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_scores_read_elsewhere_stay(tmp_path):
+    """Another reader of p (here its row max): the softmax stays for it, the sum still comes
+    from the op, and the results are the eager ones."""
+    weight = torch.randn(D, 12, generator=torch.Generator().manual_seed(5))
+
+    def fn(x):
+        scores = (x @ weight).softmax(-1)
+        indices = scores.topk(3, dim=-1).indices
+        return scores.gather(1, indices), scores.sum(0), scores.amax(-1)
+
+    out, grads = _run(fn, _x(), tmp_path)
+    step = _pass_step(tmp_path)
+    (site,) = [s for s in step["custom_ops"] if s["op"] == OP]
+    assert site["options"]["aux_seq_len"] == T
+    assert step["op_counts"]["Tensor.softmax"] == 1, step["op_counts"]
     assert any("kept (used elsewhere)" in n for n in step["notes"]), step["notes"]
+    ref_out, ref_grads = _run(fn, _x(), None)
+    for a, b in zip(out + grads, ref_out + ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_two_routers_two_ops(tmp_path):
@@ -504,7 +549,8 @@ def test_no_top_k_is_a_quiet_note(tmp_path):
 
 def test_moe_model_routers_fuse_and_train_the_same(tmp_path):
     """models/moe.py's Router (stable-sort top-k, unflatten groups, bincount, aux losses) is
-    fused once per block graph; loss, gradients and the router's counts match eager."""
+    fused once per block graph, its aux losses' sums with it (sequences of 16 tokens); loss,
+    gradients and the router's counts match eager."""
     from graphtrain.compile import apply_compile
     from models import MODEL_PRESETS, build_model
 
@@ -527,6 +573,8 @@ def test_moe_model_routers_fuse_and_train_the_same(tmp_path):
     step = json.loads((tmp_path / "block-1" / "summary.json").read_text())
     (step,) = [s for s in step if s["label"] == PASS]
     assert step["op_counts"].get(OP) == 1 and "torch.sort" not in step["op_counts"], step
+    (site,) = [s for s in step["custom_ops"] if s["op"] == OP]
+    assert site["options"]["aux_seq_len"] == 16  # aux and global_aux sums, seq_aux's rows
     torch.testing.assert_close(closs, loss, rtol=1e-5, atol=0)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -25,8 +25,8 @@ What
                  the rows. aux_seq_len=0: S = 0, nothing computed.
     Ties (in sel and in the group scores) go to the lower expert/group index, in the reference
     and in the kernels alike. `weights` is differentiable w.r.t. `logits`; indices, counts and
-    the bias get no gradient; aux_sums is differentiable too. normalize has no effect after the post-top-k softmax (those weights
-    already sum to 1).
+    the bias get no gradient; aux_sums is differentiable too. normalize has no effect after
+    the post-top-k softmax (those weights already sum to 1).
     group_score="max" is the group score of DeepSeek-V3's public inference Gate when it has no
     bias (it takes the top-2 sum only with a bias); the spec itself always uses the top-2 sum.
     moe_route_backward(grad_weights, grad_aux_sums or None, logits, indices, ...) -> grad_logits
@@ -386,7 +386,8 @@ def _moe_route_fwd_kernel(
         rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < T
     row_off = rows.to(tl.int64) * stride_t
-    # Rows past T (or past their sequence) read zeros (finite arithmetic); nothing of theirs is stored or counted.
+    # Rows past T (or past their sequence) read zeros (finite arithmetic); nothing of theirs
+    # is stored or counted.
     x = tl.load(
         logits_ptr + row_off[:, None, None] + eid,
         mask=row_ok[:, None, None] & e_ok,

@@ -45,10 +45,10 @@ Why
 
 What stays
     Only the op's outputs are rewired (the weights at the end of the matched chain, the
-    indices, the counts, the aux sums); every matched node that is still used elsewhere (scores feeding an
-    aux loss, the top-k values, the mask, ...) is kept, the others are erased. A chain that
-    stops early is still right: e.g. a normalisation with another epsilon is not absorbed and
-    stays in the graph, applied to the op's weights.
+    indices, the counts, the aux sums); every matched node that is still used elsewhere
+    (scores feeding a z-loss, the top-k values, the mask, ...) is kept, the others are
+    erased. A chain that stops early is still right: e.g. a normalisation with another
+    epsilon is not absorbed and stays in the graph, applied to the op's weights.
 
 Refusals (the graph is left as it was and ctx.note says why)
     a top-k whose indices feed no weights (a top-k accuracy, sampling: nothing to fuse); scores

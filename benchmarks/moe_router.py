@@ -114,7 +114,7 @@ def plain_softmax_aux(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
 
 def op_softmax_aux(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int = TOP_K):
     T = logits.shape[0]
-    weights, indices, counts, aux_sums = torch.ops.graphtrain.moe_route(
+    weights, indices, counts, aux_sums, _ = torch.ops.graphtrain.moe_route(
         logits, None, top_k, aux_seq_len=T
     )
     return weights, indices, counts, _aux_loss(aux_sums.sum(0), counts, top_k, T)

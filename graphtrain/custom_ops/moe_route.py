@@ -3,8 +3,9 @@
 What
     moe_route(logits [T, E], bias [E] or None, top_k, *, score_func="softmax", pre_softmax=True,
               num_groups=1, topk_groups=1, normalize=False, route_scale=1.0, group_score="top2",
-              aux_seq_len=0)
-        -> (weights [T, k] fp32, indices [T, k] int64, counts [E] int64, aux_sums [S, E] fp32)
+              aux_seq_len=0, return_lse=False)
+        -> (weights [T, k] fp32, indices [T, k] int64, counts [E] int64, aux_sums [S, E] fp32,
+            lse [T] fp32)
     is the router of the MoE spec (models/moe.py's Router writes it out), from `logits` on:
         scores   softmax(logits)          score_func "softmax", pre_softmax=True
                  logits                   score_func "softmax", pre_softmax=False (softmax later)
@@ -23,21 +24,23 @@ What
                  or after the top-k) or scores / scores.sum(-1) (sigmoid, DeepSeek-V3's
                  normalised form). The aux and global_aux losses use aux_sums.sum(0), seq_aux
                  the rows. aux_seq_len=0: S = 0, nothing computed.
+        lse      return_lse=True: logsumexp(logits, -1) per token, what the router z-loss
+                 (mean of lse^2) needs; else an empty [0] tensor, nothing computed.
     Ties (in sel and in the group scores) go to the lower expert/group index, in the reference
     and in the kernels alike. `weights` is differentiable w.r.t. `logits`; indices, counts and
-    the bias get no gradient; aux_sums is differentiable too. normalize has no effect after
+    the bias get no gradient; aux_sums and lse are differentiable too. normalize has no effect after
     the post-top-k softmax (those weights already sum to 1).
     group_score="max" is the group score of DeepSeek-V3's public inference Gate when it has no
     bias (it takes the top-2 sum only with a bias); the spec itself always uses the top-2 sum.
-    moe_route_backward(grad_weights, grad_aux_sums or None, logits, indices, ...) -> grad_logits
-    is the backward, an op of its own (a Triton kernel on CUDA).
+    moe_route_backward(grad_weights, grad_aux_sums or None, grad_lse or None, logits, indices,
+    ...) -> grad_logits is the backward, an op of its own (a Triton kernel on CUDA).
 
 Why
     The plain router is a dozen small ops over [T, E] (softmax, add, view, topk, topk, scatter,
     masked_fill, topk, gather, sum, div, mul, bincount), each a kernel launch and a pass over
     memory; under torch.compile still several kernels, with sort-based top-k. Here one kernel
-    reads the logits once and writes weights, indices and counts; the backward reads the logits
-    once more and writes d logits.
+    reads the logits once and writes weights, indices and counts (and what the aux losses and
+    the z-loss need); the backward reads the logits once more and writes d logits.
 
 Layers (one op per file, DESIGN.md rule 1)
     moe_route            torch.library.custom_op with register_fake and register_autograd;
@@ -61,7 +64,9 @@ CUDA algorithm
     writes its own partial sum of p per expert; torch adds the partials of each sequence (no
     float atomics: the sums are the same on every run). That costs the forward about 0.05-0.07
     ms at the benchmark shape (H100; the sum over a block's tokens reduces across warps), the
-    sigmoid backward 0.05 ms (sigmoid over the whole row): benchmarks/RESULTS.md.
+    sigmoid backward 0.05 ms (sigmoid over the whole row): benchmarks/RESULTS.md. With
+    return_lse each program also writes m + log(sum exp(x - m)) of its rows (the softmax's own
+    max and sum; two more reductions for sigmoid or the post-top-k softmax).
     On an H100 at 65536 x 256, top-8 it takes 0.18 ms, about 7x the memory floor: it is bound
     by the dependent reductions, not by memory or the atomics (one packed int64 key reduction
     per pick instead of two, or no atomics at all, measured the same).
@@ -69,7 +74,8 @@ CUDA algorithm
     selected scores (through route_scale, the normalisation or the post-top-k softmax) ->
     d logits (softmax: p * (dS - sum p dS) over all E; sigmoid: s (1 - s) at the k chosen
     experts; post-top-k softmax: dS itself). d aux_sums adds its sequence's row to d p of
-    every token, taken back through the aux probabilities over the whole row.
+    every token, taken back through the aux probabilities over the whole row; d lse adds
+    d lse * softmax(logits) to the row.
 
 Numerics
     Everything is computed in fp32 from the logits (bf16/fp16 logits are upcast on load, like
@@ -119,15 +125,19 @@ def check_route_args(
     logits: Tensor,
     bias: Tensor | None,
     top_k: int,
-    score_func: str,
-    pre_softmax: bool,
-    num_groups: int,
-    topk_groups: int,
-    route_scale: float,
-    group_score: str,
+    *,
+    score_func: str = "softmax",
+    pre_softmax: bool = True,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    normalize: bool = False,
+    route_scale: float = 1.0,
+    group_score: str = "top2",
     aux_seq_len: int = 0,
+    return_lse: bool = False,
 ) -> None:
-    """Raise ValueError naming the bad value when the arguments do not describe a router."""
+    """Raise ValueError naming the bad value when the arguments (moe_route's) do not describe a
+    router. normalize and return_lse take any value."""
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"moe_route: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     if score_func == "sigmoid" and not pre_softmax:
@@ -232,19 +242,21 @@ def moe_route_ref(
     route_scale: float = 1.0,
     group_score: str = "top2",
     aux_seq_len: int = 0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(weights, indices, counts, aux_sums) of the router, in plain torch (module docstring)."""
+    return_lse: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(weights, indices, counts, aux_sums, lse) of the router, in plain torch (module
+    docstring)."""
     check_route_args(
         logits,
         bias,
         top_k,
-        score_func,
-        pre_softmax,
-        num_groups,
-        topk_groups,
-        route_scale,
-        group_score,
-        aux_seq_len,
+        score_func=score_func,
+        pre_softmax=pre_softmax,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        route_scale=route_scale,
+        group_score=group_score,
+        aux_seq_len=aux_seq_len,
     )
     code = _score_code(score_func, pre_softmax)
     x = logits.to(_compute_dtype(logits.dtype))
@@ -278,12 +290,14 @@ def moe_route_ref(
     aux_sums = x.new_zeros(S, E)
     if S:
         aux_sums = _aux_probs(x, scores, code).view(S, aux_seq_len, E).sum(1)
-    return weights, indices, counts, aux_sums
+    lse = torch.logsumexp(x, dim=-1) if return_lse else x.new_zeros(0)
+    return weights, indices, counts, aux_sums, lse
 
 
 def moe_route_backward_ref(
     grad_weights: Tensor,
     grad_aux_sums: Tensor | None,
+    grad_lse: Tensor | None,
     logits: Tensor,
     indices: Tensor,
     *,
@@ -293,8 +307,8 @@ def moe_route_backward_ref(
     route_scale: float,
     aux_seq_len: int,
 ) -> Tensor:
-    """d logits for d weights and d aux_sums, in plain torch (indices: the forward's, distinct
-    per row)."""
+    """d logits for d weights, d aux_sums and d lse, in plain torch (indices: the forward's,
+    distinct per row)."""
     code = _score_code(score_func, pre_softmax)
     x = logits.to(_compute_dtype(logits.dtype))
     scores = _scores(x, code)
@@ -326,6 +340,8 @@ def moe_route_backward_ref(
         if d_p is not None:  # p = softmax(logits), apart from the scores
             p = torch.softmax(x, dim=-1)
             d_x = d_x + p * (d_p - (d_p * p).sum(dim=-1, keepdim=True))
+    if grad_lse is not None:  # d logsumexp(x) / dx = softmax(x)
+        d_x = d_x + grad_lse.to(x.dtype)[:, None] * torch.softmax(x, dim=-1)
     return d_x.to(logits.dtype)
 
 
@@ -342,6 +358,7 @@ def _moe_route_fwd_kernel(
     indices_ptr,  # [T, K] int64 out
     counts_ptr,  # [E] int64, zeroed by the caller; every program adds its histogram
     aux_ptr,  # [programs, E] fp32 out: each program's sum of p (not written without AUX)
+    lse_ptr,  # [T] fp32 out: logsumexp of the logits (not written without LSE)
     T,
     SEQ_LEN,  # tokens per sequence: a program's rows stay in one (T without AUX)
     BLOCKS_PER_SEQ,
@@ -360,6 +377,7 @@ def _moe_route_fwd_kernel(
     NORMALIZE: tl.constexpr,
     GROUP_MAX: tl.constexpr,  # group score = max instead of the top-2 sum
     AUX: tl.constexpr,  # write the partial sums of the aux probabilities
+    LSE: tl.constexpr,  # write the logsumexp of each row
     BLOCK_T: tl.constexpr,
 ):
     # The experts as a [1, G_PAD, EPG_PAD] grid: row g, slot j is expert g * EPG + j.
@@ -393,11 +411,13 @@ def _moe_route_fwd_kernel(
         mask=row_ok[:, None, None] & e_ok,
         other=0.0,
     ).to(tl.float32)
-    if SCORE == 0 or (SCORE == 1 and AUX):
+    if SCORE == 0 or (SCORE == 1 and AUX) or LSE:
         m = tl.max(tl.max(tl.where(e_ok, x, float("-inf")), 2), 1)
         ex = tl.where(e_ok, tl.exp(x - m[:, None, None]), 0.0)
         s = tl.sum(tl.sum(ex, 2), 1)
         probs = ex / s[:, None, None]
+    if LSE:
+        tl.store(lse_ptr + rows, m + tl.log(s), mask=row_ok)
     if SCORE == 0:
         scores = probs
     elif SCORE == 2:
@@ -481,6 +501,7 @@ def _moe_route_fwd_kernel(
 def _moe_route_bwd_kernel(
     grad_w_ptr,  # [T, K] d weights, contiguous
     grad_aux_ptr,  # [T / SEQ_LEN, E] d aux_sums, contiguous (not read without AUX)
+    grad_lse_ptr,  # [T] d lse (not read without LSE)
     logits_ptr,  # [T, E], row stride stride_t, unit column stride
     indices_ptr,  # [T, K] int64, contiguous
     dlogits_ptr,  # [T, E] out (logits' dtype), contiguous
@@ -494,6 +515,7 @@ def _moe_route_bwd_kernel(
     SCORE: tl.constexpr,
     NORMALIZE: tl.constexpr,
     AUX: tl.constexpr,
+    LSE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
@@ -510,11 +532,11 @@ def _moe_route_bwd_kernel(
     g = tl.load(grad_w_ptr + rows64[:, None] * K + kcol, mask=k_ok, other=0.0).to(tl.float32)
     g = g * route_scale
     picked = tl.load(logits_ptr + row_off[:, None] + idx, mask=k_ok, other=0.0).to(tl.float32)
-    if SCORE == 0 or AUX:
+    if SCORE == 0 or AUX or LSE:
         x = tl.load(
             logits_ptr + row_off[:, None] + cols, mask=row_ok[:, None] & c_ok, other=0.0
         ).to(tl.float32)
-    if SCORE == 0 or (SCORE == 1 and AUX):
+    if SCORE == 0 or (SCORE == 1 and AUX) or LSE:
         xm = tl.where(c_ok, x, float("-inf"))
         m = tl.max(xm, 1)[:, None]
         ex = tl.exp(xm - m)
@@ -567,6 +589,9 @@ def _moe_route_bwd_kernel(
         total = tl.sum(sg, 1)[:, None]
         d_s = (g_aux - tl.sum(g_aux * sg, 1)[:, None] / total) / total
         d_scores += d_s * sg * (1.0 - sg)
+    if LSE:  # d logsumexp(x) / dx = softmax(x)
+        g_lse = tl.load(grad_lse_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        d_scores += g_lse[:, None] * p
     tl.store(
         dlogits_ptr + rows64[:, None] * E + cols,
         d_scores.to(dlogits_ptr.dtype.element_ty),
@@ -608,7 +633,8 @@ def moe_route_triton(
     route_scale: float = 1.0,
     group_score: str = "top2",
     aux_seq_len: int = 0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return_lse: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CUDA forward (also CPU tensors under TRITON_INTERPRET=1)."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -618,8 +644,9 @@ def moe_route_triton(
     indices = torch.empty(T, top_k, dtype=torch.int64, device=dev)
     counts = torch.zeros(E, dtype=torch.int64, device=dev)
     S = _aux_sequences(T, aux_seq_len)
+    lse = torch.empty(T if return_lse else 0, dtype=torch.float32, device=dev)
     if T == 0:
-        return weights, indices, counts, torch.zeros(S, E, dtype=torch.float32, device=dev)
+        return weights, indices, counts, torch.zeros(S, E, dtype=torch.float32, device=dev), lse
     g_pad, epg, epg_pad = _tile(E, num_groups)
     seq_len = aux_seq_len or T  # the grid: sequences x blocks of one sequence
     block_t = max(1, min(_FWD_TILE // (g_pad * epg_pad), triton.next_power_of_2(seq_len)))
@@ -633,6 +660,7 @@ def moe_route_triton(
         indices,
         counts,
         partials if S else weights,  # a dummy pointer, never written
+        lse if return_lse else weights,  # a dummy pointer, never written
         T,
         seq_len,
         blocks_per_seq,
@@ -651,16 +679,19 @@ def moe_route_triton(
         NORMALIZE=normalize,
         GROUP_MAX=group_score == "max",
         AUX=S > 0,
+        LSE=return_lse,
         BLOCK_T=block_t,
         num_warps=_FWD_WARPS,
     )
     # No aux sums: the empty partials themselves (no extra op on the host path).
-    return weights, indices, counts, partials.view(S, blocks_per_seq, E).sum(1) if S else partials
+    aux_sums = partials.view(S, blocks_per_seq, E).sum(1) if S else partials
+    return weights, indices, counts, aux_sums, lse
 
 
 def moe_route_backward_triton(
     grad_weights: Tensor,
     grad_aux_sums: Tensor | None,
+    grad_lse: Tensor | None,
     logits: Tensor,
     indices: Tensor,
     *,
@@ -689,6 +720,7 @@ def moe_route_backward_triton(
         # Autograd may hand over expanded (stride 0) gradients.
         grad_weights.contiguous(),
         grad_aux_sums.contiguous() if aux else grad_weights,  # a dummy pointer without aux
+        grad_lse.contiguous() if grad_lse is not None else grad_weights,  # the same
         logits,
         indices.contiguous(),
         grad_logits,
@@ -702,6 +734,7 @@ def moe_route_backward_triton(
         SCORE=code,
         NORMALIZE=normalize,
         AUX=aux,
+        LSE=grad_lse is not None,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         num_warps=warps,
@@ -715,7 +748,8 @@ def moe_route_backward_triton(
 
 _OPTIONS = (
     'str score_func="softmax", bool pre_softmax=True, int num_groups=1, int topk_groups=1, '
-    'bool normalize=False, float route_scale=1.0, str group_score="top2", int aux_seq_len=0'
+    'bool normalize=False, float route_scale=1.0, str group_score="top2", int aux_seq_len=0, '
+    "bool return_lse=False"
 )
 
 
@@ -724,7 +758,7 @@ _OPTIONS = (
     mutates_args=(),
     schema=(
         f"(Tensor logits, Tensor? bias, int top_k, *, {_OPTIONS}) "
-        "-> (Tensor weights, Tensor indices, Tensor counts, Tensor aux_sums)"
+        "-> (Tensor weights, Tensor indices, Tensor counts, Tensor aux_sums, Tensor lse)"
     ),
 )
 def moe_route(
@@ -740,9 +774,10 @@ def moe_route(
     route_scale: float = 1.0,
     group_score: str = "top2",
     aux_seq_len: int = 0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(weights [T, k] fp32, indices [T, k] int64, counts [E] int64, aux_sums [S, E] fp32) of
-    the MoE router.
+    return_lse: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(weights [T, k] fp32, indices [T, k] int64, counts [E] int64, aux_sums [S, E] fp32,
+    lse [T] or [0] fp32) of the MoE router.
 
     This body is the CPU (and any non-CUDA) kernel: the torch reference.
     """
@@ -758,100 +793,44 @@ def moe_route(
         route_scale=route_scale,
         group_score=group_score,
         aux_seq_len=aux_seq_len,
+        return_lse=return_lse,
     )
 
 
 @moe_route.register_fake
-def _moe_route_fake(
-    logits,
-    bias,
-    top_k,
-    *,
-    score_func="softmax",
-    pre_softmax=True,
-    num_groups=1,
-    topk_groups=1,
-    normalize=False,
-    route_scale=1.0,
-    group_score="top2",
-    aux_seq_len=0,
-):
-    check_route_args(
-        logits,
-        bias,
-        top_k,
-        score_func,
-        pre_softmax,
-        num_groups,
-        topk_groups,
-        route_scale,
-        group_score,
-        aux_seq_len,
-    )
+def _moe_route_fake(logits, bias, top_k, **options):
+    check_route_args(logits, bias, top_k, **options)
     T, E = logits.shape
     dtype = _compute_dtype(logits.dtype)
     weights = logits.new_empty((T, top_k), dtype=dtype)
     indices = logits.new_empty((T, top_k), dtype=torch.int64)
     counts = logits.new_empty((E,), dtype=torch.int64)
-    aux_sums = logits.new_empty((_aux_sequences(T, aux_seq_len), E), dtype=dtype)
-    return weights, indices, counts, aux_sums
+    S = _aux_sequences(T, options.get("aux_seq_len", 0))
+    aux_sums = logits.new_empty((S, E), dtype=dtype)
+    lse = logits.new_empty((T if options.get("return_lse", False) else 0,), dtype=dtype)
+    return weights, indices, counts, aux_sums, lse
 
 
 @moe_route.register_kernel("cuda")
-def _moe_route_cuda(
-    logits,
-    bias,
-    top_k,
-    *,
-    score_func="softmax",
-    pre_softmax=True,
-    num_groups=1,
-    topk_groups=1,
-    normalize=False,
-    route_scale=1.0,
-    group_score="top2",
-    aux_seq_len=0,
-):
-    check_route_args(
-        logits,
-        bias,
-        top_k,
-        score_func,
-        pre_softmax,
-        num_groups,
-        topk_groups,
-        route_scale,
-        group_score,
-        aux_seq_len,
-    )
-    run = moe_route_triton if triton_supports(logits, num_groups) else moe_route_ref
-    return run(
-        logits,
-        bias,
-        top_k,
-        score_func=score_func,
-        pre_softmax=pre_softmax,
-        num_groups=num_groups,
-        topk_groups=topk_groups,
-        normalize=normalize,
-        route_scale=route_scale,
-        group_score=group_score,
-        aux_seq_len=aux_seq_len,
-    )
+def _moe_route_cuda(logits, bias, top_k, **options):
+    check_route_args(logits, bias, top_k, **options)
+    supported = triton_supports(logits, options.get("num_groups", 1))
+    return (moe_route_triton if supported else moe_route_ref)(logits, bias, top_k, **options)
 
 
 @torch.library.custom_op(
     "graphtrain::moe_route_backward",
     mutates_args=(),
     schema=(
-        "(Tensor grad_weights, Tensor? grad_aux_sums, Tensor logits, Tensor indices, *, "
-        "str score_func, bool pre_softmax, bool normalize, float route_scale, int aux_seq_len) "
-        "-> Tensor"
+        "(Tensor grad_weights, Tensor? grad_aux_sums, Tensor? grad_lse, Tensor logits, "
+        "Tensor indices, *, str score_func, bool pre_softmax, bool normalize, float route_scale, "
+        "int aux_seq_len) -> Tensor"
     ),
 )
 def moe_route_backward(
     grad_weights: Tensor,
     grad_aux_sums: Tensor | None,
+    grad_lse: Tensor | None,
     logits: Tensor,
     indices: Tensor,
     *,
@@ -861,11 +840,12 @@ def moe_route_backward(
     route_scale: float,
     aux_seq_len: int,
 ) -> Tensor:
-    """d logits of moe_route for d weights and d aux_sums. This body is the CPU kernel: the
-    torch reference."""
+    """d logits of moe_route for d weights, d aux_sums and d lse. This body is the CPU kernel:
+    the torch reference."""
     return moe_route_backward_ref(
         grad_weights,
         grad_aux_sums,
+        grad_lse,
         logits,
         indices,
         score_func=score_func,
@@ -877,15 +857,16 @@ def moe_route_backward(
 
 
 @moe_route_backward.register_fake
-def _moe_route_backward_fake(grad_weights, grad_aux_sums, logits, indices, **options):
+def _moe_route_backward_fake(grad_weights, grad_aux_sums, grad_lse, logits, indices, **options):
     return torch.empty_like(logits)
 
 
 @moe_route_backward.register_kernel("cuda")
-def _moe_route_backward_cuda(grad_weights, grad_aux_sums, logits, indices, **options):
+def _moe_route_backward_cuda(grad_weights, grad_aux_sums, grad_lse, logits, indices, **options):
+    grads = (grad_weights, grad_aux_sums, grad_lse, logits, indices)
     if logits.dtype == torch.float64 or logits.shape[1] > _MAX_PADDED_EXPERTS:
-        return moe_route_backward_ref(grad_weights, grad_aux_sums, logits, indices, **options)
-    return moe_route_backward_triton(grad_weights, grad_aux_sums, logits, indices, **options)
+        return moe_route_backward_ref(*grads, **options)
+    return moe_route_backward_triton(*grads, **options)
 
 
 _BACKWARD_OPTIONS = ("score_func", "pre_softmax", "normalize", "route_scale", "aux_seq_len")
@@ -895,11 +876,12 @@ def _setup_context(
     ctx: Any, inputs: tuple, keyword_only_inputs: dict[str, Any], output: tuple
 ) -> None:
     logits, _bias, _top_k = inputs
-    _weights, indices, counts, _aux_sums = output
+    _weights, indices, counts, _aux_sums, _lse = output
     ctx.mark_non_differentiable(indices, counts)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(logits, indices)
     ctx.options = {k: keyword_only_inputs[k] for k in _BACKWARD_OPTIONS}
+    ctx.return_lse = keyword_only_inputs["return_lse"]
 
 
 def _backward(
@@ -908,14 +890,19 @@ def _backward(
     _grad_indices: Tensor | None,
     _grad_counts: Tensor | None,
     grad_aux_sums: Tensor | None,
+    grad_lse: Tensor | None,
 ) -> tuple:
-    if (grad_weights is None and grad_aux_sums is None) or not ctx.needs_input_grad[0]:
+    if not ctx.return_lse:  # the empty lse: nothing flows from it
+        grad_lse = None
+    if (grad_weights is None and grad_aux_sums is None and grad_lse is None) or not (
+        ctx.needs_input_grad[0]
+    ):
         return None, None, None
     logits, indices = ctx.saved_tensors
     if grad_weights is None:
         grad_weights = indices.new_zeros(indices.shape, dtype=_compute_dtype(logits.dtype))
     grad_logits = torch.ops.graphtrain.moe_route_backward(
-        grad_weights, grad_aux_sums, logits, indices, **ctx.options
+        grad_weights, grad_aux_sums, grad_lse, logits, indices, **ctx.options
     )
     return grad_logits, None, None
 

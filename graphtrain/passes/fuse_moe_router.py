@@ -34,19 +34,24 @@ What
                    after the top-k; they become aux_sums.sum(0) and aux_sums of the op with
                    aux_seq_len=L (T when there are only token sums). models/moe.py's aux,
                    seq_aux and global_aux losses read only these.
+        lse        the router z-loss's logsumexp(logits, -1) (torch / method spelling, dim -1
+                   or 1, keepdim or not), of the op's logits or of their fp32 cast, fp32,
+                   before or after the top-k (Megatron takes it before routing): it becomes
+                   the op's lse (return_lse=True) and the op moves up to the first of them.
     This covers the MoE spec's router (every option), DeepSeek-V3's public inference
     Gate.forward (whose group score without bias is the max: the op's group_score="max") and a
     plain softmax top-k router (probs.topk(k) with or without renormalisation).
 
 Why
-    The fused op reads the logits once and writes weights, indices, counts and the aux sums in
-    one kernel, with its own backward; the plain router is a dozen kernels and several passes
-    over [T, E], and the aux losses' softmax and its backward two more.
+    The fused op reads the logits once and writes weights, indices, counts, the aux sums and
+    the logsumexp in one kernel, with its own backward; the plain router is a dozen kernels and
+    several passes over [T, E], and the aux losses' softmax, the z-loss's logsumexp and their
+    backwards more.
 
 What stays
     Only the op's outputs are rewired (the weights at the end of the matched chain, the
-    indices, the counts, the aux sums); every matched node that is still used elsewhere
-    (scores feeding a z-loss, the top-k values, the mask, ...) is kept, the others are
+    indices, the counts, the aux sums, the logsumexps); every matched node that is still used
+    elsewhere (the scores' row max, the top-k values, the mask, ...) is kept, the others are
     erased. A chain that stops early is still right: e.g. a normalisation with another
     epsilon is not absorbed and stays in the graph, applied to the op's weights.
 
@@ -138,6 +143,7 @@ _FUNCTIONS: dict[Any, str] = {
     torch.sum: "sum",
     torch.amax: "amax",
     torch.max: "max",
+    torch.logsumexp: "logsumexp",
     torch.detach: "detach",
 }
 # In-place operators (x /= y, x[i] = v, ...): matched as "div"/"mul", and seen by the
@@ -291,6 +297,8 @@ class _Router:
     counts: list[Node]  # nodes whose uses become the op's counts (cast to their dtype)
     token_sums: list[Node]  # p.sum(0): become aux_sums.sum(0)
     seq_sums: list[Node]  # p.view(B, L, E).sum(1): become aux_sums
+    lse: list[Node]  # logsumexp(logits, -1): become the op's lse
+    at: Node  # the op goes right before this node: the anchor or an earlier logsumexp
     nodes: set[Node]  # every node of the sub-graph
 
 
@@ -633,6 +641,43 @@ class _Matcher:
             return 0, [], []
         return seq_len or T, token, per_seq
 
+    # ---- the z-loss's logsumexp ------------------------------------------------------------
+
+    def logsumexps(self, anchor: Node, logits: Node, bias: Node | None) -> tuple[list[Node], Node]:
+        """(logsumexp(logits, -1) nodes, the node the op goes before): fp32 over the last dim,
+        of the logits or of their fp32 cast, anywhere after the bias exists (the op then moves
+        up to the first of them)."""
+        T, E = _shape(logits)
+        sources = [logits] + [
+            u
+            for u in logits.users
+            if (c := _is(u, "float", "to")) is not None
+            and not c.inplace
+            and c.args[0] is logits
+            and _dtype(u) == torch.float32
+            and _shape(u) == (T, E)
+            and _val(u).device == _val(logits).device
+        ]
+        order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+        after = order[bias] if bias is not None else -1
+        found = []
+        for src in sources:
+            for u in src.users:
+                c = _is(u, "logsumexp")
+                if (
+                    c is not None
+                    and c.args[0] is src
+                    and c.arg(1, "dim") in (-1, 1, (-1,), (1,), [-1], [1])
+                    and _dtype(u) == torch.float32
+                    and _shape(u) in ((T,), (T, 1))
+                    and order[u] > after
+                ):
+                    found.append(u)
+                    if src is not logits:
+                        self.take(src)
+        self.take(*found)
+        return found, min([anchor, *found], key=order.__getitem__)
+
     # ---- weights and counts ---------------------------------------------------------------
 
     def weights(
@@ -818,6 +863,7 @@ def _match(anchor: Node) -> _Router:
     weights, normalize, route_scale = m.weight_chain(w0, post_softmax=not pre_softmax)
     counts = m.counts(indices, T, E, k)
     aux_seq_len, token_sums, seq_sums = m.aux_sums(anchor, logits, scores, score_func, pre_softmax)
+    lse, at = m.logsumexps(anchor, logits, bias)
     options = dict(
         score_func=score_func,
         pre_softmax=pre_softmax,
@@ -827,6 +873,7 @@ def _match(anchor: Node) -> _Router:
         route_scale=route_scale,
         group_score=groups.get("group_score", "top2"),
         aux_seq_len=aux_seq_len,
+        return_lse=bool(lse),
     )
     for node in (logits, bias):
         if node is not None and not isinstance(_val(node), FakeTensor):
@@ -835,18 +882,7 @@ def _match(anchor: Node) -> _Router:
                 "under tensor or expert parallelism): the op is not wired for tensor subclasses"
             )
     try:  # the op's own checks, so that the rewrite cannot fail half-way
-        moe_route_op.check_route_args(
-            _val(logits),
-            _val(bias),
-            k,
-            score_func,
-            pre_softmax,
-            options["num_groups"],
-            options["topk_groups"],
-            route_scale,
-            options["group_score"],
-            aux_seq_len,
-        )
+        moe_route_op.check_route_args(_val(logits), _val(bias), k, **options)
     except ValueError as e:
         raise _Refuse(str(e)) from None
     if not moe_route_op.triton_supports(_val(logits), options["num_groups"]):
@@ -857,7 +893,19 @@ def _match(anchor: Node) -> _Router:
     if scores is logits:
         m.nodes.discard(logits)
     return _Router(
-        anchor, logits, bias, k, options, indices, weights, counts, token_sums, seq_sums, m.nodes
+        anchor,
+        logits,
+        bias,
+        k,
+        options,
+        indices,
+        weights,
+        counts,
+        token_sums,
+        seq_sums,
+        lse,
+        at,
+        m.nodes,
     )
 
 
@@ -890,7 +938,7 @@ def _check_mutations(gm: torch.fx.GraphModule, r: _Router) -> None:
     the logits, could change what some node sees."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     # Their readers get the op's outputs.
-    rewired = {r.weights, *r.indices, *r.counts, *r.token_sums, *r.seq_sums}
+    rewired = {r.weights, *r.indices, *r.counts, *r.token_sums, *r.seq_sums, *r.lse}
     inputs = {_alias_root(r.logits)} | ({_alias_root(r.bias)} if r.bias is not None else set())
     watched = inputs | {_alias_root(n) for n in r.nodes}
     for node in gm.graph.nodes:
@@ -914,7 +962,7 @@ def _check_mutations(gm: torch.fx.GraphModule, r: _Router) -> None:
             # (the op reads the logits and bias where the top-k was).
             reads = [order[u] for a in _aliases(root) for u in a.users if u in r.nodes]
             if root in inputs:
-                reads.append(order[r.anchor])
+                reads.append(order[r.at])
             before = any(o < order[node] for o in reads)
             after = any(o > order[node] for o in reads)
             if after and (before or root not in inputs):
@@ -925,13 +973,13 @@ def _rewrite(gm: torch.fx.GraphModule, r: _Router) -> tuple[Node, list[str]]:
     graph = gm.graph
     fake_mode = _val(r.logits).fake_mode  # _match checked that it is a FakeTensor
     meta_keys = ("stack_trace", "nn_module_stack", "source_fn_stack")
-    with graph.inserting_before(r.anchor):
+    with graph.inserting_before(r.at):
         route = graph.call_function(_OP, (r.logits, r.bias, r.top_k), dict(r.options))
         with fake_mode:
             outs = _OP(_val(r.logits), _val(r.bias), r.top_k, **r.options)
         route.meta["example_value"] = outs
         parts = []
-        for i in range(4):
+        for i in range(len(outs)):
             part = graph.call_function(operator.getitem, (route, i))
             part.meta["example_value"] = outs[i]
             parts.append(part)
@@ -939,8 +987,16 @@ def _rewrite(gm: torch.fx.GraphModule, r: _Router) -> tuple[Node, list[str]]:
             for key in meta_keys:
                 if key in r.anchor.meta:
                     node.meta[key] = r.anchor.meta[key]
-    weights, indices, counts, aux_sums = parts
+    weights, indices, counts, aux_sums, lse = parts
     r.weights.replace_all_uses_with(weights)
+    for node in r.lse:
+        replacement = lse
+        if _shape(node) != _shape(lse):  # keepdim=True: [T, 1]
+            with graph.inserting_before(node):
+                replacement = graph.call_function(torch.unsqueeze, (lse, -1))
+            with fake_mode:
+                replacement.meta["example_value"] = outs[4].unsqueeze(-1)
+        node.replace_all_uses_with(replacement)
     for node in r.seq_sums:
         node.replace_all_uses_with(aux_sums)
     for node in r.token_sums:

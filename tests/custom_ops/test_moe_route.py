@@ -1,5 +1,5 @@
-"""Tests of graphtrain::moe_route: weights, indices, counts, aux sums and d logits against
-float64 torch.
+"""Tests of graphtrain::moe_route: weights, indices, counts, aux sums, logsumexp and d logits
+against float64 torch.
 
 The oracle is the MoE spec's router pseudo-code written with plain torch ops in float64, with
 top-k taken by repeated argmax (torch.argmax returns the first maximum: the lower-index
@@ -84,9 +84,11 @@ def spec_router_f64(
     route_scale=1.0,
     group_score="top2",
     aux_seq_len=0,
+    return_lse=False,
 ):
-    """The spec's router pseudo-code, in float64 (logits keep their autograd history), and the
-    per-sequence sums of the aux losses' probabilities as models/moe.py computes them."""
+    """The spec's router pseudo-code, in float64 (logits keep their autograd history), the
+    per-sequence sums of the aux losses' probabilities as models/moe.py computes them, and the
+    z-loss's logsumexp."""
     logits = logits.double()
     if score_func == "softmax" and pre_softmax:
         scores = torch.softmax(logits, dim=-1)
@@ -120,7 +122,8 @@ def spec_router_f64(
     else:
         p = torch.softmax(logits, dim=-1)
     aux_sums = p.view(-1, aux_seq_len, E).sum(1) if aux_seq_len else p.new_zeros(0, E)
-    return weights, indices, counts, aux_sums
+    lse = torch.logsumexp(logits, dim=-1) if return_lse else logits.new_zeros(0)
+    return weights, indices, counts, aux_sums, lse
 
 
 def make_inputs(seed, T, E, with_bias, *, ties=False, dtype=torch.float32):
@@ -140,19 +143,20 @@ def make_inputs(seed, T, E, with_bias, *, ties=False, dtype=torch.float32):
 
 
 def grad_logits(fn, logits, grad_seed):
-    """(weights, indices, counts, aux sums, d logits) of fn(logits) for random gradients of the
-    weights and (when there are any) of the aux sums."""
+    """(weights, indices, counts, aux sums, lse, d logits) of fn(logits) for random gradients
+    of the weights and (when there are any) of the aux sums and the lse."""
     x = logits.detach().clone().requires_grad_(True)
-    weights, indices, counts, aux_sums = fn(x)
+    weights, indices, counts, aux_sums, lse = fn(x)
     g = torch.Generator().manual_seed(grad_seed)
     outs, grads = [weights], []
-    if aux_sums.numel():
-        outs.append(aux_sums)
+    for extra in (aux_sums, lse):
+        if extra.numel():
+            outs.append(extra)
     for out in outs:
         go = torch.randn(out.shape, generator=g, dtype=torch.float64)
         grads.append(go.to(out.device, out.dtype))
     (gx,) = torch.autograd.grad(outs, (x,), grads)
-    return weights.detach(), indices, counts, aux_sums.detach(), gx
+    return weights.detach(), indices, counts, aux_sums.detach(), lse.detach(), gx
 
 
 def assert_close(actual, expected, tol, what=""):
@@ -167,25 +171,28 @@ def assert_close(actual, expected, tol, what=""):
     assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x scale {scale:.3e}"
 
 
-def check_against_oracle(fn, name, *, T, dtype, tol, ties=False, near_ties=0.0, aux_seq_len=0):
-    """fn(logits, bias, top_k, **opts) -> (weights, indices, counts, aux sums), forward and
-    d logits (through the weights and the aux sums).
+def check_against_oracle(
+    fn, name, *, T, dtype, tol, ties=False, near_ties=0.0, aux_seq_len=0, return_lse=False
+):
+    """fn(logits, bias, top_k, **opts) -> (weights, indices, counts, aux sums, lse), forward
+    and d logits (through the weights, the aux sums and the lse).
 
     near_ties > 0: up to that fraction of the rows may choose other experts (two scores within
     fp32 rounding of each other, computed in another order than torch's); values are then
     compared on the other rows. 0: exact (the CPU runs on fixed seeds).
     """
     E, k, opts, with_bias = CASES[name]
-    seed = zlib.crc32(repr((name, T, dtype, ties, aux_seq_len)).encode()) % 10_000
+    seed = zlib.crc32(repr((name, T, dtype, ties, aux_seq_len, return_lse)).encode()) % 10_000
     logits, bias = make_inputs(seed, T, E, with_bias, ties=ties, dtype=dtype)
-    opts = {**opts, "aux_seq_len": aux_seq_len}
-    w, i, c, a, gx = grad_logits(lambda x: fn(x, bias, k, **opts), logits, seed + 1)
-    rw, ri, rc, ra, rgx = grad_logits(
+    opts = {**opts, "aux_seq_len": aux_seq_len, "return_lse": return_lse}
+    w, i, c, a, lse, gx = grad_logits(lambda x: fn(x, bias, k, **opts), logits, seed + 1)
+    rw, ri, rc, ra, rlse, rgx = grad_logits(
         lambda x: spec_router_f64(x, bias, k, **opts), logits.double(), seed + 1
     )
-    # The aux sums do not depend on the choice of experts: compared on every row.
-    assert a.dtype == w.dtype
+    # The aux sums and the lse do not depend on the choice of experts: compared on every row.
+    assert a.dtype == lse.dtype == w.dtype
     assert_close(a, ra, tol, f"{name} aux sums")
+    assert_close(lse, rlse, tol, f"{name} lse")
     if near_ties:
         same = (i == ri).all(dim=-1)
         assert same.float().mean() >= 1 - near_ties, f"{name}: {(~same).sum()} rows differ"
@@ -215,6 +222,7 @@ def op(logits, bias, top_k, **opts):
 def test_op_matches_float64(name, dtype, tol):
     check_against_oracle(op, name, T=37, dtype=dtype, tol=tol)
     check_against_oracle(op, name, T=36, dtype=dtype, tol=tol, aux_seq_len=12)
+    check_against_oracle(op, name, T=36, dtype=dtype, tol=tol, aux_seq_len=12, return_lse=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -225,10 +233,10 @@ def test_exact_ties_go_to_the_lower_index(name):
 def test_tie_order_spelled_out():
     """Every logit equal: experts 0..k-1 in order; groups: the first topk_groups groups."""
     logits = torch.zeros(3, 8)
-    _, indices, counts, _ = op(logits, None, 3)
+    _, indices, counts, _, _ = op(logits, None, 3)
     assert indices.tolist() == [[0, 1, 2]] * 3 and counts.tolist() == [3, 3, 3, 0, 0, 0, 0, 0]
     bias = torch.tensor([0.0, 0, 0, 0, 0, 1, 0, 1])  # group 2 (experts 4, 5) and 3 tie at 1
-    _, indices, _, _ = op(logits, bias, 3, num_groups=4, topk_groups=2)
+    indices = op(logits, bias, 3, num_groups=4, topk_groups=2)[1]
     assert indices.tolist() == [[5, 7, 4]] * 3  # groups 2 and 3 kept; 4 before 6 on the tie
 
 
@@ -241,49 +249,60 @@ def test_tie_order_spelled_out():
     ],
 )
 def test_gradcheck_float64(name):
-    """Through the weights and the aux sums (two sequences of 3 tokens)."""
+    """Through the weights, the aux sums (two sequences of 3 tokens) and the lse."""
     E, k, opts, with_bias = CASES[name]
     logits, bias = make_inputs(7, 6, E, with_bias, dtype=torch.float64)
     x = logits.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda x: op(x, bias, k, **opts, aux_seq_len=3)[::3], (x,))
+
+    def differentiable(x):
+        weights, _, _, aux_sums, lse = op(x, bias, k, **opts, aux_seq_len=3, return_lse=True)
+        return weights, aux_sums, lse
+
+    assert torch.autograd.gradcheck(differentiable, (x,))
 
 
 def test_low_precision_logits_compute_in_float32():
     """bf16 logits give exactly what fp32 logits with the same values give."""
     E, k, opts, with_bias = CASES["sigmoid groups bias normalize scale (DeepSeek-V3)"]
     logits, bias = make_inputs(3, 29, E, with_bias, dtype=torch.bfloat16)
-    w, i, c, a, gx = grad_logits(lambda x: op(x, bias, k, **opts, aux_seq_len=29), logits, 4)
-    rw, ri, rc, ra, rgx = grad_logits(
-        lambda x: op(x, bias, k, **opts, aux_seq_len=29), logits.float(), 4
-    )
-    assert w.dtype == a.dtype == torch.float32 and gx.dtype == torch.bfloat16
+    opts = {**opts, "aux_seq_len": 29, "return_lse": True}
+    w, i, c, a, lse, gx = grad_logits(lambda x: op(x, bias, k, **opts), logits, 4)
+    rw, ri, rc, ra, rlse, rgx = grad_logits(lambda x: op(x, bias, k, **opts), logits.float(), 4)
+    assert w.dtype == a.dtype == lse.dtype == torch.float32 and gx.dtype == torch.bfloat16
     assert torch.equal(w, rw) and torch.equal(i, ri) and torch.equal(c, rc) and torch.equal(a, ra)
-    assert torch.equal(gx, rgx.bfloat16())
+    assert torch.equal(lse, rlse) and torch.equal(gx, rgx.bfloat16())
 
 
 def test_only_weights_carry_gradient():
     logits, bias = make_inputs(5, 9, 16, True)
     x = logits.requires_grad_(True)
     b = bias.clone().requires_grad_(True)
-    weights, indices, counts, aux_sums = op(x, b, 2, num_groups=4, topk_groups=2, aux_seq_len=3)
-    assert weights.requires_grad and aux_sums.requires_grad
+    opts = dict(num_groups=4, topk_groups=2, aux_seq_len=3, return_lse=True)
+    weights, indices, counts, aux_sums, lse = op(x, b, 2, **opts)
+    assert weights.requires_grad and aux_sums.requires_grad and lse.requires_grad
     assert not indices.requires_grad and not counts.requires_grad
     gx, gb = torch.autograd.grad(weights.sum(), (x, b), allow_unused=True, retain_graph=True)
     assert gx is not None and gb is None
     # The aux sums alone (the weights get no gradient): d logits from them only.
-    (ga,) = torch.autograd.grad(aux_sums.square().sum(), (x,))
+    (ga,) = torch.autograd.grad(aux_sums.square().sum(), (x,), retain_graph=True)
     (ra,) = torch.autograd.grad(torch.softmax(x, -1).view(3, 3, 16).sum(1).square().sum(), (x,))
     assert_close(ga, ra, 2e-6, "d logits from the aux sums alone")
+    # The lse alone: the z-loss's gradient.
+    (gz,) = torch.autograd.grad(lse.square().mean(), (x,))
+    (rz,) = torch.autograd.grad(torch.logsumexp(x, -1).square().mean(), (x,))
+    assert_close(gz, rz, 2e-6, "d logits from the lse alone")
     with torch.no_grad():
-        w2, _, _, _ = op(x, b, 2, num_groups=4, topk_groups=2)
+        w2 = op(x, b, 2, num_groups=4, topk_groups=2)[0]
     assert torch.equal(w2, weights.detach())
 
 
 def test_empty_batch():
-    for aux_seq_len in (0, 4):
-        weights, indices, counts, aux_sums = op(torch.zeros(0, 8), None, 2, aux_seq_len=aux_seq_len)
+    for aux_seq_len, return_lse in ((0, False), (4, True)):
+        weights, indices, counts, aux_sums, lse = op(
+            torch.zeros(0, 8), None, 2, aux_seq_len=aux_seq_len, return_lse=return_lse
+        )
         assert weights.shape == (0, 2) and indices.shape == (0, 2) and counts.tolist() == [0] * 8
-        assert aux_sums.shape == (0, 8)
+        assert aux_sums.shape == (0, 8) and lse.shape == (0,)
 
 
 BAD_ARGS = [
@@ -326,13 +345,13 @@ def test_bad_arguments_raise(change, match):
 def test_opcheck(name):
     E, k, opts, with_bias = CASES[name]
     logits, bias = make_inputs(11, 14, E, with_bias)
-    for aux_seq_len in (0, 7):
+    for aux_seq_len, return_lse in ((0, False), (7, True)):
         torch.library.opcheck(
             torch.ops.graphtrain.moe_route.default,
             (logits.requires_grad_(True), bias, k),
-            {**opts, "aux_seq_len": aux_seq_len},
+            {**opts, "aux_seq_len": aux_seq_len, "return_lse": return_lse},
         )
-    _, indices, _, _ = op(logits, bias, k, **opts)
+    indices = op(logits, bias, k, **opts)[1]
     bwd_opts = dict(
         score_func=opts.get("score_func", "softmax"),
         pre_softmax=opts.get("pre_softmax", True),
@@ -340,10 +359,10 @@ def test_opcheck(name):
         route_scale=opts.get("route_scale", 1.0),
         aux_seq_len=7,
     )
-    for grad_aux in (None, torch.randn(2, E)):
+    for grad_aux, grad_lse in ((None, None), (torch.randn(2, E), torch.randn(14))):
         torch.library.opcheck(
             torch.ops.graphtrain.moe_route_backward.default,
-            (torch.randn(14, k), grad_aux, logits.detach(), indices),
+            (torch.randn(14, k), grad_aux, grad_lse, logits.detach(), indices),
             bwd_opts,
         )
 
@@ -354,8 +373,10 @@ def test_compiled_matches_eager():
     logits, bias = make_inputs(17, 21, E, with_bias)
 
     def f(x):
-        weights, indices, counts, aux_sums = op(x * 2, bias, k, **opts, aux_seq_len=7)
-        return weights * 3, indices, counts, aux_sums
+        weights, indices, counts, aux_sums, lse = op(
+            x * 2, bias, k, **opts, aux_seq_len=7, return_lse=True
+        )
+        return weights * 3, indices, counts, aux_sums, lse
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     for a, b in zip(grad_logits(compiled, logits, 1), grad_logits(f, logits, 1), strict=True):
@@ -373,17 +394,18 @@ def _triton_op(logits, bias, top_k, **opts):
     class Route(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            weights, indices, counts, aux_sums = mr.moe_route_triton(x, bias, top_k, **opts)
-            ctx.save_for_backward(x, indices)
-            ctx.mark_non_differentiable(indices, counts)
-            return weights, indices, counts, aux_sums
+            outs = mr.moe_route_triton(x, bias, top_k, **opts)
+            ctx.save_for_backward(x, outs[1])
+            ctx.mark_non_differentiable(outs[1], outs[2])
+            return outs
 
         @staticmethod
-        def backward(ctx, grad_weights, _grad_indices, _grad_counts, grad_aux_sums):
+        def backward(ctx, grad_weights, _grad_indices, _grad_counts, grad_aux_sums, grad_lse):
             x, indices = ctx.saved_tensors
             return mr.moe_route_backward_triton(
                 grad_weights,
                 grad_aux_sums,
+                grad_lse if opts["return_lse"] else None,
                 x,
                 indices,
                 score_func=opts.get("score_func", "softmax"),
@@ -403,19 +425,22 @@ def _interpreter_checks() -> None:
         t0 = time.time()
         for ties in (False, True):  # T = 37: not a multiple of any block
             check_against_oracle(_triton_op, name, T=37, dtype=torch.float32, tol=2e-6, ties=ties)
-        # Sequences of 12 tokens: each program's block ends at its sequence's end.
-        check_against_oracle(_triton_op, name, T=36, dtype=torch.float32, tol=2e-6, aux_seq_len=12)
+        # Sequences of 12 tokens: each program's block ends at its sequence's end; the lse.
+        check_against_oracle(
+            _triton_op, name, T=36, dtype=torch.float32, tol=2e-6, aux_seq_len=12, return_lse=True
+        )
         print(f"interpreter {name} ok in {time.time() - t0:.1f}s")
     # Strided logits (a column slice of a wider buffer) and E beyond the tile of one warp; its
     # sequences of 19 tokens span several blocks of 4, the last one partly.
     wide = torch.randn(57, 300)
     logits = wide[:, :260]
-    opts = dict(num_groups=4, topk_groups=2, aux_seq_len=19)
-    w, i, c, a = mr.moe_route_triton(logits, None, 8, **opts)
-    rw, ri, rc, ra = spec_router_f64(logits, None, 8, **opts)
+    opts = dict(num_groups=4, topk_groups=2, aux_seq_len=19, return_lse=True)
+    w, i, c, a, lse = mr.moe_route_triton(logits, None, 8, **opts)
+    rw, ri, rc, ra, rlse = spec_router_f64(logits, None, 8, **opts)
     assert torch.equal(i, ri) and torch.equal(c, rc)
     assert_close(w, rw, 2e-6, "strided")
     assert_close(a, ra, 2e-6, "strided aux sums")
+    assert_close(lse, rlse, 2e-6, "strided lse")
     print("interpreter strided ok")
 
 
@@ -445,13 +470,13 @@ def _compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, objec
     assert compiled.asm["cubin"]
 
 
-@pytest.mark.parametrize("aux", [False, True])
+@pytest.mark.parametrize("extras", [False, True])
 @pytest.mark.parametrize(
     "dtype,score,groups", [("bf16", "sigmoid", 8), ("fp32", "softmax", 1), ("fp16", "post", 1)]
 )
-def test_kernels_compile_for_hopper(dtype, score, groups, aux):
+def test_kernels_compile_for_hopper(dtype, score, groups, extras):
     """The CUDA codegen (which the interpreter skips) accepts both kernels, on a CPU machine:
-    the benchmark's 256 experts, top-8, with and without the aux sums."""
+    the benchmark's 256 experts, top-8, with and without the aux sums and the lse."""
     E, K = 256, 8
     code = {"softmax": mr._SOFTMAX_PRE, "post": mr._SOFTMAX_POST, "sigmoid": mr._SIGMOID}[score]
     g_pad, epg, epg_pad = mr._tile(E, groups)
@@ -464,6 +489,7 @@ def test_kernels_compile_for_hopper(dtype, score, groups, aux):
             "indices_ptr": "*i64",
             "counts_ptr": "*i64",
             "aux_ptr": "*fp32",
+            "lse_ptr": "*fp32",
             "T": "i32",
             "SEQ_LEN": "i32",
             "BLOCKS_PER_SEQ": "i32",
@@ -483,7 +509,8 @@ def test_kernels_compile_for_hopper(dtype, score, groups, aux):
             HAS_BIAS=True,
             NORMALIZE=True,
             GROUP_MAX=False,
-            AUX=aux,
+            AUX=extras,
+            LSE=extras,
             BLOCK_T=mr._FWD_TILE // (g_pad * epg_pad),
         ),
     )
@@ -492,6 +519,7 @@ def test_kernels_compile_for_hopper(dtype, score, groups, aux):
         {
             "grad_w_ptr": "*fp32",
             "grad_aux_ptr": "*fp32",
+            "grad_lse_ptr": "*fp32",
             "logits_ptr": f"*{dtype}",
             "indices_ptr": "*i64",
             "dlogits_ptr": f"*{dtype}",
@@ -506,7 +534,8 @@ def test_kernels_compile_for_hopper(dtype, score, groups, aux):
             K_PAD=K,
             SCORE=code,
             NORMALIZE=True,
-            AUX=aux,
+            AUX=extras,
+            LSE=extras,
             BLOCK_T=mr._BWD_TILE_WARPS[code][0] // E,
             BLOCK_E=E,
         ),
@@ -535,7 +564,14 @@ def test_cuda_matches_float64(name):
     check_against_oracle(_cuda(op), name, T=1000, dtype=torch.float32, tol=2e-6, near_ties=2e-3)
     check_against_oracle(_cuda(op), name, T=1000, dtype=torch.float32, tol=2e-6, ties=True)
     check_against_oracle(
-        _cuda(op), name, T=1000, dtype=torch.float32, tol=2e-6, near_ties=2e-3, aux_seq_len=200
+        _cuda(op),
+        name,
+        T=1000,
+        dtype=torch.float32,
+        tol=2e-6,
+        near_ties=2e-3,
+        aux_seq_len=200,
+        return_lse=True,
     )
 
 
@@ -547,12 +583,13 @@ def test_cuda_deepseek_shape_bf16():
     logits = torch.randn(4096, 256, device="cuda", generator=g).bfloat16()
     bias = torch.randn(256, device="cuda", generator=g) * 0.01
     opts = dict(score_func="sigmoid", num_groups=8, topk_groups=4, normalize=True, route_scale=2.5)
-    opts["aux_seq_len"] = 1024
-    w, i, c, a, gx = grad_logits(lambda x: op(x, bias, 8, **opts), logits, 1)
-    rw, ri, _, ra, rgx = grad_logits(
+    opts.update(aux_seq_len=1024, return_lse=True)
+    w, i, c, a, lse, gx = grad_logits(lambda x: op(x, bias, 8, **opts), logits, 1)
+    rw, ri, _, ra, rlse, rgx = grad_logits(
         lambda x: mr.moe_route_ref(x.float(), bias, 8, **opts), logits, 1
     )
     assert_close(a, ra, 2e-6, "aux sums")
+    assert_close(lse, rlse, 2e-6, "lse")
     assert torch.equal(c, torch.bincount(i.flatten(), minlength=256))
     same = (i == ri).all(dim=-1)  # near ties (within fp32 rounding) may be ordered otherwise
     assert same.float().mean() > 0.999, (~same).sum()
@@ -570,10 +607,12 @@ def test_cuda_graph_capture():
     opts = dict(score_func="sigmoid", num_groups=8, topk_groups=4, normalize=True)
 
     def step():
-        weights, indices, counts, aux_sums = op(logits, bias, 8, **opts, aux_seq_len=512)
-        grads = (torch.ones_like(weights), torch.ones_like(aux_sums))
-        (gx,) = torch.autograd.grad((weights, aux_sums), (logits,), grads)
-        return weights.detach(), indices, counts, aux_sums.detach(), gx
+        weights, indices, counts, aux_sums, lse = op(
+            logits, bias, 8, **opts, aux_seq_len=512, return_lse=True
+        )
+        grads = (torch.ones_like(weights), torch.ones_like(aux_sums), torch.ones_like(lse))
+        (gx,) = torch.autograd.grad((weights, aux_sums, lse), (logits,), grads)
+        return weights.detach(), indices, counts, aux_sums.detach(), lse.detach(), gx
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -424,6 +424,62 @@ def test_scores_read_elsewhere_stay(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class ZLossRouter(nn.Module):
+    """A softmax top-k router with the router z-loss, spelled several ways."""
+
+    def __init__(self, spelling, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(4)
+        self.gate = nn.Linear(D, 12, bias=False).to(dtype)
+        self.spelling = spelling
+
+    def forward(self, x):
+        logits = self.gate(x)
+        if self.spelling == "bf16 logits, float32 softmax and cast":
+            scores = logits.softmax(-1, dtype=torch.float32)
+            z_before = None
+        else:
+            logits = logits.float()
+            # Megatron applies its z-loss to the logits before routing.
+            z_before = torch.mean(torch.square(torch.logsumexp(logits, dim=-1)))
+            scores = torch.softmax(logits, dim=-1)
+        w, idx = scores.topk(3, dim=-1)
+        if self.spelling == "bf16 logits, float32 softmax and cast":
+            z = logits.float().logsumexp(-1).pow(2).mean()
+        elif self.spelling == "keepdim, with another reduction":
+            lse = logits.logsumexp(dim=1, keepdim=True)
+            z = lse.square().mean() + logits.logsumexp(0).sum()  # over tokens: not the op's
+        else:  # models/moe.py, after the top-k
+            z = torch.logsumexp(logits, dim=-1).square().mean()
+        return w, idx, z if z_before is None else z + z_before
+
+
+@pytest.mark.parametrize(
+    "spelling,dtype",
+    [
+        ("before and after the top-k", torch.float32),
+        ("keepdim, with another reduction", torch.float32),
+        ("bf16 logits, float32 softmax and cast", torch.bfloat16),
+    ],
+)
+def test_z_loss_logsumexp_comes_from_the_op(spelling, dtype, tmp_path):
+    """logsumexp(logits, -1) becomes the op's lse wherever it is (the op moves up to the first
+    one); a logsumexp over the tokens stays; the z-loss and gradients are the eager ones."""
+    module = ZLossRouter(spelling, dtype)
+    out, grads = _run(module, _x(dtype=dtype), tmp_path)
+    step = _pass_step(tmp_path)
+    (site,) = [s for s in step["custom_ops"] if s["op"] == OP]
+    assert site["options"]["return_lse"] is True
+    remaining = sum(step["op_counts"].get(k, 0) for k in ("torch.logsumexp", "Tensor.logsumexp"))
+    assert remaining == (1 if spelling.startswith("keepdim") else 0), step["op_counts"]
+    ref_out, ref_grads = _run(module, _x(dtype=dtype), None)
+    assert torch.equal(out[1], ref_out[1])
+    tol = dict(rtol=2e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for a, b in zip((out[0], out[2], *grads), (ref_out[0], ref_out[2], *ref_grads), strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
 def test_two_routers_two_ops(tmp_path):
     out, grads = _run(TwoRouters(), _x(), tmp_path)
     step = _pass_step(tmp_path)
@@ -575,6 +631,8 @@ def test_moe_model_routers_fuse_and_train_the_same(tmp_path):
     assert step["op_counts"].get(OP) == 1 and "torch.sort" not in step["op_counts"], step
     (site,) = [s for s in step["custom_ops"] if s["op"] == OP]
     assert site["options"]["aux_seq_len"] == 16  # aux and global_aux sums, seq_aux's rows
+    assert site["options"]["return_lse"] is True  # the z-loss
+    assert "torch.logsumexp" not in step["op_counts"], step["op_counts"]
     torch.testing.assert_close(closs, loss, rtol=1e-5, atol=0)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

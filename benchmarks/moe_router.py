@@ -6,11 +6,13 @@ What
                          the 4 with the best top-2 sums are kept, weights normalised, * 2.5
         softmax-aux      softmax scores, top-8, plus the load-balancing aux loss
                          E / (k T^2) * sum_e (sum_t p[t, e]) * counts[e] (p = the scores)
+        softmax-aux-z    the same plus the router z-loss mean_t logsumexp(logits[t])^2
     each written as plain torch (the MoE spec's pseudo-code) and run as
         eager             the plain code
         torch.compile     the plain code under torch.compile (Inductor, default options)
         graphtrain op     torch.ops.graphtrain.moe_route called directly (the aux loss from
-                          its aux_sums: the per-expert sums of p come out of the op)
+                          its aux_sums: the per-expert sums of p come out of the op; the
+                          z-loss from its lse)
         graphtrain pass   the plain code compiled with graphtrain's backend (Inductor), where the
                           fuse_moe_router pass inserts the op
     reporting, for the forward (under no_grad) and for forward + backward (d logits from a fixed
@@ -29,7 +31,7 @@ Why
     measured for sigmoid-groups on an H100), forward and backward.
 
 Run
-    python benchmarks/moe_router.py                       # both routers, all rows
+    python benchmarks/moe_router.py                       # every router, all rows
     python benchmarks/moe_router.py --router softmax-aux --impl eager,graphtrain-op
     python benchmarks/moe_router.py --cpu-smoke           # no GPU: the plain code and the op on
                                                           # a tiny shape, the pass finds both
@@ -44,6 +46,7 @@ import datetime
 import json
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -58,7 +61,8 @@ from graphtrain.custom_ops import moe_route as _moe_route  # noqa: F401  (regist
 TOKENS, EXPERTS, TOP_K = 65536, 256, 8
 GROUPS, TOPK_GROUPS, ROUTE_SCALE = 8, 4, 2.5
 AUX_COEF = 1e-2
-ROUTERS = ("sigmoid-groups", "softmax-aux")
+Z_COEF = 1e-3
+ROUTERS = ("sigmoid-groups", "softmax-aux", "softmax-aux-z")
 IMPLS = ("eager", "torch.compile", "graphtrain-op", "graphtrain-pass")
 HBM_BYTES_PER_S = 3.0e12  # MISSION.md: H100 HBM copy rate
 
@@ -104,24 +108,42 @@ def _aux_loss(p_sum: torch.Tensor, counts: torch.Tensor, top_k: int, T: int) -> 
     return AUX_COEF * E / (top_k * T * T) * (p_sum * counts).sum()
 
 
-def plain_softmax_aux(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int = TOP_K):
+def plain_softmax_aux(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int = TOP_K, z_loss: bool = False
+):
     scores = torch.softmax(logits, dim=-1)
     indices = scores.topk(top_k, dim=-1).indices
     weights = scores.gather(1, indices)
     counts = torch.bincount(indices.flatten(), minlength=logits.shape[1])
-    return weights, indices, counts, _aux_loss(scores.sum(0), counts, top_k, logits.shape[0])
+    loss = _aux_loss(scores.sum(0), counts, top_k, logits.shape[0])
+    if z_loss:
+        loss = loss + Z_COEF * torch.logsumexp(logits, dim=-1).square().mean()
+    return weights, indices, counts, loss
 
 
-def op_softmax_aux(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int = TOP_K):
+def op_softmax_aux(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int = TOP_K, z_loss: bool = False
+):
     T = logits.shape[0]
-    weights, indices, counts, aux_sums, _ = torch.ops.graphtrain.moe_route(
-        logits, None, top_k, aux_seq_len=T
+    weights, indices, counts, aux_sums, lse = torch.ops.graphtrain.moe_route(
+        logits, None, top_k, aux_seq_len=T, return_lse=z_loss
     )
-    return weights, indices, counts, _aux_loss(aux_sums.sum(0), counts, top_k, T)
+    loss = _aux_loss(aux_sums.sum(0), counts, top_k, T)
+    if z_loss:
+        loss = loss + Z_COEF * lse.square().mean()
+    return weights, indices, counts, loss
 
 
-PLAIN = {"sigmoid-groups": plain_sigmoid_groups, "softmax-aux": plain_softmax_aux}
-OP = {"sigmoid-groups": op_sigmoid_groups, "softmax-aux": op_softmax_aux}
+PLAIN = {
+    "sigmoid-groups": plain_sigmoid_groups,
+    "softmax-aux": plain_softmax_aux,
+    "softmax-aux-z": partial(plain_softmax_aux, z_loss=True),
+}
+OP = {
+    "sigmoid-groups": op_sigmoid_groups,
+    "softmax-aux": op_softmax_aux,
+    "softmax-aux-z": partial(op_softmax_aux, z_loss=True),
+}
 
 
 def build(
@@ -305,6 +327,7 @@ def cpu_smoke() -> None:
                     (summary,) = Path(dump).glob("*/summary.json")
                     counts = json.loads(summary.read_text())[-1]["op_counts"]
                     assert counts.get("graphtrain.moe_route.default") == 1, counts
+                    assert "torch.logsumexp" not in counts, counts  # the z-loss's: the op's
         for impl in ("graphtrain-op", "graphtrain-pass"):
             for a, b in zip(outs[impl], outs["eager"], strict=True):
                 if a.is_floating_point():

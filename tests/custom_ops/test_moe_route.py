@@ -634,7 +634,7 @@ def test_benchmark_cpu_smoke():
     from conftest import run_benchmark_smoke  # not at the top: this file also runs as a script
 
     run_benchmark_smoke(
-        "moe_router.py", "cpu smoke softmax-aux: eager, graphtrain-op and graphtrain-pass agree"
+        "moe_router.py", "cpu smoke softmax-aux-z: eager, graphtrain-op and graphtrain-pass agree"
     )
 
 

@@ -72,7 +72,7 @@ Invariant and numerics (preserves_numerics=False)
     Indices and counts are exactly the graph's when no two selection scores are equal; on
     exact ties the op takes the lower expert (and group) index, as a stable descending sort
     does (models/moe.py), where torch.topk's choice is unspecified. sorted=False top-k indices
-    come back sorted (a valid order). The weights
+    come back sorted (a valid order). The weights, aux sums and logsumexps
     equal the graph's up to rounding: on CPU the op's reference computes the same torch ops
     (bitwise equal weights for the spec's code), its backward is a closed form (agrees to a few
     ulps); the CUDA kernels sum the softmax in another order. w / w.sum() is taken as the op's

@@ -156,7 +156,11 @@ class GraphtrainBackend:
             graph_dir = self.dump_dir / f"{self.region}-{next(self._graph_ids)}"
         pre = [p for p in self.passes if p.stage == "pre_grad"]
         dumper = GraphDumper(graph_dir) if graph_dir is not None else None
-        gm = _run_passes(pre, gm, example_inputs, self.region, dumper)
+        # The passes work out new nodes' metadata on fake tensors: without autograd, so that a
+        # region compiled inside activation checkpointing (whose hooks count the tensors saved
+        # for backward) sees no extra saves during the forward that compiles it.
+        with torch.no_grad():
+            gm = _run_passes(pre, gm, example_inputs, self.region, dumper)
         post = _PostGradPasses(
             [p for p in self.passes if p.stage == "post_grad"], self.region, graph_dir
         )

@@ -15,6 +15,7 @@ The `model` section is the model's own config dataclass (models/), chosen by the
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -176,7 +177,9 @@ class CheckpointConfig:
     keep_last: int = 2
     # Also keep every checkpoint whose step is a multiple of this; 0: only the last keep_last.
     retain_interval: int = 0
-    resume: str = ""  # "" none, "latest", or a checkpoint folder name (step-0000100)
+    # "" none, "latest", a checkpoint of this run (step-0000100), or the path of another run's
+    # checkpoint folder (continued in this run's empty run dir)
+    resume: str = ""
     # Write checkpoints in the background (DCP async_save); CUDA only.
     async_save: bool = False
     # A Hugging Face safetensors directory (as `graphtrain export` writes) to start from,
@@ -340,13 +343,19 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         elif isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
         elif isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            number = float(value)
+        if number is not None:
+            # No key means anything by nan or inf (TOML and float() accept both).
+            if not math.isfinite(number):
+                raise ValueError(f"config key {key!r} expects a finite number, got {value!r}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -10,12 +10,12 @@ validation and checkpoint steps; in between, losses and the non-finite check sta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from graphtrain.attention import build_attention_mask, resolve_attention
 from graphtrain.balance import RouterBalance
-from graphtrain.checkpoint import CheckpointManager, complete_checkpoints
+from graphtrain.checkpoint import CheckpointManager, complete_checkpoints, resolve
 from graphtrain.checkpoint.hf import load_hf_into
 from graphtrain.config import JobConfig, to_toml
 from graphtrain.data import build_data
@@ -64,7 +64,7 @@ logger = logging.getLogger("graphtrain")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
+@dataclasses.dataclass
 class TrainResult:
     run_dir: Path
     steps: int
@@ -168,9 +168,14 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             f"training.run_dir={str(run_dir)!r} already holds checkpoints (newest {saved[-1].name}); "
             "continue it with --checkpoint.resume=latest or choose another training.run_dir"
         )
-    if rank == 0:
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-        write_run_info(run_dir, {"world_size": world_size, "parallel": str(dims)})
+    if cfg.checkpoint.resume:
+        start = resolve(run_dir, cfg.checkpoint.resume)  # a wrong name stops here, before any work
+        if saved and start.resolve() not in {p.resolve() for p in saved}:
+            # Its saves would replace this run's checkpoints of the same steps.
+            raise ValueError(
+                f"training.run_dir={str(run_dir)!r} already holds checkpoints (newest "
+                f"{saved[-1].name}); continue {start} in an empty training.run_dir"
+            )
 
     cache_dir = Path(
         cfg.data.cache_dir
@@ -194,9 +199,6 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             f"the data needs a vocabulary of {data.vocab_size_needed} tokens but "
             f"model.vocab_size={m_cfg.vocab_size}; raise model.vocab_size or use another tokenizer"
         )
-    if rank == 0 and data.tokenizer is not None and data.tokenizer.path is not None:
-        # The run dir holds its tokenizer, so `graphtrain export` can always find it.
-        shutil.copyfile(data.tokenizer.path, run_dir / "tokenizer.json")
     batch_schedule = BatchSizeSchedule.parse(
         cfg.schedule.batch_size or t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
     )
@@ -314,6 +316,25 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             current = {k: v for k, v in sched.state_dict().items() if k != "last_step"}
             if {k: v for k, v in saved_sched.items() if k != "last_step"} != current and rank == 0:
                 logger.warning("%s differs from the checkpoint's: %s", name, current)
+        changed = {
+            k: (saved_state["model"][k], v)
+            for k, v in dataclasses.asdict(m_cfg).items()
+            if k in saved_state.get("model", {}) and saved_state["model"][k] != v
+        }
+        if changed and rank == 0:
+            logger.warning(
+                "the model config differs from the checkpoint's: %s",
+                ", ".join(f"model.{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()),
+            )
+    # The run dir describes the run only once it has started: a start that fails (a bad
+    # checkpoint, a wrong resume) leaves the previous config.toml and tokenizer.json, which
+    # `graphtrain export` reads, as they were.
+    if rank == 0:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        write_run_info(run_dir, {"world_size": world_size, "parallel": str(dims)})
+        if data.tokenizer is not None and data.tokenizer.path is not None:
+            # The run dir holds its tokenizer, so `graphtrain export` can always find it.
+            shutil.copyfile(data.tokenizer.path, run_dir / "tokenizer.json")
 
     peak = (
         cfg.metrics.peak_tflops * 1e12
@@ -457,6 +478,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
                     "data": data.train.state_dict(),
                     "lr_schedule": lr_schedule.state_dict(),
                     "batch_schedule": batch_schedule.state_dict(),
+                    "model": dataclasses.asdict(m_cfg),
                 },
             )
             window_start = time.perf_counter()

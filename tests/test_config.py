@@ -58,6 +58,15 @@ def test_overrides_are_typed():
         (["--training.device=tpu"], "training.device must be one of"),
         (["--training.steps=10"], "schedule.warmup_steps=20"),
         (["steps=3"], "unexpected argument 'steps=3'"),
+        (["--optim.lr=nan"], "'optim.lr' expects a finite number, got nan"),
+        (
+            ["--preset", "moe-tiny", "--model.bias_update_rate=inf"],
+            "'model.bias_update_rate' expects a finite number, got inf",
+        ),
+        (
+            ["--preset", "moe-tiny", "--model.z_loss_coef=-inf"],
+            "'model.z_loss_coef' expects a finite number",
+        ),
     ],
 )
 def test_bad_input_names_the_key(args, message):
@@ -84,6 +93,9 @@ def test_bad_toml_file(tmp_path):
         load_config(["--config", str(tmp_path / "missing.toml")])
     path.write_text("[training]\nsteps = 'many'\n")
     with pytest.raises(ValueError, match=re.escape("'training.steps' expects int, got 'many'")):
+        load_config(["--config", str(path)])
+    path.write_text('preset = "moe-tiny"\n[model]\nroute_scale = nan\n')  # a TOML float
+    with pytest.raises(ValueError, match=re.escape("'model.route_scale' expects a finite number")):
         load_config(["--config", str(path)])
 
 

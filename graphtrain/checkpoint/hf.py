@@ -30,14 +30,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from graphtrain.checkpoint.integrity import check_shapes, read_shapes
-from graphtrain.checkpoint.manager import resolve
+from graphtrain.checkpoint.integrity import DCP_ERRORS, check_shapes, read_shapes
+from graphtrain.checkpoint.manager import read_trainer_files, resolve
 from models import GPTConfig, MoEConfig, build_model, gpt_hf, moe_hf
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _INDEX = "model.safetensors.index.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-# What an export writes (removed first by --overwrite; other files in OUT_DIR are left alone).
+# What an export writes (with --overwrite, removed once the checkpoint has been read; other files
+# in OUT_DIR are left alone).
 _EXPORT_GLOBS = ("*.safetensors", _INDEX, "config.json", *_TOKENIZER_FILES)
 
 
@@ -66,6 +67,7 @@ def _layout(cfg: GPTConfig) -> ModuleType:
 
 def _read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The full (unsharded) model state of a DCP checkpoint, on the CPU, and its buffers' names."""
+    read_trainer_files(ckpt)  # every shard whole, as on resume
     with torch.device("meta"):
         model = build_model(cfg)
     model.to_empty(device="cpu")
@@ -78,7 +80,7 @@ def _read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], se
     )
     try:
         dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    except Exception as e:
+    except DCP_ERRORS as e:
         raise ValueError(f"checkpoint {ckpt} is corrupted: reading it failed ({e})") from e
     return state["model"], {name for name, _ in model.named_buffers()}
 
@@ -143,18 +145,20 @@ def export_hf(
     config = layout.hf_config(
         cfg, dtype=str(EXPORT_DTYPES[dtype]).removeprefix("torch."), eos_token_id=None
     )
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not overwrite:
-            raise ValueError(f"{out_dir} already holds files; pass --overwrite to replace them")
-        for pattern in _EXPORT_GLOBS:
-            for f in out_dir.glob(pattern):
-                f.unlink()
+    occupied = out_dir.exists() and any(out_dir.iterdir())
+    if occupied and not overwrite:
+        raise ValueError(f"{out_dir} already holds files; pass --overwrite to replace them")
+    # The checkpoint is read (and found whole) before a previous export is removed.
     state, buffers = _read_model(ckpt, cfg)
     if cfg.tie_embeddings:
         state.pop("output.weight")  # the same tensor as the embedding: tie_word_embeddings
     state = {k: v if k in buffers else v.to(EXPORT_DTYPES[dtype]) for k, v in state.items()}
     tensors = {k: v.contiguous() for k, v in layout.to_hf_state(state, cfg).items()}
 
+    if occupied:
+        for pattern in _EXPORT_GLOBS:
+            for f in out_dir.glob(pattern):
+                f.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = _shards(tensors, max_shard_size)
     if len(shards) == 1:

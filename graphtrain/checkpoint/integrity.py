@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+# What a failed DCP read or write raises: any error, or DCP's CheckpointException, which wraps
+# the failures of every rank and is a BaseException, not an Exception.
+DCP_ERRORS = (Exception, CheckpointException)
 
 
 def written_files(path: Path, rank: int) -> dict[str, int]:
@@ -42,8 +47,8 @@ def check_files(path: Path, manifests: list[dict[str, int]]) -> None:
                 )
 
 
-def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Key -> global shape of every tensor in the DCP checkpoint at `path`."""
+def read_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Key -> global shape of every entry in the DCP checkpoint at `path` (None: not a tensor)."""
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # unpickling a damaged file raises anything
@@ -51,9 +56,8 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             f"checkpoint {path} is corrupted: its .metadata cannot be read ({e})"
         ) from e
     return {
-        key: tuple(meta.size)
+        key: tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
         for key, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata)
     }
 
 

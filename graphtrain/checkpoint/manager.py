@@ -38,12 +38,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
-from graphtrain.checkpoint.integrity import check_files, check_shapes, read_shapes, written_files
+from graphtrain.checkpoint.integrity import (
+    DCP_ERRORS,
+    check_files,
+    check_shapes,
+    read_shapes,
+    written_files,
+)
 
 logger = logging.getLogger("graphtrain")
 
+# The optimizer's hyperparameters are saved per parameter name ("optim.param_groups.<name>.lr"),
+# not per group index: how the parameters fall into groups depends on the layout (plain tensors
+# and DTensors are grouped apart), and a checkpoint resumes on any layout. Checkpoints written
+# before that keep indexed groups ("optim.param_groups.0.lr") and load as they were saved.
+_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+_INDEXED_GROUPS = re.compile(r"^optim\.param_groups\.\d+\.")
 _NAME = re.compile(r"^step-(\d{7})$")
 _STALE = re.compile(r"^step-\d{7}\.(tmp|old)$")
 
@@ -88,13 +104,22 @@ def to_delete(complete: list[Path], *, keep_last: int, retain_interval: int) -> 
 
 
 def resolve(path: Path, which: str = "latest") -> Path:
-    """A run dir + `latest` or a checkpoint name -> its folder; a checkpoint folder -> itself.
+    """A run dir + `latest` or a checkpoint name -> its folder; a checkpoint folder (as `path`,
+    or as `which`: a checkpoint of another run to continue from) -> itself.
 
     A clear ValueError when there is no such complete checkpoint.
     """
     path = Path(path)
     if _NAME.match(path.name) and path.is_dir():
         return path
+    given = Path(which)
+    if len(given.parts) > 1:
+        if _NAME.match(given.name) and given.is_dir():
+            return given
+        raise ValueError(
+            f"checkpoint.resume={which!r} is not a complete checkpoint folder (a folder "
+            "step-NNNNNNN in a run's checkpoints/; a step-NNNNNNN.tmp was never completed)"
+        )
     found = complete_checkpoints(path)
     if which == "latest":
         if not found:
@@ -114,6 +139,16 @@ def _load_trainer_file(path: Path) -> dict[str, Any]:
         return torch.load(path, weights_only=False)
     except Exception as e:  # a truncated pickle raises EOFError, RuntimeError, UnpicklingError...
         raise ValueError(f"checkpoint file {path} is truncated or corrupted ({e})") from e
+
+
+def read_trainer_files(path: Path) -> list[dict[str, Any]]:
+    """Every rank's trainer-rank<r>.pt of checkpoint `path`, after checking that each file they
+    list is whole (a ValueError naming the first that is not)."""
+    saved = [_load_trainer_file(p) for p in sorted(path.glob("trainer-rank*.pt"))]
+    if not saved:
+        raise ValueError(f"checkpoint {path} has no trainer-rank*.pt: it is incomplete")
+    check_files(path, [s["files"] for s in saved])
+    return saved
 
 
 def _fsync(path: Path) -> None:
@@ -170,7 +205,7 @@ class CheckpointManager:
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         }
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_BY_NAME)
         try:
             if self.async_save:
                 future = dcp.async_save(
@@ -181,7 +216,7 @@ class CheckpointManager:
                 self._pending = (future, tmp, final, state)
                 return
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        except Exception as e:  # DCP wraps the failure of any rank into one exception
+        except DCP_ERRORS as e:
             error = e
         self._raise_if_failed(_agree(error), final, tmp)
         self._complete(tmp, final, state)
@@ -195,7 +230,7 @@ class CheckpointManager:
         error = None
         try:
             future.result()
-        except Exception as e:
+        except DCP_ERRORS as e:
             error = e
         self._raise_if_failed(_agree(error), final, tmp)
         self._complete(tmp, final, state)
@@ -254,21 +289,25 @@ class CheckpointManager:
         """Restore model, optimizer and RNG from checkpoint `which` ("latest" or a name); returns
         the trainer state saved with it (that of rank 0 when resumed on more ranks than saved)."""
         path = resolve(self.run_dir, which)
-        saved = [_load_trainer_file(p) for p in sorted(path.glob("trainer-rank*.pt"))]
-        if not saved:
-            raise ValueError(f"checkpoint {path} has no trainer-rank*.pt: it is incomplete")
-        check_files(path, [s["files"] for s in saved])
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        shapes = {k: v for k, v in read_shapes(path).items() if k.startswith("model.")}
+        saved = read_trainer_files(path)
+        saved_keys = read_shapes(path)
+        indexed = any(_INDEXED_GROUPS.match(k) for k in saved_keys)
+        options = StateDictOptions() if indexed else _BY_NAME
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        shapes = {k: v for k, v in saved_keys.items() if k.startswith("model.")}
         expected = {f"model.{k}": v.shape for k, v in model_sd.items()}
         check_shapes(expected, shapes, source=f"checkpoint {path}")
         state = {"model": model_sd, "optim": optim_sd}
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:
+        except DCP_ERRORS as e:
             raise ValueError(f"checkpoint {path} is corrupted: reading it failed ({e})") from e
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
         )
         own = path / f"trainer-rank{_rank()}.pt"
         extra = _load_trainer_file(own) if own.exists() else saved[0]

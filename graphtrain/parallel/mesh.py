@@ -175,8 +175,10 @@ def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None, etp:
         ("model.vocab_size", cfg.vocab_size),
     ]
     if seq_len is not None:
-        checks.append(("seq_len", seq_len))
+        checks.append(("training.seq_len", seq_len))
     if etp > 1:  # MoE experts split on their hidden dim (models/moe_plan.py)
+        if not hasattr(cfg, "moe_ffn_dim"):
+            raise ValueError(f"parallel.etp={etp} splits routed experts: it needs an MoE model")
         checks.append(("model.moe_ffn_dim", cfg.moe_ffn_dim))
     for name, value in checks:
         if value % tp:

@@ -1,6 +1,6 @@
 """Export to Hugging Face safetensors and back: transformers loads the dense model as Llama with
 the same logits (fp32, tight tolerance), the tokenizer files load, and a run started from the
-export has the exported model's loss. MoE: graphtrain has no MoE model yet, so nothing to test."""
+export has the exported model's loss. MoE models: test_hf_export_moe.py."""
 
 import json
 
@@ -119,6 +119,27 @@ def test_bad_export_and_import_requests_are_refused(trained, corpus, tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match="truncated or corrupted"):
         train(load_config(job(corpus, tmp_path, f"--checkpoint.init_from_hf={target}")))
+
+
+def test_a_damaged_checkpoint_never_replaces_an_export(trained, tmp_path):
+    """--overwrite removes the previous export only once the new checkpoint has been read."""
+    import shutil
+
+    run_dir, _, _ = trained
+    target = tmp_path / "out"
+    export_hf(run_dir, target, dtype="fp32")
+    before = {f.name: f.read_bytes() for f in target.iterdir()}
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    shard = copy / "checkpoints" / "step-0000003" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(b"\0" * len(data))  # the same size, so only DCP's own read fails
+    with pytest.raises(ValueError, match="is corrupted: reading it failed"):
+        export_hf(copy, target, overwrite=True)
+    shard.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=r"__0_0\.distcp was written with"):
+        export_hf(copy, target, overwrite=True)
+    assert {f.name: f.read_bytes() for f in target.iterdir()} == before
 
 
 def test_cli_export(trained, tmp_path, capsys):

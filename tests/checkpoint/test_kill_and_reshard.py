@@ -1,5 +1,5 @@
 """A training process SIGKILLed while it saves loses nothing but the save in flight; a run saved
-on 2 ranks (FSDP, dp_shard=2) resumes on 1 process."""
+on 2 ranks (FSDP, dp_shard=2; or an MoE model with tp=2) resumes on 1 process."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import job
+from conftest import job, torchrun_metrics
 
 from graphtrain.checkpoint import complete_checkpoints
 from graphtrain.config import load_config
@@ -99,3 +99,28 @@ def test_resume_on_fewer_ranks_than_saved(corpus, tmp_path):
     )
     for a, b in zip(single.losses, saved_losses + resumed.losses, strict=True):
         assert b == pytest.approx(a, rel=1e-3)
+
+
+def test_moe_saved_with_tensor_parallel_resumes_on_one_rank(corpus, tmp_path):
+    """tp=2 leaves the MoE layers plain tensors beside the DTensors, so the optimizer has more
+    parameter groups there than on 1 rank: the hyperparameters are saved per parameter name and
+    the resumed steps equal the 2-rank run's own (no aux losses: those are per sequence slice
+    under tp, so they would differ)."""
+    args = job(
+        corpus,
+        tmp_path,
+        "--preset",
+        "moe-debug",
+        "--training.steps=6",
+        "--checkpoint.interval=4",
+        "--metrics.log_interval=1",
+        *(
+            f"--model.{k}=0"
+            for k in ("aux_loss_coef", "seq_aux_loss_coef", "global_aux_loss_coef", "z_loss_coef")
+        ),
+    )
+    lines = torchrun_metrics(2, [*args, "--parallel.tp=2"])
+    two = [x["loss"] for x in lines if "loss" in x]
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-0000006")  # continue from step 4
+    resumed = train(load_config([*args, "--checkpoint.resume=latest"]))
+    assert resumed.losses == pytest.approx(two[4:], rel=1e-5)

@@ -49,6 +49,26 @@ def test_training_with_retention_and_bf16_states_resumes_exactly(corpus, tmp_pat
     assert resumed.losses == straight.losses[4:]
 
 
+def test_a_checkpoint_with_indexed_optimizer_groups_still_resumes(corpus, tmp_path, monkeypatch):
+    """Checkpoints saved before the optimizer groups were keyed by parameter name
+    ("optim.param_groups.0.lr") load as saved and continue the run bitwise."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    straight = train(load_config(job(corpus, tmp_path / "s", "--training.steps=4")))
+    args = job(corpus, tmp_path / "r", "--training.steps=4", "--checkpoint.interval=2")
+    with monkeypatch.context() as m:
+        m.setattr("graphtrain.checkpoint.manager._BY_NAME", StateDictOptions())
+        train(load_config(args))
+    ckpt = tmp_path / "r" / "run" / "checkpoints" / "step-0000002"
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert "optim.param_groups.0.lr" in keys
+    shutil.rmtree(ckpt.with_name("step-0000004"))
+    resumed = train(load_config([*args, "--checkpoint.resume=latest"]))
+    assert resumed.losses == straight.losses[2:]
+    keys = FileSystemReader(str(ckpt.with_name("step-0000004"))).read_metadata()
+    assert "optim.param_groups.0.lr" not in keys.state_dict_metadata
+
+
 def test_a_failed_save_keeps_the_previous_checkpoint_and_says_so(corpus, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
@@ -93,7 +113,9 @@ def test_a_checkpoint_of_another_shape_names_keys_and_shapes(saved_run, tmp_path
     assert "(160, 64)" in str(e.value)
 
 
-@pytest.mark.parametrize("damage", ["truncate_shard", "garble_metadata", "truncate_trainer"])
+@pytest.mark.parametrize(
+    "damage", ["truncate_shard", "garble_shard", "garble_metadata", "truncate_trainer"]
+)
 def test_a_damaged_checkpoint_is_reported(saved_run, tmp_path, damage):
     run, args = saved_run
     copy = tmp_path / "run"
@@ -103,6 +125,11 @@ def test_a_damaged_checkpoint_is_reported(saved_run, tmp_path, damage):
         f = ckpt / "__0_0.distcp"
         f.write_bytes(f.read_bytes()[:-100])
         match = r"truncated or damaged: __0_0.distcp was written with \d+ bytes but is \d+ bytes"
+    elif damage == "garble_shard":  # the same size: DCP's own read fails (CheckpointException)
+        f = ckpt / "__0_0.distcp"
+        data = f.read_bytes()
+        f.write_bytes(data[:-3000] + b"\0" * 3000)
+        match = "is corrupted: reading it failed"
     elif damage == "garble_metadata":
         f = ckpt / ".metadata"
         f.write_bytes(b"\0" * f.stat().st_size)
@@ -112,8 +139,56 @@ def test_a_damaged_checkpoint_is_reported(saved_run, tmp_path, damage):
         f.write_bytes(f.read_bytes()[:50])
         match = "trainer-rank0.pt is truncated or corrupted"
     args = [a for a in args if not a.startswith("--training.run_dir")]
+    config = (copy / "config.toml").read_text()
     with pytest.raises(ValueError, match=match):
-        train(load_config([*args, f"--training.run_dir={copy}", "--checkpoint.resume=latest"]))
+        train(
+            load_config(
+                [
+                    *args,
+                    f"--training.run_dir={copy}",
+                    "--checkpoint.resume=latest",
+                    "--model.rope_theta=1234.0",
+                ]
+            )
+        )
+    # The failed start left the run's description alone (export reads it).
+    assert (copy / "config.toml").read_text() == config
+
+
+def test_a_wrong_resume_name_stops_before_any_work_and_keeps_the_config(saved_run, tmp_path):
+    run, args = saved_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    config = (copy / "config.toml").read_text()
+    args = [a for a in args if not a.startswith("--training.run_dir")]
+    bad = [*args, f"--training.run_dir={copy}", "--model.rope_theta=1234.0"]
+    with pytest.raises(ValueError, match="'step-0000099' is not a complete checkpoint"):
+        train(load_config([*bad, "--checkpoint.resume=step-0000099"]))
+    with pytest.raises(ValueError, match="is not a complete checkpoint folder"):
+        train(load_config([*bad, f"--checkpoint.resume={copy / 'checkpoints' / 'step-9.tmp'}"]))
+    assert (copy / "config.toml").read_text() == config
+
+
+def test_another_runs_checkpoint_continues_in_an_empty_run_dir(saved_run, tmp_path, caplog):
+    """resume=<path of a checkpoint folder> forks a run; a changed model key is named in the
+    log; a run dir with checkpoints of its own is refused (its saves would be replaced)."""
+    run, args = saved_run
+    args = [a for a in args if not a.startswith("--training.run_dir")]
+    ckpt = run / "checkpoints" / "step-0000003"
+    fork = [
+        *args,
+        f"--training.run_dir={tmp_path / 'fork'}",
+        f"--checkpoint.resume={ckpt}",
+        "--training.steps=4",
+        "--model.rope_theta=1234.0",
+    ]
+    with caplog.at_level("WARNING", logger="graphtrain"):
+        result = train(load_config(fork))
+    assert len(result.losses) == 1  # step 4 only
+    assert "model.rope_theta: 10000.0 -> 1234.0" in caplog.text
+    assert _names(tmp_path / "fork") == ["step-0000004"]
+    with pytest.raises(ValueError, match=r"already holds checkpoints .* in an empty training"):
+        train(load_config(fork))
 
 
 def test_every_written_file_and_both_folders_are_fsynced(tmp_path, monkeypatch):

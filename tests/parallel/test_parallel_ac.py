@@ -1,6 +1,7 @@
 """Activation checkpointing, single process: Llama names kept, same loss and gradients, fewer
-bytes saved for backward; eager and compiled (compile first, then AC, as parallelize_model does).
-Under FSDP and TP it runs in test_parallel_train.py."""
+bytes saved for backward; eager and compiled (compile first, then AC, as parallelize_model does),
+dense and MoE (whose compiled blocks get the MoE passes' custom ops). Under FSDP and TP it runs
+in test_parallel_train.py."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ import torch
 
 from graphtrain.compile import apply_compile
 from graphtrain.parallel import apply_ac
-from models.gpt import PRESETS, build_gpt
-
-CFG = PRESETS["debug"]
+from models import MODEL_PRESETS, build_model
 
 
 @pytest.fixture(autouse=True)
@@ -22,15 +21,17 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def run(ac_mode: str, compiled: bool):
+def run(ac_mode: str, compiled: bool, preset: str = "debug"):
     """(model, loss, grads by name, bytes saved for backward outside checkpointed regions)."""
-    model = build_gpt(CFG)
+    cfg = MODEL_PRESETS[preset]
+    model = build_model(cfg)
     model.init_weights(seed=0)
     if compiled:
+        # The first call compiles inside the checkpoint: the passes must not save tensors then.
         apply_compile(model, inner="aot_eager")
     apply_ac(model, ac_mode)
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, CFG.vocab_size, (2, 32), generator=g)
+    x = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
     saved = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -47,10 +48,11 @@ def run(ac_mode: str, compiled: bool):
     return model, loss.detach(), grads, saved
 
 
+@pytest.mark.parametrize("preset", ["debug", "moe-debug"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_full_ac_same_numbers_less_memory(compiled):
-    plain, loss, grads, saved = run("none", compiled)
-    model, ac_loss, ac_grads, ac_saved = run("full", compiled)
+def test_full_ac_same_numbers_less_memory(compiled, preset):
+    plain, loss, grads, saved = run("none", compiled, preset)
+    model, ac_loss, ac_grads, ac_saved = run("full", compiled, preset)
     assert list(model.state_dict()) == list(plain.state_dict())
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
     # Recompute runs the same ops on the same inputs: bitwise equal on CPU.
@@ -62,11 +64,11 @@ def test_full_ac_same_numbers_less_memory(compiled):
 
 
 def test_none_is_a_no_op():
-    model = build_gpt(CFG)
+    model = build_model(MODEL_PRESETS["debug"])
     apply_ac(model, "none")
     assert all(block._compiled_call_impl is None for block in model.layers.values())
 
 
 def test_unknown_mode():
     with pytest.raises(ValueError, match=r"must be one of \('none', 'full'\), got 'selective'"):
-        apply_ac(build_gpt(CFG), "selective")
+        apply_ac(build_model(MODEL_PRESETS["debug"]), "selective")

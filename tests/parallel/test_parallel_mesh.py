@@ -80,5 +80,7 @@ def test_validate_model_for_tp():
         validate_model_for_tp(dataclasses.replace(cfg, num_kv_heads=4, ffn_dim=162), 4)
     with pytest.raises(ValueError, match=r"model.vocab_size=510 is not divisible by parallel.tp=4"):
         validate_model_for_tp(dataclasses.replace(cfg, num_kv_heads=4, vocab_size=510), 4)
-    with pytest.raises(ValueError, match=r"seq_len=15 is not divisible by parallel.tp=2"):
+    with pytest.raises(ValueError, match=r"training.seq_len=15 is not divisible by parallel.tp=2"):
         validate_model_for_tp(cfg, 2, seq_len=15)
+    with pytest.raises(ValueError, match=r"parallel.etp=2 splits routed experts: it needs an MoE"):
+        validate_model_for_tp(cfg, 2, etp=2)

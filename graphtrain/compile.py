@@ -97,6 +97,21 @@ def _run_passes(
     return gm
 
 
+def _no_shared_aot_cache_across_ranks() -> None:
+    """Turn the AOTAutograd cache off in a process that is one of several ranks.
+
+    Its key (checked on torch 2.13) misses what AOT tracing bakes into a distributed graph: the
+    process-group names of the collectives (a DeviceMesh input is hashed by its type) and the
+    rank's mesh coordinate (the offsets of its shard). Ranks on one host share the cache on
+    disk, so a rank could load another tp group's graph ("Could not resolve the process group
+    registered under the name ...") or another tp rank's backward: wrong gradients, silently.
+    Inductor's FX graph cache stays on: its key is the AOT graph, names and offsets included.
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        torch._functorch.config.enable_autograd_cache = False
+
+
 def _is_backward(gm: torch.fx.GraphModule) -> bool:
     # AOT autograd names the incoming gradients of a backward graph tangents_1, tangents_2, ...
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
@@ -151,6 +166,7 @@ class GraphtrainBackend:
         self._graph_ids = itertools.count()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        _no_shared_aot_cache_across_ranks()
         graph_dir = None
         if self.dump_dir is not None:
             graph_dir = self.dump_dir / f"{self.region}-{next(self._graph_ids)}"

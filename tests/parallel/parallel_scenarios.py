@@ -159,3 +159,15 @@ def parallel_run(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
         "losses": losses,
         "tied": tied,
     }
+
+
+def aot_cache_after_compile(rank: int, world_size: int) -> tuple[bool, bool]:
+    """The AOTAutograd cache switch before and after graphtrain compiles a function on a rank."""
+    from graphtrain.compile import backend
+
+    before = torch._functorch.config.enable_autograd_cache
+    fn = torch.compile(lambda x: (x * 2).sin(), backend=backend(inner="aot_eager"))
+    fn(torch.randn(4, requires_grad=True)).sum().backward()
+    after = torch._functorch.config.enable_autograd_cache
+    torch._functorch.config.enable_autograd_cache = before
+    return before, after

@@ -67,7 +67,8 @@ def _layout(cfg: GPTConfig) -> ModuleType:
 
 def _read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The full (unsharded) model state of a DCP checkpoint, on the CPU, and its buffers' names."""
-    read_trainer_files(ckpt)  # every shard whole, as on resume
+    if any(ckpt.glob("trainer-rank*.pt")):  # graphtrain's: every shard whole, as on resume
+        read_trainer_files(ckpt)
     with torch.device("meta"):
         model = build_model(cfg)
     model.to_empty(device="cpu")

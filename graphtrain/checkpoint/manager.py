@@ -286,8 +286,9 @@ class CheckpointManager:
     def load(
         self, which: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
-        """Restore model, optimizer and RNG from checkpoint `which` ("latest" or a name); returns
-        the trainer state saved with it (that of rank 0 when resumed on more ranks than saved)."""
+        """Restore model, optimizer and RNG from checkpoint `which` ("latest", a name, or the
+        path of a checkpoint folder); returns the trainer state saved with it (that of rank 0
+        when resumed on more ranks than saved)."""
         path = resolve(self.run_dir, which)
         saved = read_trainer_files(path)
         saved_keys = read_shapes(path)

@@ -222,6 +222,13 @@ def apply_compile(
     block_backend = backend(passes=passes, inner=inner, dump_dir=dump_dir, region="block")
     for block in model.layers.values():
         block.compile(backend=block_backend, fullgraph=fullgraph)
+        if not fullgraph:
+            # fullgraph=True also lets Dynamo trace ops whose output shape or value depends on
+            # the data (the router's bincount); a region that may break elsewhere (expert
+            # parallel's all-to-all) keeps them in its graph too, for the passes to see.
+            block._compiled_call_impl = torch._dynamo.config.patch(
+                capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True
+            )(block._compiled_call_impl)
     head_backend = backend(passes=passes, inner=inner, dump_dir=dump_dir, region="head_loss")
     model.head_loss = torch.compile(model.head_loss, backend=head_backend, fullgraph=fullgraph)
 

@@ -155,3 +155,25 @@ def test_operator_matmul_is_named():
 
     gm = torch.fx.symbolic_trace(lambda a, b: operator.matmul(a, b))
     assert op_counts(gm) == {"_operator.matmul": 1}
+
+
+def test_regions_that_may_break_still_trace_data_dependent_shapes(tmp_path):
+    """Compiled with fullgraph=False (what expert parallel needs), an MoE block keeps the
+    router's bincount in its graph as fullgraph=True does: no graph break there, and the
+    router pass replaces the whole router, counts included."""
+    from torch._dynamo.utils import counters
+
+    from models import MODEL_PRESETS, build_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = MODEL_PRESETS["moe-debug"]
+    model = build_model(cfg)
+    model.init_weights(seed=0)
+    apply_compile(model, inner="aot_eager", dump_dir=tmp_path, fullgraph=False)
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(x, labels=x).backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    notes = [p.read_text() for p in tmp_path.rglob("*") if p.is_file()]
+    assert any("counts from 1 node(s)" in n for n in notes)
+    torch._dynamo.reset()

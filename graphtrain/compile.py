@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +84,12 @@ def _run_passes(
     example_inputs: Sequence[Any],
     region: str,
     dumper: GraphDumper | None,
+    options: Mapping[str, Any],
 ) -> torch.fx.GraphModule:
     if dumper is not None and not dumper.steps:
         dumper.snapshot("captured", gm)
     for spec in passes:
-        ctx = PassContext(region=region)
+        ctx = PassContext(region=region, options=options)
         gm = spec(gm, example_inputs, ctx)
         for note in ctx.notes:
             logger.debug("pass %s on %s: %s", spec.name, region, note)
@@ -120,13 +121,20 @@ def _is_backward(gm: torch.fx.GraphModule) -> bool:
 class _PostGradPasses:
     """Runs the post-grad passes (and dumps) on each AOT graph; plugs into both inner backends."""
 
-    def __init__(self, passes: Sequence[PassSpec], region: str, dump_dir: Path | None) -> None:
+    def __init__(
+        self,
+        passes: Sequence[PassSpec],
+        region: str,
+        dump_dir: Path | None,
+        options: Mapping[str, Any],
+    ) -> None:
         self.passes, self.region, self.dump_dir = list(passes), region, dump_dir
+        self.options = options
 
     def run(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         kind = "backward" if _is_backward(gm) else "forward"
         dumper = GraphDumper(self.dump_dir / kind) if self.dump_dir is not None else None
-        _run_passes(self.passes, gm, example_inputs, f"{self.region}/{kind}", dumper)
+        _run_passes(self.passes, gm, example_inputs, f"{self.region}/{kind}", dumper, self.options)
 
 
 def _inductor_post_grad_pass(post: _PostGradPasses) -> Any:
@@ -156,6 +164,7 @@ class GraphtrainBackend:
         inner: str = "inductor",
         dump_dir: str | Path | None = None,
         region: str = "graph",
+        pass_options: Mapping[str, Any] | None = None,
     ) -> None:
         if inner not in INNER_BACKENDS:
             raise ValueError(f"compile.backend must be one of {INNER_BACKENDS}, got {inner!r}")
@@ -163,6 +172,7 @@ class GraphtrainBackend:
         self.inner = inner
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.region = region
+        self.pass_options = dict(pass_options or {})
         self._graph_ids = itertools.count()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -176,9 +186,12 @@ class GraphtrainBackend:
         # region compiled inside activation checkpointing (whose hooks count the tensors saved
         # for backward) sees no extra saves during the forward that compiles it.
         with torch.no_grad():
-            gm = _run_passes(pre, gm, example_inputs, self.region, dumper)
+            gm = _run_passes(pre, gm, example_inputs, self.region, dumper, self.pass_options)
         post = _PostGradPasses(
-            [p for p in self.passes if p.stage == "post_grad"], self.region, graph_dir
+            [p for p in self.passes if p.stage == "post_grad"],
+            self.region,
+            graph_dir,
+            self.pass_options,
         )
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
@@ -202,7 +215,8 @@ def _aot_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], post: _P
 
 def backend(**options: Any) -> GraphtrainBackend:
     """A configured graphtrain backend: passes=["-name", "+name"], inner="inductor"|"aot_eager",
-    dump_dir=path (write graph dumps), region=name (the dump folder's prefix)."""
+    dump_dir=path (write graph dumps), region=name (the dump folder's prefix),
+    pass_options={...} (what the passes read: graphtrain.config.pass_options)."""
     return GraphtrainBackend(**options)
 
 
@@ -213,13 +227,15 @@ def apply_compile(
     inner: str = "inductor",
     dump_dir: str | Path | None = None,
     fullgraph: bool = True,
+    pass_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Compile each transformer block and the head+loss region of `model` in place.
 
     Module.compile keeps parameter names (no `_orig_mod.` prefix), so checkpoints and the TP and
     FSDP plans see the same names compiled or not.
     """
-    block_backend = backend(passes=passes, inner=inner, dump_dir=dump_dir, region="block")
+    common = {"passes": passes, "inner": inner, "dump_dir": dump_dir, "pass_options": pass_options}
+    block_backend = backend(**common, region="block")
     for block in model.layers.values():
         block.compile(backend=block_backend, fullgraph=fullgraph)
         if not fullgraph:
@@ -229,7 +245,7 @@ def apply_compile(
             block._compiled_call_impl = torch._dynamo.config.patch(
                 capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True
             )(block._compiled_call_impl)
-    head_backend = backend(passes=passes, inner=inner, dump_dir=dump_dir, region="head_loss")
+    head_backend = backend(**common, region="head_loss")
     model.head_loss = torch.compile(model.head_loss, backend=head_backend, fullgraph=fullgraph)
 
 

@@ -488,6 +488,14 @@ def load_config(args: list[str] | None = None, *, file: str | Path | None = None
     return _apply(base, values, "")
 
 
+def pass_options(cfg: JobConfig) -> dict[str, Any]:
+    """The settings the graph passes read (graphtrain.passes.PassContext.options), by key.
+
+    One place, so the trainer and `graphtrain inspect` hand the passes the same options.
+    """
+    return {}
+
+
 # ---------------------------------------------------------------------------------------------
 # Writing the resolved config back out.
 

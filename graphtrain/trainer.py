@@ -26,7 +26,7 @@ from graphtrain.attention import build_attention_mask, resolve_attention
 from graphtrain.balance import RouterBalance
 from graphtrain.checkpoint import CheckpointManager, complete_checkpoints, resolve
 from graphtrain.checkpoint.hf import load_hf_into
-from graphtrain.config import JobConfig, to_toml
+from graphtrain.config import JobConfig, pass_options, to_toml
 from graphtrain.data import build_data
 from graphtrain.inspect import write_report
 from graphtrain.metrics import (
@@ -223,6 +223,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             # Expert parallel's all-to-all has data-dependent sizes and runs outside the graph:
             # an MoE block compiles as two graphs around it.
             "fullgraph": dims.ep == 1,
+            "pass_options": pass_options(cfg),
         }
     plan = tp_plan(m_cfg, dims.etp, dims.ep)
     parallelize_model(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from graphtrain.config import JobConfig
+from graphtrain.config import JobConfig, pass_options
 from graphtrain.inspect.capture import capture_function, capture_model
 from graphtrain.inspect.html import render_html
 from graphtrain.inspect.report import Report, load_report
@@ -109,6 +109,7 @@ def inspect_config(
             passes=cfg.compile.passes,
             inner=inner,
             trace_dir=trace_dir,
+            pass_options=pass_options(cfg),
         )
         return load_report(directory, inner=inner, output_code=files)
 

@@ -146,11 +146,12 @@ def capture_model(
     passes: Sequence[str] = (),
     inner: str = "aot_eager",
     trace_dir: str | Path | None = None,
+    pass_options: dict[str, Any] | None = None,
 ) -> dict[str, list[str]]:
     """Compile a GPT's regions as the trainer does (graphtrain.compile.apply_compile: one per
     block, one for head+loss) and run forward+backward once on `example_inputs`."""
     torch._dynamo.reset()
-    apply_compile(model, passes=passes, inner=inner, dump_dir=dump_dir)
+    apply_compile(model, passes=passes, inner=inner, dump_dir=dump_dir, pass_options=pass_options)
     with structured_trace(trace_dir), record_output_code(dump_dir) as files:
         run_once(model, example_inputs)
     return files

@@ -17,7 +17,7 @@ turns a pass on, "-name" off, anything else is an error naming the known passes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +28,16 @@ PASS_STAGES = ("pre_grad", "post_grad")
 
 @dataclass
 class PassContext:
-    """What a pass may know about where it runs, and where it writes its notes."""
+    """What a pass may know about where it runs, and where it writes its notes.
+
+    `options` are the job's settings that passes read (graphtrain.config.pass_options: the
+    cross-entropy mode, FP8 filters, ...); a pass takes its own default for a missing key, so
+    `torch.compile(backend="graphtrain")` works without a job config.
+    """
 
     region: str = "graph"
     notes: list[str] = field(default_factory=list)
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def note(self, message: str) -> None:
         self.notes.append(message)

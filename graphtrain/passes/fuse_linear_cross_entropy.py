@@ -7,7 +7,8 @@ What
                    inlined nn modules) / h @ W.t(), h @ W.T, torch.matmul(h, W.t()) / a
                    call_module nn.Linear (graphs traced without module inlining)
         in between .float(), .to(torch.float32), .view(-1, V), .reshape(-1, V), .flatten(0, 1),
-                   torch.flatten, torch.reshape, .contiguous()
+                   torch.flatten, torch.reshape, .contiguous() (read as canonicalize spells
+                   them: torch.reshape and .to(torch.float32))
         the loss   F.cross_entropy(logits, target, ignore_index=..., label_smoothing=...,
                    reduction=...), keywords or positions, nn.CrossEntropyLoss (inlined)
     and replaces the chain with graphtrain.linear_cross_entropy(h.reshape(-1, H), W, target).
@@ -56,6 +57,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphtrain.custom_ops.linear_cross_entropy  # noqa: F401  (registers graphtrain::linear_cross_entropy)
+from graphtrain.passes import fx
+from graphtrain.passes.fx import Refuse
 from graphtrain.passes.registry import PassContext, register_pass
 
 _CE_TARGETS = (F.cross_entropy,)
@@ -63,11 +66,6 @@ _LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
 _MATMUL_TARGETS = (operator.matmul, torch.matmul)
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 _FUSED_OP = torch.ops.graphtrain.linear_cross_entropy.default
-
-# Nodes that only reinterpret the logits (row-major order kept, so row n of the [N, V] result
-# is still the linear's n-th row) or upcast them.
-_RESHAPE_METHODS = ("view", "reshape", "flatten", "contiguous")
-_RESHAPE_FUNCTIONS = (torch.flatten, torch.reshape)
 
 
 @dataclass
@@ -90,18 +88,6 @@ _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 _FUSED_OP_TP = torch.ops.graphtrain.linear_cross_entropy_vocab_parallel.default
 
 
-def _is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(value, DTensor)
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-
-
 def _describe_users(node: torch.fx.Node, expected: torch.fx.Node | None) -> str:
     others = []
     for user in node.users:
@@ -116,36 +102,23 @@ def _describe_users(node: torch.fx.Node, expected: torch.fx.Node | None) -> str:
     return ", ".join(others)
 
 
-def _is_dtype_cast(node: torch.fx.Node) -> bool:
-    return node.op == "call_method" and node.target in (
-        "float",
-        "to",
-        "type",
-        "double",
-        "half",
-        "bfloat16",
-    )
+def _check_upcast(node: torch.fx.Node) -> None:
+    """Refuse unless the cast `node` converts to float32 only."""
+    if fx.cast_dtype(node) != torch.float32:
+        raise Refuse(
+            f"{node.name} converts the logits with .{node.target}{tuple(node.args[1:])} "
+            f"{dict(node.kwargs)}"
+        )
 
 
-def _cast_problem(node: torch.fx.Node) -> str | None:
-    """None when `node` converts to float32 only; otherwise why it is not a harmless upcast."""
-    if node.target == "float":
-        return None
-    if node.target in ("to", "type"):
-        args = [*node.args[1:], node.kwargs.get("dtype")]
-        dtypes = [a for a in args if isinstance(a, torch.dtype)]
-        others = [a for a in node.args[1:] if not isinstance(a, torch.dtype)]
-        extra_kwargs = set(node.kwargs) - {"dtype"}
-        if dtypes == [torch.float32] and not others and not extra_kwargs:
-            return None
-        return f"{node.name} converts the logits with .{node.target}{tuple(node.args[1:])} {dict(node.kwargs)}"
-    return f"{node.name} casts the logits with .{node.target}()"
+def _is_cast(node: torch.fx.Node) -> bool:
+    return node.op == "call_method" and node.target in ("to", "type", *fx.DTYPE_METHODS)
 
 
 def _is_reshape(node: torch.fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _RESHAPE_METHODS
-    return node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS
+    """Reinterprets the logits (row-major order kept, so row n of the [N, V] result is still
+    the linear's n-th row); canonicalize spelled view/flatten/... as torch.reshape."""
+    return fx.is_call(node, "reshape", "contiguous") is not None
 
 
 def _transposed_weight(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -155,7 +128,7 @@ def _transposed_weight(node: torch.fx.Node) -> torch.fx.Node | None:
     base = node.args[0] if node.args else None
     if not isinstance(base, torch.fx.Node):
         return None
-    base_val = _val(base)
+    base_val = fx.val(base)
     if base_val is None or base_val.dim() != 2:
         return None
     if node.op == "call_method" and node.target == "t" and len(node.args) == 1:
@@ -189,80 +162,84 @@ def _tp_size(group_name: str | None) -> int:
 
 def _tp_head(
     hidden: Any, weight: Any, head: Any, logits: Any, chain: list[torch.fx.Node]
-) -> tuple[str, Any, Any] | str:
+) -> tuple[str, Any, Any]:
     """For a DTensor head: (tp group name, local hidden, local weight) when it is the
     vocab-parallel layout graphtrain.linear_cross_entropy_vocab_parallel computes (weight
     Shard(0), hidden Replicate, logits Shard(-1) gathered to Replicate and made local before the
-    loss, even shards, a 1-D mesh); otherwise why not."""
+    loss, even shards, a 1-D mesh); otherwise Refuse says why not."""
     from torch.distributed.tensor import Replicate, Shard
 
-    if not (_is_dtensor(hidden) and _is_dtensor(weight) and _is_dtensor(head)):
-        return "part of the head is a DTensor and part is not"
+    if not (fx.is_dtensor(hidden) and fx.is_dtensor(weight) and fx.is_dtensor(head)):
+        raise Refuse("part of the head is a DTensor and part is not")
     mesh = weight.device_mesh
     if mesh.ndim != 1 or hidden.device_mesh != mesh:
-        return f"the head's DTensors are not on one 1-D mesh ({mesh})"
+        raise Refuse(f"the head's DTensors are not on one 1-D mesh ({mesh})")
     if tuple(weight.placements) != (Shard(0),) or tuple(hidden.placements) != (Replicate(),):
-        return (
+        raise Refuse(
             f"the head is not vocab-parallel (weight {weight.placements}, hidden "
             f"{hidden.placements}; wanted Shard(0) and Replicate)"
         )
-    if _is_dtensor(logits):
-        return "the loss reads DTensor logits (loss_parallel?): only local logits are matched"
+    if fx.is_dtensor(logits):
+        raise Refuse(
+            "the loss reads DTensor logits (loss_parallel?): only local logits are matched"
+        )
     if weight.shape[0] % mesh.size():
-        return f"the vocab {weight.shape[0]} does not split evenly over tp={mesh.size()}"
+        raise Refuse(f"the vocab {weight.shape[0]} does not split evenly over tp={mesh.size()}")
     gathers = [n for n in chain if _is_tp_gather(n)]
     redistribute = [n for n in gathers if n.target == "redistribute"]
     if len(gathers) != 2 or len(redistribute) != 1:
-        return "the logits do not reach the loss through one redistribute and one to_local"
-    gathered = _val(redistribute[0])
+        raise Refuse("the logits do not reach the loss through one redistribute and one to_local")
+    gathered = fx.val(redistribute[0])
     if tuple(gathered.placements) != (Replicate(),):
-        return f"the logits are redistributed to {gathered.placements}, not Replicate"
+        raise Refuse(f"the logits are redistributed to {gathered.placements}, not Replicate")
     return mesh.get_group().group_name, hidden.to_local(), weight.to_local()
 
 
-def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
-    """The matched pattern ending in `ce`, or the reason it does not match."""
-    try:
-        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
-    except TypeError as e:
-        return f"cannot read its arguments ({e})"
-    bound.apply_defaults()
-    a = bound.arguments
-    if a["weight"] is not None:
-        return "it has class weights (weight=...): the fused op has none"
-    if a["size_average"] is not None or a["reduce"] is not None:
-        return "it uses the legacy size_average/reduce arguments"
-    ignore_index, reduction, smoothing = a["ignore_index"], a["reduction"], a["label_smoothing"]
-    if not isinstance(ignore_index, int) or not isinstance(reduction, str):
-        return "ignore_index/reduction are not constants"
-    if not isinstance(smoothing, int | float):
-        return "label_smoothing is not a constant"
-    if reduction not in ("mean", "sum", "none"):
-        return f"unknown reduction {reduction!r}"
-    logits_in, target = a["input"], a["target"]
-    if not isinstance(logits_in, torch.fx.Node) or not isinstance(target, torch.fx.Node):
-        return "its input or target is not a graph value"
-
-    # Walk from the loss's input back to the head through reshapes and float32 casts; each
-    # step must feed only the next one, or the logits are needed elsewhere.
+def _logits_chain(ce: torch.fx.Node, logits_in: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes from the loss's input back to the head (inclusive), through reshapes and
+    float32 casts; each step must feed only the next one, or the logits are needed elsewhere."""
     chain: list[torch.fx.Node] = []
     node, consumer = logits_in, ce
     while True:
         if len(node.users) != 1:
-            return (
+            raise Refuse(
                 f"the logits {node.name} are also used by {_describe_users(node, consumer)}; "
                 "they must exist, so there is nothing to save"
             )
         chain.append(node)
-        if _is_dtype_cast(node):
-            problem = _cast_problem(node)
-            if problem is not None:
-                return problem
+        if _is_cast(node):
+            _check_upcast(node)
         elif not (_is_reshape(node) or _is_tp_gather(node)):
-            break
+            return chain
         consumer, node = node, node.args[0]
         if not isinstance(node, torch.fx.Node):
-            return f"{consumer.name} does not read a graph value"
+            raise Refuse(f"{consumer.name} does not read a graph value")
+
+
+def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
+    """The matched pattern ending in `ce`; Refuse with the reason it does not match."""
+    try:
+        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
+    except TypeError as e:
+        raise Refuse(f"cannot read its arguments ({e})") from None
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["weight"] is not None:
+        raise Refuse("it has class weights (weight=...): the fused op has none")
+    if a["size_average"] is not None or a["reduce"] is not None:
+        raise Refuse("it uses the legacy size_average/reduce arguments")
+    ignore_index, reduction, smoothing = a["ignore_index"], a["reduction"], a["label_smoothing"]
+    if not isinstance(ignore_index, int) or not isinstance(reduction, str):
+        raise Refuse("ignore_index/reduction are not constants")
+    if not isinstance(smoothing, int | float):
+        raise Refuse("label_smoothing is not a constant")
+    if reduction not in ("mean", "sum", "none"):
+        raise Refuse(f"unknown reduction {reduction!r}")
+    logits_in, target = a["input"], a["target"]
+    if not isinstance(logits_in, torch.fx.Node) or not isinstance(target, torch.fx.Node):
+        raise Refuse("its input or target is not a graph value")
+
+    chain = _logits_chain(ce, logits_in)
     head = chain[-1]
 
     transpose = None
@@ -272,64 +249,65 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
         weight = head.args[1] if len(head.args) > 1 else head.kwargs.get("weight")
         bias = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
         if bias is not None:
-            return f"the head {head.name} has a bias"
+            raise Refuse(f"the head {head.name} has a bias")
     elif head.op == "call_function" and head.target in _MATMUL_TARGETS:
         hidden, other = head.args[0], head.args[1]
         weight = _transposed_weight(other)
         if weight is None:
-            return (
+            raise Refuse(
                 f"the matmul {head.name} does not multiply by a transposed 2-D weight (h @ W.t())"
             )
         transpose = other
     elif head.op == "call_module" and isinstance(gm.get_submodule(head.target), nn.Linear):
         module = gm.get_submodule(head.target)
         if module.bias is not None:
-            return f"the head {head.target} has a bias"
+            raise Refuse(f"the head {head.target} has a bias")
         hidden, weight = head.args[0], f"{head.target}.weight"
     else:
-        return f"its input does not come from a linear head (found {head.op} {head.target})"
+        raise Refuse(f"its input does not come from a linear head (found {head.op} {head.target})")
     if not isinstance(hidden, torch.fx.Node):
-        return f"the head {head.name} does not read a graph value"
+        raise Refuse(f"the head {head.name} does not read a graph value")
 
     # Shapes, dtypes, tensor kinds: from the fake values Dynamo recorded.
     hidden_val, logits_val, target_val, head_val = (
-        _val(hidden),
-        _val(logits_in),
-        _val(target),
-        _val(head),
+        fx.val(hidden),
+        fx.val(logits_in),
+        fx.val(target),
+        fx.val(head),
     )
-    weight_val = _val(weight) if isinstance(weight, torch.fx.Node) else gm.get_parameter(weight)
+    weight_val = fx.val(weight) if isinstance(weight, torch.fx.Node) else gm.get_parameter(weight)
     vals = (hidden_val, weight_val, logits_val, target_val, head_val)
     if any(v is None for v in vals):
-        return "example_value meta is missing (not a Dynamo graph?)"
+        raise Refuse("example_value meta is missing (not a Dynamo graph?)")
     group_name = None
-    if any(_is_dtensor(v) for v in vals):
-        tp = _tp_head(hidden_val, weight_val, head_val, logits_val, chain)
-        if isinstance(tp, str):
-            return tp
-        group_name, hidden_val, weight_val = tp
+    if any(fx.is_dtensor(v) for v in vals):
+        group_name, hidden_val, weight_val = _tp_head(
+            hidden_val, weight_val, head_val, logits_val, chain
+        )
     if weight_val.dim() != 2:
-        return "the weight is not 2-D"
+        raise Refuse("the weight is not 2-D")
     V, H = weight_val.shape  # under tp: the local shard
     if not isinstance(V, int) or not isinstance(H, int):
-        return "the vocab or hidden size is symbolic"
+        raise Refuse("the vocab or hidden size is symbolic")
     if hidden_val.dim() < 1 or hidden_val.shape[-1] != H:
-        return "hidden and weight sizes do not fit"
+        raise Refuse("hidden and weight sizes do not fit")
     in_dtypes = {hidden_val.dtype, weight_val.dtype}
     autocast = in_dtypes != {head_val.dtype} and head_val.dtype in _AUTOCAST_DTYPES
     if not head_val.is_floating_point() or (
         in_dtypes != {head_val.dtype} and not (autocast and in_dtypes <= {torch.float32})
     ):
-        return (
+        raise Refuse(
             f"the head computes in {head_val.dtype} from {hidden_val.dtype} x {weight_val.dtype}: "
             "the fused op would not reproduce it"
         )
     if logits_val.dim() != 2 or logits_val.shape[1] != V * _tp_size(group_name):
-        return f"cross_entropy's input has shape {tuple(logits_val.shape)}, not [N, {V}]"
+        raise Refuse(f"cross_entropy's input has shape {tuple(logits_val.shape)}, not [N, {V}]")
     if logits_val.dtype not in (torch.float32, head_val.dtype):
-        return f"the logits reach cross_entropy as {logits_val.dtype}"
+        raise Refuse(f"the logits reach cross_entropy as {logits_val.dtype}")
     if target_val.dim() != 1 or target_val.dtype != torch.int64:
-        return "the target is not a 1-D int64 tensor of class ids (probabilities are not supported)"
+        raise Refuse(
+            "the target is not a 1-D int64 tensor of class ids (probabilities are not supported)"
+        )
     return _Match(
         hidden,
         weight,
@@ -344,68 +322,36 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match | str:
     )
 
 
-def _fake_mode(vals: Sequence[Any]) -> Any:
-    # The mode that made the recorded values (the tracing context's may be another one).
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    for v in vals:
-        if isinstance(v, FakeTensor):
-            return v.fake_mode
-    raise AssertionError("the matched values are not fake tensors")  # _match checked meta
-
-
-def _cast(
-    graph: torch.fx.Graph, fake_mode: Any, node: torch.fx.Node, val: Any, dtype: torch.dtype
-) -> torch.fx.Node:
-    cast = graph.call_method("to", (node, dtype))
-    with fake_mode:
-        cast.meta["example_value"] = val.to(dtype)
-    return cast
-
-
-def _to_local(graph: torch.fx.Graph, fake_mode: Any, node: torch.fx.Node) -> torch.fx.Node:
-    local = graph.call_method("to_local", (node,))
-    with fake_mode:
-        local.meta["example_value"] = _val(node).to_local()
-    return local
-
-
 def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx.Node:
     graph = gm.graph
-    meta_keys = ("stack_trace", "nn_module_stack", "source_fn_stack")
     nodes_before = set(graph.nodes)
     with graph.inserting_before(ce):
         weight = m.weight if isinstance(m.weight, torch.fx.Node) else graph.get_attr(m.weight)
-        hidden_val = _val(m.hidden)
+        hidden_val = fx.val(m.hidden)
         weight_val = (
-            _val(weight) if isinstance(m.weight, torch.fx.Node) else gm.get_parameter(m.weight)
+            fx.val(weight) if isinstance(m.weight, torch.fx.Node) else gm.get_parameter(m.weight)
         )
         if isinstance(m.weight, str):
             weight.meta["example_value"] = weight_val
-        fake_mode = _fake_mode([hidden_val, _val(m.target)])
         hidden = m.hidden
         if m.group_name is not None:
             # Tensor parallel: the op works on this rank's vocab shard of W and the replicated
             # hidden; to_local's backward wraps the gradients back (Shard(0) for W; Replicate
             # for h, right because the op all-reduces grad_hidden over the group).
             hidden, weight = (
-                _to_local(graph, fake_mode, hidden),
-                _to_local(graph, fake_mode, weight),
+                fx.emit(graph, "call_method", "to_local", (hidden,)),
+                fx.emit(graph, "call_method", "to_local", (weight,)),
             )
-            hidden_val, weight_val = _val(hidden), _val(weight)
+            hidden_val, weight_val = fx.val(hidden), fx.val(weight)
         H = weight_val.shape[1]
         if hidden_val.dim() != 2:
-            flat = graph.call_method("reshape", (hidden, -1, H))
-            with fake_mode:
-                flat.meta["example_value"] = hidden_val.reshape(-1, H)
-            hidden = flat
+            hidden = fx.emit(graph, "call_method", "reshape", (hidden, -1, H))
         if weight_val.dtype != m.compute_dtype:
             # Autocast: the linear ran on bf16/fp16 copies of fp32 operands; make the casts
             # explicit (their backward casts the gradients back, as autocast's do).
-            weight = _cast(graph, fake_mode, weight, weight_val, m.compute_dtype)
-            weight_val = _val(weight)
-        if _val(hidden).dtype != m.compute_dtype:
-            hidden = _cast(graph, fake_mode, hidden, _val(hidden), m.compute_dtype)
+            weight = fx.emit(graph, "call_method", "to", (weight, m.compute_dtype))
+        if fx.val(hidden).dtype != m.compute_dtype:
+            hidden = fx.emit(graph, "call_method", "to", (hidden, m.compute_dtype))
         kwargs = {
             "ignore_index": m.ignore_index,
             "label_smoothing": m.label_smoothing,
@@ -414,24 +360,18 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
         op, args = _FUSED_OP, (hidden, weight, m.target)
         if m.group_name is not None:
             op, args = _FUSED_OP_TP, (*args, m.group_name)
-        fused = graph.call_function(op, args, kwargs)
-        with fake_mode:
-            fused.meta["example_value"] = op(
-                *(_val(a) if isinstance(a, torch.fx.Node) else a for a in args), **kwargs
-            )
+        fused = fx.emit(graph, "call_function", op, args, kwargs)
         result = fused
-        ce_dtype = _val(ce).dtype
-        if fused.meta["example_value"].dtype != ce_dtype:
+        ce_dtype = fx.val(ce).dtype
+        if fx.dtype(fused) != ce_dtype:
             # The graph computed the loss in a narrower dtype: keep its outputs' dtypes.
-            result = graph.call_method("to", (fused, ce_dtype))
-            with fake_mode:
-                result.meta["example_value"] = fused.meta["example_value"].to(ce_dtype)
+            result = fx.emit(graph, "call_method", "to", (fused, ce_dtype))
         # Provenance for the dumps and `graphtrain inspect`: the loss's source line and module;
         # where the loss has none (a loss written at the top level of the compiled function has
         # no nn_module_stack), the head's (e.g. "output").
         head = m.chain[-1]
         for node in set(graph.nodes) - nodes_before:
-            for key in meta_keys:
+            for key in fx.META_KEYS:
                 source = ce if key in ce.meta else head
                 if key in source.meta:
                     node.meta[key] = source.meta[key]
@@ -462,9 +402,10 @@ def fuse_linear_cross_entropy_pass(
         return gm
     changed = False
     for ce in ces:
-        m = _match(gm, ce)
-        if isinstance(m, str):
-            ctx.note(f"left {ce.name} unchanged: {m}")
+        try:
+            m = _match(gm, ce)
+        except Refuse as why:
+            ctx.note(f"left {ce.name} unchanged: {why}")
             continue
         fused = _rewrite(gm, ce, m)
         V, H = fused.args[1].meta["example_value"].shape
@@ -479,7 +420,4 @@ def fuse_linear_cross_entropy_pass(
             f"label_smoothing={m.label_smoothing})"
         )
         changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return fx.finish(gm, changed)

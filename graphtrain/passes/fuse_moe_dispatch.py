@@ -40,7 +40,6 @@ Invariant and numerics (preserves_numerics=False)
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,64 +48,27 @@ import torch.fx
 from torch.fx import Node
 
 import graphtrain.custom_ops.moe_permute  # noqa: F401  (registers the ops)
+from graphtrain.passes import fx
+from graphtrain.passes.fx import Refuse, arg, is_call, plain_tensor, shape, val
 from graphtrain.passes.registry import PassContext, register_pass
 
 _PERMUTE = torch.ops.graphtrain.moe_permute.default
 _UNPERMUTE = torch.ops.graphtrain.moe_unpermute.default
-_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
-
-
-class _Refuse(Exception):
-    """Why a candidate is left alone (becomes the pass note)."""
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, Node) else None
-
-
-def _shape(node: Any) -> tuple | None:
-    v = _val(node)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def _is_fn(node: Any, *targets: Any) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
-
-
-def _is_method(node: Any, *names: str) -> bool:
-    return isinstance(node, Node) and node.op == "call_method" and node.target in names
-
-
-def _arg(node: Node, i: int, name: str, default: Any = None) -> Any:
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
-def _plain_tensor(node: Node, what: str) -> torch.Tensor:
-    v = _val(node)
-    if not isinstance(v, torch.Tensor):
-        raise _Refuse(f"{what} {node.name} has no recorded tensor value")
-    if type(v).__name__ == "DTensor" or hasattr(v, "_local_tensor"):
-        raise _Refuse(f"{what} {node.name} is a DTensor")
-    if not all(isinstance(s, int) for s in v.shape):
-        raise _Refuse(f"{what} {node.name} has symbolic shape {tuple(v.shape)}")
-    return v
 
 
 def _sole_user(node: Node, what: str) -> Node:
     if len(node.users) != 1:
         users = ", ".join(u.name for u in node.users) or "none"
-        raise _Refuse(f"{what} {node.name} is used by {users}, not only by the combine")
+        raise Refuse(f"{what} {node.name} is used by {users}, not only by the combine")
     return next(iter(node.users))
 
 
 def _floordiv_operands(node: Any) -> tuple[Node, int] | None:
     """(order, k) when `node` is order // k with a constant int k."""
-    if _is_fn(node, operator.floordiv, torch.floor_divide) or _is_method(node, "floor_divide"):
+    if is_call(node, "floor_divide"):
         order, k = node.args[0], node.args[1]
-    elif (_is_fn(node, torch.div) or _is_method(node, "div")) and node.kwargs.get(
-        "rounding_mode"
-    ) == "floor":
-        order, k = node.args[0], _arg(node, 1, "other")
+    elif is_call(node, "div") and node.kwargs.get("rounding_mode") == "floor":
+        order, k = node.args[0], arg(node, 1, "other")
     else:
         return None
     return (order, k) if isinstance(order, Node) and isinstance(k, int) and k > 0 else None
@@ -114,28 +76,18 @@ def _floordiv_operands(node: Any) -> tuple[Node, int] | None:
 
 def _check_permutation(order: Node, slots: int) -> None:
     """Refuse unless `order` is an argsort of a 1-D tensor of `slots` elements."""
-    if _is_fn(order, torch.argsort) or _is_method(order, "argsort"):
+    if is_call(order, "argsort"):
         keys = order.args[0]
-    elif (
-        _is_fn(order, operator.getitem)
-        and order.args[1] == 1
-        and (_is_fn(order.args[0], torch.sort) or _is_method(order.args[0], "sort"))
-    ):
+    elif fx.getitem_index(order, order.args[0]) == 1 and is_call(order.args[0], "sort"):
         keys = order.args[0].args[0]
     else:
-        raise _Refuse(
+        raise Refuse(
             f"the slot order {order.name} is not an argsort (not known to be a permutation)"
         )
-    if _shape(keys) != (slots,) or _shape(order) != (slots,):
-        raise _Refuse(
-            f"the slot order {order.name} sorts {_shape(keys)} values, not the T*k = {slots} slots"
+    if shape(keys) != (slots,) or shape(order) != (slots,):
+        raise Refuse(
+            f"the slot order {order.name} sorts {shape(keys)} values, not the T*k = {slots} slots"
         )
-
-
-def _copy_meta(src: Node, dst: Node) -> None:
-    for key in _META_KEYS:
-        if key in src.meta:
-            dst.meta[key] = src.meta[key]
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,12 +97,10 @@ def _copy_meta(src: Node, dst: Node) -> None:
 
 def _permute_candidate(node: Node) -> tuple[Node, Node] | None:
     """(x, index) of a row gather x[index] / index_select(x, 0, index) whose index is // k."""
-    if _is_fn(node, operator.getitem) and isinstance(node.args[1], Node):
+    if is_call(node, "getitem") and isinstance(node.args[1], Node):
         x, index = node.args
-    elif (_is_fn(node, torch.index_select) or _is_method(node, "index_select")) and _arg(
-        node, 1, "dim"
-    ) == 0:
-        x, index = node.args[0], _arg(node, 2, "index")
+    elif is_call(node, "index_select") and arg(node, 1, "dim") == 0:
+        x, index = node.args[0], arg(node, 2, "index")
     else:
         return None
     return (x, index) if _floordiv_operands(index) is not None else None
@@ -158,21 +108,18 @@ def _permute_candidate(node: Node) -> tuple[Node, Node] | None:
 
 def _rewrite_permute(gm: torch.fx.GraphModule, xs: Node, x: Node, index: Node) -> str:
     order, k = _floordiv_operands(index)
-    xv = _plain_tensor(x, "the gathered tensor")
+    xv = plain_tensor(x, "the gathered tensor")
     if xv.dim() != 2:
-        raise _Refuse(f"the gathered tensor {x.name} is not [T, D] (shape {tuple(xv.shape)})")
-    _plain_tensor(order, "the slot order")
+        raise Refuse(f"the gathered tensor {x.name} is not [T, D] (shape {tuple(xv.shape)})")
+    plain_tensor(order, "the slot order")
     _check_permutation(order, xv.shape[0] * k)
     casts = list(xs.users)
-    dtypes = {_cast_dtype(u) for u in casts}
+    dtypes = {fx.cast_dtype(u) for u in casts}
     fold = bool(casts) and None not in dtypes and len(dtypes) == 1
     dtype = dtypes.pop() if fold else None
     graph = gm.graph
     with graph.inserting_before(xs):
-        new = graph.call_function(_PERMUTE, (x, order, k), {"dtype": dtype})
-    with _val(x).fake_mode:
-        new.meta["example_value"] = _PERMUTE(_val(x), _val(order), k, dtype=dtype)
-    _copy_meta(xs, new)
+        new = fx.emit(graph, "call_function", _PERMUTE, (x, order, k), {"dtype": dtype}, like=xs)
     for node in casts if fold else [xs]:
         node.replace_all_uses_with(new)
     for node in [*casts, xs] if fold else [xs]:
@@ -186,109 +133,94 @@ def _rewrite_permute(gm: torch.fx.GraphModule, xs: Node, x: Node, index: Node) -
     )
 
 
-def _cast_dtype(node: Node) -> torch.dtype | None:
-    """The dtype of a plain `.to(dtype)` / `.float()` cast, else None."""
-    if _is_method(node, "float") and len(node.args) == 1 and not node.kwargs:
-        return torch.float32
-    if _is_method(node, "to"):
-        args = [*node.args[1:], *node.kwargs.values()]
-        if len(args) == 1 and isinstance(args[0], torch.dtype) and set(node.kwargs) <= {"dtype"}:
-            return args[0]
-    return None
-
-
 # --------------------------------------------------------------------------------------------
 # unpermute: y = empty_like(ys).index_copy_(0, order, ys) -> view(T, k, D) -> * w -> sum(1)
 # --------------------------------------------------------------------------------------------
 
 
 def _unpermute_candidate(node: Node) -> bool:
-    return (_is_method(node, "index_copy_", "index_copy") or _is_fn(node, torch.index_copy)) and (
-        _arg(node, 1, "dim") == 0
-    )
+    return is_call(node, "index_copy") is not None and arg(node, 1, "dim") == 0
 
 
 def _weights_of(node: Any, T: int, k: int) -> Node | None:
     """w when `node` is w [T, k] made [T, k, 1]: unsqueeze(-1 / 2), w[..., None] / w[:, :, None],
     or a view / reshape to (T, k, 1)."""
-    if _shape(node) != (T, k, 1):
+    if shape(node) != (T, k, 1):
         return None
-    if _is_method(node, "unsqueeze") or _is_fn(node, torch.unsqueeze):
-        ok = _arg(node, 1, "dim") in (-1, 2)
-    elif _is_fn(node, operator.getitem):
+    if is_call(node, "unsqueeze"):
+        ok = arg(node, 1, "dim") in (-1, 2)
+    elif is_call(node, "getitem"):
         idx = node.args[1]
         ok = idx in ((Ellipsis, None), (slice(None), slice(None), None))
-    elif _is_method(node, "view", "reshape"):
+    elif is_call(node, "reshape"):
         ok = True
     else:
         return None
     w = node.args[0]
-    return w if ok and _shape(w) == (T, k) else None
+    return w if ok and shape(w) == (T, k) else None
 
 
 def _rewrite_unpermute(gm: torch.fx.GraphModule, copy: Node) -> str:
-    base, order, ys = copy.args[0], _arg(copy, 2, "index"), _arg(copy, 3, "source")
-    ysv = _plain_tensor(ys, "the expert outputs")
+    base, order, ys = copy.args[0], arg(copy, 2, "index"), arg(copy, 3, "source")
+    ysv = plain_tensor(ys, "the expert outputs")
     if ysv.dim() != 2:
-        raise _Refuse(f"the expert outputs {ys.name} are not [T*k, D] (shape {tuple(ysv.shape)})")
-    if not (_is_fn(base, torch.empty_like, torch.zeros_like) and base.args[0] is ys):
-        raise _Refuse(
+        raise Refuse(f"the expert outputs {ys.name} are not [T*k, D] (shape {tuple(ysv.shape)})")
+    if not (is_call(base, "empty_like", "zeros_like") and base.args[0] is ys):
+        raise Refuse(
             f"{copy.name} copies into {base.name}, not a fresh empty_like/zeros_like of {ys.name}"
         )
     if len(base.users) != 1:
-        raise _Refuse(f"the slot buffer {base.name} is read outside {copy.name}")
-    _plain_tensor(order, "the slot order")
+        raise Refuse(f"the slot buffer {base.name} is read outside {copy.name}")
+    plain_tensor(order, "the slot order")
     slots, D = ysv.shape
     chain = [base, copy]
     view = _sole_user(copy, "the slots")
-    shape = _shape(view)
+    dims = shape(view)
     if not (
-        _is_method(view, "view", "reshape", "unflatten")
-        and shape is not None
-        and len(shape) == 3
-        and shape[2] == D
-        and shape[0] * shape[1] == slots
+        is_call(view, "reshape")
+        and dims is not None
+        and len(dims) == 3
+        and dims[2] == D
+        and dims[0] * dims[1] == slots
     ):
-        raise _Refuse(f"{view.name} does not view the slots {copy.name} as [T, k, D]")
-    T, k = shape[0], shape[1]
+        raise Refuse(f"{view.name} does not view the slots {copy.name} as [T, k, D]")
+    T, k = dims[0], dims[1]
     _check_permutation(order, slots)
     chain.append(view)
     node = _sole_user(view, "the [T, k, D] slots")
-    if _cast_dtype(node) == torch.float32:
+    if fx.cast_dtype(node) == torch.float32:
         chain.append(node)
         node = _sole_user(node, "the upcast slots")
-    if not (_is_fn(node, operator.mul, torch.mul) or _is_method(node, "mul")):
-        raise _Refuse(f"the slots {chain[-1].name} are not multiplied by the weights ({node.name})")
+    if not is_call(node, "mul"):
+        raise Refuse(f"the slots {chain[-1].name} are not multiplied by the weights ({node.name})")
     other = node.args[1] if node.args[0] is chain[-1] else node.args[0]
     weights = _weights_of(other, T, k)
     if weights is None:
-        raise _Refuse(
+        raise Refuse(
             f"{node.name} multiplies the slots by {getattr(other, 'name', other)}, "
             "not by [T, k] weights unsqueezed"
         )
-    _plain_tensor(weights, "the weights")
+    plain_tensor(weights, "the weights")
     chain.append(node)
     total = _sole_user(node, "the weighted slots")
-    dim = _arg(total, 1, "dim")
+    dim = arg(total, 1, "dim")
     if not (
-        (_is_method(total, "sum") or _is_fn(total, torch.sum))
+        is_call(total, "sum")
         and dim in (1, -2, (1,), (-2,))
-        and not _arg(total, 2, "keepdim", False)
+        and not arg(total, 2, "keepdim", False)
         and "dtype" not in total.kwargs
     ):
-        raise _Refuse(f"{total.name} is not a sum over the k axis of the weighted slots")
+        raise Refuse(f"{total.name} is not a sum over the k axis of the weighted slots")
     chain.append(total)
     end = total
-    if len(total.users) == 1 and _cast_dtype(next(iter(total.users))) is not None:
+    if len(total.users) == 1 and fx.cast_dtype(next(iter(total.users))) is not None:
         end = next(iter(total.users))
         chain.append(end)
-    dtype = _val(end).dtype
+    dtype = val(end).dtype
     graph = gm.graph
     with graph.inserting_before(end):
-        new = graph.call_function(_UNPERMUTE, (ys, order, weights, k), {"dtype": dtype})
-    with _val(ys).fake_mode:
-        new.meta["example_value"] = _UNPERMUTE(ysv, _val(order), _val(weights), k, dtype=dtype)
-    _copy_meta(end, new)
+        args = (ys, order, weights, k)
+        new = fx.emit(graph, "call_function", _UNPERMUTE, args, {"dtype": dtype}, like=end)
     end.replace_all_uses_with(new)
     for n in reversed(chain):
         if not n.users:
@@ -328,11 +260,8 @@ def fuse_moe_dispatch_pass(
                 found = True
                 ctx.note(_rewrite_unpermute(gm, node))
                 changed = True
-        except _Refuse as why:
+        except Refuse as why:
             ctx.note(f"left {node.name} unchanged: {why}")
     if not found:
         ctx.note("no MoE token permutation or combine in this graph")
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return fx.finish(gm, changed)

@@ -38,17 +38,9 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from graphtrain.passes import fx
+from graphtrain.passes.fx import Refuse, val
 from graphtrain.passes.registry import PassContext, register_pass
-
-_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
-
-
-class _Refuse(Exception):
-    """Why a pair is left alone (becomes the pass note)."""
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, Node) else None
 
 
 def _is_grouped_mm(node: Node) -> bool:
@@ -62,19 +54,19 @@ def _offs(node: Node) -> Any:
 def _weight(gemm: Node) -> Node:
     """W of a grouped GEMM whose second operand is W.transpose(-2, -1), W [E, F, D]."""
     if len(gemm.args) > 3 or set(gemm.kwargs) - {"offs"}:
-        raise _Refuse(f"{gemm.name} has a bias or an out_dtype")
+        raise Refuse(f"{gemm.name} has a bias or an out_dtype")
     t = gemm.args[1]
     dims = tuple(t.args[1:3]) if isinstance(t, Node) and t.op == "call_method" else ()
     if not (t.target == "transpose" and dims in ((-2, -1), (-1, -2), (1, 2), (2, 1))):
-        raise _Refuse(f"the weight operand of {gemm.name} is not W.transpose(-2, -1)")
+        raise Refuse(f"the weight operand of {gemm.name} is not W.transpose(-2, -1)")
     if len(t.users) != 1:
-        raise _Refuse(f"the transposed weight {t.name} has other users")
+        raise Refuse(f"the transposed weight {t.name} has other users")
     w = t.args[0]
-    v = _val(w)
+    v = val(w)
     if not isinstance(v, torch.Tensor) or v.dim() != 3:
-        raise _Refuse(f"the weight {getattr(w, 'name', w)} of {gemm.name} is not [E, F, D]")
-    if type(v).__name__ == "DTensor" or not all(isinstance(s, int) for s in v.shape):
-        raise _Refuse(f"the weight {w.name} of {gemm.name} is a DTensor or has symbolic shape")
+        raise Refuse(f"the weight {getattr(w, 'name', w)} of {gemm.name} is not [E, F, D]")
+    if fx.is_dtensor(v) or not all(isinstance(s, int) for s in v.shape):
+        raise Refuse(f"the weight {w.name} of {gemm.name} is a DTensor or has symbolic shape")
     return w
 
 
@@ -86,12 +78,12 @@ def _late_producers(w: Node, anchor: Node, order: dict[Node, int]) -> list[Node]
         if n in late or order[n] < order[anchor]:
             continue
         if n is anchor:
-            raise _Refuse(f"the weight {w.name} depends on {anchor.name}")
+            raise Refuse(f"the weight {w.name} depends on {anchor.name}")
         impure = n.op not in ("call_method", "call_function") or (
             n.op == "call_method" and n.target.endswith("_")
         )
         if impure or n.is_impure():
-            raise _Refuse(f"the weight {w.name} comes from {n.name}, which cannot be moved")
+            raise Refuse(f"the weight {w.name} comes from {n.name}, which cannot be moved")
         late.add(n)
         stack.extend(n.all_input_nodes)
     return sorted(late, key=order.__getitem__)
@@ -99,9 +91,9 @@ def _late_producers(w: Node, anchor: Node, order: dict[Node, int]) -> list[Node]
 
 def _fuse(gm: torch.fx.GraphModule, first: Node, second: Node) -> str:
     wa, wb = _weight(first), _weight(second)
-    va, vb = _val(wa), _val(wb)
+    va, vb = val(wa), val(wb)
     if va.shape[0] != vb.shape[0] or va.shape[2] != vb.shape[2] or va.dtype != vb.dtype:
-        raise _Refuse(
+        raise Refuse(
             f"the weights {wa.name} {tuple(va.shape)} {va.dtype} and {wb.name} "
             f"{tuple(vb.shape)} {vb.dtype} differ in experts, input dim or dtype"
         )
@@ -112,25 +104,14 @@ def _fuse(gm: torch.fx.GraphModule, first: Node, second: Node) -> str:
         first.prepend(n)
     x, offs = first.args[0], _offs(first)
     fa, fb = va.shape[1], vb.shape[1]
-    fake_mode = _val(x).fake_mode
-    with graph.inserting_before(first), fake_mode:
-        cat = graph.call_function(torch.cat, ([wa, wb], 1))
-        cat.meta["example_value"] = torch.cat([va, vb], 1)
-        t = graph.call_method("transpose", (cat, -2, -1))
-        t.meta["example_value"] = cat.meta["example_value"].transpose(-2, -1)
-        ab = graph.call_function(torch._grouped_mm, (x, t), {"offs": offs})
-        ab.meta["example_value"] = torch._grouped_mm(
-            _val(x), t.meta["example_value"], offs=_val(offs)
-        )
-        parts = []
-        for start, length in ((0, fa), (fa, fb)):
-            part = graph.call_function(torch.narrow, (ab, -1, start, length))
-            part.meta["example_value"] = ab.meta["example_value"].narrow(-1, start, length)
-            parts.append(part)
-    for node in (cat, t, ab, *parts):
-        for key in _META_KEYS:
-            if key in first.meta:
-                node.meta[key] = first.meta[key]
+    with graph.inserting_before(first):
+        cat = fx.emit(graph, "call_function", torch.cat, ([wa, wb], 1), like=first)
+        t = fx.emit(graph, "call_method", "transpose", (cat, -2, -1), like=first)
+        ab = fx.emit(graph, "call_function", torch._grouped_mm, (x, t), {"offs": offs}, like=first)
+        parts = [
+            fx.emit(graph, "call_function", torch.narrow, (ab, -1, start, length), like=first)
+            for start, length in ((0, fa), (fa, fb))
+        ]
     for old, new in zip((first, second), parts, strict=True):
         transpose = old.args[1]
         old.replace_all_uses_with(new)
@@ -171,9 +152,6 @@ def fuse_sibling_grouped_mm_pass(
         try:
             ctx.note(_fuse(gm, first, second))
             changed = True
-        except _Refuse as why:
+        except Refuse as why:
             ctx.note(f"left {first.name} and {second.name} unchanged: {why}")
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return fx.finish(gm, changed)

@@ -1,0 +1,410 @@
+"""Shared FX helpers of graphtrain's passes: node values, call matching, new nodes, aliasing,
+and the one way a matcher refuses.
+
+Node values
+    `val`, `shape`, `dtype` read the fake tensors Dynamo records on every node
+    (meta["example_value"]); `plain_tensor` refuses a value the ops are not wired for (missing,
+    a DTensor, symbolic shape).
+Call matching
+    `call(node)` is one view of a call in any spelling: x.topk(k), torch.topk(x, k), an in-place
+    method (x.div_(y)) or operator (x /= y) give a `Call` with the method's name (in-place
+    underscore removed), its arguments as the method receives them (input first) and an
+    `inplace` flag; `is_call(node, *names)` tests the name. The canonicalize pass has already
+    brought reshapes to one spelling and casts to x.to(dtype) (it runs first); the tables here
+    still read the remaining variety (operators, function/method twins, in-place forms).
+New nodes
+    `emit` inserts a call and records its example_value by running it on the fake values, and
+    copies the provenance (`META_KEYS`, what the dumps and `graphtrain inspect` show) from the
+    node it replaces: every pass's rewritten nodes point at the model's source line.
+Aliasing
+    `alias_root` / `aliases` follow views and in-place ops, for the checks that erasing or moving
+    a sub-graph cannot change what another node reads.
+Refusals
+    A matcher raises `Refuse(reason)` wherever it stops; the pass catches it and writes
+    ctx.note(f"left {node} unchanged: {reason}"), so every refusal carries its reason.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import Node
+from torch.fx.node import map_arg
+from torch.utils._pytree import tree_leaves
+
+# Provenance carried from a replaced node to its replacement.
+META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+class Refuse(Exception):
+    """A candidate the pass leaves alone; the message says why (it becomes the pass note)."""
+
+
+# ---- node values ---------------------------------------------------------------------------
+
+
+def val(node: Any) -> Any:
+    """The value Dynamo recorded for `node` (a fake tensor, a tuple, ...), None for constants."""
+    return node.meta.get("example_value") if isinstance(node, Node) else None
+
+
+def shape(node: Any) -> tuple | None:
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def dtype(node: Any) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def plain_tensor(node: Node, what: str) -> torch.Tensor:
+    """The recorded value of `node`; Refuse when there is none, it is a DTensor or its shape is
+    symbolic (graphtrain's ops are wired for plain, static tensors)."""
+    v = val(node)
+    if not isinstance(v, torch.Tensor):
+        raise Refuse(f"{what} {node.name} has no recorded tensor value")
+    if is_dtensor(v):
+        raise Refuse(f"{what} {node.name} is a DTensor")
+    if not all(isinstance(s, int) for s in v.shape):
+        raise Refuse(f"{what} {node.name} has symbolic shape {tuple(v.shape)}")
+    return v
+
+
+def fake_mode_of(nodes: Iterable[Any]) -> Any:
+    """The fake mode that made the recorded values (the tracing context's may be another)."""
+    for node in nodes:
+        for v in tree_leaves(val(node)):  # a tensor, or a tuple of them
+            v = getattr(v, "_local_tensor", v)  # a DTensor's local fake tensor
+            if isinstance(v, FakeTensor):
+                return v.fake_mode
+    raise ValueError("no recorded fake tensor among the nodes (not a Dynamo graph?)")
+
+
+# ---- call matching -------------------------------------------------------------------------
+
+# call_function targets -> the method name they mean (call_method nodes use the name itself).
+FUNCTIONS: dict[Any, str] = {
+    torch.softmax: "softmax",
+    torch.sigmoid: "sigmoid",
+    torch.topk: "topk",
+    torch.sort: "sort",
+    torch.argsort: "argsort",
+    torch.gather: "gather",
+    operator.add: "add",
+    torch.add: "add",
+    operator.truediv: "div",
+    torch.div: "div",
+    torch.true_divide: "div",
+    operator.mul: "mul",
+    torch.mul: "mul",
+    operator.getitem: "getitem",
+    operator.invert: "logical_not",
+    torch.logical_not: "logical_not",
+    torch.bitwise_not: "logical_not",
+    operator.eq: "eq",
+    torch.eq: "eq",
+    torch.masked_fill: "masked_fill",
+    torch.scatter: "scatter",
+    torch.bincount: "bincount",
+    torch.histc: "histc",
+    torch.scatter_add: "scatter_add",
+    torch.index_add: "index_add",
+    torch.zeros: "zeros",
+    torch.ones: "ones",
+    torch.full: "full",
+    torch.zeros_like: "zeros_like",
+    torch.ones_like: "ones_like",
+    torch.full_like: "full_like",
+    torch.flatten: "flatten",
+    torch.reshape: "reshape",
+    torch.unsqueeze: "unsqueeze",
+    torch.unflatten: "unflatten",
+    torch.sum: "sum",
+    torch.amax: "amax",
+    torch.max: "max",
+    torch.logsumexp: "logsumexp",
+    torch.detach: "detach",
+    torch.transpose: "transpose",
+    torch.t: "t",
+    torch.index_select: "index_select",
+    torch.index_copy: "index_copy",
+    torch.floor_divide: "floor_divide",
+    operator.floordiv: "floor_divide",
+    torch.empty_like: "empty_like",
+}
+# In-place operators (x /= y, x[i] = v, ...): read as their method, and seen by the in-place
+# checks.
+INPLACE_FUNCTIONS = {
+    operator.itruediv: "div",
+    operator.imul: "mul",
+    operator.iadd: "add",
+    operator.isub: "sub",
+    operator.iand: "and",
+    operator.ior: "or",
+    operator.ixor: "xor",
+    operator.setitem: "setitem",
+}
+METHOD_ALIASES = {
+    "true_divide": "div",
+    "divide": "div",
+    "multiply": "mul",
+    "bitwise_not": "logical_not",
+    "expand_as": "expand",
+}
+# Ops that reinterpret a tensor in row-major order (what they did is read from the shapes).
+REINTERPRET = ("reshape", "view", "flatten", "unflatten", "unsqueeze", "contiguous")
+# Constant tensors: the fill value each makes (None: the fill_value argument says).
+FILLS = {
+    "ones": 1,
+    "ones_like": 1,
+    "new_ones": 1,
+    "zeros": 0,
+    "zeros_like": 0,
+    "new_zeros": 0,
+    "full": None,
+    "full_like": None,
+    "new_full": None,
+}
+# Ops whose output may share storage with their input (conservative: for in-place checks).
+ALIASING = (*REINTERPRET, "detach", "expand", "getitem", "squeeze", "t", "transpose", "permute")
+# Casts with no argument -> the dtype they convert to.
+DTYPE_METHODS = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int": torch.int32,
+    "long": torch.int64,
+    "short": torch.int16,
+    "bool": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    node: Node
+    name: str  # the method name, in-place underscore removed
+    args: tuple  # as the method receives them: the input first
+    kwargs: dict
+    inplace: bool
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        """Argument i (0 is the input) or keyword `name`."""
+        if len(self.args) > i:
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+
+def call(node: Any) -> Call | None:
+    """A uniform view of a call: method and function spellings give the same name and args."""
+    if not isinstance(node, Node):
+        return None
+    if node.op == "call_method":
+        name = node.target
+        inplace = name.endswith("_") and not name.endswith("__")
+        name = name[:-1] if inplace else name
+        return Call(node, METHOD_ALIASES.get(name, name), node.args, node.kwargs, inplace)
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target in INPLACE_FUNCTIONS:
+        return Call(node, INPLACE_FUNCTIONS[target], node.args, node.kwargs, True)
+    try:
+        name = FUNCTIONS.get(target)
+    except TypeError:  # unhashable target
+        return None
+    return None if name is None else Call(node, name, node.args, node.kwargs, False)
+
+
+def is_call(node: Any, *names: str) -> Call | None:
+    """call(node) when its name is one of `names`, else None."""
+    c = call(node)
+    return c if c is not None and c.name in names else None
+
+
+def uses(node: Node, *names: str) -> list[Call]:
+    """The calls named `names` among the users of `node` that take it as their input."""
+    return [c for u in node.users if (c := is_call(u, *names)) is not None and c.args[0] is node]
+
+
+def arg(node: Node, i: int, name: str, default: Any = None) -> Any:
+    """Positional argument i or keyword `name` of a node, as written."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and dim in (-1, ndim - 1)
+
+
+def getitem_index(node: Node, source: Node) -> Any:
+    """i when `node` is source[i], else None."""
+    c = is_call(node, "getitem")
+    return c.args[1] if c is not None and c.args[0] is source else None
+
+
+def prefix_slice(node: Node) -> int | None:
+    """k when `node` is x[:, :k] / x[..., :k] of a 2-D x (a leading column slice)."""
+    c = is_call(node, "getitem")
+    if c is None or not isinstance(c.args[1], tuple) or len(c.args[1]) != 2:
+        return None
+    first, second = c.args[1]
+    if not (first is Ellipsis or first == slice(None)):
+        return None
+    if (
+        not isinstance(second, slice)
+        or second.start not in (None, 0)
+        or second.step not in (None, 1)
+    ):
+        return None
+    return second.stop if isinstance(second.stop, int) and second.stop > 0 else None
+
+
+def is_reinterpret(c: Call) -> bool:
+    """A row-major reinterpretation: reshape-like ops and x[...] indexing with only None /
+    Ellipsis / full slices."""
+    if c.name in REINTERPRET:
+        return True
+    if c.name == "getitem" and isinstance(val(c.args[0]), torch.Tensor):
+        idx = c.args[1] if isinstance(c.args[1], tuple) else (c.args[1],)
+        return all(i is None or i is Ellipsis or i == slice(None) for i in idx)
+    return False
+
+
+def cast_dtype(node: Any) -> torch.dtype | None:
+    """The dtype of a plain dtype cast, x.to(dtype) (canonicalize's form), x.float(), ...;
+    None for anything else (a device move, copy=True, memory_format, ...)."""
+    c = call(node)
+    if c is None or c.inplace or len(c.args) < 1:
+        return None
+    if c.name in DTYPE_METHODS and len(c.args) == 1 and not c.kwargs:
+        return DTYPE_METHODS[c.name]
+    if c.name in ("to", "type"):
+        rest = [*c.args[1:], *c.kwargs.values()]
+        if len(rest) == 1 and isinstance(rest[0], torch.dtype) and set(c.kwargs) <= {"dtype"}:
+            return rest[0]
+    return None
+
+
+# ---- new nodes -----------------------------------------------------------------------------
+
+
+def copy_meta(src: Node, dst: Node) -> None:
+    """Give `dst` the provenance of `src` (source line, module path)."""
+    for key in META_KEYS:
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def emit(
+    graph: torch.fx.Graph,
+    op: str,
+    target: Any,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    like: Node | None = None,
+) -> Node:
+    """A new call_function / call_method node at the graph's insertion point, its example_value
+    computed on the recorded fake values, its provenance copied from `like`."""
+    kwargs = kwargs or {}
+    node = graph.create_node(op, target, args, kwargs)
+    vargs, vkwargs = map_arg((args, kwargs), val)
+    with fake_mode_of(node.all_input_nodes):
+        if op == "call_method":
+            value = getattr(vargs[0], target)(*vargs[1:], **vkwargs)
+        else:
+            value = target(*vargs, **vkwargs)
+    node.meta["example_value"] = value
+    if like is not None:
+        copy_meta(like, node)
+    return node
+
+
+def finish(gm: torch.fx.GraphModule, changed: bool) -> torch.fx.GraphModule:
+    """End of every pass: check and regenerate the code when anything changed."""
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+# ---- aliasing ------------------------------------------------------------------------------
+
+
+def alias_root(node: Node) -> Node:
+    """The tensor that `node` views or mutates (following views and in-place ops back)."""
+    while (c := call(node)) is not None and (c.name in ALIASING or c.inplace):
+        if not isinstance(val(c.args[0]), torch.Tensor):
+            break
+        node = c.args[0]
+    return node
+
+
+def aliases(root: Node, stop: Iterable[Node] = ()) -> set[Node]:
+    """root and every node viewing or mutating it (not looking past the nodes in `stop`)."""
+    stop = set(stop)
+    out, todo = {root}, [root]
+    while todo:
+        n = todo.pop()
+        if n in stop:
+            continue
+        for u in n.users:
+            c = call(u)
+            if c is not None and (c.name in ALIASING or c.inplace) and c.args[0] is n:
+                if u not in out:
+                    out.add(u)
+                    todo.append(u)
+    return out
+
+
+def check_mutations(
+    graph: torch.fx.Graph, nodes: set[Node], rewired: set[Node], inputs: set[Node], at: Node
+) -> None:
+    """Refuse when replacing the sub-graph `nodes` by one op at `at` could change what some
+    node sees: the op reads `inputs` at `at`, the readers of `rewired` get the op's outputs,
+    and the other nodes of the sub-graph are erased (those still used elsewhere stay).
+
+    An erased in-place op must not have written a tensor that a node outside the sub-graph
+    reads afterwards; an in-place op outside it on a tensor the sub-graph reads must not fall
+    between two of its reads (nor after the point where the op reads its inputs).
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = {alias_root(n) for n in inputs}
+    watched = inputs | {alias_root(n) for n in nodes}
+    for node in graph.nodes:
+        c = call(node)
+        if c is None or not c.inplace or not isinstance(c.args[0], Node):
+            continue
+        root = alias_root(c.args[0])
+        if node in nodes:
+            views = aliases(root, rewired)
+            for a in views - rewired:
+                for u in a.users:
+                    if u not in nodes and u not in views and order[u] > order[node]:
+                        raise Refuse(
+                            f"the in-place {node.name} changes {root.name}, which {u.name} "
+                            "reads afterwards"
+                        )
+        elif root in watched:
+            reads = [order[u] for a in aliases(root) for u in a.users if u in nodes]
+            if root in inputs:
+                reads.append(order[at])
+            before = any(o < order[node] for o in reads)
+            after = any(o > order[node] for o in reads)
+            if after and (before or root not in inputs):
+                raise Refuse(f"{node.name} changes {root.name} in place inside the sub-graph")

@@ -1,7 +1,8 @@
 """Shared fixtures: a small synthetic corpus with its tokenizer, the argv of a debug job on it
 (used by the trainer and checkpoint tests), a torchrun launcher for multi-rank jobs, a
 one-rank gloo group, the TRITON_INTERPRET=1 subprocess the kernel tests run, and for the pass
-tests a pass's entry in a graph dump and a module's gradients, eager or compiled."""
+tests a Dynamo graph as a pass receives it, a pass's entry in a graph dump and a module's
+gradients, eager or compiled."""
 
 import json
 import os
@@ -114,6 +115,21 @@ def run_benchmark_smoke(name: str, marker: str) -> None:
     """Run `python benchmarks/NAME --cpu-smoke`; it must succeed and print `marker`."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / name
     _run_python([str(script), "--cpu-smoke"], marker)
+
+
+def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    """The graph Dynamo captures for fn(*args) (torch IR with example_value meta), as a
+    pre-grad pass receives it, before any pass ran."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=record, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
 
 
 def pass_step(dump: Path, label: str) -> dict:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Node
 from torch.fx.node import map_arg
@@ -92,7 +93,10 @@ def fake_mode_of(nodes: Iterable[Any]) -> Any:
             v = getattr(v, "_local_tensor", v)  # a DTensor's local fake tensor
             if isinstance(v, FakeTensor):
                 return v.fake_mode
-    raise ValueError("no recorded fake tensor among the nodes (not a Dynamo graph?)")
+    mode = detect_fake_mode()  # e.g. only an nn.Linear's real weight: the tracing context's
+    if mode is None:
+        raise ValueError("no recorded fake tensor among the nodes (not a Dynamo graph?)")
+    return mode
 
 
 # ---- call matching -------------------------------------------------------------------------

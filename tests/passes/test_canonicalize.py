@@ -12,23 +12,10 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import dynamo_graph
 
 from graphtrain.passes.canonicalize import canonicalize, canonicalize_pass
 from graphtrain.passes.registry import PassContext, all_passes
-
-
-def _capture(fn, *args) -> torch.fx.GraphModule:
-    """The Dynamo graph of fn(*args) (torch IR with example_value meta), unchanged."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=record, fullgraph=True)(*args)
-    (gm,) = graphs
-    return gm
 
 
 def _calls(gm: torch.fx.GraphModule) -> list[tuple[str, object]]:
@@ -146,7 +133,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_rewrite_spelling_bitwise_and_idempotent(name):
     fn, args, expected = CASES[name]
-    gm = _capture(fn, *args)
+    gm = dynamo_graph(fn, *args)
     before = gm(*args)
     ctx = PassContext()
     gm = canonicalize_pass(gm, args, ctx=ctx)
@@ -172,7 +159,7 @@ def test_gradients_bitwise_equal():
         return s.gather(1, s.topk(2, -1).indices).double().sum()
 
     x = _x(4, 6).requires_grad_()
-    gm = _capture(fn, x)
+    gm = dynamo_graph(fn, x)
     ref = fn(x)
     (ref_grad,) = torch.autograd.grad(ref, x)
     gm = canonicalize_pass(gm, (x,), ctx=PassContext())
@@ -199,7 +186,7 @@ UNKNOWN = {
 def test_leaves_unknown_code_alone(name):
     fn = UNKNOWN[name]
     x = _x(4, 3)
-    gm = _capture(fn, x)
+    gm = dynamo_graph(fn, x)
     code = gm.code
     ctx = PassContext()
     canonicalize_pass(gm, (x,), ctx=ctx)
@@ -214,7 +201,7 @@ def test_dtensor_reshape_left_alone(one_rank_group):
 
     mesh = init_device_mesh("cpu", (1,))
     x = distribute_tensor(_x(4, 6), mesh, [Replicate()])
-    gm = _capture(lambda t: t.view(2, 12).softmax(-1), x)
+    gm = dynamo_graph(lambda t: t.view(2, 12).softmax(-1), x)
     code = gm.code
     canonicalize(gm)
     assert gm.code == code

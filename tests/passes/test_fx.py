@@ -8,21 +8,9 @@ import operator
 
 import pytest
 import torch
+from conftest import dynamo_graph
 
 from graphtrain.passes import fx
-
-
-def _capture(fn, *args) -> torch.fx.GraphModule:
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=record, fullgraph=True)(*args)
-    (gm,) = graphs
-    return gm
 
 
 def _nodes(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
@@ -42,7 +30,7 @@ def test_call_reads_every_spelling_alike():
         return a, b, c, d, e
 
     x, y = torch.randn(3, 4), torch.rand(3, 4) + 1
-    gm = _capture(fn, x, y)
+    gm = dynamo_graph(fn, x, y)
     calls = [fx.call(n) for n in gm.graph.nodes if n.op.startswith("call")]
     divs = [c for c in calls if c is not None and c.name == "div"]
     assert len(divs) == 5, gm.code
@@ -68,7 +56,7 @@ def test_call_reads_every_spelling_alike():
     ],
 )
 def test_cast_dtype(spelling, expected):
-    gm = _capture(spelling, torch.randn(3, dtype=torch.float16))
+    gm = dynamo_graph(spelling, torch.randn(3, dtype=torch.float16))
     (node,) = [n for n in gm.graph.nodes if n.op.startswith("call")]
     assert fx.cast_dtype(node) == expected, gm.code
 
@@ -77,7 +65,7 @@ def test_prefix_slice_and_reinterpret():
     def fn(x):
         return x[:, :3], x[..., :2], x[:, 1:3], x[1:, :2], x[:, None], x[..., None].flatten(1)
 
-    gm = _capture(fn, torch.randn(4, 5))
+    gm = dynamo_graph(fn, torch.randn(4, 5))
     slices = [n for n in gm.graph.nodes if n.target is operator.getitem]
     assert [fx.prefix_slice(n) for n in slices] == [3, 2, None, None, None, None]
     reinterprets = [n.name for n in gm.graph.nodes if (c := fx.call(n)) and fx.is_reinterpret(c)]
@@ -96,7 +84,7 @@ def test_aliases_and_check_mutations():
         other = x.exp()
         return after, other
 
-    gm = _capture(fn, torch.randn(3, 4))
+    gm = dynamo_graph(fn, torch.randn(3, 4))
     n = _nodes(gm)
     mul = next(x for x in gm.graph.nodes if (c := fx.call(x)) and c.inplace)
     assert fx.alias_root(mul) is n["s"]
@@ -110,7 +98,7 @@ def test_aliases_and_check_mutations():
 
 
 def test_emit_records_value_and_provenance():
-    gm = _capture(lambda x: x.softmax(-1) * 2, torch.randn(3, 4))
+    gm = dynamo_graph(lambda x: x.softmax(-1) * 2, torch.randn(3, 4))
     (sm,) = [n for n in gm.graph.nodes if n.target == "softmax"]
     with gm.graph.inserting_after(sm):
         new = fx.emit(gm.graph, "call_function", torch.topk, (sm, 2), like=sm)
@@ -121,7 +109,7 @@ def test_emit_records_value_and_provenance():
 
 
 def test_plain_tensor_refuses_with_the_reason():
-    gm = _capture(lambda x: x + 1, torch.randn(2))
+    gm = dynamo_graph(lambda x: x + 1, torch.randn(2))
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
     assert fx.plain_tensor(node, "the sum").shape == (2,)
     del node.meta["example_value"]

@@ -277,10 +277,17 @@ class SelectionMatcher:
     def score_function(self, scores: Node, T: int, E: int) -> tuple[Node, str, bool]:
         """(logits, score_func, pre_softmax)."""
         if fx.dtype(scores) != torch.float32:
-            raise Refuse(
-                f"the scores {scores.name} are {fx.dtype(scores)}: the op computes in fp32 (cast the "
-                "logits with .float() first, or softmax(..., dtype=torch.float32))"
-            )
+            if fx.cast_dtype(scores) is not None and fx.dtype(scores.args[0]) == torch.float32:
+                how = (  # Megatron's softmax(logits, dtype=float32).type_as(logits)
+                    f"fp32 {scores.args[0].name} cast back to it; the op keeps its scores in fp32 "
+                    "(selection and weights would round differently)"
+                )
+            else:
+                how = (
+                    "the op computes in fp32 (cast the logits with .float() first, or "
+                    "softmax(..., dtype=torch.float32))"
+                )
+            raise Refuse(f"the scores {scores.name} are {fx.dtype(scores)}: {how}")
         c = fx.call(scores)
         if c is not None and c.name == "softmax" and fx.last_dim(c.arg(1, "dim"), 2):
             if c.arg(2, "dtype") not in (None, torch.float32):

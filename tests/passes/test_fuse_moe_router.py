@@ -640,7 +640,7 @@ def test_megatron_bf16_router_refusal_is_noted(tmp_path):
     step = _pass_step(tmp_path)
     assert OP not in step["op_counts"] and step["op_diff"] == {}
     (note,) = [n for n in step["notes"] if n.startswith("left topk_")]  # the expert top-k
-    assert "torch.bfloat16" in note and "fp32" in note, step["notes"]
+    assert "torch.bfloat16" in note and "fp32 sigmoid cast back" in note, step["notes"]
 
 
 def test_bf16_logits_with_float32_softmax_fuse(tmp_path):

@@ -78,8 +78,10 @@ def _check_permutation(order: Node, slots: int) -> None:
     """Refuse unless `order` is an argsort of a 1-D tensor of `slots` elements."""
     if is_call(order, "argsort"):
         keys = order.args[0]
-    elif fx.getitem_index(order, order.args[0]) == 1 and is_call(order.args[0], "sort"):
-        keys = order.args[0].args[0]
+    elif (
+        (item := is_call(order, "getitem")) and item.args[1] == 1 and is_call(item.args[0], "sort")
+    ):
+        keys = item.args[0].args[0]
     else:
         raise Refuse(
             f"the slot order {order.name} is not an argsort (not known to be a permutation)"

@@ -98,6 +98,18 @@ class NotAPermutation(Dispatch):
         return torch.tanh(x[idx // K]).sum()
 
 
+class OrderGiven(Dispatch):
+    """x[order // k] with an order the graph receives as it is (a buffer: an input of the
+    graph, not known to be a permutation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("order", torch.randperm(T * K, generator=torch.Generator()))
+
+    def forward(self, x):
+        return torch.tanh(x[self.order // K]).sum()
+
+
 class SlotsReturned(Dispatch):
     """The [T*k, D] slot buffer is also returned: the combine must stay."""
 
@@ -123,6 +135,7 @@ class MeanCombine(Dispatch):
     "module,permutes,unpermutes,note",
     [
         (NotAPermutation(), 0, 0, "is not an argsort"),
+        (OrderGiven(), 0, 0, "is not an argsort"),
         (SlotsReturned(), 1, 0, "not only by the combine"),
         (MeanCombine(), 1, 0, "are not multiplied by the weights"),
     ],

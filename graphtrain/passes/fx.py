@@ -213,6 +213,11 @@ class Call:
             return self.args[i]
         return self.kwargs.get(name, default)
 
+    @property
+    def input(self) -> Any:
+        """The tensor the call reads first (x of x.op(...), torch.op(x, ...), op(input=x))."""
+        return self.arg(0, "input", self.kwargs.get("self"))
+
 
 def call(node: Any) -> Call | None:
     """A uniform view of a call: method and function spellings give the same name and args."""
@@ -243,7 +248,7 @@ def is_call(node: Any, *names: str) -> Call | None:
 
 def uses(node: Node, *names: str) -> list[Call]:
     """The calls named `names` among the users of `node` that take it as their input."""
-    return [c for u in node.users if (c := is_call(u, *names)) is not None and c.args[0] is node]
+    return [c for u in node.users if (c := is_call(u, *names)) is not None and c.input is node]
 
 
 def arg(node: Node, i: int, name: str, default: Any = None) -> Any:
@@ -353,9 +358,9 @@ def finish(gm: torch.fx.GraphModule, changed: bool) -> torch.fx.GraphModule:
 def alias_root(node: Node) -> Node:
     """The tensor that `node` views or mutates (following views and in-place ops back)."""
     while (c := call(node)) is not None and (c.name in ALIASING or c.inplace):
-        if not isinstance(val(c.args[0]), torch.Tensor):
+        if not isinstance(val(c.input), torch.Tensor):
             break
-        node = c.args[0]
+        node = c.input
     return node
 
 
@@ -369,7 +374,7 @@ def aliases(root: Node, stop: Iterable[Node] = ()) -> set[Node]:
             continue
         for u in n.users:
             c = call(u)
-            if c is not None and (c.name in ALIASING or c.inplace) and c.args[0] is n:
+            if c is not None and (c.name in ALIASING or c.inplace) and c.input is n:
                 if u not in out:
                     out.add(u)
                     todo.append(u)
@@ -392,9 +397,9 @@ def check_mutations(
     watched = inputs | {alias_root(n) for n in nodes}
     for node in graph.nodes:
         c = call(node)
-        if c is None or not c.inplace or not isinstance(c.args[0], Node):
+        if c is None or not c.inplace or not isinstance(c.input, Node):
             continue
-        root = alias_root(c.args[0])
+        root = alias_root(c.input)
         if node in nodes:
             views = aliases(root, rewired)
             for a in views - rewired:

@@ -121,7 +121,7 @@ def test_ref_token_chunks(reduction):
     """Several token chunks (the reference never holds [N, V]) give the same as the oracle."""
     hidden, weight, target = make_inputs(7, N=53, H=11, V=97, dtype=torch.float64)
     opts = dict(label_smoothing=0.1, z_loss=1e-3)
-    loss, lse, gh, gw = lce.linear_cross_entropy_ref(
+    loss, lse, gh, gw, _ = lce.linear_cross_entropy_ref(
         hidden, weight, target, token_chunk=8, reduction=reduction, **opts
     )
     ref, rgh, rgw = grads(
@@ -186,7 +186,7 @@ def test_frozen_weight_and_no_grad():
     assert_close(loss2, plain_f64(hidden, weight, target), 2e-6)
     # Under no_grad the forward computes no gradient at all (one GEMM, not four).
     with torch.no_grad():
-        _, _, g_h, g_w = torch.ops.graphtrain.linear_cross_entropy_forward(
+        _, _, g_h, g_w, _ = torch.ops.graphtrain.linear_cross_entropy_forward(
             hidden, weight, target, IGNORE, 0.0, 0.0, "mean", None, False, False
         )
     assert g_h.numel() == 0 and g_w.numel() == 0
@@ -292,7 +292,7 @@ def _triton_case(
     g = torch.Generator().manual_seed(grad_seed)
     N = hidden.shape[0]
     if reduction == "none":
-        loss_tok, lse, _, _ = lce._lce_triton(
+        loss_tok, lse, _, _, _ = lce._lce_triton(
             hidden,
             weight,
             target,
@@ -304,7 +304,7 @@ def _triton_case(
             **opts,
         )
         go = torch.randn(N, generator=g, dtype=torch.float64).float()
-        _, _, gh, gw = lce._lce_triton(
+        _, _, gh, gw, _ = lce._lce_triton(
             hidden,
             weight,
             target,
@@ -318,7 +318,7 @@ def _triton_case(
         return loss_tok, gh, gw
     go = torch.randn((), generator=g, dtype=torch.float64).float()
     row_scale = lce._row_scale(valid, reduction, torch.float32) * go
-    loss_tok, _, gh, gw = lce._lce_triton(
+    loss_tok, _, gh, gw, _ = lce._lce_triton(
         hidden,
         weight,
         target,

@@ -242,13 +242,18 @@ def _input_dtype_accumulation(hidden: Tensor, weight: Tensor, opts: LCEOptions) 
     )
 
 
+def _at_most_four_chunks(rows: int, N: int) -> int:
+    """Rows per chunk for fast mode's 16-bit grad_weight accumulation: at most four roundings."""
+    return max(rows, math.ceil(N / _MAX_INPUT_DTYPE_CHUNKS))
+
+
 def _fast_token_chunk(N: int, V: int, elem_size: int, input_dtype_accumulation: bool) -> int:
     """Fast mode's rows per token chunk on a GPU: the logits buffer within _FAST_BUFFER_BYTES,
     clamped to [2048, 4096] rows, and at least N / 4 rows for 16-bit accumulation."""
     rows = _FAST_BUFFER_BYTES // max(1, V * elem_size)
     rows = max(_FAST_MIN_ROWS, min(_FAST_MAX_ROWS, rows))
     if input_dtype_accumulation:
-        rows = max(rows, math.ceil(N / _MAX_INPUT_DTYPE_CHUNKS))
+        rows = _at_most_four_chunks(rows, N)
     return min(rows, max(N, 1))
 
 
@@ -404,13 +409,11 @@ def _grads_or_placeholders(
 
 
 def _ref_token_chunk(N: int, V: int, opts: LCEOptions, input_dtype_accumulation: bool) -> int:
-    chunk = opts.token_chunk or max(1, _REF_CHUNK_ELEMENTS // max(V, 1))
     if input_dtype_accumulation:
-        # At most four roundings of grad_weight; without an explicit chunk exactly four, the
-        # GPU's worst case, so the CPU path has the numerics the docstring states.
-        fewest = math.ceil(N / _MAX_INPUT_DTYPE_CHUNKS)
-        chunk = max(opts.token_chunk, fewest) if opts.token_chunk else fewest
-    return chunk
+        # Without an explicit chunk exactly four chunks, the GPU's worst case, so the CPU path
+        # has the numerics the docstring states.
+        return _at_most_four_chunks(opts.token_chunk, N)
+    return opts.token_chunk or max(1, _REF_CHUNK_ELEMENTS // max(V, 1))
 
 
 def _ref_run(
@@ -985,7 +988,10 @@ def _lce_triton_fast(
     want_gh = row_scale is not None and opts.compute_grad_hidden
     want_gw = row_scale is not None and opts.compute_grad_weight
     in_dtype_acc = _input_dtype_accumulation(hidden, weight, opts)
-    rows = opts.token_chunk or _fast_token_chunk(N, V, hidden.element_size(), in_dtype_acc)
+    if opts.token_chunk:
+        rows = _at_most_four_chunks(opts.token_chunk, N) if in_dtype_acc else opts.token_chunk
+    else:
+        rows = _fast_token_chunk(N, V, hidden.element_size(), in_dtype_acc)
     col_chunk = vocab_chunk or _MAX_VOCAB_CHUNK  # the stats kernel holds a piece of a row
 
     lse = lse_in.to(f32).contiguous() if known_lse else torch.empty(N, dtype=f32, device=dev)

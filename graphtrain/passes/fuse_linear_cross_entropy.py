@@ -45,8 +45,10 @@ Invariant and numerics
 from __future__ import annotations
 
 import inspect
+import math
 import operator
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +57,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-import graphtrain.custom_ops.linear_cross_entropy  # noqa: F401  (registers graphtrain::linear_cross_entropy)
+import graphtrain.custom_ops.linear_cross_entropy as lce_op  # registers graphtrain::linear_cross_entropy
 from graphtrain.passes.registry import PassContext, register_pass
 
 _CE_TARGETS = (F.cross_entropy,)
@@ -370,7 +372,9 @@ def _to_local(graph: torch.fx.Graph, fake_mode: Any, node: torch.fx.Node) -> tor
     return local
 
 
-def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx.Node:
+def _rewrite(
+    gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match, mode: dict[str, Any]
+) -> torch.fx.Node:
     graph = gm.graph
     meta_keys = ("stack_trace", "nn_module_stack", "source_fn_stack")
     nodes_before = set(graph.nodes)
@@ -399,9 +403,10 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
             with fake_mode:
                 flat.meta["example_value"] = hidden_val.reshape(-1, H)
             hidden = flat
-        if weight_val.dtype != m.compute_dtype:
+        if weight_val.dtype != m.compute_dtype and mode["mode"] != "fast":
             # Autocast: the linear ran on bf16/fp16 copies of fp32 operands; make the casts
-            # explicit (their backward casts the gradients back, as autocast's do).
+            # explicit (their backward casts the gradients back, as autocast's do). Fast mode
+            # takes the fp32 weight itself and accumulates its fp32 gradient directly.
             weight = _cast(graph, fake_mode, weight, weight_val, m.compute_dtype)
             weight_val = _val(weight)
         if _val(hidden).dtype != m.compute_dtype:
@@ -410,6 +415,7 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
             "ignore_index": m.ignore_index,
             "label_smoothing": m.label_smoothing,
             "reduction": m.reduction,
+            **mode,
         }
         op, args = _FUSED_OP, (hidden, weight, m.target)
         if m.group_name is not None:
@@ -444,6 +450,70 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
     return fused
 
 
+def _memory_budget(options: Mapping[str, Any], device: torch.device) -> tuple[int, str]:
+    """(bytes, where the figure comes from): compile.lce_memory_budget, or 0 -> a quarter of
+    the free device memory now (compile time), or on CPU a quarter of the available system
+    memory (the CPU path's buffers live there)."""
+    budget = int(options.get("lce_memory_budget", 0))
+    if budget > 0:
+        return budget, "compile.lce_memory_budget"
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(device)
+        return free // 4, "a quarter of the free device memory"
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no sysconf (not POSIX): be conservative
+        free = 0
+    return free // 4, "a quarter of the available system memory"
+
+
+def _choose_mode(
+    options: Mapping[str, Any], m: _Match, gm: torch.fx.GraphModule
+) -> tuple[dict[str, Any], str]:
+    """The op's mode keywords for compile.lce_mode, and why (for the pass note).
+
+    auto: fast mode (three GEMMs) unless its extra bytes over low-memory mode exceed the
+    budget; for a 16-bit weight first with an fp32 grad_weight buffer, then with 16-bit
+    accumulation over at most four chunks (fast_mode_extra_bytes)."""
+    choice = options.get("lce_mode", "auto")
+    if choice not in ("auto", "fast", "low_memory"):
+        raise ValueError(f"compile.lce_mode must be 'auto', 'fast' or 'low_memory', got {choice!r}")
+    hidden_val = _val(m.hidden)
+    weight_val = (
+        _val(m.weight) if isinstance(m.weight, torch.fx.Node) else gm.get_parameter(m.weight)
+    )
+    N = math.prod(hidden_val.shape[:-1])
+    V, H = weight_val.shape
+    if m.group_name is not None:  # DTensors: this rank's shards
+        V = V // _tp_size(m.group_name)
+    if choice == "low_memory":
+        return {"mode": "low_memory"}, "compile.lce_mode = 'low_memory'"
+    if not isinstance(N, int):
+        if choice == "fast":
+            return {"mode": "fast"}, "compile.lce_mode = 'fast'"
+        return {"mode": "low_memory"}, "auto: the token count is symbolic, low memory is safe"
+    budget, source = _memory_budget(options, hidden_val.device)
+    gib = 1 << 30
+    tried = []
+    # fp32 accumulation first; a 16-bit weight's own dtype (four roundings) only if needed.
+    for acc in (True, False) if weight_val.dtype in _AUTOCAST_DTYPES else (True,):
+        extra = lce_op.fast_mode_extra_bytes(N, H, V, m.compute_dtype, weight_val.dtype, acc)
+        how = "fp32" if acc else f"{weight_val.dtype} over at most four chunks"
+        if extra <= budget:
+            return {"mode": "fast", "fp32_accumulator": acc}, (
+                f"{choice}: fast mode's {extra / gib:.2f} GiB extra (grad_weight accumulated "
+                f"in {how}) fits the budget of {budget / gib:.2f} GiB ({source})"
+            )
+        tried.append(f"{extra / gib:.2f} GiB with grad_weight in {how}")
+    over = (
+        f"fast mode's extra ({', '.join(tried)}) exceeds the budget of {budget / gib:.2f} GiB "
+        f"({source})"
+    )
+    if choice == "fast":
+        return {"mode": "fast", "fp32_accumulator": len(tried) == 1}, f"fast as configured; {over}"
+    return {"mode": "low_memory"}, f"auto: {over}"
+
+
 @register_pass(
     "fuse_linear_cross_entropy",
     stage="pre_grad",
@@ -466,7 +536,8 @@ def fuse_linear_cross_entropy_pass(
         if isinstance(m, str):
             ctx.note(f"left {ce.name} unchanged: {m}")
             continue
-        fused = _rewrite(gm, ce, m)
+        mode, why = _choose_mode(ctx.options, m, gm)
+        fused = _rewrite(gm, ce, m, mode)
         V, H = fused.args[1].meta["example_value"].shape
         op_name, vocab = "linear_cross_entropy", f"V={V}"
         if m.group_name is not None:
@@ -476,7 +547,7 @@ def fuse_linear_cross_entropy_pass(
             f"replaced {ce.name} and its head ({', '.join(n.name for n in reversed(m.chain))}) "
             f"with {fused.name} = graphtrain.{op_name}(H={H}, {vocab}, "
             f"reduction={m.reduction!r}, ignore_index={m.ignore_index}, "
-            f"label_smoothing={m.label_smoothing})"
+            f"label_smoothing={m.label_smoothing}, mode={mode['mode']!r}): {why}"
         )
         changed = True
     if changed:

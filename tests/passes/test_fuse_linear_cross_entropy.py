@@ -342,3 +342,61 @@ def test_tensor_parallel_head_uses_the_vocab_parallel_op(corpus, tmp_path):
     ]
     assert step["op_counts"].get("graphtrain.linear_cross_entropy_vocab_parallel.default") == 1
     assert CE not in step["op_counts"]
+
+
+def _compiled_notes(fn, args, tmp_path, options: dict) -> tuple[list[str], tuple]:
+    """The pass's notes and the compiled outputs/gradients with these pass options."""
+    leaves = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        fn,
+        backend=backend(inner="aot_eager", dump_dir=tmp_path, pass_options=options),
+        fullgraph=True,
+    )
+    out = compiled(*leaves)
+    grads = torch.autograd.grad(out, [a for a in leaves if a.requires_grad])
+    return _pass_step(tmp_path)["notes"], (out.detach(), *grads)
+
+
+@pytest.mark.parametrize(
+    "options,mode,why",
+    [
+        ({}, "fast", "auto: fast mode's"),  # default: a quarter of the free memory fits
+        ({"lce_memory_budget": 1 << 30}, "fast", "fits the budget of 1.00 GiB"),
+        ({"lce_memory_budget": 100}, "low_memory", "exceeds the budget"),
+        ({"lce_mode": "fast", "lce_memory_budget": 100}, "fast", "fast as configured"),
+        ({"lce_mode": "low_memory"}, "low_memory", "compile.lce_mode = 'low_memory'"),
+    ],
+)
+def test_mode_chosen_from_the_budget(options, mode, why, tmp_path):
+    """auto picks low-memory mode when fast mode's extra bytes exceed the budget and fast
+    otherwise; the note says which and why; both give the unrewritten loss and gradients."""
+    fn, _ = FUSED["F.linear + view"]
+    args = _inputs()
+    notes, got = _compiled_notes(fn, args, tmp_path / "c", options)
+    (note,) = [n for n in notes if "replaced" in n]
+    assert f"mode={mode!r}" in note and why in note, note
+    want_out, want_grads = _run(fn, args, None)
+    for a, b in zip(got, want_out + want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_autocast_fast_mode_takes_the_fp32_weight(tmp_path):
+    """Under autocast, fast mode gets the fp32 master weight itself (no cast node before the
+    op) and its fp32 gradient equals autocast's unfused computation up to bf16 rounding."""
+
+    def fn(h, w, t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(F.linear(h, w).float().view(-1, V), t.view(-1))
+
+    args = _inputs()
+    notes, got = _compiled_notes(fn, args, tmp_path, {"lce_mode": "fast"})
+    assert any("mode='fast'" in n for n in notes), notes
+    code = next(tmp_path.glob(f"*/*_{PASS}.txt")).read_text()
+    call = next(line for line in code.splitlines() if "graphtrain.linear_cross_entropy" in line)
+    assert "default(to, l_w_, " in call, call  # h cast to bf16, W as it is (fp32)
+    want_out, want_grads = _run(fn, args, None)
+    torch.testing.assert_close(got[0], want_out[0], rtol=1e-3, atol=1e-3)
+    for a, b in zip(got[1:], want_grads, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)

@@ -450,6 +450,198 @@ def _rewrite(
     return fused
 
 
+# --------------------------------------------------------------------------------------------
+# top-1 accuracy written in plain torch on the same logits -> the fused op's statistic
+# --------------------------------------------------------------------------------------------
+
+_WITH_STATS_OP = torch.ops.graphtrain.linear_cross_entropy_with_stats.default
+# Method and function spellings of the few calls an accuracy is written with, by one name.
+_ACC_CALLS: dict[Any, str] = {
+    torch.argmax: "argmax",
+    operator.eq: "eq",
+    torch.eq: "eq",
+    operator.ne: "ne",
+    torch.ne: "ne",
+    operator.and_: "and",
+    torch.logical_and: "and",
+    torch.bitwise_and: "and",
+    operator.mul: "and",  # of two bool tensors
+    torch.mul: "and",
+    torch.sum: "sum",
+    torch.mean: "mean",
+    torch.reshape: "reshape",
+    torch.flatten: "reshape",
+}
+_ACC_METHODS = {
+    "argmax": "argmax",
+    "eq": "eq",
+    "__eq__": "eq",
+    "ne": "ne",
+    "__ne__": "ne",
+    "__and__": "and",
+    "logical_and": "and",
+    "mul": "and",
+    "sum": "sum",
+    "mean": "mean",
+    "view": "reshape",
+    "reshape": "reshape",
+    "flatten": "reshape",
+    "float": "cast",
+    "long": "cast",
+    "int": "cast",
+    "to": "cast",
+}
+
+
+def _acc_call(node: Any) -> str | None:
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.op == "call_method":
+        return _ACC_METHODS.get(node.target)
+    return _ACC_CALLS.get(node.target) if node.op == "call_function" else None
+
+
+def _strip_reshapes(node: Any) -> Any:
+    while _acc_call(node) == "reshape":
+        node = node.args[0]
+    return node
+
+
+@dataclass
+class _Accuracy:
+    """`reduce` = sum or mean of [argmax(logits, -1) == target] (masked by target !=
+    ignore_index), which equals the op's top-1 count (or that count / numel for a mean)."""
+
+    argmax: torch.fx.Node
+    logits: torch.fx.Node  # the chain node argmax reads
+    target: torch.fx.Node  # the loss's target: what argmax reads while the loss is matched
+    reduce: torch.fx.Node
+    nodes: list[torch.fx.Node]  # the pattern, argmax first
+    mean_numel: int | None  # .mean(): the count it divides by
+
+
+def _find_accuracy(ce: torch.fx.Node) -> _Accuracy | None:
+    """A plain-torch top-1 accuracy on the logits `ce` reads, spelled
+    ((logits.argmax(-1) == labels) [& / * (labels != ignore_index)]) [.float()] .sum() / .mean()
+    with labels the loss's target (up to reshapes). The unmasked form only where ignore_index
+    < 0 (argmax never equals it). Ties: argmax picks the first maximum, the op counts any."""
+    try:
+        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    ignore_index, target = bound.arguments["ignore_index"], bound.arguments["target"]
+    node, chain = bound.arguments["input"], []
+    vocab = _val(node).shape[-1] if _val(node) is not None else None
+    while isinstance(node, torch.fx.Node) and node.op.startswith("call") and len(chain) < 8:
+        val = _val(node)
+        if val is None or val.dim() < 1 or val.shape[-1] != vocab:
+            break
+        chain.append(node)
+        node = node.args[0] if node.args else None
+    for x in chain:
+        for argmax in x.users:
+            found = _accuracy_from(argmax, x, target, ignore_index)
+            if found is not None:
+                return found
+    return None
+
+
+def _accuracy_from(
+    argmax: torch.fx.Node, logits: torch.fx.Node, target: Any, ignore_index: Any
+) -> _Accuracy | None:
+    dim = argmax.args[1] if len(argmax.args) > 1 else argmax.kwargs.get("dim")
+    ndim = _val(logits).dim()
+    if _acc_call(argmax) != "argmax" or dim not in (-1, ndim - 1) or argmax.kwargs.get("keepdim"):
+        return None
+    if not isinstance(target, torch.fx.Node):
+        return None
+    base_target = _strip_reshapes(target)
+    nodes = [argmax]
+
+    def sole_user(n: torch.fx.Node) -> torch.fx.Node | None:
+        return next(iter(n.users)) if len(n.users) == 1 else None
+
+    eq = sole_user(argmax)
+    if _acc_call(eq) != "eq" or len(eq.args) != 2:
+        return None
+    labels = eq.args[1] if eq.args[0] is argmax else eq.args[0]
+    if _strip_reshapes(labels) is not base_target:
+        return None
+    nodes.append(eq)
+    node = sole_user(eq)
+    masked = False
+    if _acc_call(node) == "and" and len(node.args) == 2:
+        mask = node.args[1] if node.args[0] is eq else node.args[0]
+        if _acc_call(mask) != "ne" or mask.args[1:] != (ignore_index,):
+            return None
+        if _strip_reshapes(mask.args[0]) is not base_target:
+            return None
+        masked = True
+        nodes.append(node)
+        node = sole_user(node)
+    if not masked and not (isinstance(ignore_index, int) and ignore_index < 0):
+        return None
+    if _acc_call(node) == "cast":
+        nodes.append(node)
+        node = sole_user(node)
+    kind = _acc_call(node)
+    if kind not in ("sum", "mean") or len(node.args) > 1 or node.kwargs:
+        return None  # a full reduction only
+    numel = _val(eq).numel() if kind == "mean" else None
+    return _Accuracy(argmax, logits, target, node, [*nodes, node], numel)
+
+
+def _fold_accuracy(gm: torch.fx.GraphModule, fused: torch.fx.Node, acc: _Accuracy) -> None:
+    """Make `fused` the with-stats op and let acc.reduce read its top-1 count; the argmax
+    pattern goes. Nodes that read the accuracy but came before the op move after it."""
+    graph = gm.graph
+    loss_val = fused.meta["example_value"]
+    reduce_val = _val(acc.reduce)
+    with loss_val.fake_mode:
+        stats_val = torch.empty(2, dtype=torch.int64, device=loss_val.device)
+    fused.target = _WITH_STATS_OP
+    fused.meta["example_value"] = (loss_val, stats_val)
+    with graph.inserting_after(fused):
+        loss = graph.call_function(operator.getitem, (fused, 0))
+    with graph.inserting_after(loss):
+        stats = graph.call_function(operator.getitem, (fused, 1))
+    with graph.inserting_after(stats):
+        hits = graph.call_function(torch.select, (stats, 0, 0))
+    with graph.inserting_after(hits):
+        value = graph.call_method("to", (hits, reduce_val.dtype))
+    new = [loss, stats, hits, value]
+    if acc.mean_numel is not None:
+        with graph.inserting_after(value):
+            value = graph.call_function(operator.truediv, (value, acc.mean_numel))
+        new.append(value)
+    with loss_val.fake_mode:
+        loss.meta["example_value"], stats.meta["example_value"] = loss_val, stats_val
+        hits.meta["example_value"] = stats_val[0]
+        new[3].meta["example_value"] = stats_val[0].to(reduce_val.dtype)
+        value.meta["example_value"] = reduce_val.new_empty(())
+    for node in new:
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in acc.reduce.meta:
+                node.meta[key] = acc.reduce.meta[key]
+    fused.replace_all_uses_with(loss, delete_user_cb=lambda u: u is not loss and u is not stats)
+    acc.reduce.replace_all_uses_with(value)
+    for node in reversed(acc.nodes):
+        graph.erase_node(node)
+    # Readers of the accuracy written before the loss: move them (and what reads them) after.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late, anchor = [], value
+    todo = [u for u in value.users]
+    while todo:
+        node = todo.pop()
+        if node.op != "output" and order[node] < order[value] and node not in late:
+            late.append(node)
+            todo.extend(node.users)
+    for node in sorted(late, key=order.__getitem__):
+        anchor.append(node)
+        anchor = node
+
+
 def _memory_budget(options: Mapping[str, Any], device: torch.device) -> tuple[int, str]:
     """(bytes, where the figure comes from): compile.lce_memory_budget, or 0 -> a quarter of
     the free device memory now (compile time), or on CPU a quarter of the available system
@@ -532,12 +724,20 @@ def fuse_linear_cross_entropy_pass(
         return gm
     changed = False
     for ce in ces:
+        acc = _find_accuracy(ce)
+        if acc is not None:  # out of the logits' users while matching (it goes if we fuse)
+            acc.argmax.replace_input_with(acc.logits, acc.target)
         m = _match(gm, ce)
         if isinstance(m, str):
+            if acc is not None:
+                acc.argmax.replace_input_with(acc.target, acc.logits)
             ctx.note(f"left {ce.name} unchanged: {m}")
             continue
         mode, why = _choose_mode(ctx.options, m, gm)
         fused = _rewrite(gm, ce, m, mode)
+        if acc is not None:
+            why += f"; the top-1 count {acc.reduce.name} comes from the op's statistics"
+            _fold_accuracy(gm, fused, acc)
         V, H = fused.args[1].meta["example_value"].shape
         op_name, vocab = "linear_cross_entropy", f"V={V}"
         if m.group_name is not None:

@@ -134,10 +134,11 @@ UNFUSED = {
         lambda h, w, t: (F.cross_entropy((lg := F.linear(h, w)).view(-1, V), t.view(-1)), lg),
         "graph output",
     ),
-    "argmax accuracy": (
+    # (an argmax accuracy on the logits folds into the op's statistics: see the tests below)
+    "argmax predictions returned": (
         lambda h, w, t: (
-            F.cross_entropy((lg := F.linear(h, w)).view(-1, V), t.view(-1))
-            + 0 * (lg.argmax(-1) == t).float().mean()
+            F.cross_entropy((lg := F.linear(h, w)).view(-1, V), t.view(-1)),
+            lg.argmax(-1),
         ),
         "argmax",
     ),
@@ -400,3 +401,64 @@ def test_autocast_fast_mode_takes_the_fp32_weight(tmp_path):
     for a, b in zip(got[1:], want_grads, strict=True):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+class _HeadWithAccuracy(nn.Module):
+    """A plain-torch head that also reports top-1 accuracy on the same logits."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.output = nn.Linear(H, V, bias=False)
+        self.spelling = spelling
+
+    def forward(self, h, labels):
+        logits = self.output(self.norm(h))  # (B, T, V)
+        flat, flat_labels = logits.view(-1, V), labels.view(-1)
+        if self.spelling == "accuracy first":
+            acc = (flat.argmax(dim=-1) == flat_labels).float().mean()
+            return F.cross_entropy(flat.float(), flat_labels), acc
+        loss = F.cross_entropy(flat.float(), flat_labels)
+        mask = labels != -100
+        if self.spelling == "masked sum":
+            acc = ((logits.argmax(-1) == labels) & mask).sum()
+        else:  # "masked mean over counted"
+            acc = ((torch.argmax(logits, -1) == labels) * mask).float().sum() / mask.sum()
+        return loss, acc
+
+
+@pytest.mark.parametrize("spelling", ["masked sum", "masked mean over counted", "accuracy first"])
+def test_plain_accuracy_folds_into_the_op_statistics(spelling, tmp_path):
+    """The argmax accuracy on the fused logits is read from the op's top-1 count: no argmax
+    and no logits left; the value equals the plain computation (random logits: no ties), and
+    loss and gradients equal the unrewritten model's."""
+    torch.manual_seed(3)
+    model = _HeadWithAccuracy(spelling)
+    h, _, t = _inputs()
+    with torch.no_grad():  # make some predictions right so the count is not trivially 0
+        pred = model.output(model.norm(h)).argmax(-1)
+        t[:, ::2] = pred[:, ::2]
+        t[0, :3] = -100
+
+    def run(fn):
+        x = h.detach().clone().requires_grad_(True)
+        loss, acc = fn(x, t)
+        grads = torch.autograd.grad(loss, [x, *model.parameters()])
+        return loss.detach(), acc, grads
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend=backend(inner="aot_eager", dump_dir=tmp_path), fullgraph=True
+    )
+    loss, acc, grads = run(compiled)
+    step = _pass_step(tmp_path)
+    counts = step["op_counts"]
+    assert counts.get("graphtrain.linear_cross_entropy_with_stats.default") == 1, step
+    assert CE not in counts and not any("argmax" in k for k in counts), counts
+    assert any("top-1 count" in n for n in step["notes"]), step["notes"]
+    want_loss, want_acc, want_grads = run(model)
+    assert 0 < float(want_acc) and acc.dtype == want_acc.dtype
+    assert torch.equal(acc, want_acc), (acc, want_acc)
+    torch.testing.assert_close(loss, want_loss, rtol=2e-5, atol=2e-6)
+    for a, b in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)

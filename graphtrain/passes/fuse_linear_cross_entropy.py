@@ -16,9 +16,24 @@ Why
     The fused op never holds the [N, V] logits and brings its own backward (gradients computed
     in the forward). Matching before autograd is easiest: cross_entropy is still one node.
 
+Mode (compile.lce_mode through ctx.options["lce_mode"], default "auto")
+    "fast" (three GEMMs) or "low_memory" (four); auto takes fast unless its extra bytes
+    (linear_cross_entropy.fast_mode_extra_bytes) exceed ctx.options["lce_memory_budget"]
+    (0: a quarter of the free device memory at compile time; on CPU a quarter of the available
+    system memory). For a 16-bit weight fast mode first tries an fp32 grad_weight buffer, then
+    16-bit accumulation. Under autocast fast mode receives the fp32 weight itself (its fp32
+    gradient is accumulated in place of autocast's cast). The note names the mode and why.
+
+Top-1 accuracy
+    A plain-torch accuracy on the same logits, ((logits.argmax(-1) == labels) [& or *
+    (labels != ignore_index)]) [.float()] .sum() or .mean(), with labels the loss's target, is
+    read from the op's top-1 count (graphtrain.linear_cross_entropy_with_stats): the logits are
+    still never materialised. Equal to the plain value except for ties for the row maximum
+    (argmax picks the first class, the op counts the target as a hit).
+
 Refusals (the graph is left as it was and ctx.note says why)
     the logits, or any reshape/cast between the head and the loss, have another user (returned,
-    argmax for accuracy, a z-loss written by hand, ...); class weights or the legacy
+    argmax predictions, a z-loss written by hand, ...); class weights or the legacy
     size_average/reduce arguments; options that are not constants; a bias on the head; a cast
     to anything but float32; a head whose output dtype differs from its inputs other than by
     autocast (fp32 operands, bf16/fp16 output: the pass then casts h and W explicitly); DTensor

@@ -710,6 +710,13 @@ def test_vocab_parallel_tp2_gloo(monkeypatch, tmp_path):
             pytest.fail("tp=2 gloo test timed out")
 
 
+def test_benchmark_cpu_smoke():
+    """benchmarks/cross_entropy.py imports, and eager, both modes and the pass agree."""
+    from conftest import run_benchmark_smoke  # not at the top: this file also runs as a script
+
+    run_benchmark_smoke("cross_entropy.py", "cpu smoke done")
+
+
 # ------------------------------------------------------------------------------------------
 # GPU (skipped on CPU): bf16 by SNR, fp32 tightly, CUDA-graph capture
 # ------------------------------------------------------------------------------------------

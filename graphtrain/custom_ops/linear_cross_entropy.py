@@ -88,6 +88,10 @@ CUDA, mode="fast" (three GEMMs; token chunks of T rows, 2048-4096 on a GPU)
           computation in bf16 (F.cross_entropy(F.linear(h, W).float(), t), whose grad_weight
           GEMM rounds once) and 3.4e-3 with the fp32 accumulator: 1.12x plain torch's own
           error (tests/custom_ops/test_linear_cross_entropy.py bounds it by 1.3x).
+    Tensor parallel: the statistics are combined over the group per chunk (as in low-memory
+    mode); grad_hidden's partial products G_k @ W_shard are rounded to the input dtype by the
+    GEMM, then summed over the group in fp32 (one more rounding than low-memory mode's fp32
+    accumulator; grad_weight is per shard and needs no collective).
     Extra memory over the two gradients: the [T, V] logits chunk (0.5 GiB at 2048 x 128256 in
     bf16), plus the fp32 buffer where one is used (fast_mode_extra_bytes gives the figure the
     pass compares with its budget).

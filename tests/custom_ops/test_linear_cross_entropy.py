@@ -249,6 +249,20 @@ def test_opcheck(reduction):
         )
 
 
+def test_opcheck_fast_mode_and_stats():
+    hidden, weight, target = make_inputs(4, N=13, H=8, V=29)
+    h, w = hidden.requires_grad_(True), weight.requires_grad_(True)
+    fast = dict(mode="fast", token_chunk=4, label_smoothing=0.1, z_loss=1e-3)
+    torch.library.opcheck(
+        torch.ops.graphtrain.linear_cross_entropy_with_stats.default, (h, w, target), fast
+    )
+    for reduction in REDUCTIONS:
+        torch.library.opcheck(
+            torch.ops.graphtrain.linear_cross_entropy_forward.default,
+            (h, w, target, IGNORE, 0.1, 1e-3, reduction, None, True, True, "fast", True, 4),
+        )
+
+
 def test_compiled_matches_eager():
     """fullgraph torch.compile (aot_eager): the op stays one node and its backward is traced."""
     hidden, weight, target = make_inputs(17)

@@ -462,3 +462,16 @@ def test_plain_accuracy_folds_into_the_op_statistics(spelling, tmp_path):
     torch.testing.assert_close(loss, want_loss, rtol=2e-5, atol=2e-6)
     for a, b in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_invalid_target_gives_nan_loss_not_a_wrong_one(tmp_path):
+    """A target outside [0, V) (not ignore_index) reaches the fused op: the loss is NaN, so the
+    trainer's non-finite check stops the run at that step (eager torch raises instead)."""
+    fn, _ = FUSED["F.linear + view"]
+    h, w, t = _inputs()
+    t[1, 4] = V  # one past the vocab
+    (out,), _ = _run(fn, (h, w, t), tmp_path)
+    assert _pass_step(tmp_path)["op_counts"].get(OP) == 1
+    assert torch.isnan(out)
+    with pytest.raises(IndexError):
+        fn(h, w, t)

@@ -1,26 +1,46 @@
-"""Benchmark: linear + cross-entropy, forward + backward, bf16, on one CUDA GPU.
+"""Benchmark: linear + cross-entropy, forward + backward, on one CUDA GPU.
 
 What
-    For each shape (N tokens, H hidden, V vocab) it runs, side by side in one process:
-        eager               F.cross_entropy(F.linear(h, W).float(), t)
-        torch.compile       the same code under torch.compile (Inductor, default options)
-        liger               Liger-Kernel's LigerFusedLinearCrossEntropyLoss (skipped with a note
-                            when liger-kernel is not installed: pip install liger-kernel)
-        graphtrain op       torch.ops.graphtrain.linear_cross_entropy called directly
-        graphtrain pass     the plain code compiled with graphtrain's backend (Inductor), where
-                            the fuse_linear_cross_entropy pass inserts the op
-    and reports the median fwd+bwd time (triton.testing.do_bench) and the extra peak memory:
+    For each shape (N tokens, H hidden, V vocab) and each weight precision
+        bf16          hidden and weight bf16 (the MISSION.md peer numbers)
+        fp32-master   fp32 hidden and weight under bf16 autocast (graphtrain's default training
+                      setup: fp32 master weights and final norm, the head's GEMM in bf16, fp32
+                      gradients); peers and the op get the operands cast to bf16 as autocast
+                      would (the op keeps the fp32 weight: its gradient comes back fp32)
+    it runs, side by side in one process:
+        eager                 F.cross_entropy(F.linear(h, W).float(), t)
+        torch.compile         the same code under torch.compile (Inductor, default options)
+        liger                 Liger-Kernel's LigerFusedLinearCrossEntropyLoss
+        liger-fp32-accum      the same with accum_dtype=torch.float32 (where its API has it)
+        cut-cross-entropy     cut_cross_entropy.linear_cross_entropy (Apple's Cut Cross-Entropy,
+                              its defaults, which filter small softmax gradients)
+        torch-lce             torch.nn.functional.linear_cross_entropy(...,
+                              options=LinearCrossEntropyOptions()) where torch has it
+        graphtrain-low_memory torch.ops.graphtrain.linear_cross_entropy, mode="low_memory"
+        graphtrain-fast       the same, mode="fast" (fp32 grad_weight accumulation: into the
+                              fp32 gradient itself for fp32-master, an fp32 buffer for bf16)
+        graphtrain-fast-bf16acc  mode="fast", fp32_accumulator=False (bf16 weights only)
+        graphtrain-pass       the plain code compiled with graphtrain's backend (Inductor); the
+                              fuse_linear_cross_entropy pass inserts the op in the mode it picks
+    Peers are imported when their row runs; a missing one is skipped with the reason printed.
+    Reported: the median fwd+bwd time (triton.testing.do_bench) and the extra peak memory:
     max_memory_allocated during one fwd+bwd minus what was allocated before it (the inputs),
-    so the gradients (W.grad is 0.98 GiB at V=128256, H=4096 in bf16) are included, as in the
-    MISSION.md peer numbers. A "loss err" column checks each row against eager.
+    so the gradients (W.grad is 0.98 GiB at V=128256, H=4096 in bf16, 1.96 GiB in fp32) are
+    included, as in the MISSION.md peer numbers. A "loss err" column checks each row against
+    eager.
 
 Why
-    MISSION.md's target for this op: faster than torch.compile (37.4 ms on an H100 at
-    8192 x 4096 x 128256) AND less extra memory than Liger (1.1 GiB), in the same run.
+    MISSION.md / issue 15: fast mode faster than torch.compile (38.0 ms at 8192 x 4096 x 128256
+    on an H100, 47.9 ms at 16384 x 2048 x 151936; the three-GEMM floor is ~33 ms for the first)
+    with less extra memory than it (3.0 / 5.3 GiB); low-memory mode less memory than Liger and
+    faster than Liger.
 
 Run
-    python benchmarks/cross_entropy.py                      # both default shapes, all rows
-    python benchmarks/cross_entropy.py --shape 4096,2048,32000 --impl eager,graphtrain-op
+    python benchmarks/cross_entropy.py                      # both shapes, both precisions
+    python benchmarks/cross_entropy.py --shape 4096,2048,32000 --precision bf16 \
+        --impl eager,graphtrain-fast
+    python benchmarks/cross_entropy.py --cpu-smoke          # no GPU: tiny shape, the modes,
+                                                            # the pass and eager agree
 The table is printed and appended to benchmarks/RESULTS.md (date, device, torch/triton
 versions, git commit); --no-record skips that.
 """
@@ -28,8 +48,12 @@ versions, git commit); --no-record skips that.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import inspect
+import json
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,7 +67,19 @@ from graphtrain.compile import backend as graphtrain_backend
 from graphtrain.custom_ops import linear_cross_entropy as _lce  # noqa: F401  (registers the op)
 
 SHAPES = [(8192, 4096, 128256), (16384, 2048, 151936)]
-IMPLS = ("eager", "torch.compile", "liger", "graphtrain-op", "graphtrain-pass")
+PRECISIONS = ("bf16", "fp32-master")
+IMPLS = (
+    "eager",
+    "torch.compile",
+    "liger",
+    "liger-fp32-accum",
+    "cut-cross-entropy",
+    "torch-lce",
+    "graphtrain-low_memory",
+    "graphtrain-fast",
+    "graphtrain-fast-bf16acc",
+    "graphtrain-pass",
+)
 RESULTS = Path(__file__).with_name("RESULTS.md")
 GIB = 1 << 30
 
@@ -54,36 +90,82 @@ def plain(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(F.linear(h, w).float(), t)
 
 
-def build(impl: str) -> tuple[LossFn | None, str]:
-    """The loss function of one row, or None and why it is skipped."""
-    if impl == "eager":
-        return plain, ""
-    if impl == "torch.compile":
-        return torch.compile(plain, fullgraph=True), ""
-    if impl == "liger":
+def _as_bf16(fn: LossFn) -> LossFn:
+    # fp32-master rows of the peers: the operands cast to bf16, as autocast's F.linear does
+    # (the casts' backward returns fp32 gradients).
+    return lambda h, w, t: fn(h.to(torch.bfloat16), w.to(torch.bfloat16), t)
+
+
+def _peer(impl: str) -> tuple[LossFn | None, str]:
+    """A peer's loss function, or None and why it is skipped (imported only here)."""
+    if impl.startswith("liger"):
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         except ImportError:
             return None, "liger-kernel not installed (pip install liger-kernel)"
-        loss = LigerFusedLinearCrossEntropyLoss()
+        kwargs = {}
+        if impl == "liger-fp32-accum":
+            if "accum_dtype" not in inspect.signature(LigerFusedLinearCrossEntropyLoss).parameters:
+                return None, "this liger-kernel has no accum_dtype"
+            kwargs["accum_dtype"] = torch.float32
+        loss = LigerFusedLinearCrossEntropyLoss(**kwargs)
         return (lambda h, w, t: loss(w, h, t)), ""  # Liger takes (weight, input, target)
-    if impl == "graphtrain-op":
-        return (lambda h, w, t: torch.ops.graphtrain.linear_cross_entropy(h, w, t)), ""
-    if impl == "graphtrain-pass":
-        compiled = torch.compile(
-            plain, backend=graphtrain_backend(inner="inductor"), fullgraph=True
-        )
-        return compiled, ""
+    if impl == "cut-cross-entropy":
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce
+        except ImportError:
+            return None, "cut-cross-entropy not installed (pip install cut-cross-entropy)"
+        return (lambda h, w, t: cce(h, w, t)), "default filter_eps (gradient filtering)"
+    if impl == "torch-lce":
+        fn = getattr(F, "linear_cross_entropy", None)
+        options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+        if fn is None or options is None:
+            return None, f"torch {torch.__version__} has no F.linear_cross_entropy with options"
+        return (lambda h, w, t: fn(h, w, t, ignore_index=-100, options=options())), ""
     raise ValueError(f"unknown --impl {impl!r}; known: {', '.join(IMPLS)}")
 
 
+def build(
+    impl: str, precision: str, inner: str = "inductor", dump_dir: str | None = None
+) -> tuple[LossFn | None, str]:
+    """The loss function of one row, or None and why it is skipped."""
+    master = precision == "fp32-master"
+    if impl == "graphtrain-fast-bf16acc" and master:
+        return None, "fp32 weights accumulate in fp32 (no bf16 accumulation)"
+    if impl.startswith("graphtrain-") and impl != "graphtrain-pass":
+        # The op takes the fp32 master weight itself (its gradient comes back fp32) and the
+        # hidden in bf16, as the pass hands them over under autocast.
+        opts = {"mode": "low_memory" if impl.endswith("low_memory") else "fast"}
+        if impl.endswith("bf16acc"):
+            opts["fp32_accumulator"] = False
+        op = torch.ops.graphtrain.linear_cross_entropy
+        return (lambda h, w, t: op(h.to(torch.bfloat16), w, t, **opts)), ""
+    if impl == "eager":
+        fn, note = plain, ""
+    elif impl == "torch.compile":
+        fn, note = torch.compile(plain, fullgraph=True), ""
+    elif impl == "graphtrain-pass":
+        backend = graphtrain_backend(inner=inner, dump_dir=dump_dir)
+        fn, note = torch.compile(plain, backend=backend, fullgraph=True), ""
+    else:
+        fn, note = _peer(impl)
+        if fn is not None and master:
+            fn = _as_bf16(fn)
+    return fn, note
+
+
+def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager:
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "fp32-master")
+
+
 def measure(
-    fn: LossFn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor
+    fn: LossFn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, precision: str
 ) -> tuple[float, float, float]:
     """(median ms of fwd+bwd, extra peak GiB, loss)."""
 
     def step() -> torch.Tensor:
-        loss = fn(h, w, t)
+        with _autocast(precision, "cuda"):
+            loss = fn(h, w, t)
         loss.backward()
         return loss
 
@@ -104,6 +186,18 @@ def measure(
         step, warmup=50, rep=300, grad_to_none=[h, w], return_mode="median"
     )
     return ms, extra, value
+
+
+def inputs(
+    N: int, H: int, V: int, precision: str, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    dtype = torch.float32 if precision == "fp32-master" else torch.bfloat16
+    h = torch.randn(N, H, device=device).to(dtype).requires_grad_(True)
+    w = (torch.randn(V, H, device=device) * H**-0.5).to(dtype).requires_grad_(True)
+    t = torch.randint(0, V, (N,), device=device)
+    t[::17] = -100  # some ignored tokens, as packed sequences have
+    return h, w, t
 
 
 def git_commit() -> str:
@@ -127,10 +221,103 @@ def git_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def _verdicts(label: str, results: dict[str, tuple[float, float, float]]) -> list[str]:
+    out = []
+    compiled, liger = results.get("torch.compile"), results.get("liger")
+    for ours in ("graphtrain-fast", "graphtrain-fast-bf16acc", "graphtrain-pass"):
+        if ours in results and compiled:
+            ms, gib, _ = results[ours]
+            out.append(
+                f"{label}: {ours} {'faster' if ms < compiled[0] else 'NOT faster'} than "
+                f"torch.compile ({ms:.1f} vs {compiled[0]:.1f} ms), "
+                f"{'less' if gib < compiled[1] else 'NOT less'} extra memory "
+                f"({gib:.2f} vs {compiled[1]:.2f} GiB)"
+            )
+    if "graphtrain-low_memory" in results and liger:
+        ms, gib, _ = results["graphtrain-low_memory"]
+        out.append(
+            f"{label}: graphtrain-low_memory {'faster' if ms < liger[0] else 'NOT faster'} than "
+            f"Liger ({ms:.1f} vs {liger[0]:.1f} ms), {'less' if gib < liger[1] else 'NOT less'} "
+            f"extra memory ({gib:.2f} vs {liger[1]:.2f} GiB)"
+        )
+    return out
+
+
+def run_table(shapes: list, precisions: list[str], impls: list[str]) -> tuple[list, list]:
+    lines = [
+        "| N, H, V | weights | impl | fwd+bwd ms (median) | extra peak GiB | loss err vs eager "
+        "| note |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    verdicts = []
+    for N, H, V in shapes:
+        for precision in precisions:
+            h, w, t = inputs(N, H, V, precision, "cuda")
+            results: dict[str, tuple[float, float, float]] = {}
+            for impl in impls:
+                torch._dynamo.reset()
+                fn, note = build(impl, precision)
+                if fn is not None:
+                    try:
+                        results[impl] = measure(fn, h, w, t, precision)
+                    except torch.cuda.OutOfMemoryError:
+                        note = "out of memory"
+                    h.grad = w.grad = None
+                    torch.cuda.empty_cache()
+                row = f"| {N}, {H}, {V} | {precision} | {impl} |"
+                if impl in results:
+                    ms, extra, loss = results[impl]
+                    err = abs(loss - results["eager"][2]) if "eager" in results else float("nan")
+                    lines.append(f"{row} {ms:.2f} | {extra:.2f} | {err:.1e} | {note} |")
+                else:
+                    lines.append(f"{row} - | - | - | {note} |")
+                    print(f"skipped {impl} ({precision}): {note}", flush=True)
+                print(lines[-1], flush=True)
+            verdicts += _verdicts(f"{N}x{H}x{V} {precision}", results)
+            del h, w, t
+    return lines, verdicts
+
+
+def cpu_smoke() -> None:
+    """Tiny shape on CPU, both precisions: eager, both op modes and the pass (aot_eager) agree
+    in loss and gradients, and the pass fires (no timing; peers need a GPU)."""
+    N, H, V = 67, 24, 301
+    for precision in PRECISIONS:
+        want = None
+        for impl in ("eager", "graphtrain-low_memory", "graphtrain-fast", "graphtrain-pass"):
+            torch._dynamo.reset()
+            h, w, t = inputs(N, H, V, precision, "cpu")
+            with tempfile.TemporaryDirectory() as dump:
+                fn, _ = build(impl, precision, inner="aot_eager", dump_dir=dump)
+                with _autocast(precision, "cpu"):
+                    loss = fn(h, w, t)
+                loss.backward()
+                if impl == "graphtrain-pass":
+                    (summary,) = Path(dump).glob("*/summary.json")
+                    steps = json.loads(summary.read_text())
+                    step = next(s for s in steps if s["label"] == "fuse_linear_cross_entropy")
+                    fused = step["op_counts"].get("graphtrain.linear_cross_entropy.default")
+                    assert fused == 1 and "mode='fast'" in str(step["notes"]), step
+            got = (loss.detach().float(), h.grad.float(), w.grad.float())
+            assert w.grad.dtype == w.dtype and h.grad.dtype == h.dtype, (impl, precision)
+            if want is None:
+                want = got
+                continue
+            for a, b in zip(got, want, strict=True):  # bf16 logits: rounding-level agreement
+                torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+        print(f"cpu smoke {precision}: eager, graphtrain modes and the pass agree")
+    for impl in ("liger", "cut-cross-entropy", "torch-lce"):
+        print(f"cpu smoke: {impl} not run ({_peer(impl)[1] or 'GPU rows only'})")
+    print("cpu smoke done")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--shape", action="append", help="N,H,V (repeatable); default: the two MISSION shapes"
+    )
+    parser.add_argument(
+        "--precision", default=",".join(PRECISIONS), help=f"from {', '.join(PRECISIONS)}"
     )
     parser.add_argument(
         "--impl", default=",".join(IMPLS), help=f"comma list from {', '.join(IMPLS)}"
@@ -138,60 +325,25 @@ def main() -> None:
     parser.add_argument(
         "--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md"
     )
+    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: check the rows agree")
     args = parser.parse_args()
+    if args.cpu_smoke:
+        cpu_smoke()
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/cross_entropy.py needs a CUDA GPU")
+        raise SystemExit("benchmarks/cross_entropy.py needs a CUDA GPU (or --cpu-smoke)")
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
-    for impl in impls:
-        if impl not in IMPLS:
-            raise SystemExit(f"unknown --impl {impl!r}; known: {', '.join(IMPLS)}")
+    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+    for name, known in [(i, IMPLS) for i in impls] + [(p, PRECISIONS) for p in precisions]:
+        if name not in known:
+            raise SystemExit(f"unknown {name!r}; known: {', '.join(known)}")
 
-    header = "| N, H, V | impl | fwd+bwd ms (median) | extra peak GiB | loss err vs eager | note |"
-    lines = [header, "|---|---|---:|---:|---:|---|"]
-    verdicts = []
-    for N, H, V in shapes:
-        torch.manual_seed(0)
-        h = (torch.randn(N, H, device="cuda") * 1.0).to(torch.bfloat16).requires_grad_(True)
-        w = (torch.randn(V, H, device="cuda") * H**-0.5).to(torch.bfloat16).requires_grad_(True)
-        t = torch.randint(0, V, (N,), device="cuda")
-        t[::17] = -100  # some ignored tokens, as packed sequences have
-        results: dict[str, tuple[float, float, float]] = {}
-        for impl in impls:
-            torch._dynamo.reset()
-            fn, note = build(impl)
-            if fn is not None:
-                try:
-                    results[impl] = measure(fn, h, w, t)
-                except torch.cuda.OutOfMemoryError:
-                    note = "out of memory"
-                h.grad = w.grad = None
-                torch.cuda.empty_cache()
-            shape = f"{N}, {H}, {V}"
-            if impl in results:
-                ms, extra, loss = results[impl]
-                err = abs(loss - results["eager"][2]) if "eager" in results else float("nan")
-                lines.append(f"| {shape} | {impl} | {ms:.2f} | {extra:.2f} | {err:.1e} | {note} |")
-            else:
-                lines.append(f"| {shape} | {impl} | - | - | - | {note} |")
-            print(lines[-1], flush=True)
-        ours = results.get("graphtrain-op")
-        if ours and "torch.compile" in results:
-            faster = ours[0] < results["torch.compile"][0]
-            verdicts.append(
-                f"{N}x{H}x{V}: graphtrain-op {'faster' if faster else 'NOT faster'} than torch.compile"
-            )
-        if ours and "liger" in results:
-            smaller = ours[1] < results["liger"][1]
-            verdicts.append(
-                f"{N}x{H}x{V}: graphtrain-op {'less' if smaller else 'NOT less'} extra memory than Liger"
-            )
-        del h, w, t
-
+    lines, verdicts = run_table(shapes, precisions, impls)
     device = torch.cuda.get_device_name()
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     title = (
-        f"## cross_entropy: linear + cross-entropy fwd+bwd, bf16 ({stamp}, {device}, "
+        f"## cross_entropy: linear + cross-entropy fwd+bwd ({stamp}, {device}, "
         f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()})"
     )
     text = "\n".join([title, "", *lines, "", *(f"- {v}" for v in verdicts), ""])

@@ -104,9 +104,22 @@ class CompileConfig:
     backend: str = "inductor"  # inner backend after graphtrain's passes: inductor or aot_eager
     passes: list[str] = field(default_factory=list)  # ["-name", "+name"] switches
     dump_graphs: bool = False  # write every region's graph before/after each pass to run_dir/graphs
+    # The fused linear + cross-entropy's mode: "fast" (three GEMMs, a [token chunk, V] logits
+    # buffer), "low_memory" (four GEMMs), or "auto": fast unless its extra bytes exceed
+    # lce_memory_budget (bytes; 0 = a quarter of the free device memory at compile time, on
+    # CPU a quarter of the available system memory).
+    lce_mode: str = "auto"
+    lce_memory_budget: int = 0
 
     def __post_init__(self) -> None:
         _choice("compile", "backend", self.backend, ("inductor", "aot_eager"))
+        _choice("compile", "lce_mode", self.lce_mode, ("auto", "fast", "low_memory"))
+        if isinstance(self.lce_memory_budget, bool) or not isinstance(self.lce_memory_budget, int):
+            raise ValueError(
+                "compile.lce_memory_budget must be a whole number of bytes (0 = automatic), "
+                f"got {self.lce_memory_budget!r}"
+            )
+        _positive("compile", self, "lce_memory_budget", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -493,7 +506,10 @@ def pass_options(cfg: JobConfig) -> dict[str, Any]:
 
     One place, so the trainer and `graphtrain inspect` hand the passes the same options.
     """
-    return {}
+    return {
+        "lce_mode": cfg.compile.lce_mode,
+        "lce_memory_budget": cfg.compile.lce_memory_budget,
+    }
 
 
 # ---------------------------------------------------------------------------------------------

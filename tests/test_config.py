@@ -114,3 +114,16 @@ def test_describe_keys_lists_every_field():
         if dataclasses.is_dataclass(section):
             for g in dataclasses.fields(section):
                 assert f"--{f.name}.{g.name}=" in text
+
+
+def test_lce_mode_and_budget_are_checked_and_reach_the_passes():
+    from graphtrain.config import CompileConfig, JobConfig, pass_options
+
+    with pytest.raises(ValueError, match=r"compile.lce_mode must be one of .*'quick'"):
+        CompileConfig(lce_mode="quick")
+    with pytest.raises(ValueError, match=r"lce_memory_budget must be >= 0, got -1"):
+        CompileConfig(lce_memory_budget=-1)
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        CompileConfig(lce_memory_budget=1.5)
+    cfg = JobConfig(compile=CompileConfig(lce_mode="low_memory", lce_memory_budget=1 << 30))
+    assert pass_options(cfg) == {"lce_mode": "low_memory", "lce_memory_budget": 1 << 30}

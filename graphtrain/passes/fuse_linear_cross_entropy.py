@@ -17,9 +17,24 @@ Why
     The fused op never holds the [N, V] logits and brings its own backward (gradients computed
     in the forward). Matching before autograd is easiest: cross_entropy is still one node.
 
+Mode (compile.lce_mode through ctx.options["lce_mode"], default "auto")
+    "fast" (three GEMMs) or "low_memory" (four); auto takes fast unless its extra bytes
+    (linear_cross_entropy.fast_mode_extra_bytes) exceed ctx.options["lce_memory_budget"]
+    (0: a quarter of the free device memory at compile time; on CPU a quarter of the available
+    system memory). For a 16-bit weight fast mode first tries an fp32 grad_weight buffer, then
+    16-bit accumulation. Under autocast fast mode receives the fp32 weight itself (its fp32
+    gradient is accumulated in place of autocast's cast). The note names the mode and why.
+
+Top-1 accuracy
+    A plain-torch accuracy on the same logits, ((logits.argmax(-1) == labels) [& or *
+    (labels != ignore_index)]) [.float()] .sum() or .mean(), with labels the loss's target, is
+    read from the op's top-1 count (graphtrain.linear_cross_entropy_with_stats): the logits are
+    still never materialised. Equal to the plain value except for ties for the row maximum
+    (argmax picks the first class, the op counts the target as a hit).
+
 Refusals (the graph is left as it was and ctx.note says why)
     the logits, or any reshape/cast between the head and the loss, have another user (returned,
-    argmax for accuracy, a z-loss written by hand, ...); class weights or the legacy
+    argmax predictions, a z-loss written by hand, ...); class weights or the legacy
     size_average/reduce arguments; options that are not constants; a bias on the head; a cast
     to anything but float32; a head whose output dtype differs from its inputs other than by
     autocast (fp32 operands, bf16/fp16 output: the pass then casts h and W explicitly); DTensor
@@ -46,8 +61,10 @@ Invariant and numerics
 from __future__ import annotations
 
 import inspect
+import math
 import operator
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +73,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-import graphtrain.custom_ops.linear_cross_entropy  # noqa: F401  (registers graphtrain::linear_cross_entropy)
+import graphtrain.custom_ops.linear_cross_entropy as lce_op  # registers graphtrain::linear_cross_entropy
 from graphtrain.passes import fx
 from graphtrain.passes.fx import Refuse
 from graphtrain.passes.registry import PassContext, register_pass
@@ -322,7 +339,9 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
     )
 
 
-def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx.Node:
+def _rewrite(
+    gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match, mode: dict[str, Any]
+) -> torch.fx.Node:
     graph = gm.graph
     nodes_before = set(graph.nodes)
     with graph.inserting_before(ce):
@@ -346,9 +365,10 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
         H = weight_val.shape[1]
         if hidden_val.dim() != 2:
             hidden = fx.emit(graph, "call_method", "reshape", (hidden, -1, H))
-        if weight_val.dtype != m.compute_dtype:
+        if weight_val.dtype != m.compute_dtype and mode["mode"] != "fast":
             # Autocast: the linear ran on bf16/fp16 copies of fp32 operands; make the casts
-            # explicit (their backward casts the gradients back, as autocast's do).
+            # explicit (their backward casts the gradients back, as autocast's do). Fast mode
+            # takes the fp32 weight itself and accumulates its fp32 gradient directly.
             weight = fx.emit(graph, "call_method", "to", (weight, m.compute_dtype))
         if fx.val(hidden).dtype != m.compute_dtype:
             hidden = fx.emit(graph, "call_method", "to", (hidden, m.compute_dtype))
@@ -356,6 +376,7 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
             "ignore_index": m.ignore_index,
             "label_smoothing": m.label_smoothing,
             "reduction": m.reduction,
+            **mode,
         }
         op, args = _FUSED_OP, (hidden, weight, m.target)
         if m.group_name is not None:
@@ -384,6 +405,229 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, m: _Match) -> torch.fx
     return fused
 
 
+# --------------------------------------------------------------------------------------------
+# top-1 accuracy written in plain torch on the same logits -> the fused op's statistic
+# --------------------------------------------------------------------------------------------
+
+_WITH_STATS_OP = torch.ops.graphtrain.linear_cross_entropy_with_stats.default
+# Method and function spellings of the few calls an accuracy is written with, by one name.
+# fx.call names -> the role they play in an accuracy (reshapes and casts are looked through).
+_ACC_NAMES = {
+    "argmax": "argmax",
+    "eq": "eq",
+    "__eq__": "eq",
+    "ne": "ne",
+    "__ne__": "ne",
+    "and": "and",
+    "__and__": "and",
+    "logical_and": "and",
+    "bitwise_and": "and",
+    "mul": "and",  # of two bool tensors
+    "sum": "sum",
+    "mean": "mean",
+    **dict.fromkeys(fx.REINTERPRET, "reshape"),
+    **dict.fromkeys(("to", "type", *fx.DTYPE_METHODS), "cast"),
+}
+
+
+def _acc_call(node: Any) -> str | None:
+    c = fx.call(node)
+    return None if c is None or c.inplace else _ACC_NAMES.get(c.name)
+
+
+def _strip_reshapes(node: Any) -> Any:
+    while _acc_call(node) == "reshape":
+        node = node.args[0]
+    return node
+
+
+@dataclass
+class _Accuracy:
+    """`reduce` = sum or mean of [argmax(logits, -1) == target] (masked by target !=
+    ignore_index), which equals the op's top-1 count (or that count / numel for a mean)."""
+
+    argmax: torch.fx.Node
+    logits: torch.fx.Node  # the chain node argmax reads
+    target: torch.fx.Node  # the loss's target: what argmax reads while the loss is matched
+    reduce: torch.fx.Node
+    nodes: list[torch.fx.Node]  # the pattern, argmax first
+    mean_numel: int | None  # .mean(): the count it divides by
+
+
+def _find_accuracy(ce: torch.fx.Node) -> _Accuracy | None:
+    """A plain-torch top-1 accuracy on the logits `ce` reads, spelled
+    ((logits.argmax(-1) == labels) [& / * (labels != ignore_index)]) [.float()] .sum() / .mean()
+    with labels the loss's target (up to reshapes). The unmasked form only where ignore_index
+    < 0 (argmax never equals it). Ties: argmax picks the first maximum, the op counts any."""
+    try:
+        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    ignore_index, target = bound.arguments["ignore_index"], bound.arguments["target"]
+    node, chain = bound.arguments["input"], []
+    vocab = fx.val(node).shape[-1] if fx.val(node) is not None else None
+    while isinstance(node, torch.fx.Node) and node.op.startswith("call") and len(chain) < 8:
+        val = fx.val(node)
+        if val is None or val.dim() < 1 or val.shape[-1] != vocab:
+            break
+        chain.append(node)
+        node = node.args[0] if node.args else None
+    for x in chain:
+        for argmax in x.users:
+            found = _accuracy_from(argmax, x, target, ignore_index)
+            if found is not None:
+                return found
+    return None
+
+
+def _accuracy_from(
+    argmax: torch.fx.Node, logits: torch.fx.Node, target: Any, ignore_index: Any
+) -> _Accuracy | None:
+    dim = argmax.args[1] if len(argmax.args) > 1 else argmax.kwargs.get("dim")
+    ndim = fx.val(logits).dim()
+    if _acc_call(argmax) != "argmax" or dim not in (-1, ndim - 1) or argmax.kwargs.get("keepdim"):
+        return None
+    if not isinstance(target, torch.fx.Node):
+        return None
+    base_target = _strip_reshapes(target)
+    nodes = [argmax]
+
+    def sole_user(n: torch.fx.Node) -> torch.fx.Node | None:
+        return next(iter(n.users)) if len(n.users) == 1 else None
+
+    eq = sole_user(argmax)
+    if _acc_call(eq) != "eq" or len(eq.args) != 2:
+        return None
+    labels = eq.args[1] if eq.args[0] is argmax else eq.args[0]
+    if _strip_reshapes(labels) is not base_target:
+        return None
+    nodes.append(eq)
+    node = sole_user(eq)
+    masked = False
+    if _acc_call(node) == "and" and len(node.args) == 2:
+        mask = node.args[1] if node.args[0] is eq else node.args[0]
+        if _acc_call(mask) != "ne" or mask.args[1:] != (ignore_index,):
+            return None
+        if _strip_reshapes(mask.args[0]) is not base_target:
+            return None
+        masked = True
+        nodes.append(node)
+        node = sole_user(node)
+    if not masked and not (isinstance(ignore_index, int) and ignore_index < 0):
+        return None
+    if _acc_call(node) == "cast":
+        nodes.append(node)
+        node = sole_user(node)
+    kind = _acc_call(node)
+    if kind not in ("sum", "mean") or len(node.args) > 1 or node.kwargs:
+        return None  # a full reduction only
+    numel = fx.val(eq).numel() if kind == "mean" else None
+    return _Accuracy(argmax, logits, target, node, [*nodes, node], numel)
+
+
+def _fold_accuracy(gm: torch.fx.GraphModule, fused: torch.fx.Node, acc: _Accuracy) -> None:
+    """Make `fused` the with-stats op and let acc.reduce read its top-1 count; the argmax
+    pattern goes. Nodes that read the accuracy but came before the op move after it."""
+    graph = gm.graph
+    loss_val = fx.val(fused)
+    with loss_val.fake_mode:
+        stats_val = torch.empty(2, dtype=torch.int64, device=loss_val.device)
+    fused.target = _WITH_STATS_OP
+    fused.meta["example_value"] = (loss_val, stats_val)
+    with graph.inserting_before(fused.next):  # in order, right after the op
+        loss = fx.emit(graph, "call_function", operator.getitem, (fused, 0), like=fused)
+        stats = fx.emit(graph, "call_function", operator.getitem, (fused, 1), like=acc.reduce)
+        hits = fx.emit(graph, "call_function", torch.select, (stats, 0, 0), like=acc.reduce)
+        value = fx.emit(
+            graph, "call_method", "to", (hits, fx.val(acc.reduce).dtype), like=acc.reduce
+        )
+        if acc.mean_numel is not None:
+            value = fx.emit(
+                graph, "call_function", operator.truediv, (value, acc.mean_numel), like=acc.reduce
+            )
+    fused.replace_all_uses_with(loss, delete_user_cb=lambda u: u is not loss and u is not stats)
+    acc.reduce.replace_all_uses_with(value)
+    for node in reversed(acc.nodes):
+        graph.erase_node(node)
+    # Readers of the accuracy written before the loss: move them (and what reads them) after.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late, anchor = [], value
+    todo = [u for u in value.users]
+    while todo:
+        node = todo.pop()
+        if node.op != "output" and order[node] < order[value] and node not in late:
+            late.append(node)
+            todo.extend(node.users)
+    for node in sorted(late, key=order.__getitem__):
+        anchor.append(node)
+        anchor = node
+
+
+def _memory_budget(options: Mapping[str, Any], device: torch.device) -> tuple[int, str]:
+    """(bytes, where the figure comes from): compile.lce_memory_budget, or 0 -> a quarter of
+    the free device memory now (compile time), or on CPU a quarter of the available system
+    memory (the CPU path's buffers live there)."""
+    budget = int(options.get("lce_memory_budget", 0))
+    if budget > 0:
+        return budget, "compile.lce_memory_budget"
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(device)
+        return free // 4, "a quarter of the free device memory"
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no sysconf (not POSIX): be conservative
+        free = 0
+    return free // 4, "a quarter of the available system memory"
+
+
+def _choose_mode(
+    options: Mapping[str, Any], m: _Match, gm: torch.fx.GraphModule
+) -> tuple[dict[str, Any], str]:
+    """The op's mode keywords for compile.lce_mode, and why (for the pass note).
+
+    auto: fast mode (three GEMMs) unless its extra bytes over low-memory mode exceed the
+    budget; for a 16-bit weight first with an fp32 grad_weight buffer, then with 16-bit
+    accumulation over at most four chunks (fast_mode_extra_bytes)."""
+    choice = options.get("lce_mode", "auto")
+    if choice not in ("auto", "fast", "low_memory"):
+        raise ValueError(f"compile.lce_mode must be 'auto', 'fast' or 'low_memory', got {choice!r}")
+    hidden_val = fx.val(m.hidden)
+    weight_val = (
+        fx.val(m.weight) if isinstance(m.weight, torch.fx.Node) else gm.get_parameter(m.weight)
+    )
+    N = math.prod(hidden_val.shape[:-1])
+    V, H = weight_val.shape
+    if m.group_name is not None:  # DTensors: this rank's shards
+        V = V // _tp_size(m.group_name)
+    if choice == "low_memory":
+        return {"mode": "low_memory"}, "compile.lce_mode = 'low_memory'"
+    if not isinstance(N, int):
+        if choice == "fast":
+            return {"mode": "fast"}, "compile.lce_mode = 'fast'"
+        return {"mode": "low_memory"}, "auto: the token count is symbolic, low memory is safe"
+    budget, source = _memory_budget(options, hidden_val.device)
+    gib = 1 << 30
+    tried = []
+    # fp32 accumulation first; a 16-bit weight's own dtype (four roundings) only if needed.
+    for acc in (True, False) if weight_val.dtype in _AUTOCAST_DTYPES else (True,):
+        extra = lce_op.fast_mode_extra_bytes(N, H, V, m.compute_dtype, weight_val.dtype, acc)
+        how = "fp32" if acc else f"{weight_val.dtype} over at most four chunks"
+        if extra <= budget:
+            return {"mode": "fast", "fp32_accumulator": acc}, (
+                f"{choice}: fast mode's {extra / gib:.2f} GiB extra (grad_weight accumulated "
+                f"in {how}) fits the budget of {budget / gib:.2f} GiB ({source})"
+            )
+        tried.append(f"{extra / gib:.2f} GiB with grad_weight in {how}")
+    over = (
+        f"fast mode's extra ({', '.join(tried)}) exceeds the budget of {budget / gib:.2f} GiB "
+        f"({source})"
+    )
+    if choice == "fast":
+        return {"mode": "fast", "fp32_accumulator": len(tried) == 1}, f"fast as configured; {over}"
+    return {"mode": "low_memory"}, f"auto: {over}"
+
+
 @register_pass(
     "fuse_linear_cross_entropy",
     stage="pre_grad",
@@ -402,12 +646,21 @@ def fuse_linear_cross_entropy_pass(
         return gm
     changed = False
     for ce in ces:
+        acc = _find_accuracy(ce)
+        if acc is not None:  # out of the logits' users while matching (it goes if we fuse)
+            acc.argmax.replace_input_with(acc.logits, acc.target)
         try:
             m = _match(gm, ce)
         except Refuse as why:
+            if acc is not None:
+                acc.argmax.replace_input_with(acc.target, acc.logits)
             ctx.note(f"left {ce.name} unchanged: {why}")
             continue
-        fused = _rewrite(gm, ce, m)
+        mode, why = _choose_mode(ctx.options, m, gm)
+        fused = _rewrite(gm, ce, m, mode)
+        if acc is not None:
+            why += f"; the top-1 count {acc.reduce.name} comes from the op's statistics"
+            _fold_accuracy(gm, fused, acc)
         V, H = fused.args[1].meta["example_value"].shape
         op_name, vocab = "linear_cross_entropy", f"V={V}"
         if m.group_name is not None:
@@ -417,7 +670,7 @@ def fuse_linear_cross_entropy_pass(
             f"replaced {ce.name} and its head ({', '.join(n.name for n in reversed(m.chain))}) "
             f"with {fused.name} = graphtrain.{op_name}(H={H}, {vocab}, "
             f"reduction={m.reduction!r}, ignore_index={m.ignore_index}, "
-            f"label_smoothing={m.label_smoothing})"
+            f"label_smoothing={m.label_smoothing}, mode={mode['mode']!r}): {why}"
         )
         changed = True
     return fx.finish(gm, changed)

@@ -121,7 +121,7 @@ def test_ref_token_chunks(reduction):
     """Several token chunks (the reference never holds [N, V]) give the same as the oracle."""
     hidden, weight, target = make_inputs(7, N=53, H=11, V=97, dtype=torch.float64)
     opts = dict(label_smoothing=0.1, z_loss=1e-3)
-    loss, lse, gh, gw = lce.linear_cross_entropy_ref(
+    loss, lse, gh, gw, _ = lce.linear_cross_entropy_ref(
         hidden, weight, target, token_chunk=8, reduction=reduction, **opts
     )
     ref, rgh, rgw = grads(
@@ -186,7 +186,7 @@ def test_frozen_weight_and_no_grad():
     assert_close(loss2, plain_f64(hidden, weight, target), 2e-6)
     # Under no_grad the forward computes no gradient at all (one GEMM, not four).
     with torch.no_grad():
-        _, _, g_h, g_w = torch.ops.graphtrain.linear_cross_entropy_forward(
+        _, _, g_h, g_w, _ = torch.ops.graphtrain.linear_cross_entropy_forward(
             hidden, weight, target, IGNORE, 0.0, 0.0, "mean", None, False, False
         )
     assert g_h.numel() == 0 and g_w.numel() == 0
@@ -249,6 +249,20 @@ def test_opcheck(reduction):
         )
 
 
+def test_opcheck_fast_mode_and_stats():
+    hidden, weight, target = make_inputs(4, N=13, H=8, V=29)
+    h, w = hidden.requires_grad_(True), weight.requires_grad_(True)
+    fast = dict(mode="fast", token_chunk=4, label_smoothing=0.1, z_loss=1e-3)
+    torch.library.opcheck(
+        torch.ops.graphtrain.linear_cross_entropy_with_stats.default, (h, w, target), fast
+    )
+    for reduction in REDUCTIONS:
+        torch.library.opcheck(
+            torch.ops.graphtrain.linear_cross_entropy_forward.default,
+            (h, w, target, IGNORE, 0.1, 1e-3, reduction, None, True, True, "fast", True, 4),
+        )
+
+
 def test_compiled_matches_eager():
     """fullgraph torch.compile (aot_eager): the op stays one node and its backward is traced."""
     hidden, weight, target = make_inputs(17)
@@ -277,22 +291,188 @@ def test_second_backward_fails_loudly():
 
 
 # ------------------------------------------------------------------------------------------
+# fast mode (three GEMMs, token chunks) and the statistics, on CPU (the op's torch path)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing,z_loss", OPTIONS)
+def test_fast_mode_matches_float64(reduction, label_smoothing, z_loss):
+    """Several token chunks (token_chunk=8 of 37 rows, the last one partial), fp64 and fp32."""
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        seed = zlib.crc32(repr(("fast", reduction, label_smoothing, z_loss)).encode()) % 10_000
+        hidden, weight, target = make_inputs(seed, dtype=dtype)
+        opts = dict(label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction)
+        out, gh, gw = grads(
+            lambda h, w, o=opts, t=target: torch.ops.graphtrain.linear_cross_entropy(
+                h, w, t, mode="fast", token_chunk=8, **o
+            ),
+            hidden,
+            weight,
+            seed + 1,
+        )
+        ref, rgh, rgw = grads(
+            lambda h, w, o=opts, t=target: plain_f64(h, w, t, **o), hidden, weight, seed + 1
+        )
+        assert gh.dtype == dtype and gw.dtype == dtype
+        assert_close(out, ref, tol, f"{dtype} loss")
+        assert_close(gh, rgh, tol, f"{dtype} grad_hidden")
+        assert_close(gw, rgw, tol, f"{dtype} grad_weight")
+
+
+@pytest.mark.parametrize("mode", ["fast", "low_memory"])
+def test_modes_all_ignored_and_other_ignore_index(mode):
+    hidden, weight, target = make_inputs(23, N=29, H=10, V=41, ignore_every=0)
+    for reduction in REDUCTIONS:
+        out, gh, gw = grads(
+            lambda h, w, r=reduction: torch.ops.graphtrain.linear_cross_entropy(
+                h, w, torch.full_like(target, 7), ignore_index=7, reduction=r, z_loss=1e-2,
+                label_smoothing=0.1, mode=mode, token_chunk=8,
+            ),
+            hidden,
+            weight,
+        )  # fmt: skip
+        assert torch.equal(out, torch.zeros_like(out)), (mode, reduction)
+        assert not gh.any() and not gw.any(), (mode, reduction)
+
+
+def test_fast_mode_master_weight_fp32_grad():
+    """fp32 master weight with bf16 hidden (autocast's head): grad_weight comes back fp32,
+    accumulated in fp32; values as float64 on the bf16-rounded weight (what autocast's
+    F.linear multiplies), and as the low-memory mode's (which casts the weight explicitly)."""
+    hidden, weight, target = make_inputs(29, N=64, H=48, V=300)
+    h16 = hidden.to(torch.bfloat16)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3)
+    out, gh, gw = grads(
+        lambda h, w: torch.ops.graphtrain.linear_cross_entropy(
+            h, w, target, mode="fast", token_chunk=16, **opts
+        ),
+        h16,
+        weight,
+    )
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    ref, rgh, rgw = grads(
+        lambda h, w: plain_f64(h, w, target, **opts), h16, weight.to(torch.bfloat16)
+    )
+    assert snr_db(out, ref) > 40 and snr_db(gh, rgh) > 35 and snr_db(gw, rgw) > 35
+    _, _, lgw = grads(
+        lambda h, w: torch.ops.graphtrain.linear_cross_entropy(h, w, target, **opts), h16, weight
+    )
+    assert lgw.dtype == torch.float32
+    assert_close(gw, lgw, 1e-5, "fast vs low-memory grad_weight")  # both fp32 accumulations
+
+
+def _grad_weight_error(fn, hidden, weight, target):
+    w = weight.clone().requires_grad_(True)
+    fn(hidden, w).backward()
+    w64 = weight.double().requires_grad_(True)
+    plain_f64(hidden, w64, target, ignore_index=-1).backward()
+    ref = w64.grad
+    return float((w.grad.double() - ref).norm() / ref.norm()), w.grad.dtype
+
+
+def test_fast_mode_bf16_weight_accumulation_error():
+    """bf16 weight: the fp32 buffer and the bf16 accumulation over four chunks (one rounding
+    per chunk) against float64, beside plain torch's own bf16 error (the docstring's claim)."""
+    hidden, weight, target = make_inputs(
+        31, N=2048, H=64, V=512, dtype=torch.bfloat16, ignore_every=0
+    )
+
+    def plain(h, w):
+        return F.cross_entropy(F.linear(h, w).float(), target)
+
+    def fast(fp32_accumulator):
+        return lambda h, w: torch.ops.graphtrain.linear_cross_entropy(
+            h, w, target, mode="fast", fp32_accumulator=fp32_accumulator
+        )
+
+    plain_err, _ = _grad_weight_error(plain, hidden, weight, target)
+    acc32_err, acc32_dtype = _grad_weight_error(fast(True), hidden, weight, target)
+    acc16_err, acc16_dtype = _grad_weight_error(fast(False), hidden, weight, target)
+    assert acc32_dtype == acc16_dtype == torch.bfloat16
+    assert acc32_err <= 1.05 * plain_err, (acc32_err, plain_err)
+    assert acc16_err <= 1.3 * plain_err, (acc16_err, plain_err)
+    assert acc16_err > acc32_err  # the extra roundings are really there (four chunks)
+
+
+def _stats(hidden, weight, target, **opts):
+    loss, stats = torch.ops.graphtrain.linear_cross_entropy_with_stats(
+        hidden, weight, target, **opts
+    )
+    return loss, stats
+
+
+@pytest.mark.parametrize("mode", ["fast", "low_memory"])
+def test_stats_top1_and_invalid_targets(mode):
+    """stats[0] = argmax hits of counted tokens (random logits: no ties), stats[1] = invalid
+    targets; any invalid target makes the loss NaN, and the gradients stay finite."""
+    hidden, weight, target = make_inputs(37, N=40, H=16, V=23, ignore_every=5)
+    logits = F.linear(hidden.double(), weight.double())
+    target[1::3] = logits.argmax(-1)[1::3]  # plenty of hits, and the ignored rows stay ignored
+    target[::5] = IGNORE
+    counted = target != IGNORE
+    hits = ((logits.argmax(-1) == target) & counted).sum()
+    for reduction in REDUCTIONS:
+        loss, stats = _stats(hidden, weight, target, reduction=reduction, mode=mode, token_chunk=8)
+        assert stats.dtype == torch.int64 and stats.tolist() == [int(hits), 0], reduction
+        assert torch.isfinite(loss).all()
+    bad = target.clone()
+    bad[2], bad[4] = 23, -3  # outside [0, V), not ignore_index
+    for reduction in REDUCTIONS:
+        h = hidden.clone().requires_grad_(True)
+        loss, stats = _stats(h, weight, bad, reduction=reduction, mode=mode, token_chunk=8)
+        assert stats[1] == 2
+        if reduction == "none":
+            assert torch.isnan(loss[[2, 4]]).all() and torch.isfinite(loss[[0, 1, 3]]).all()
+            loss = loss[[0, 1, 3]].sum()
+        else:
+            assert torch.isnan(loss)
+        (gh,) = torch.autograd.grad(loss, (h,))
+        assert torch.isfinite(gh).all(), reduction
+
+
+def test_stats_counts_ties_as_hits():
+    """A tie for the row maximum counts as a hit even where argmax picks the other class."""
+    hidden = torch.tensor([[1.0, 0.0]])
+    weight = torch.tensor([[2.0, 0.0], [2.0, 0.0], [0.0, 1.0]])  # classes 0 and 1 tie
+    for mode in ("fast", "low_memory"):
+        _, stats = _stats(hidden, weight, torch.tensor([1]), mode=mode)
+        assert stats.tolist() == [1, 0]
+
+
+# ------------------------------------------------------------------------------------------
 # the Triton kernels, under the interpreter (fp32, tiny shapes, several vocab chunks)
 # ------------------------------------------------------------------------------------------
 
 
 def _triton_case(
-    hidden, weight, target, *, reduction, label_smoothing, z_loss, grad_seed, chunk, group_name=None
+    hidden,
+    weight,
+    target,
+    *,
+    reduction,
+    label_smoothing,
+    z_loss,
+    grad_seed,
+    chunk,
+    group_name=None,
+    mode="low_memory",
+    token_chunk=0,
 ):
     """The Triton path's loss and gradients for a random grad_output, like autograd would."""
     valid = target != IGNORE
     opts = dict(
-        ignore_index=IGNORE, label_smoothing=label_smoothing, z_loss=z_loss, group_name=group_name
+        ignore_index=IGNORE,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        group_name=group_name,
+        mode=mode,
+        token_chunk=token_chunk,
     )
     g = torch.Generator().manual_seed(grad_seed)
     N = hidden.shape[0]
     if reduction == "none":
-        loss_tok, lse, _, _ = lce._lce_triton(
+        loss_tok, lse, _, _, _ = lce._lce_triton(
             hidden,
             weight,
             target,
@@ -304,7 +484,7 @@ def _triton_case(
             **opts,
         )
         go = torch.randn(N, generator=g, dtype=torch.float64).float()
-        _, _, gh, gw = lce._lce_triton(
+        _, _, gh, gw, _ = lce._lce_triton(
             hidden,
             weight,
             target,
@@ -318,7 +498,7 @@ def _triton_case(
         return loss_tok, gh, gw
     go = torch.randn((), generator=g, dtype=torch.float64).float()
     row_scale = lce._row_scale(valid, reduction, torch.float32) * go
-    loss_tok, _, gh, gw = lce._lce_triton(
+    loss_tok, _, gh, gw, _ = lce._lce_triton(
         hidden,
         weight,
         target,
@@ -342,7 +522,14 @@ def _interpreter_checks() -> None:
         ("none", 0.2, 1e-3, 21, 40, 150, 64, 2),  # the backward of "none" (known lse)
         ("mean", 0.1, 1e-3, 17, 20, 70, 128, 1),  # every target ignored: zeros, no NaN
     ]
-    for i, (red, ls, zl, N, H, V, chunk, every) in enumerate(cases):
+    fast_cases = [  # fast mode: token chunks of 8 rows, rows walked in `chunk`-column pieces
+        ("mean", 0.1, 1e-2, 37, 45, 301, 128, 3),
+        ("sum", 0.0, 0.0, 29, 33, 200, 64, 4),
+        ("none", 0.2, 1e-3, 21, 40, 150, 64, 2),
+        ("mean", 0.0, 0.0, 17, 20, 70, 128, 1),
+    ]
+    cases = [(*c, "low_memory") for c in cases] + [(*c, "fast") for c in fast_cases]
+    for i, (red, ls, zl, N, H, V, chunk, every, mode) in enumerate(cases):
         t0 = time.time()
         hidden, weight, target = make_inputs(100 + i, N=N, H=H, V=V, ignore_every=every)
         opts = dict(label_smoothing=ls, z_loss=zl, reduction=red)
@@ -355,6 +542,8 @@ def _interpreter_checks() -> None:
             z_loss=zl,
             grad_seed=i,
             chunk=chunk,
+            mode=mode,
+            token_chunk=8 if mode == "fast" else 0,
         )
         ref, rgh, rgw = grads(
             lambda h, w, o=opts, t=target: plain_f64(h, w, t, **o), hidden, weight, i
@@ -367,8 +556,16 @@ def _interpreter_checks() -> None:
             assert_close(gh, rgh, 5e-6, f"case {i} grad_hidden")
             assert_close(gw, rgw, 5e-6, f"case {i} grad_weight")
         print(
-            f"interpreter case {i} ({red}, ls={ls}, z={zl}, {N}x{H}x{V}) ok in {time.time() - t0:.1f}s"
+            f"interpreter case {i} ({mode}, {red}, ls={ls}, z={zl}, {N}x{H}x{V}) ok in "
+            f"{time.time() - t0:.1f}s"
         )
+    _interpreter_stats_checks()
+    # fast mode's fp32 grad_weight accumulation (16-bit operands on a GPU): acc += G^T @ h,
+    # G^T a transposed view, into an existing accumulator.
+    g, h, acc = torch.randn(19, 70), torch.randn(19, 33), torch.randn(70, 33)
+    expected = acc.double() + g.t().double() @ h.double()
+    lce._launch_dh(g.t(), h, acc, acc, first=False, has_alpha=False)
+    assert_close(acc, expected, 1e-6, "transposed accumulation")
     # The in-place grad_output scaling kernel.
     x = torch.randn(5000)
     g = torch.tensor(0.3)
@@ -376,6 +573,26 @@ def _interpreter_checks() -> None:
     lce._lce_scale_kernel[(2,)](x, g, x.numel(), BLOCK=4096)
     assert torch.equal(x, expected)
     print("interpreter scale kernel ok")
+
+
+def _interpreter_stats_checks() -> None:
+    """Both modes' Triton stats: top-1 hits and invalid targets as the reference counts them,
+    the loss NaN exactly where a target is invalid."""
+    hidden, weight, target = make_inputs(300, N=33, H=20, V=150, ignore_every=4)
+    logits = F.linear(hidden, weight)
+    target[1::2] = logits.argmax(-1)[1::2]
+    target[::4] = IGNORE
+    target[6], target[10] = 150, -7
+    ref = lce.linear_cross_entropy_ref(hidden, weight, target, reduction="none")
+    assert ref[4].tolist() == [int(((logits.argmax(-1) == target) & (target >= 0)).sum()), 2]
+    for mode in ("low_memory", "fast"):
+        loss_tok, _, _, _, stats = lce._lce_triton(
+            hidden, weight, target, row_scale=None, lse_in=None, vocab_chunk=64, mode=mode,
+            token_chunk=8,
+        )  # fmt: skip
+        assert torch.equal(stats, ref[4]), (mode, stats, ref[4])
+        assert torch.equal(torch.isnan(loss_tok), torch.isnan(ref[0])), mode
+        print(f"interpreter stats ({mode}) ok")
 
 
 def test_triton_kernels_under_interpreter():
@@ -413,11 +630,12 @@ def _tp_worker(rank: int, world: int, rendezvous: str) -> None:
             (hidden.requires_grad_(True), shard, target, group_name),
             dict(label_smoothing=0.1, z_loss=1e-3),
         )
-        for i, (red, ls, zl) in enumerate(TP_CASES):
+        modes = [("low_memory", 0), ("fast", 8)]  # fast: token chunks of 8 rows
+        for i, (red, ls, zl, (mode, rows)) in enumerate([(*c, m) for m in modes for c in TP_CASES]):
             hidden, weight, target = make_inputs(200 + i, N=23, H=14, V=2 * 43)  # same on all ranks
             V_loc = weight.shape[0] // world
             shard = weight[rank * V_loc : (rank + 1) * V_loc]
-            opts = dict(label_smoothing=ls, z_loss=zl, reduction=red)
+            opts = dict(label_smoothing=ls, z_loss=zl, reduction=red, mode=mode, token_chunk=rows)
             out, gh, gw = grads(
                 lambda h, w, o=opts, t=target: (
                     torch.ops.graphtrain.linear_cross_entropy_vocab_parallel(
@@ -436,12 +654,17 @@ def _tp_worker(rank: int, world: int, rendezvous: str) -> None:
                 weight,
                 grad_out_seed=i,
             )
-            assert_close(out, ref, 2e-6, f"rank {rank} {red} loss")
-            assert_close(gh, rgh, 2e-6, f"rank {rank} {red} grad_hidden")
+            assert_close(out, ref, 2e-6, f"rank {rank} {mode} {red} loss")
+            assert_close(gh, rgh, 2e-6, f"rank {rank} {mode} {red} grad_hidden")
             assert_close(
-                gw, rgw[rank * V_loc : (rank + 1) * V_loc], 2e-6, f"rank {rank} {red} grad_weight"
+                gw,
+                rgw[rank * V_loc : (rank + 1) * V_loc],
+                2e-6,
+                f"rank {rank} {mode} {red} grad_weight",
             )
-            if lce._interpreting():  # the Triton path's collectives
+            # The Triton path's collectives; fast mode's on "none" only (its forward statistics
+            # and its backward's grad_hidden all-reduce), to keep the test short.
+            if lce._interpreting() and (mode == "low_memory" or red == "none"):
                 t_out, t_gh, t_gw = _triton_case(
                     hidden,
                     shard,
@@ -452,15 +675,28 @@ def _tp_worker(rank: int, world: int, rendezvous: str) -> None:
                     grad_seed=i,
                     chunk=32,
                     group_name=group_name,
+                    mode=mode,
+                    token_chunk=rows,
                 )
-                assert_close(t_out, ref, 5e-6, f"rank {rank} {red} triton loss")
-                assert_close(t_gh, rgh, 5e-6, f"rank {rank} {red} triton grad_hidden")
+                assert_close(t_out, ref, 5e-6, f"rank {rank} {mode} {red} triton loss")
+                assert_close(t_gh, rgh, 5e-6, f"rank {rank} {mode} {red} triton grad_hidden")
                 assert_close(
                     t_gw,
                     rgw[rank * V_loc : (rank + 1) * V_loc],
                     5e-6,
-                    f"rank {rank} {red} triton gw",
+                    f"rank {rank} {mode} {red} triton gw",
                 )
+        # The statistics over the group: the same counts as one rank, on every rank.
+        hidden, weight, target = make_inputs(260, N=23, H=14, V=2 * 43)
+        target[1::2] = F.linear(hidden, weight).argmax(-1)[1::2]
+        target[3] = 2 * 43  # invalid: just past the global vocab
+        _, want = torch.ops.graphtrain.linear_cross_entropy_with_stats(hidden, weight, target)
+        assert want[0] > 0 and want[1] == 1
+        for mode in ("low_memory", "fast"):
+            _, got = torch.ops.graphtrain.linear_cross_entropy_with_stats(
+                hidden, weight[rank * 43 : (rank + 1) * 43], target, group_name, mode=mode
+            )
+            assert torch.equal(got, want), (rank, mode, got, want)
         dist.barrier()  # every rank done with its collectives before gloo tears down
     finally:
         dist.destroy_process_group()
@@ -486,6 +722,13 @@ def test_vocab_parallel_tp2_gloo(monkeypatch, tmp_path):
             for p in ctx.processes:
                 p.kill()
             pytest.fail("tp=2 gloo test timed out")
+
+
+def test_benchmark_cpu_smoke():
+    """benchmarks/cross_entropy.py imports, and eager, both modes and the pass agree."""
+    from conftest import run_benchmark_smoke  # not at the top: this file also runs as a script
+
+    run_benchmark_smoke("cross_entropy.py", "cpu smoke done")
 
 
 # ------------------------------------------------------------------------------------------
@@ -515,6 +758,35 @@ def test_cuda_matches_float64(reduction, dtype):
     else:
         assert snr_db(out, ref) > 40
         assert snr_db(gh, rgh) > 35 and snr_db(gw, rgw) > 35
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("weight_dtype,fp32_accumulator", [
+    (torch.float32, True),  # fp32 master weight, bf16 hidden: fp32 straight into the gradient
+    (torch.bfloat16, True),  # fp32 [V, H] buffer
+    (torch.bfloat16, False),  # bf16 accumulation over at most four chunks
+])  # fmt: skip
+def test_cuda_fast_mode(reduction, weight_dtype, fp32_accumulator):
+    """Fast mode on the GPU, several token chunks (token_chunk=300 of 1000 rows), by SNR
+    against float64 on the bf16-rounded operands; grad_weight in the weight's dtype."""
+    hidden, weight, target = make_inputs(43, N=1000, H=520, V=9000, device="cuda")
+    hidden, weight = hidden.to(torch.bfloat16), weight.to(weight_dtype)
+    opts = dict(label_smoothing=0.1, z_loss=1e-4, reduction=reduction)
+    fast = dict(mode="fast", fp32_accumulator=fp32_accumulator, token_chunk=300)
+    out, gh, gw = grads(
+        lambda h, w: torch.ops.graphtrain.linear_cross_entropy(h, w, target, **opts, **fast),
+        hidden,
+        weight,
+        5,
+    )
+    ref, rgh, rgw = grads(
+        lambda h, w: plain_f64(h, w, target, **opts), hidden, weight.to(torch.bfloat16), 5
+    )
+    assert gh.dtype == torch.bfloat16 and gw.dtype == weight_dtype
+    assert snr_db(out, ref) > 40
+    assert snr_db(gh, rgh) > 35 and snr_db(gw, rgw) > 35
 
 
 @pytest.mark.gpu

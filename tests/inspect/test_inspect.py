@@ -102,6 +102,8 @@ def test_pass_results_in_order_with_reasons(report):
     results = {r.graph: r for r in report.pass_results if r.name == "fuse_linear_cross_entropy"}
     head, block = results["head_loss-0"], results["block-0"]
     assert head.matched and head.op_diff[FUSED] == 1
+    # The cross-entropy mode and why it was chosen (compile.lce_mode, default auto).
+    assert "mode='fast'" in head.notes[0] and "auto: fast mode's" in head.notes[0], head.notes
     assert head.op_diff["torch.nn.functional.cross_entropy"] == -1
     assert "cross_entropy" in head.before and FUSED.rsplit(".", 1)[0] in head.after
     assert head.diff.startswith("---")

@@ -134,10 +134,11 @@ UNFUSED = {
         lambda h, w, t: (F.cross_entropy((lg := F.linear(h, w)).view(-1, V), t.view(-1)), lg),
         "graph output",
     ),
-    "argmax accuracy": (
+    # (an argmax accuracy on the logits folds into the op's statistics: see the tests below)
+    "argmax predictions returned": (
         lambda h, w, t: (
-            F.cross_entropy((lg := F.linear(h, w)).view(-1, V), t.view(-1))
-            + 0 * (lg.argmax(-1) == t).float().mean()
+            F.cross_entropy((lg := F.linear(h, w)).view(-1, V), t.view(-1)),
+            lg.argmax(-1),
         ),
         "argmax",
     ),
@@ -342,3 +343,135 @@ def test_tensor_parallel_head_uses_the_vocab_parallel_op(corpus, tmp_path):
     ]
     assert step["op_counts"].get("graphtrain.linear_cross_entropy_vocab_parallel.default") == 1
     assert CE not in step["op_counts"]
+
+
+def _compiled_notes(fn, args, tmp_path, options: dict) -> tuple[list[str], tuple]:
+    """The pass's notes and the compiled outputs/gradients with these pass options."""
+    leaves = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        fn,
+        backend=backend(inner="aot_eager", dump_dir=tmp_path, pass_options=options),
+        fullgraph=True,
+    )
+    out = compiled(*leaves)
+    grads = torch.autograd.grad(out, [a for a in leaves if a.requires_grad])
+    return _pass_step(tmp_path)["notes"], (out.detach(), *grads)
+
+
+@pytest.mark.parametrize(
+    "options,mode,why",
+    [
+        ({}, "fast", "auto: fast mode's"),  # default: a quarter of the free memory fits
+        ({"lce_memory_budget": 1 << 30}, "fast", "fits the budget of 1.00 GiB"),
+        ({"lce_memory_budget": 100}, "low_memory", "exceeds the budget"),
+        ({"lce_mode": "fast", "lce_memory_budget": 100}, "fast", "fast as configured"),
+        ({"lce_mode": "low_memory"}, "low_memory", "compile.lce_mode = 'low_memory'"),
+    ],
+)
+def test_mode_chosen_from_the_budget(options, mode, why, tmp_path):
+    """auto picks low-memory mode when fast mode's extra bytes exceed the budget and fast
+    otherwise; the note says which and why; both give the unrewritten loss and gradients."""
+    fn, _ = FUSED["F.linear + view"]
+    args = _inputs()
+    notes, got = _compiled_notes(fn, args, tmp_path / "c", options)
+    (note,) = [n for n in notes if "replaced" in n]
+    assert f"mode={mode!r}" in note and why in note, note
+    want_out, want_grads = _run(fn, args, None)
+    for a, b in zip(got, want_out + want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_autocast_fast_mode_takes_the_fp32_weight(tmp_path):
+    """Under autocast, fast mode gets the fp32 master weight itself (no cast node before the
+    op) and its fp32 gradient equals autocast's unfused computation up to bf16 rounding."""
+
+    def fn(h, w, t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(F.linear(h, w).float().view(-1, V), t.view(-1))
+
+    args = _inputs()
+    notes, got = _compiled_notes(fn, args, tmp_path, {"lce_mode": "fast"})
+    assert any("mode='fast'" in n for n in notes), notes
+    code = next(tmp_path.glob(f"*/*_{PASS}.txt")).read_text()
+    call = next(line for line in code.splitlines() if "graphtrain.linear_cross_entropy" in line)
+    assert "default(to, l_w_, " in call, call  # h cast to bf16, W as it is (fp32)
+    want_out, want_grads = _run(fn, args, None)
+    torch.testing.assert_close(got[0], want_out[0], rtol=1e-3, atol=1e-3)
+    for a, b in zip(got[1:], want_grads, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+class _HeadWithAccuracy(nn.Module):
+    """A plain-torch head that also reports top-1 accuracy on the same logits."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.output = nn.Linear(H, V, bias=False)
+        self.spelling = spelling
+
+    def forward(self, h, labels):
+        logits = self.output(self.norm(h))  # (B, T, V)
+        flat, flat_labels = logits.view(-1, V), labels.view(-1)
+        if self.spelling == "accuracy first":
+            acc = (flat.argmax(dim=-1) == flat_labels).float().mean()
+            return F.cross_entropy(flat.float(), flat_labels), acc
+        loss = F.cross_entropy(flat.float(), flat_labels)
+        mask = labels != -100
+        if self.spelling == "masked sum":
+            acc = ((logits.argmax(-1) == labels) & mask).sum()
+        else:  # "masked mean over counted"
+            acc = ((torch.argmax(logits, -1) == labels) * mask).float().sum() / mask.sum()
+        return loss, acc
+
+
+@pytest.mark.parametrize("spelling", ["masked sum", "masked mean over counted", "accuracy first"])
+def test_plain_accuracy_folds_into_the_op_statistics(spelling, tmp_path):
+    """The argmax accuracy on the fused logits is read from the op's top-1 count: no argmax
+    and no logits left; the value equals the plain computation (random logits: no ties), and
+    loss and gradients equal the unrewritten model's."""
+    torch.manual_seed(3)
+    model = _HeadWithAccuracy(spelling)
+    h, _, t = _inputs()
+    with torch.no_grad():  # make some predictions right so the count is not trivially 0
+        pred = model.output(model.norm(h)).argmax(-1)
+        t[:, ::2] = pred[:, ::2]
+        t[0, :3] = -100
+
+    def run(fn):
+        x = h.detach().clone().requires_grad_(True)
+        loss, acc = fn(x, t)
+        grads = torch.autograd.grad(loss, [x, *model.parameters()])
+        return loss.detach(), acc, grads
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend=backend(inner="aot_eager", dump_dir=tmp_path), fullgraph=True
+    )
+    loss, acc, grads = run(compiled)
+    step = _pass_step(tmp_path)
+    counts = step["op_counts"]
+    assert counts.get("graphtrain.linear_cross_entropy_with_stats.default") == 1, step
+    assert CE not in counts and not any("argmax" in k for k in counts), counts
+    assert any("top-1 count" in n for n in step["notes"]), step["notes"]
+    want_loss, want_acc, want_grads = run(model)
+    assert 0 < float(want_acc) and acc.dtype == want_acc.dtype
+    assert torch.equal(acc, want_acc), (acc, want_acc)
+    torch.testing.assert_close(loss, want_loss, rtol=2e-5, atol=2e-6)
+    for a, b in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_invalid_target_gives_nan_loss_not_a_wrong_one(tmp_path):
+    """A target outside [0, V) (not ignore_index) reaches the fused op: the loss is NaN, so the
+    trainer's non-finite check stops the run at that step (eager torch raises instead)."""
+    fn, _ = FUSED["F.linear + view"]
+    h, w, t = _inputs()
+    t[1, 4] = V  # one past the vocab
+    (out,), _ = _run(fn, (h, w, t), tmp_path)
+    assert _pass_step(tmp_path)["op_counts"].get(OP) == 1
+    assert torch.isnan(out)
+    with pytest.raises(IndexError):
+        fn(h, w, t)

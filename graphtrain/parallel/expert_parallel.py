@@ -30,12 +30,15 @@ What
 Compiled
     Both all-to-alls are functional collectives (all_to_all_single, and its autograd form for
     the rows), so the exchange is part of the block's graph and the graph passes see the same
-    router, permutation, expert GEMMs and combine as without ep. Dynamo traces the .tolist()
-    into unbacked symbolic split sizes (the region runs with capture_scalar_outputs, see
-    graphtrain.compile.apply_compile); the rows sent add up to T*k by construction, and the
-    last send split is written as T*k minus the others, so the rows coming back have the
-    static shape (T*k, dim) that the combine's pass needs. Only the rows between the two
-    exchanges (the received ones) have a data-dependent count.
+    router, permutation, expert GEMMs and combine as without ep: no graph break, one graph
+    per block (checked with fullgraph=True too). Dynamo traces the .tolist() into unbacked
+    symbolic split sizes (fullgraph=True, or the capture_scalar_outputs patch that
+    graphtrain.compile.apply_compile puts on fullgraph=False regions); the rows sent add up
+    to T*k by construction, and the last send split is written as T*k minus the others, so
+    the rows coming back have the static shape (T*k, dim) that the combine's pass needs. Only
+    the rows between the two exchanges (the received ones) have a data-dependent count: the
+    grouped GEMMs take them as they are, and fuse_moe_dispatch leaves the un-sort before the
+    return exchange alone (its note: symbolic shape).
 
 Why this shape
     ep is carved out of dp_shard (graphtrain.parallel.mesh): expert-parallel ranks read

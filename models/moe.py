@@ -10,7 +10,7 @@ What: the dense Llama-style model of models/gpt.py in which every block after th
 The router and the token permutation / weighted combine are written the obvious way because
 compiler passes (graphtrain.passes) find them in the graph and replace them with fused kernels;
 the semantics they must keep are those of `Router.forward` (the spec all MoE code shares) and
-`GroupedExperts.forward`.
+`routed_experts`.
 
 Why the auxiliary losses never appear in the returned loss: they reach the gradient through
 AuxLossInjector (Megatron's MoEAuxLossAutoScaler), so the model keeps the dense model's contract
@@ -211,12 +211,19 @@ def _topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Token -> top_k experts, their weights, tokens per expert and the auxiliary losses."""
+    """Token -> top_k experts, their weights, tokens per expert and the auxiliary losses.
+
+    last_nonfinite: tokens of the last forward whose router logits are not all finite (a NaN
+    or inf in the gate or its input: their scores, weights and choices mean nothing), an int64
+    scalar left on the device (no host sync in the step) for the trainer to sum and check at
+    its log steps.
+    """
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
+        self.last_nonfinite: torch.Tensor | None = None
         bias = torch.zeros(cfg.num_experts) if cfg.expert_bias else None
         self.register_buffer("expert_bias", bias)
         self.register_buffer("step_counts", torch.zeros(cfg.num_experts), persistent=False)
@@ -233,6 +240,9 @@ class Router(nn.Module):
         cfg = self.cfg
         B, L, _ = x.shape
         logits = self.gate(x.flatten(0, 1)).float()  # (T, E)
+        # Counted on the logits, the fused router's input (graphtrain.passes.fuse_moe_router):
+        # finite logits give finite scores, and the op's own outputs stay as they are.
+        self.last_nonfinite = (~torch.isfinite(logits)).any(-1).sum()
         if cfg.force_balance and self.training:
             # Random routing, straight-through gradient: the values are noise, the gradient
             # reaches the gate as if they were the logits.
@@ -366,10 +376,16 @@ EXPERT_HIDDEN_DIM = {"w1": 1, "w2": 2, "w3": 1}
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts with stacked weights (torchtitan's layout), run as grouped GEMMs.
+    """E SwiGLU experts with stacked weights (torchtitan's layout), run as grouped GEMMs on rows
+    already sorted by expert.
 
     No padding of the token groups: bf16 and fp32 grouped GEMMs accept any group size, zero
     included (only FP8/MXFP8 need groups of 16/32 rows, torchtitan PR 2255).
+    Under expert parallelism this module's input and output are moved by hooks around it
+    (graphtrain.parallel.expert_parallel): it then sees the rows other ranks send to its own
+    experts, and its weights are shards of the full ones (DTensors), read as their local block
+    (`to_local`) in the rows' dtype: variable-size groups of rows are no sharded layout, and
+    FSDP's mixed precision does not cast weights it does not manage.
     """
 
     def __init__(self, num_experts: int, dim: int, ffn_dim: int) -> None:
@@ -378,28 +394,41 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
 
-    def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
-        """x (T, dim); weights, indices (T, k); counts (E,). Returns (T, dim) in x's dtype."""
-        T, k = indices.shape
-        # Slots (token, j) sorted by expert, token order kept within an expert.
-        order = torch.argsort(indices.flatten(), stable=True)  # (T*k,)
-        xs = x[order // k]  # (T*k, dim): each expert's tokens contiguous
-        ys = self.run(xs, counts)  # (T*k, dim)
-        y = torch.empty_like(ys).index_copy_(0, order, ys)  # back to slot order
-        out = (y.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(1)  # (T, dim) fp32
-        return out.to(x.dtype)
-
-    def run(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows of xs sorted by expert (counts[e] rows for expert e) -> their outputs. Expert
-        parallelism replaces this method (graphtrain.parallel.expert_parallel)."""
-        return swiglu_experts(xs, counts, self.w1, self.w2, self.w3)
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows xs (N, dim) sorted by expert, counts[e] rows for expert e -> outputs (N, dim)."""
+        w1, w2, w3 = (_local_block(w, xs.dtype) for w in (self.w1, self.w2, self.w3))
+        return swiglu_experts(xs, counts, w1, w2, w3)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for w in (self.w1, self.w3):
             nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+def _local_block(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A sharded weight (its class has `to_local`: this file imports no distributed code) ->
+    # this rank's block in the rows' dtype; a plain weight as it is. The class, not the
+    # instance, is asked: Dynamo answers attribute probes on a tensor from torch.Tensor's.
+    return w.to_local().to(dtype) if hasattr(type(w), "to_local") else w
+
+
+def routed_experts(
+    experts: GroupedExperts,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """x (T, dim); weights, indices (T, k); counts (E,) -> sum_j weights[t, j] *
+    expert_{indices[t, j]}(x[t]), (T, dim) in x's dtype: permute, experts, combine."""
+    T, k = indices.shape
+    # Slots (token, j) sorted by expert, token order kept within an expert.
+    order = torch.argsort(indices.flatten(), stable=True)  # (T*k,)
+    xs = x[order // k]  # (T*k, dim): each expert's tokens contiguous
+    ys = experts(xs, counts)  # (T*k, dim)
+    y = torch.empty_like(ys).index_copy_(0, order, ys)  # back to slot order
+    out = (y.view(T, k, -1).float() * weights.unsqueeze(-1)).sum(1)  # (T, dim) fp32
+    return out.to(x.dtype)
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -434,7 +463,7 @@ class MoE(nn.Module):
         """x: (B, L, dim) -> (B, L, dim)."""
         weights, indices, counts, aux = self.router(x)
         flat = x.flatten(0, 1)  # (T, dim)
-        out = self.experts(flat, weights, indices, counts)
+        out = routed_experts(self.experts, flat, weights, indices, counts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         out = out.view_as(x)

@@ -1,7 +1,7 @@
 """graphtrain::moe_permute and graphtrain::moe_unpermute: MoE token dispatch and weighted combine.
 
 What
-    The two data movements around the experts (models/moe.py, GroupedExperts.forward), for
+    The two data movements around the experts (models/moe.py, routed_experts), for
     T tokens routed to k experts each, slot s = t * k + j being token t's j-th choice, and
     `order` [T*k] int64 a permutation of the slots (argsort of the flattened expert indices, so
     that each expert's slots are contiguous):

@@ -46,8 +46,13 @@ Layers (one op per file, DESIGN.md rule 1)
     moe_route            torch.library.custom_op with register_fake and register_autograd;
                          CPU (and any device without a kernel): moe_route_ref; CUDA: Triton
     moe_route_backward   custom op; CPU: moe_route_backward_ref; CUDA: Triton
-    check_route_args     the argument checks, shared by the kernels and the fake (bad input fails
-                         at trace time, with a ValueError naming the bad value)
+    RouteOptions         the options (top_k, score function, groups, scaling, aux flags, ...) as
+                         one frozen dataclass: what the reference, the launchers, the fake and
+                         the autograd wiring take, and what the op schemas are written from
+                         (only the custom_op signature spells them out, as keyword arguments);
+                         its check() (check_route_args on the op's arguments) is shared by the
+                         kernels and the fake, so bad input fails at trace time with a
+                         ValueError naming the bad value
 
 CUDA algorithm
     forward: one program per block of BLOCK_T tokens; a block's logits are one
@@ -88,8 +93,10 @@ Numerics
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -121,72 +128,108 @@ _BWD_TILE_WARPS = {_SOFTMAX_PRE: (512, 1), _SOFTMAX_POST: (1024, 2), _SIGMOID: (
 # --------------------------------------------------------------------------------------------
 
 
-def check_route_args(
-    logits: Tensor,
-    bias: Tensor | None,
-    top_k: int,
-    *,
-    score_func: str = "softmax",
-    pre_softmax: bool = True,
-    num_groups: int = 1,
-    topk_groups: int = 1,
-    normalize: bool = False,
-    route_scale: float = 1.0,
-    group_score: str = "top2",
-    aux_seq_len: int = 0,
-    return_lse: bool = False,
-) -> None:
-    """Raise ValueError naming the bad value when the arguments (moe_route's) do not describe a
-    router. normalize and return_lse take any value."""
-    if score_func not in SCORE_FUNCS:
-        raise ValueError(f"moe_route: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
-    if score_func == "sigmoid" and not pre_softmax:
-        raise ValueError(
-            "moe_route: pre_softmax=False (softmax after the top-k) needs score_func='softmax', "
-            "got score_func='sigmoid'"
-        )
-    if group_score not in GROUP_SCORES:
-        raise ValueError(
-            f"moe_route: group_score must be one of {GROUP_SCORES}, got {group_score!r}"
-        )
-    if logits.dim() != 2:
-        raise ValueError(f"moe_route: logits must be [T, E], got shape {tuple(logits.shape)}")
-    if logits.dtype not in _LOGIT_DTYPES:
-        raise ValueError(
-            f"moe_route: logits must be float32, bfloat16, float16 or float64, got {logits.dtype}"
-        )
-    E = logits.shape[1]
-    if num_groups < 1 or E % num_groups != 0:
-        raise ValueError(
-            f"moe_route: num_groups={num_groups} must be >= 1 and divide the number of experts "
-            f"E={E}"
-        )
-    if not 1 <= topk_groups <= num_groups:
-        raise ValueError(
-            f"moe_route: topk_groups={topk_groups} must be in [1, num_groups={num_groups}]"
-        )
-    available = topk_groups * (E // num_groups)
-    if not 1 <= top_k <= available:
-        raise ValueError(
-            f"moe_route: top_k={top_k} must be in [1, {available}]: the experts in the "
-            f"topk_groups={topk_groups} kept groups of E/num_groups={E // num_groups}"
-        )
-    if bias is not None:
-        bias_dtypes = (torch.float32, torch.float64) if logits.dtype == torch.float64 else ()
-        if bias.dim() != 1 or bias.shape[0] != E:
-            raise ValueError(f"moe_route: bias must be [E]=[{E}], got shape {tuple(bias.shape)}")
-        if bias.dtype != torch.float32 and bias.dtype not in bias_dtypes:
-            raise ValueError(f"moe_route: bias must be float32, got {bias.dtype}")
-        if bias.device != logits.device:
-            raise ValueError(f"moe_route: bias is on {bias.device}, logits on {logits.device}")
-    if not math.isfinite(route_scale):
-        raise ValueError(f"moe_route: route_scale must be finite, got {route_scale}")
-    T = logits.shape[0]
-    if aux_seq_len < 0 or (aux_seq_len and T % aux_seq_len):
-        raise ValueError(
-            f"moe_route: aux_seq_len={aux_seq_len} must be 0 (no aux sums) or divide the number "
-            f"of tokens T={T}"
-        )
+@dataclass(frozen=True)
+class RouteOptions:
+    """moe_route's options, one value for the reference, the kernels, the fake, the autograd
+    wiring and the registration (whose schema is written from these fields and defaults).
+    Built from the op's arguments with RouteOptions(top_k, **options)."""
+
+    top_k: int
+    score_func: str = "softmax"
+    pre_softmax: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    normalize: bool = False
+    route_scale: float = 1.0
+    group_score: str = "top2"
+    aux_seq_len: int = 0
+    return_lse: bool = False
+
+    @property
+    def score_code(self) -> int:
+        """The kernels' code of the score function."""
+        if self.score_func == "sigmoid":
+            return _SIGMOID
+        return _SOFTMAX_PRE if self.pre_softmax else _SOFTMAX_POST
+
+    def sequences(self, T: int) -> int:
+        """Rows S of aux_sums for T tokens (0 without aux sums)."""
+        return T // self.aux_seq_len if self.aux_seq_len else 0
+
+    def backward_options(self) -> dict[str, Any]:
+        """The keyword arguments of moe_route_backward."""
+        return {name: getattr(self, name) for name in _BACKWARD_OPTIONS}
+
+    def check(self, logits: Tensor, bias: Tensor | None) -> None:
+        """Raise ValueError naming the bad value when these options and tensors do not
+        describe a router. normalize and return_lse take any value."""
+        self._check_choices()
+        if logits.dim() != 2:
+            raise ValueError(f"moe_route: logits must be [T, E], got shape {tuple(logits.shape)}")
+        if logits.dtype not in _LOGIT_DTYPES:
+            raise ValueError(
+                "moe_route: logits must be float32, bfloat16, float16 or float64, got "
+                f"{logits.dtype}"
+            )
+        T, E = logits.shape
+        self._check_groups(E)
+        if bias is not None:
+            bias_dtypes = (torch.float32, torch.float64) if logits.dtype == torch.float64 else ()
+            if bias.dim() != 1 or bias.shape[0] != E:
+                raise ValueError(
+                    f"moe_route: bias must be [E]=[{E}], got shape {tuple(bias.shape)}"
+                )
+            if bias.dtype != torch.float32 and bias.dtype not in bias_dtypes:
+                raise ValueError(f"moe_route: bias must be float32, got {bias.dtype}")
+            if bias.device != logits.device:
+                raise ValueError(f"moe_route: bias is on {bias.device}, logits on {logits.device}")
+        if self.aux_seq_len < 0 or (self.aux_seq_len and T % self.aux_seq_len):
+            raise ValueError(
+                f"moe_route: aux_seq_len={self.aux_seq_len} must be 0 (no aux sums) or divide "
+                f"the number of tokens T={T}"
+            )
+
+    def _check_choices(self) -> None:
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(
+                f"moe_route: score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}"
+            )
+        if self.score_func == "sigmoid" and not self.pre_softmax:
+            raise ValueError(
+                "moe_route: pre_softmax=False (softmax after the top-k) needs "
+                "score_func='softmax', got score_func='sigmoid'"
+            )
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(
+                f"moe_route: group_score must be one of {GROUP_SCORES}, got {self.group_score!r}"
+            )
+        if not math.isfinite(self.route_scale):
+            raise ValueError(f"moe_route: route_scale must be finite, got {self.route_scale}")
+
+    def _check_groups(self, E: int) -> None:
+        G, kept = self.num_groups, self.topk_groups
+        if G < 1 or E % G != 0:
+            raise ValueError(
+                f"moe_route: num_groups={G} must be >= 1 and divide the number of experts E={E}"
+            )
+        if not 1 <= kept <= G:
+            raise ValueError(f"moe_route: topk_groups={kept} must be in [1, num_groups={G}]")
+        available = kept * (E // G)
+        if not 1 <= self.top_k <= available:
+            raise ValueError(
+                f"moe_route: top_k={self.top_k} must be in [1, {available}]: the experts in the "
+                f"topk_groups={kept} kept groups of E/num_groups={E // G}"
+            )
+
+
+# The options the backward reads (its op's keyword arguments).
+_BACKWARD_OPTIONS = ("score_func", "pre_softmax", "normalize", "route_scale", "aux_seq_len")
+
+
+def check_route_args(logits: Tensor, bias: Tensor | None, top_k: int, **options: Any) -> None:
+    """moe_route's argument checks (RouteOptions.check) on its own arguments: ValueError
+    naming the bad value."""
+    RouteOptions(top_k, **options).check(logits, bias)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -194,10 +237,18 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _score_code(score_func: str, pre_softmax: bool) -> int:
-    if score_func == "sigmoid":
-        return _SIGMOID
-    return _SOFTMAX_PRE if pre_softmax else _SOFTMAX_POST
+def _empty_outputs(logits: Tensor, o: RouteOptions) -> tuple[Tensor, ...]:
+    """Uninitialised (weights, indices, counts, aux_sums, lse) of their shapes and dtypes:
+    the fake's outputs and the kernels' output buffers."""
+    T, E = logits.shape
+    dtype = _compute_dtype(logits.dtype)
+    return (
+        logits.new_empty((T, o.top_k), dtype=dtype),
+        logits.new_empty((T, o.top_k), dtype=torch.int64),
+        logits.new_empty((E,), dtype=torch.int64),
+        logits.new_empty((o.sequences(T), E), dtype=dtype),
+        logits.new_empty((T if o.return_lse else 0,), dtype=dtype),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,10 +271,6 @@ def _aux_probs(x: Tensor, scores: Tensor, code: int) -> Tensor:
     return scores if code == _SOFTMAX_PRE else torch.softmax(x, dim=-1)
 
 
-def _aux_sequences(T: int, aux_seq_len: int) -> int:
-    return T // aux_seq_len if aux_seq_len else 0
-
-
 def _top_indices(values: Tensor, k: int) -> Tensor:
     """The k largest per row, descending; a stable sort puts equal values in index order."""
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
@@ -233,64 +280,45 @@ def moe_route_ref(
     logits: Tensor,
     bias: Tensor | None,
     top_k: int,
-    *,
-    score_func: str = "softmax",
-    pre_softmax: bool = True,
-    num_groups: int = 1,
-    topk_groups: int = 1,
-    normalize: bool = False,
-    route_scale: float = 1.0,
-    group_score: str = "top2",
-    aux_seq_len: int = 0,
-    return_lse: bool = False,
+    **options: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(weights, indices, counts, aux_sums, lse) of the router, in plain torch (module
     docstring)."""
-    check_route_args(
-        logits,
-        bias,
-        top_k,
-        score_func=score_func,
-        pre_softmax=pre_softmax,
-        num_groups=num_groups,
-        topk_groups=topk_groups,
-        route_scale=route_scale,
-        group_score=group_score,
-        aux_seq_len=aux_seq_len,
-    )
-    code = _score_code(score_func, pre_softmax)
+    o = RouteOptions(top_k, **options)
+    o.check(logits, bias)
+    code = o.score_code
     x = logits.to(_compute_dtype(logits.dtype))
     T, E = x.shape
     scores = _scores(x, code)
     sel = scores if bias is None else scores + bias.to(x.dtype)
-    if num_groups > 1 and topk_groups < num_groups:  # keeping every group masks nothing
-        grouped = sel.view(T, num_groups, E // num_groups)
-        if group_score == "max" or grouped.shape[-1] == 1:
+    if o.num_groups > 1 and o.topk_groups < o.num_groups:  # keeping every group masks nothing
+        grouped = sel.view(T, o.num_groups, E // o.num_groups)
+        if o.group_score == "max" or grouped.shape[-1] == 1:
             group_scores = grouped.amax(dim=-1)
         else:
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-        kept = _top_indices(group_scores, topk_groups)
-        dropped = torch.ones(T, num_groups, dtype=torch.bool, device=x.device).scatter(
+        kept = _top_indices(group_scores, o.topk_groups)
+        dropped = torch.ones(T, o.num_groups, dtype=torch.bool, device=x.device).scatter(
             1, kept, False
         )
         sel = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(T, E)
-    indices = _top_indices(sel, top_k)
+    indices = _top_indices(sel, o.top_k)
     weights = scores.gather(1, indices)
     if code == _SOFTMAX_POST:
         weights = torch.softmax(weights, dim=-1)
-    elif normalize:
+    elif o.normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + NORMALIZE_EPS)
-    weights = weights * route_scale
+    weights = weights * o.route_scale
     flat = indices.flatten()
     # scatter_add, not bincount: bincount sizes its output from the data (a host sync on CUDA).
     counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
-    S = _aux_sequences(T, aux_seq_len)
+    S = o.sequences(T)
     aux_sums = x.new_zeros(S, E)
     if S:
-        aux_sums = _aux_probs(x, scores, code).view(S, aux_seq_len, E).sum(1)
-    lse = torch.logsumexp(x, dim=-1) if return_lse else x.new_zeros(0)
+        aux_sums = _aux_probs(x, scores, code).view(S, o.aux_seq_len, E).sum(1)
+    lse = torch.logsumexp(x, dim=-1) if o.return_lse else x.new_zeros(0)
     return weights, indices, counts, aux_sums, lse
 
 
@@ -300,32 +328,28 @@ def moe_route_backward_ref(
     grad_lse: Tensor | None,
     logits: Tensor,
     indices: Tensor,
-    *,
-    score_func: str,
-    pre_softmax: bool,
-    normalize: bool,
-    route_scale: float,
-    aux_seq_len: int,
+    **options: Any,
 ) -> Tensor:
     """d logits for d weights, d aux_sums and d lse, in plain torch (indices: the forward's,
     distinct per row)."""
-    code = _score_code(score_func, pre_softmax)
+    o = RouteOptions(indices.shape[1], **options)
+    code = o.score_code
     x = logits.to(_compute_dtype(logits.dtype))
     scores = _scores(x, code)
     picked = scores.gather(1, indices)
-    g = grad_weights.to(x.dtype) * route_scale
+    g = grad_weights.to(x.dtype) * o.route_scale
     if code == _SOFTMAX_POST:
         w = torch.softmax(picked, dim=-1)
         d_picked = w * (g - (g * w).sum(dim=-1, keepdim=True))
-    elif normalize:
+    elif o.normalize:
         denom = picked.sum(dim=-1, keepdim=True) + NORMALIZE_EPS
         d_picked = (g - (g * picked).sum(dim=-1, keepdim=True) / denom) / denom
     else:
         d_picked = g
     d_scores = torch.zeros_like(scores).scatter_add_(1, indices, d_picked)
     d_p = None  # d aux probabilities, [T, E]
-    if grad_aux_sums is not None and aux_seq_len:
-        d_p = grad_aux_sums.to(x.dtype).repeat_interleave(aux_seq_len, dim=0)
+    if grad_aux_sums is not None and o.aux_seq_len:
+        d_p = grad_aux_sums.to(x.dtype).repeat_interleave(o.aux_seq_len, dim=0)
         if code == _SOFTMAX_PRE:  # p is the scores
             d_scores = d_scores + d_p
         elif code == _SIGMOID:  # p = s / sum(s)
@@ -624,35 +648,24 @@ def moe_route_triton(
     logits: Tensor,
     bias: Tensor | None,
     top_k: int,
-    *,
-    score_func: str = "softmax",
-    pre_softmax: bool = True,
-    num_groups: int = 1,
-    topk_groups: int = 1,
-    normalize: bool = False,
-    route_scale: float = 1.0,
-    group_score: str = "top2",
-    aux_seq_len: int = 0,
-    return_lse: bool = False,
+    **options: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CUDA forward (also CPU tensors under TRITON_INTERPRET=1)."""
+    o = RouteOptions(top_k, **options)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     T, E = logits.shape
-    dev = logits.device
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-    indices = torch.empty(T, top_k, dtype=torch.int64, device=dev)
-    counts = torch.zeros(E, dtype=torch.int64, device=dev)
-    S = _aux_sequences(T, aux_seq_len)
-    lse = torch.empty(T if return_lse else 0, dtype=torch.float32, device=dev)
+    weights, indices, counts, aux_sums, lse = _empty_outputs(logits, o)
+    counts.zero_()
     if T == 0:
-        return weights, indices, counts, torch.zeros(S, E, dtype=torch.float32, device=dev), lse
-    g_pad, epg, epg_pad = _tile(E, num_groups)
-    seq_len = aux_seq_len or T  # the grid: sequences x blocks of one sequence
+        return weights, indices, counts, aux_sums.zero_(), lse
+    S = o.sequences(T)
+    g_pad, epg, epg_pad = _tile(E, o.num_groups)
+    seq_len = o.aux_seq_len or T  # the grid: sequences x blocks of one sequence
     block_t = max(1, min(_FWD_TILE // (g_pad * epg_pad), triton.next_power_of_2(seq_len)))
     blocks_per_seq = triton.cdiv(seq_len, block_t)
     grid = (T // seq_len) * blocks_per_seq
-    partials = torch.empty(grid if S else 0, E, dtype=torch.float32, device=dev)
+    partials = torch.empty(grid if S else 0, E, dtype=torch.float32, device=logits.device)
     _moe_route_fwd_kernel[(grid,)](
         logits,
         bias if bias is not None else logits,  # a dummy pointer, never read
@@ -660,26 +673,26 @@ def moe_route_triton(
         indices,
         counts,
         partials if S else weights,  # a dummy pointer, never written
-        lse if return_lse else weights,  # a dummy pointer, never written
+        lse if o.return_lse else weights,  # a dummy pointer, never written
         T,
         seq_len,
         blocks_per_seq,
         logits.stride(0),
-        float(route_scale),
-        K=top_k,
-        K_PAD=triton.next_power_of_2(top_k),
+        float(o.route_scale),
+        K=o.top_k,
+        K_PAD=triton.next_power_of_2(o.top_k),
         E=E,
-        G=num_groups,
+        G=o.num_groups,
         EPG=epg,
         G_PAD=g_pad,
         EPG_PAD=epg_pad,
-        TOPK_GROUPS=topk_groups,
-        SCORE=_score_code(score_func, pre_softmax),
+        TOPK_GROUPS=o.topk_groups,
+        SCORE=o.score_code,
         HAS_BIAS=bias is not None,
-        NORMALIZE=normalize,
-        GROUP_MAX=group_score == "max",
+        NORMALIZE=o.normalize,
+        GROUP_MAX=o.group_score == "max",
         AUX=S > 0,
-        LSE=return_lse,
+        LSE=o.return_lse,
         BLOCK_T=block_t,
         num_warps=_FWD_WARPS,
     )
@@ -694,14 +707,10 @@ def moe_route_backward_triton(
     grad_lse: Tensor | None,
     logits: Tensor,
     indices: Tensor,
-    *,
-    score_func: str,
-    pre_softmax: bool,
-    normalize: bool,
-    route_scale: float,
-    aux_seq_len: int,
+    **options: Any,
 ) -> Tensor:
     """The CUDA backward (also CPU tensors under TRITON_INTERPRET=1)."""
+    o = RouteOptions(indices.shape[1], **options)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     T, E = logits.shape
@@ -710,12 +719,12 @@ def moe_route_backward_triton(
         return grad_logits
     K = indices.shape[1]
     block_e = triton.next_power_of_2(E)
-    code = _score_code(score_func, pre_softmax)
+    code = o.score_code
     tile, warps = _BWD_TILE_WARPS[code]
     block_t = max(1, min(tile // block_e, triton.next_power_of_2(T)))
     # Rows wider than the tile (many experts) get more warps, not more registers per thread.
     warps = min(16, max(warps, block_t * block_e * warps // tile))
-    aux = grad_aux_sums is not None and aux_seq_len > 0
+    aux = grad_aux_sums is not None and o.aux_seq_len > 0
     _moe_route_bwd_kernel[(triton.cdiv(T, block_t),)](
         # Autograd may hand over expanded (stride 0) gradients.
         grad_weights.contiguous(),
@@ -726,13 +735,13 @@ def moe_route_backward_triton(
         grad_logits,
         T,
         E,
-        aux_seq_len or T,
+        o.aux_seq_len or T,
         logits.stride(0),
-        float(route_scale),
+        float(o.route_scale),
         K=K,
         K_PAD=triton.next_power_of_2(K),
         SCORE=code,
-        NORMALIZE=normalize,
+        NORMALIZE=o.normalize,
         AUX=aux,
         LSE=grad_lse is not None,
         BLOCK_T=block_t,
@@ -746,75 +755,55 @@ def moe_route_backward_triton(
 # op registration
 # --------------------------------------------------------------------------------------------
 
-_OPTIONS = (
-    'str score_func="softmax", bool pre_softmax=True, int num_groups=1, int topk_groups=1, '
-    'bool normalize=False, float route_scale=1.0, str group_score="top2", int aux_seq_len=0, '
-    "bool return_lse=False"
-)
+
+def _schema_options(names: tuple[str, ...], *, defaults: bool) -> str:
+    """The schema's keyword arguments for these RouteOptions fields (with their defaults)."""
+    fields = {f.name: f for f in dataclasses.fields(RouteOptions)}
+    out = []
+    for name in names:
+        f = fields[name]
+        default = ""
+        if defaults:
+            default = f'="{f.default}"' if isinstance(f.default, str) else f"={f.default!r}"
+        out.append(f"{f.type} {name}{default}")
+    return ", ".join(out)
+
+
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RouteOptions))[1:]  # after top_k
 
 
 @torch.library.custom_op(
     "graphtrain::moe_route",
     mutates_args=(),
     schema=(
-        f"(Tensor logits, Tensor? bias, int top_k, *, {_OPTIONS}) "
+        "(Tensor logits, Tensor? bias, int top_k, *, "
+        f"{_schema_options(_OPTION_NAMES, defaults=True)}) "
         "-> (Tensor weights, Tensor indices, Tensor counts, Tensor aux_sums, Tensor lse)"
     ),
 )
 def moe_route(
-    logits: Tensor,
-    bias: Tensor | None,
-    top_k: int,
-    *,
-    score_func: str = "softmax",
-    pre_softmax: bool = True,
-    num_groups: int = 1,
-    topk_groups: int = 1,
-    normalize: bool = False,
-    route_scale: float = 1.0,
-    group_score: str = "top2",
-    aux_seq_len: int = 0,
-    return_lse: bool = False,
+    logits: Tensor, bias: Tensor | None, top_k: int, **options: Any
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(weights [T, k] fp32, indices [T, k] int64, counts [E] int64, aux_sums [S, E] fp32,
-    lse [T] or [0] fp32) of the MoE router.
+    lse [T] or [0] fp32) of the MoE router; options: RouteOptions' fields.
 
     This body is the CPU (and any non-CUDA) kernel: the torch reference.
     """
-    return moe_route_ref(
-        logits,
-        bias,
-        top_k,
-        score_func=score_func,
-        pre_softmax=pre_softmax,
-        num_groups=num_groups,
-        topk_groups=topk_groups,
-        normalize=normalize,
-        route_scale=route_scale,
-        group_score=group_score,
-        aux_seq_len=aux_seq_len,
-        return_lse=return_lse,
-    )
+    return moe_route_ref(logits, bias, top_k, **options)
 
 
 @moe_route.register_fake
 def _moe_route_fake(logits, bias, top_k, **options):
-    check_route_args(logits, bias, top_k, **options)
-    T, E = logits.shape
-    dtype = _compute_dtype(logits.dtype)
-    weights = logits.new_empty((T, top_k), dtype=dtype)
-    indices = logits.new_empty((T, top_k), dtype=torch.int64)
-    counts = logits.new_empty((E,), dtype=torch.int64)
-    S = _aux_sequences(T, options.get("aux_seq_len", 0))
-    aux_sums = logits.new_empty((S, E), dtype=dtype)
-    lse = logits.new_empty((T if options.get("return_lse", False) else 0,), dtype=dtype)
-    return weights, indices, counts, aux_sums, lse
+    o = RouteOptions(top_k, **options)
+    o.check(logits, bias)
+    return _empty_outputs(logits, o)
 
 
 @moe_route.register_kernel("cuda")
 def _moe_route_cuda(logits, bias, top_k, **options):
-    check_route_args(logits, bias, top_k, **options)
-    supported = triton_supports(logits, options.get("num_groups", 1))
+    o = RouteOptions(top_k, **options)
+    o.check(logits, bias)
+    supported = triton_supports(logits, o.num_groups)
     return (moe_route_triton if supported else moe_route_ref)(logits, bias, top_k, **options)
 
 
@@ -823,8 +812,7 @@ def _moe_route_cuda(logits, bias, top_k, **options):
     mutates_args=(),
     schema=(
         "(Tensor grad_weights, Tensor? grad_aux_sums, Tensor? grad_lse, Tensor logits, "
-        "Tensor indices, *, str score_func, bool pre_softmax, bool normalize, float route_scale, "
-        "int aux_seq_len) -> Tensor"
+        f"Tensor indices, *, {_schema_options(_BACKWARD_OPTIONS, defaults=False)}) -> Tensor"
     ),
 )
 def moe_route_backward(
@@ -833,27 +821,11 @@ def moe_route_backward(
     grad_lse: Tensor | None,
     logits: Tensor,
     indices: Tensor,
-    *,
-    score_func: str,
-    pre_softmax: bool,
-    normalize: bool,
-    route_scale: float,
-    aux_seq_len: int,
+    **options: Any,
 ) -> Tensor:
-    """d logits of moe_route for d weights, d aux_sums and d lse. This body is the CPU kernel:
-    the torch reference."""
-    return moe_route_backward_ref(
-        grad_weights,
-        grad_aux_sums,
-        grad_lse,
-        logits,
-        indices,
-        score_func=score_func,
-        pre_softmax=pre_softmax,
-        normalize=normalize,
-        route_scale=route_scale,
-        aux_seq_len=aux_seq_len,
-    )
+    """d logits of moe_route for d weights, d aux_sums and d lse (options: RouteOptions'
+    backward_options). This body is the CPU kernel: the torch reference."""
+    return moe_route_backward_ref(grad_weights, grad_aux_sums, grad_lse, logits, indices, **options)
 
 
 @moe_route_backward.register_fake
@@ -869,19 +841,15 @@ def _moe_route_backward_cuda(grad_weights, grad_aux_sums, grad_lse, logits, indi
     return moe_route_backward_triton(*grads, **options)
 
 
-_BACKWARD_OPTIONS = ("score_func", "pre_softmax", "normalize", "route_scale", "aux_seq_len")
-
-
 def _setup_context(
     ctx: Any, inputs: tuple, keyword_only_inputs: dict[str, Any], output: tuple
 ) -> None:
-    logits, _bias, _top_k = inputs
+    logits, _bias, top_k = inputs
     _weights, indices, counts, _aux_sums, _lse = output
     ctx.mark_non_differentiable(indices, counts)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(logits, indices)
-    ctx.options = {k: keyword_only_inputs[k] for k in _BACKWARD_OPTIONS}
-    ctx.return_lse = keyword_only_inputs["return_lse"]
+    ctx.options = RouteOptions(top_k, **keyword_only_inputs)
 
 
 def _backward(
@@ -892,7 +860,7 @@ def _backward(
     grad_aux_sums: Tensor | None,
     grad_lse: Tensor | None,
 ) -> tuple:
-    if not ctx.return_lse:  # the empty lse: nothing flows from it
+    if not ctx.options.return_lse:  # the empty lse: nothing flows from it
         grad_lse = None
     if (grad_weights is None and grad_aux_sums is None and grad_lse is None) or not (
         ctx.needs_input_grad[0]
@@ -902,7 +870,7 @@ def _backward(
     if grad_weights is None:
         grad_weights = indices.new_zeros(indices.shape, dtype=_compute_dtype(logits.dtype))
     grad_logits = torch.ops.graphtrain.moe_route_backward(
-        grad_weights, grad_aux_sums, grad_lse, logits, indices, **ctx.options
+        grad_weights, grad_aux_sums, grad_lse, logits, indices, **ctx.options.backward_options()
     )
     return grad_logits, None, None
 

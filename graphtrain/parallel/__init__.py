@@ -93,7 +93,8 @@ def parallelize_model(
         raise ValueError(f"activation checkpoint mode must be one of {AC_MODES}, got {ac_mode!r}")
 
     # 0. Expert parallel: the experts' weights become ep shards before anything else sees them
-    #    (FSDP must know to leave them alone; the compiled blocks call the all-to-all run).
+    #    (FSDP must know to leave them alone), and the all-to-all hooks go around the experts
+    #    before compile, so the compiled blocks trace them.
     if dims.ep > 1:
         apply_ep(model, mesh["ep", "tp"] if dims.etp > 1 else mesh["ep"])
 

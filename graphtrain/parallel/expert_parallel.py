@@ -1,26 +1,44 @@
 """Expert parallel: the routed experts of MoE blocks split over the "ep" mesh axis, tokens moved
-to their experts' ranks and back with all-to-all.
+to their experts' ranks and back with all-to-all, as a ParallelStyle around the experts module.
 
 What
-    apply_ep(model, mesh) on a meta-device MoE model (models/moe.py), mesh ("ep",) or, with
-    expert tensor parallel (etp = tp), ("ep", "tp"): every GroupedExperts' stacked weights
-    w1/w2/w3 (E, ., .) become DTensors Shard(0) on "ep" (rank r holds experts
-    [r * E/ep, (r + 1) * E/ep)), and on "tp" also split on their hidden dim
-    (EXPERT_HIDDEN_DIM). Its `run` (rows sorted by expert -> outputs) is replaced by
-    the exchange below. Everything else of the block (attention, router, shared experts,
-    permutation and combination) stays local to the rank.
+    ExpertParallel is a torch.distributed.tensor.parallel ParallelStyle for a GroupedExperts
+    (models/moe.py), on a mesh ("ep",) or, with expert tensor parallel (etp = tp),
+    ("ep", "tp"). apply_ep(model, mesh) applies it to every GroupedExperts of a meta-device
+    MoE model. The stacked weights w1/w2/w3 (E, ., .) become DTensors Shard(0) on "ep" (rank r
+    holds experts [r * E/ep, (r + 1) * E/ep)), and on "tp" also split on their hidden dim
+    (EXPERT_HIDDEN_DIM). The module's own forward (rows sorted by expert -> outputs) is what
+    runs, between two hooks:
+      dispatch (forward pre-hook) on (xs, counts), the T*k rows sorted by expert:
         1. counts (E,) -> all-to-all -> recv (ep, E/ep): rows each source rank sends to each of
-           this rank's experts; the split sizes go to the host (.tolist(): a device sync per
-           MoE layer, which variable-size all-to-all needs)
-        2. the sorted rows (already contiguous per destination rank) -> all-to-all
-        3. re-sort the received rows by local expert, grouped GEMMs on the local weights,
-           un-sort, all-to-all back: the rows return in the order they left.
+           this rank's experts; the split sizes go to the host in one .tolist() (a device
+           sync per MoE layer, which a variable-size all-to-all needs);
+        2. the sorted rows (already contiguous per destination rank) -> all-to-all;
+        3. the received rows (by source rank, then expert) re-sorted by local expert:
+           the module gets (those rows, recv.sum(0)).
+      combine (forward hook) on the module's outputs: un-sort, all-to-all back; the rows
+        return in the order they left, (T*k, dim), for the model's weighted combine.
+    Everything else of the block (attention, router, shared experts, permutation and
+    combination) stays local to the rank.
     With etp = tp the tp ranks of a group route the same (gathered) tokens the same way, and
     each exchanges them with the ranks of its own tp index; its grouped GEMMs on its hidden
     slice give partial sums over tp, which the layer's tensor-parallel output style
     reduce-scatters (models/moe_plan.py), as without expert parallelism.
     expert_params(model) lists those DTensor parameters; reduce_expert_grads(params, group,
     dp_size) finishes their gradients once per step (see below).
+
+Compiled
+    Both all-to-alls are functional collectives (all_to_all_single, and its autograd form for
+    the rows), so the exchange is part of the block's graph and the graph passes see the same
+    router, permutation, expert GEMMs and combine as without ep: no graph break, one graph
+    per block (checked with fullgraph=True too). Dynamo traces the .tolist() into unbacked
+    symbolic split sizes (fullgraph=True, or the capture_scalar_outputs patch that
+    graphtrain.compile.apply_compile puts on fullgraph=False regions); the rows sent add up
+    to T*k by construction, and the last send split is written as T*k minus the others, so
+    the rows coming back have the static shape (T*k, dim) that the combine's pass needs. Only
+    the rows between the two exchanges (the received ones) have a data-dependent count: the
+    grouped GEMMs take them as they are, and fuse_moe_dispatch leaves the un-sort before the
+    return exchange alone (its note: symbolic shape).
 
 Why this shape
     ep is carved out of dp_shard (graphtrain.parallel.mesh): expert-parallel ranks read
@@ -32,78 +50,108 @@ Why this shape
     parameters. Expert weights are therefore replicated, not sharded, over dp_shard_mod_ep
     (ep = dp_shard shards them fully). With etp = tp every tp rank's gradient is already
     the whole gradient of its slice (its partial output got the full output gradient).
-    The exchange has data-dependent sizes, so it runs outside the compiled graph
-    (torch._dynamo.disable): an MoE block compiles into the part before and the part after it
-    (the trainer compiles with fullgraph=False when ep > 1). Compute dtype: the local weights
-    are cast to the rows' dtype (FSDP's mixed precision does not see them).
+    Compute dtype: the module casts its local weights to the rows' dtype (FSDP's mixed
+    precision does not see them).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import (
+    all_to_all_single,
+    all_to_all_single_autograd,
+)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from models.moe import EXPERT_HIDDEN_DIM, GroupedExperts, swiglu_experts
+from models.moe import EXPERT_HIDDEN_DIM, GroupedExperts
 
 _WEIGHTS = ("w1", "w2", "w3")
+_AXES = (("ep",), ("ep", "tp"))
 
 
-def _all_to_all_run(
-    experts: GroupedExperts, xs: torch.Tensor, counts: torch.Tensor, *, mesh: DeviceMesh
-) -> torch.Tensor:
-    group, ep = mesh.get_group("ep"), mesh.size(mesh.mesh_dim_names.index("ep"))
-    num_local = counts.numel() // ep
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts, group=group)
-    recv = recv.view(ep, num_local)  # recv[s, e]: rows rank s sends to local expert e
-    in_splits = counts.view(ep, num_local).sum(1).tolist()  # host sync (see the docstring)
-    out_splits = recv.sum(1).tolist()
-    xr = all_to_all_single_autograd(xs, out_splits, in_splits, group)  # by source, then expert
-    expert_of_row = torch.repeat_interleave(
-        torch.arange(num_local, device=xs.device).repeat(ep), recv.flatten()
-    )
-    order = torch.argsort(expert_of_row, stable=True)
-    w1, w2, w3 = (getattr(experts, n).to_local().to(xr.dtype) for n in _WEIGHTS)
-    ys = swiglu_experts(xr[order], recv.sum(0), w1, w2, w3)
-    yr = torch.empty_like(ys).index_copy_(0, order, ys)
-    return all_to_all_single_autograd(yr, in_splits, out_splits, group)
+def _shard_weights(experts: nn.Module, mesh: DeviceMesh) -> None:
+    """w1/w2/w3 -> DTensors: Shard(0) over "ep", and the hidden dim over "tp" if present."""
+    axes = tuple(mesh.mesh_dim_names)
+    for name in _WEIGHTS:
+        full = getattr(experts, name)
+        placements = [Shard(0), Shard(EXPERT_HIDDEN_DIM[name])][: len(axes)]
+        for i, (axis, placement) in enumerate(zip(axes, placements, strict=True)):
+            if full.shape[placement.dim] % mesh.size(i):
+                what = "num_experts" if placement.dim == 0 else "moe_ffn_dim"
+                raise ValueError(
+                    f"model.{what}={full.shape[placement.dim]} is not divisible by "
+                    f"parallel.{axis}={mesh.size(i)}"
+                )
+        # Each rank cuts its own block (on the meta device: no data, no communication).
+        shard = distribute_tensor(full.detach(), mesh, placements, src_data_rank=None)
+        setattr(experts, name, nn.Parameter(shard, full.requires_grad))
+
+
+class ExpertParallel(ParallelStyle):
+    """Shard a GroupedExperts over "ep" and exchange its rows with all-to-all around its
+    forward (module docstring). One instance per module: it keeps the routes of the forwards
+    in flight (dispatch pushes, combine pops; a recompute pairs them the same way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._routes: list[tuple[torch.Tensor, list, list]] = []
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        axes = tuple(device_mesh.mesh_dim_names or ())
+        if axes not in _AXES:
+            raise ValueError(f"ExpertParallel wants a mesh with axes {_AXES}, got {axes}")
+        self._group = device_mesh.get_group("ep")
+        self._ep = device_mesh.size(0)
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, mod, mesh: _shard_weights(mod, mesh) if mod is module else None,
+            self._dispatch,
+            self._combine,
+        )
+
+    def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        xs, counts = inputs
+        ep, num_local = self._ep, counts.numel() // self._ep
+        # recv[s, e]: rows source rank s sends to local expert e.
+        recv = all_to_all_single(counts, None, None, self._group).view(ep, num_local)
+        sizes = torch.cat([counts.view(ep, num_local).sum(1), recv.sum(1)]).tolist()
+        for size in sizes:
+            torch._check(size >= 0)
+        # Written so that the sent rows add up to xs's own (static) row count.
+        send = [*sizes[: ep - 1], xs.shape[0] - sum(sizes[: ep - 1])]
+        received = sizes[ep:]
+        xr = all_to_all_single_autograd(xs, received, send, self._group)  # source, then expert
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(num_local, device=xs.device).repeat(ep),
+            recv.flatten(),
+            output_size=xr.shape[0],
+        )
+        order = torch.argsort(expert_of_row, stable=True)
+        self._routes.append((order, send, received))
+        return xr[order], recv.sum(0)
+
+    def _combine(self, module: nn.Module, ys: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        order, send, received = self._routes.pop()
+        yr = torch.empty_like(ys).index_copy_(0, order, ys)  # back to arrival order
+        return all_to_all_single_autograd(yr, send, received, self._group)
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split every GroupedExperts of `model` over `mesh` (in place, on the meta device): its
-    axes are ("ep",), or ("ep", "tp") to split the experts' hidden dim over tp as well."""
+    """ExpertParallel on every GroupedExperts of `model` (in place, on the meta device): the
+    mesh's axes are ("ep",), or ("ep", "tp") to split the experts' hidden dim over tp too."""
     axes = tuple(mesh.mesh_dim_names or ())
-    if axes not in (("ep",), ("ep", "tp")):
+    if axes not in _AXES:
         raise ValueError(f"apply_ep wants a mesh with axes ('ep',) or ('ep', 'tp'), got {axes}")
-    found = False
-    for module in model.modules():
-        if not isinstance(module, GroupedExperts):
-            continue
-        found = True
-        for name in _WEIGHTS:
-            full = getattr(module, name)
-            placements = [Shard(0), Shard(EXPERT_HIDDEN_DIM[name])][: len(axes)]
-            for axis, placement in zip(axes, placements, strict=True):
-                size = mesh.size(axes.index(axis))
-                if full.shape[placement.dim] % size:
-                    what = "num_experts" if placement.dim == 0 else "moe_ffn_dim"
-                    raise ValueError(
-                        f"model.{what}={full.shape[placement.dim]} is not divisible by "
-                        f"parallel.{axis}={size}"
-                    )
-            # Each rank cuts its own block (on the meta device: no data, no communication).
-            shard = distribute_tensor(full.detach(), mesh, placements, src_data_rank=None)
-            setattr(module, name, nn.Parameter(shard, full.requires_grad))
-        # An instance attribute shadows GroupedExperts.run for this module only.
-        module.run = functools.partial(torch._dynamo.disable(_all_to_all_run), module, mesh=mesh)
-    if not found:
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    if not experts:
         raise ValueError("parallel.ep > 1 needs an MoE model (one with routed experts)")
+    for module in experts:
+        ExpertParallel()._apply(module, mesh)
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:

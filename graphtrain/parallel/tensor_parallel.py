@@ -121,21 +121,15 @@ class _Unchanged(ParallelStyle):
 
 class _SplitExperts(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from models.moe import EXPERT_HIDDEN_DIM, swiglu_experts
+        from models.moe import EXPERT_HIDDEN_DIM
 
         for name, dim in EXPERT_HIDDEN_DIM.items():
             full = getattr(module, name)
             # Each rank cuts its own block (on the meta device: no data, no communication).
+            # The module's own forward runs on the shards' local blocks, giving this rank's
+            # partial sum (models.moe.GroupedExperts).
             shard = distribute_tensor(full.detach(), device_mesh, [Shard(dim)], src_data_rank=None)
             setattr(module, name, nn.Parameter(shard, full.requires_grad))
-
-        def run(xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-            # The experts' shards as plain tensors: the token rows are plain (variable-size
-            # groups are no DTensor layout), and the result is this rank's partial sum.
-            w1, w2, w3 = (getattr(module, n).to_local() for n in ("w1", "w2", "w3"))
-            return swiglu_experts(xs, counts, w1, w2, w3)
-
-        module.run = run  # an instance attribute shadows GroupedExperts.run
         return module
 
 

@@ -1,3 +1,4 @@
+import json
 import math
 import re
 from dataclasses import replace
@@ -10,7 +11,7 @@ import graphtrain.compile  # noqa: F401  (lets torch.compile trace fp32 grouped 
 import models.moe as moe
 from graphtrain.metrics.flops import training_flops
 from models import MODEL_PRESETS, build_model
-from models.moe import GroupedExperts, MoEConfig, MoEGPT, Router, active_params
+from models.moe import GroupedExperts, MoEConfig, MoEGPT, Router, active_params, routed_experts
 
 SMALL = MoEConfig(
     vocab_size=64,
@@ -398,7 +399,7 @@ def test_grouped_experts_match_a_loop_with_empty_experts():
     assert counts[2] == counts[5] == 0
     x = torch.randn(T, D, requires_grad=True)
     weights = torch.rand(T, k, requires_grad=True)
-    out = experts(x, weights, indices, counts)
+    out = routed_experts(experts, x, weights, indices, counts)
     grad = torch.randn_like(out)
     out.backward(grad)
     got = [t.grad.clone() for t in (x, weights, experts.w1, experts.w2, experts.w3)]
@@ -486,3 +487,32 @@ def test_compiled_loss_equals_eager():
     for (_, r), (_, rc) in zip(eager.routers(), compiled.routers(), strict=True):
         assert torch.equal(r.last_counts, rc.last_counts)
         assert r.last_aux.keys() == rc.last_aux.keys()
+
+
+def test_non_finite_router_logits_are_counted_per_layer(tmp_path):
+    """A NaN in one router's gate: that layer counts every token as non-finitely routed, the
+    layer before it none; eager and compiled per block through graphtrain's backend (each
+    router fused into moe_route) alike, and the count is an int64 device tensor (no host sync
+    in the forward)."""
+    from graphtrain.compile import apply_compile
+
+    x = torch.randint(0, DEBUG.vocab_size, (2, 16))
+    y = torch.randint(0, DEBUG.vocab_size, (2, 16))
+    for compiled in (False, True):
+        model = build(DEBUG)
+        (first, _), (name, router) = model.routers()
+        with torch.no_grad():
+            router.gate.weight[3, 5] = float("nan")  # expert 3's logit is NaN for every token
+        if compiled:
+            apply_compile(model, inner="aot_eager", dump_dir=tmp_path)
+        assert model(x, y).isnan()
+        counts = {n: r.last_nonfinite for n, r in model.routers()}
+        assert all(isinstance(c, torch.Tensor) and c.dtype == torch.int64 for c in counts.values())
+        assert {n: int(c) for n, c in counts.items()} == {first: 0, name: x.numel()}, compiled
+    # Both MoE blocks run the one graph compiled for the first: the router fused once in it.
+    fused = [json.loads(s.read_text())[-1]["op_counts"] for s in tmp_path.glob("*/summary.json")]
+    assert [
+        ops["graphtrain.moe_route.default"]
+        for ops in fused
+        if "graphtrain.moe_route.default" in ops
+    ] == [1]

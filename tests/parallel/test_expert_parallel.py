@@ -4,6 +4,7 @@ parallelism; bad layouts are refused."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -50,7 +51,6 @@ def _steps(nproc: int, args: list[str]) -> list[dict]:
 @pytest.mark.parametrize(
     ("dp", "extra", "nproc", "layout"),
     [
-        (2, (), 2, ("--parallel.dp_shard=2", "--parallel.ep=2")),
         (1, _SLICED, 2, ("--parallel.tp=2",)),
         (1, (), 2, ("--parallel.tp=2", "--parallel.etp=2")),
         (2, (), 4, (*_SPLIT, "--parallel.ep=2")),
@@ -59,7 +59,6 @@ def _steps(nproc: int, args: list[str]) -> list[dict]:
         (4, (), 4, ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2")),
     ],
     ids=[
-        "dp2_ep2",
         "tp2",
         "tp2_etp2",
         "dp2_tp2_ep2",
@@ -89,6 +88,53 @@ def test_tensor_and_expert_parallel_train_like_data_parallel(
     mb = f"--training.micro_batch_size={4 // dp}"
     ref = reference(dp, *extra, mb)
     got = _steps(nproc, job(corpus, tmp_path, *_COMMON, *extra, *layout, mb))
+    assert len(ref) == len(got) == 4
+    for key in _KEYS:
+        assert got[0][key] == pytest.approx(ref[0][key], rel=1e-5), key
+    for a, b in zip(ref, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+
+
+def _fused_op_counts(run_dir) -> dict[str, dict[str, int]]:
+    """Per compiled region: the graphtrain ops, grouped GEMMs and all-to-alls after the last
+    pass (the dumps of --compile.dump_graphs)."""
+    counts = {}
+    for summary in sorted((run_dir / "graphs").glob("*/summary.json")):
+        last = json.loads(summary.read_text())[-1]["op_counts"]
+        counts[summary.parent.name] = {
+            op: n
+            for op, n in last.items()
+            if op.startswith("graphtrain.") or op == "torch._grouped_mm" or "all_to_all" in op
+        }
+    return counts
+
+
+def test_expert_parallel_compiles_to_the_ops_of_data_parallel(corpus, tmp_path):
+    """dp_shard=2 with ep=2 (experts split over the two ranks, all-to-all dispatch) against
+    plain data parallelism over the same two ranks, both compiled (aot_eager) with graph dumps:
+    every compiled region holds the same graphtrain ops (moe_route, moe_permute,
+    moe_unpermute) and the same number of grouped GEMMs (w1|w3 fused: 2 per MoE layer), the
+    all-to-alls (tokens per expert, rows out, rows back) being the only additions, all in one
+    graph per block; and the run trains like data parallelism (tolerances of
+    test_tensor_and_expert_parallel_train_like_data_parallel: first step 1e-5, losses
+    1e-4)."""
+    common = (*_COMMON, "--compile.dump_graphs=true", "--parallel.dp_shard=2")
+    common = (*common, "--training.micro_batch_size=2")
+    ref = _steps(2, job(corpus, tmp_path / "dp", *common))
+    got = _steps(2, job(corpus, tmp_path / "ep", *common, "--parallel.ep=2"))
+    want_ops = _fused_op_counts(tmp_path / "dp" / "run")
+    got_ops = _fused_op_counts(tmp_path / "ep" / "run")
+    num_moe = MODEL_PRESETS["moe-debug"].num_layers - MODEL_PRESETS["moe-debug"].first_k_dense
+    route = "graphtrain.moe_route.default"
+    moe_regions = [r for r, ops in want_ops.items() if route in ops]
+    assert len(moe_regions) == num_moe, want_ops
+    assert got_ops.keys() == want_ops.keys()
+    for region, ops in want_ops.items():
+        if region in moe_regions:
+            assert ops[route] == ops["graphtrain.moe_unpermute.default"] == 1, ops
+            assert ops["torch._grouped_mm"] == 2, ops
+            ops = {**ops, "_c10d_functional.all_to_all_single": 3}
+        assert got_ops[region] == ops, (region, got_ops)
     assert len(ref) == len(got) == 4
     for key in _KEYS:
         assert got[0][key] == pytest.approx(ref[0][key], rel=1e-5), key

@@ -256,3 +256,9 @@ def test_cuda_matches_float64_on_fp8_operands(dtype):
     assert rel(out, x8 @ w8.T + b.double()) < tol
     assert rel(gx, g8 @ w8) < tol and rel(gw, g8.T @ x8) < tol
     assert rel(gb, grad.double().sum(0)) < tol
+
+
+def test_benchmark_cpu_smoke():
+    from conftest import run_benchmark_smoke
+
+    run_benchmark_smoke("fp8_linear.py", "graphtrain equals the plain recipe")

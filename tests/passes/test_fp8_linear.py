@@ -12,14 +12,18 @@ small network of a few such layers stays above 20 dB on outputs and 15 dB on gra
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import module_grads, pass_step
+from conftest import job, module_grads, pass_step
 from torch import nn
 
 from graphtrain.compile import apply_compile
+from graphtrain.config import load_config
+from graphtrain.trainer import train
 from models import MODEL_PRESETS, build_model
 
 PASS = "fp8_linear"
@@ -167,3 +171,24 @@ def test_model_trains_with_fp8(preset):
     assert ref[-1] < 0.5 * ref[0]  # it learns
     assert not torch.equal(got, ref)  # the FP8 GEMMs ran
     assert (got - ref).abs().max() < 0.05, (ref, got)
+
+
+def test_trainer_runs_fp8_from_the_config(corpus, tmp_path):
+    """training.fp8=true through the trainer (moe-debug: dense and MoE blocks): the options of
+    the [fp8] section reach the pass, the dumps show the FP8 ops and the refusals, and the
+    run trains (finite, falling loss)."""
+    args = job(corpus, tmp_path, "--training.fp8=true", "--fp8.min_dim=16",
+               "--compile.dump_graphs=true", "--training.steps=6", "--metrics.log_interval=1",
+               "--metrics.val_interval=0")  # fmt: skip
+    args[1] = "moe-debug"  # job() defaults to the debug preset
+    result = train(load_config(args))
+    assert all(math.isfinite(x) for x in result.losses) and result.losses[-1] < result.losses[0]
+    counts, notes = {}, []
+    for summary in (tmp_path / "run" / "graphs").glob("*/summary.json"):
+        for step in json.loads(summary.read_text()):
+            if step["label"] == PASS:
+                notes += step["notes"]
+                for op in (OP, GOP):
+                    counts[op] = counts.get(op, 0) + step["op_counts"].get(op, 0)
+    assert counts[OP] > 0 and counts[GOP] > 0, notes
+    assert any("router.gate" in n and "fp8.exclude" in n for n in notes), notes

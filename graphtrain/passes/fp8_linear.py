@@ -165,6 +165,8 @@ def _refusal(gemm: _Gemm, path: str, opts: dict[str, Any]) -> str | None:
     if any(v.dtype not in _DTYPES for v in vals):
         return f"dtypes {[str(v.dtype) for v in vals]}, not float32/bfloat16/float16"
     x, w = vals[0], vals[1]
+    if gemm.kind == "grouped" and (x.dim() != 2 or not isinstance(gemm.offs, Node)):
+        return f"the grouped GEMM takes x {list(x.shape)} without 2-D rows and offs"
     N, K = w.shape[-2], w.shape[-1]
     dims = {"K": K, "N": N} if gemm.kind == "grouped" else {"M": math.prod(x.shape[:-1]), "K": K, "N": N}  # fmt: skip
     multiple, least = opts["fp8.multiple_of"], opts["fp8.min_dim"]
@@ -189,12 +191,13 @@ def _rewrite(gm: torch.fx.GraphModule, gemm: _Gemm, opts: dict[str, Any]) -> Nod
         op, args = torch.ops.graphtrain.fp8_grouped_mm.default, (gemm.x, gemm.weight, gemm.offs)
     else:
         op, args = torch.ops.graphtrain.fp8_linear.default, (gemm.x, gemm.weight, gemm.bias)
-    with graph.inserting_before(node), out_val.fake_mode:
+    with out_val.fake_mode:  # before touching the graph: the op's checks may refuse
+        value = op(*(_val(a) if isinstance(a, Node) else a for a in args), **kwargs)
+    with graph.inserting_before(node):
         call = graph.call_function(op, args, kwargs)
-        call.meta["example_value"] = op(*(_val(a) if isinstance(a, Node) else a for a in args),
-                                        **kwargs)  # fmt: skip
+        call.meta["example_value"] = value
         out = graph.call_function(operator.getitem, (call, 0))
-        out.meta["example_value"] = call.meta["example_value"][0]
+        out.meta["example_value"] = value[0]
     for new in (call, out):
         new.meta.update({k: node.meta[k] for k in _META_KEYS if k in node.meta})
     node.replace_all_uses_with(out)
@@ -225,7 +228,11 @@ def fp8_linear_pass(
             ctx.note(f"kept {gemm.kind} {node.name} ({path}): {why}")
             continue
         w = _val(gemm.weight)
-        call = _rewrite(gm, gemm, opts)
+        try:
+            call = _rewrite(gm, gemm, opts)
+        except ValueError as error:  # the op's own argument checks (on the fake values)
+            ctx.note(f"kept {gemm.kind} {node.name} ({path}): {error}")
+            continue
         ctx.note(
             f"fp8 {gemm.kind} {node.name} ({path}): weight {list(w.shape)} -> {call.name} = "
             f"{call.target}"

@@ -142,6 +142,37 @@ def test_moe_experts_and_router(tmp_path):
             ]
 
 
+class Grouped(nn.Module):
+    """Three grouped GEMMs: one the pass takes, one with K = 24 (not a multiple of 16), one whose
+    weight is stored [E, K, N] (no transpose: not the experts' layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_ok = nn.Parameter(torch.randn(3, 32, 16) / 4)
+        self.w_odd = nn.Parameter(torch.randn(3, 16, 24) / 4)
+        self.w_kn = nn.Parameter(torch.randn(3, 32, 16) / 4)
+        self.register_buffer("offs", torch.tensor([5, 5, 16], dtype=torch.int32))
+
+    def forward(self, x):
+        h = torch._grouped_mm(x, self.w_ok.transpose(-2, -1), offs=self.offs)  # [16, 32]
+        h = torch._grouped_mm(h[:, :24], self.w_odd.transpose(-2, -1), offs=self.offs)
+        return torch._grouped_mm(torch.cat([h, h], 1), self.w_kn, offs=self.offs)
+
+
+def test_grouped_gemms_and_their_refusals(tmp_path):
+    module, x = Grouped(), torch.randn(16, 16)
+    want, want_grads = module_grads(module, x, None)
+    got, got_grads = _compile_grads(module, x, tmp_path)
+    step = pass_step(tmp_path, PASS)
+    assert step["op_counts"][GOP] == 1, step["notes"]
+    notes = "\n".join(step["notes"])
+    assert "K=24 not a multiple of 16" in notes
+    assert "is not W.transpose(-2, -1)" in notes
+    assert 20.0 < sqnr(got, want) and all(
+        15.0 < sqnr(g, w) for g, w in zip(got_grads, want_grads, strict=True)
+    )
+
+
 @pytest.mark.parametrize("preset", ["debug", "moe-debug"])
 def test_model_trains_with_fp8(preset):
     """24 AdamW steps on one fixed batch (memorisation), FP8 pass on (compiled blocks,

@@ -131,7 +131,8 @@ def _cast_kernel(
     code = code.to(tl.uint8)
     tl.store(y_ptr + rows[:, None] * C + cols[None, :], code, mask=mask)
     if TRANSPOSE:
-        tl.store(yt_ptr + cols[None, :] * R + rows[:, None], code, mask=mask)
+        # the tile transposed in registers, so that the store runs along rows of y_t
+        tl.store(yt_ptr + cols[:, None] * R + rows[None, :], tl.trans(code), mask=tl.trans(mask))
     pid = pid_r * tl.num_programs(1) + pid_c
     tl.store(counts_ptr + pid * 2, tl.sum(tl.sum((clipped & mask).to(tl.int32), 1), 0))
     tl.store(counts_ptr + pid * 2 + 1, tl.sum(tl.sum((flushed & mask).to(tl.int32), 1), 0))

@@ -34,11 +34,19 @@ Filters (the [fp8] config section, graphtrain.config.Fp8Config, handed over by p
     e4m3_grads false     gradients in E4M3 instead of E5M2; pow2_scale false: power-of-two scales.
 
 Refusals (the GEMM is left as it was and ctx.note says why; `graphtrain inspect` shows them)
-    a module path the globs exclude; a dimension not a multiple of 16 or below min_dim; DTensor
-    operands (tensor parallel: the op takes the local shards with tp_group, but the graph rewrite
-    of DTensor linears is not built yet); symbolic shapes; dtypes other than fp32/bf16/fp16; a
+    a module path the globs exclude; a dimension (of the rank's shard) not a multiple of 16 or
+    below min_dim; DTensor linears other than column-parallel ones (below); symbolic shapes; dtypes other than fp32/bf16/fp16; a
     matmul whose second operand is not a transposed 2-D weight; a grouped GEMM with a bias or an
     out_dtype, or whose weight is not W.transpose(-2, -1) of a 3-D W.
+
+Tensor parallel
+    A column-parallel linear (ColwiseParallel: x Replicate, W Shard(0), output Shard(-1) made
+    local by .to_local()) becomes fp8_linear(x.to_local(grad_placements=[Partial()]),
+    W.to_local(), tp_group=...) in place of that .to_local(): the op max-reduces every amax over
+    the tp group, so each rank scales its shard as the unsharded tensor. Row-parallel linears
+    (x Shard(-1), W Shard(1), a Partial output) are refused with a note: not built yet.
+    Under FSDP2 the compiled block sees the gathered weight, cast once per micro-batch; casting
+    to FP8 before the all-gather is not built.
 
 Invariant and numerics (preserves_numerics=False)
     Only the matched GEMMs (and transposes left unused) change; every other node and the graph's
@@ -89,6 +97,48 @@ class _Gemm:
     bias: Any = None
     transpose: Node | None = None  # W.t() / W.transpose(-2, -1), erased when left unused
     offs: Any = None
+    # column-parallel DTensor linear: (tp group name, [linear, redistribute..., to_local])
+    tp: tuple[str, list[Node]] | None = None
+
+
+def _is_dtensor(v: Any) -> bool:
+    return type(v).__name__ == "DTensor"
+
+
+def _column_parallel(gemm: _Gemm) -> str | None:
+    """Why a DTensor GEMM is not the column-parallel linear the pass rewrites, or None (and
+    gemm.tp set): x Replicate, W Shard(0) on a 1-D tp mesh, no bias, the output (Shard(-1))
+    reaching a plain tensor through no-op redistributes and one .to_local(), as
+    ColwiseParallel writes it."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    x, w, out = (_val(n) for n in (gemm.x, gemm.weight, gemm.node))
+    if gemm.kind != "linear" or gemm.bias is not None or not (_is_dtensor(x) and _is_dtensor(w)):
+        return "DTensor operands other than a bias-free F.linear of two DTensors"
+    if w.device_mesh.ndim != 1 or (tuple(x.placements), tuple(w.placements)) != (
+        (Replicate(),),
+        (Shard(0),),
+    ):
+        return (
+            f"tensor-parallel layout x {list(x.placements)}, weight {list(w.placements)}: only "
+            f"column-parallel (x Replicate, weight Shard(0), 1-D mesh) is rewritten yet"
+        )
+    chain, node = [gemm.node], gemm.node
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op != "call_method" or user.target not in ("redistribute", "to_local"):
+            break
+        chain.append(user)
+        if user.target == "to_local":
+            if user.args[1:] or user.kwargs:
+                break
+            gemm.tp = (w.device_mesh.get_group().group_name, chain)
+            return None
+        placements = tuple(_val(user).placements)
+        if placements != tuple(out.placements):
+            break
+        node = user
+    return "the column-parallel output does not reach .to_local() through no-op redistributes"
 
 
 def _val(node: Any) -> Any:
@@ -157,8 +207,13 @@ def _refusal(gemm: _Gemm, path: str, opts: dict[str, Any]) -> str | None:
     vals = [_val(n) for n in (gemm.x, gemm.weight, gemm.node)]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return "its operands have no example values"
-    if any(type(v).__name__ == "DTensor" for v in vals):
-        return "DTensor operands (tensor parallel): not rewritten yet"
+    if any(_is_dtensor(v) for v in vals):
+        why = _column_parallel(gemm)
+        if why is not None:
+            return why
+        local = _val(gemm.tp[1][-1])
+        with local.fake_mode:  # the GEMM that runs: the rank's shards
+            vals = [vals[0].to_local(), vals[1].to_local(), local]
     shapes = [tuple(v.shape) for v in vals]
     if not all(isinstance(s, int) for shape in shapes for s in shape):
         return f"symbolic shapes {shapes}"
@@ -191,6 +246,10 @@ def _rewrite(gm: torch.fx.GraphModule, gemm: _Gemm, opts: dict[str, Any]) -> Nod
         op, args = torch.ops.graphtrain.fp8_grouped_mm.default, (gemm.x, gemm.weight, gemm.offs)
     else:
         op, args = torch.ops.graphtrain.fp8_linear.default, (gemm.x, gemm.weight, gemm.bias)
+    if gemm.tp is not None:
+        node, args = gemm.tp[1][-1], _local_operands(graph, gemm)
+        out_val = _val(node)
+        kwargs.update(out_dtype=out_val.dtype, tp_group=gemm.tp[0])
     with out_val.fake_mode:  # before touching the graph: the op's checks may refuse
         value = op(*(_val(a) if isinstance(a, Node) else a for a in args), **kwargs)
     with graph.inserting_before(node):
@@ -201,10 +260,28 @@ def _rewrite(gm: torch.fx.GraphModule, gemm: _Gemm, opts: dict[str, Any]) -> Nod
     for new in (call, out):
         new.meta.update({k: node.meta[k] for k in _META_KEYS if k in node.meta})
     node.replace_all_uses_with(out)
-    graph.erase_node(node)
+    for old in reversed(gemm.tp[1]) if gemm.tp is not None else (node,):
+        graph.erase_node(old)
     if gemm.transpose is not None and not gemm.transpose.users:
         graph.erase_node(gemm.transpose)
     return call
+
+
+def _local_operands(graph: torch.fx.Graph, gemm: _Gemm) -> tuple[Node, Node, None]:
+    """x.to_local(grad_placements=[Partial()]) and W.to_local() before the linear. The input
+    gradient of a column-parallel linear is a partial sum over the tp ranks (each holds some
+    of the output columns): declared Partial, DTensor reduces it where x came from, as it
+    does for the plain linear."""
+    from torch.distributed.tensor import Partial
+
+    fake_mode = _val(gemm.tp[1][-1]).fake_mode
+    with graph.inserting_before(gemm.node):
+        x = graph.call_method("to_local", (gemm.x,), {"grad_placements": (Partial(),)})
+        w = graph.call_method("to_local", (gemm.weight,))
+    with fake_mode:
+        x.meta["example_value"] = _val(gemm.x).to_local()
+        w.meta["example_value"] = _val(gemm.weight).to_local()
+    return x, w, None
 
 
 @register_pass("fp8_linear", stage="pre_grad", order=50, default_on=False, preserves_numerics=False)

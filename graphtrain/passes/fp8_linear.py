@@ -44,7 +44,9 @@ Tensor parallel
     local by .to_local()) becomes fp8_linear(x.to_local(grad_placements=[Partial()]),
     W.to_local(), tp_group=...) in place of that .to_local(): the op max-reduces every amax over
     the tp group, so each rank scales its shard as the unsharded tensor. Row-parallel linears
-    (x Shard(-1), W Shard(1), a Partial output) are refused with a note: not built yet.
+    (RowwiseParallel: x Shard(-1) made by DTensor.from_local, W Shard(1)) become the op on
+    from_local's input and W.to_local(), its output wrapped back as the Partial DTensor that
+    RowwiseParallel reduce-scatters. Other layouts (2-D meshes, biases) are refused.
     Under FSDP2 the compiled block sees the gathered weight, cast once per micro-batch; casting
     to FP8 before the all-gather is not built.
 
@@ -97,48 +99,63 @@ class _Gemm:
     bias: Any = None
     transpose: Node | None = None  # W.t() / W.transpose(-2, -1), erased when left unused
     offs: Any = None
-    # column-parallel DTensor linear: (tp group name, [linear, redistribute..., to_local])
-    tp: tuple[str, list[Node]] | None = None
+    tp: _TensorParallel | None = None  # a DTensor linear the pass rewrites on local shards
+
+
+@dataclass
+class _TensorParallel:
+    """How a DTensor linear maps to the op on the rank's shards."""
+
+    group: str  # the tp group's name (the op max-reduces its amaxes over it)
+    replaced: list[Node]  # erased; the last one's users take the result
+    fake_mode: Any
+    x_local: Node | None = None  # row-parallel: the local tensor x was made from
+    mesh: Node | None = None  # row-parallel: the mesh to wrap the Partial output on
 
 
 def _is_dtensor(v: Any) -> bool:
     return type(v).__name__ == "DTensor"
 
 
-def _column_parallel(gemm: _Gemm) -> str | None:
-    """Why a DTensor GEMM is not the column-parallel linear the pass rewrites, or None (and
-    gemm.tp set): x Replicate, W Shard(0) on a 1-D tp mesh, no bias, the output (Shard(-1))
-    reaching a plain tensor through no-op redistributes and one .to_local(), as
-    ColwiseParallel writes it."""
+def _tensor_parallel(gemm: _Gemm) -> str | None:
+    """Set gemm.tp for the two layouts graphtrain's TP plan gives a linear, or say why not:
+    column-parallel  x Replicate, W Shard(0); the output (Shard(-1)) reaches a plain tensor
+                     through no-op redistributes and one .to_local() (ColwiseParallel)
+    row-parallel     x Shard(-1) made by DTensor.from_local in the graph, W Shard(1); the
+                     output is Partial (RowwiseParallel then reduce-scatters it)
+    on a 1-D tp mesh, without bias."""
     from torch.distributed.tensor import Replicate, Shard
 
     x, w, out = (_val(n) for n in (gemm.x, gemm.weight, gemm.node))
     if gemm.kind != "linear" or gemm.bias is not None or not (_is_dtensor(x) and _is_dtensor(w)):
         return "DTensor operands other than a bias-free F.linear of two DTensors"
-    if w.device_mesh.ndim != 1 or (tuple(x.placements), tuple(w.placements)) != (
-        (Replicate(),),
-        (Shard(0),),
-    ):
-        return (
-            f"tensor-parallel layout x {list(x.placements)}, weight {list(w.placements)}: only "
-            f"column-parallel (x Replicate, weight Shard(0), 1-D mesh) is rewritten yet"
-        )
-    chain, node = [gemm.node], gemm.node
-    while len(node.users) == 1:
-        (user,) = node.users
-        if user.op != "call_method" or user.target not in ("redistribute", "to_local"):
-            break
-        chain.append(user)
-        if user.target == "to_local":
-            if user.args[1:] or user.kwargs:
+    layout = (tuple(x.placements), tuple(w.placements))
+    group = w.device_mesh.get_group().group_name if w.device_mesh.ndim == 1 else None
+    if group is not None and layout == ((Replicate(),), (Shard(0),)):
+        chain, node = [gemm.node], gemm.node
+        while len(node.users) == 1:
+            (user,) = node.users
+            if user.op != "call_method" or user.target not in ("redistribute", "to_local"):
                 break
-            gemm.tp = (w.device_mesh.get_group().group_name, chain)
-            return None
-        placements = tuple(_val(user).placements)
-        if placements != tuple(out.placements):
-            break
-        node = user
-    return "the column-parallel output does not reach .to_local() through no-op redistributes"
+            chain.append(user)
+            if user.target == "to_local" and not (user.args[1:] or user.kwargs):
+                gemm.tp = _TensorParallel(group, chain, _val(user).fake_mode)
+                return None
+            if user.target == "to_local" or tuple(_val(user).placements) != tuple(out.placements):
+                break
+            node = user
+        return "the column-parallel output does not reach .to_local() through no-op redistributes"
+    if group is not None and layout == ((Shard(x.ndim - 1),), (Shard(1),)):
+        src = gemm.x
+        if not (src.op == "call_function" and getattr(src.target, "__name__", "") == "from_local"):
+            return "the row-parallel input is not made by DTensor.from_local in this graph"
+        local, mesh = src.args[0], src.args[1]
+        gemm.tp = _TensorParallel(group, [gemm.node], _val(local).fake_mode, local, mesh)
+        return None
+    return (
+        f"tensor-parallel layout x {list(x.placements)}, weight {list(w.placements)} on a "
+        f"{w.device_mesh.ndim}-D mesh: not column- or row-parallel on one tp axis"
+    )
 
 
 def _val(node: Any) -> Any:
@@ -208,12 +225,11 @@ def _refusal(gemm: _Gemm, path: str, opts: dict[str, Any]) -> str | None:
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return "its operands have no example values"
     if any(_is_dtensor(v) for v in vals):
-        why = _column_parallel(gemm)
+        why = _tensor_parallel(gemm)
         if why is not None:
             return why
-        local = _val(gemm.tp[1][-1])
-        with local.fake_mode:  # the GEMM that runs: the rank's shards
-            vals = [vals[0].to_local(), vals[1].to_local(), local]
+        with gemm.tp.fake_mode:  # the GEMM that runs: the rank's shards
+            vals = [v.to_local() for v in vals]
     shapes = [tuple(v.shape) for v in vals]
     if not all(isinstance(s, int) for shape in shapes for s in shape):
         return f"symbolic shapes {shapes}"
@@ -246,21 +262,33 @@ def _rewrite(gm: torch.fx.GraphModule, gemm: _Gemm, opts: dict[str, Any]) -> Nod
         op, args = torch.ops.graphtrain.fp8_grouped_mm.default, (gemm.x, gemm.weight, gemm.offs)
     else:
         op, args = torch.ops.graphtrain.fp8_linear.default, (gemm.x, gemm.weight, gemm.bias)
-    if gemm.tp is not None:
-        node, args = gemm.tp[1][-1], _local_operands(graph, gemm)
-        out_val = _val(node)
-        kwargs.update(out_dtype=out_val.dtype, tp_group=gemm.tp[0])
-    with out_val.fake_mode:  # before touching the graph: the op's checks may refuse
+    tp = gemm.tp
+    fake_mode = out_val.fake_mode if tp is None else tp.fake_mode
+    if tp is not None:
+        args = _local_operands(graph, gemm)
+        kwargs["tp_group"] = tp.group
+        if tp.mesh is None:  # column-parallel: the op's output replaces the .to_local()
+            kwargs["out_dtype"] = _val(tp.replaced[-1]).dtype
+    with fake_mode:  # before touching the graph: the op's checks may refuse
         value = op(*(_val(a) if isinstance(a, Node) else a for a in args), **kwargs)
     with graph.inserting_before(node):
         call = graph.call_function(op, args, kwargs)
         call.meta["example_value"] = value
         out = graph.call_function(operator.getitem, (call, 0))
         out.meta["example_value"] = value[0]
-    for new in (call, out):
+        if tp is not None and tp.mesh is not None:
+            # row-parallel: the rank's partial sums, wrapped as the Partial DTensor the linear
+            # made, for RowwiseParallel's reduce-scatter after it
+            from torch.distributed.tensor import Partial
+
+            wrap = gemm.x.target
+            out = graph.call_function(wrap, (out, tp.mesh, (Partial(),)), {"run_check": False})
+            out.meta["example_value"] = out_val
+    for new in (call, *out.all_input_nodes[:1], out):
         new.meta.update({k: node.meta[k] for k in _META_KEYS if k in node.meta})
-    node.replace_all_uses_with(out)
-    for old in reversed(gemm.tp[1]) if gemm.tp is not None else (node,):
+    replaced = tp.replaced if tp is not None else [node]
+    replaced[-1].replace_all_uses_with(out)
+    for old in reversed(replaced):
         graph.erase_node(old)
     if gemm.transpose is not None and not gemm.transpose.users:
         graph.erase_node(gemm.transpose)
@@ -268,19 +296,23 @@ def _rewrite(gm: torch.fx.GraphModule, gemm: _Gemm, opts: dict[str, Any]) -> Nod
 
 
 def _local_operands(graph: torch.fx.Graph, gemm: _Gemm) -> tuple[Node, Node, None]:
-    """x.to_local(grad_placements=[Partial()]) and W.to_local() before the linear. The input
-    gradient of a column-parallel linear is a partial sum over the tp ranks (each holds some
-    of the output columns): declared Partial, DTensor reduces it where x came from, as it
-    does for the plain linear."""
+    """The rank's x and W, inserted before the linear. Column-parallel: x.to_local(
+    grad_placements=[Partial()]): its input gradient is a partial sum over the tp ranks (each
+    holds some of the output columns), which DTensor then reduces where x came from, as for
+    the plain linear. Row-parallel: the local tensor x was made from (its gradient is the
+    rank's slice)."""
     from torch.distributed.tensor import Partial
 
-    fake_mode = _val(gemm.tp[1][-1]).fake_mode
+    tp = gemm.tp
     with graph.inserting_before(gemm.node):
-        x = graph.call_method("to_local", (gemm.x,), {"grad_placements": (Partial(),)})
         w = graph.call_method("to_local", (gemm.weight,))
-    with fake_mode:
-        x.meta["example_value"] = _val(gemm.x).to_local()
+        x = tp.x_local
+        if x is None:
+            x = graph.call_method("to_local", (gemm.x,), {"grad_placements": (Partial(),)})
+    with tp.fake_mode:
         w.meta["example_value"] = _val(gemm.weight).to_local()
+        if tp.x_local is None:
+            x.meta["example_value"] = _val(gemm.x).to_local()
     return x, w, None
 
 

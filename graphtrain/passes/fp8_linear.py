@@ -61,7 +61,7 @@ Invariant and numerics (preserves_numerics=False)
     FP8 stay within 0.05 nats of the fp32 loss over 24 steps (seen: 0.022 at most, the loss
     falling from 6.8 to 1.0); a small network's output within 20 dB SQNR of the unrewritten
     one and its gradients within 15 dB (errors of stacked layers add up); tp=2 runs equal the
-    single-rank FP8 computation to fp32 rounding (tests/passes/test_fp8_linear.py).
+    single-rank FP8 computation to fp32 rounding (tests/passes/test_fp8_linear_pass.py).
 """
 
 from __future__ import annotations

@@ -64,6 +64,9 @@ class TrainingConfig:
     attention: str = "auto"
     activation_checkpoint: str = "none"  # none, full
     run_dir: str = ""  # "" -> runs/<preset>-<timestamp>
+    # FP8 GEMMs (per-tensor current scaling) for the linears and experts the [fp8] filters
+    # select: turns the fp8_linear graph pass on (the same as compile.passes = ["+fp8_linear"]).
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         _positive("training", self, "steps", "micro_batch_size")
@@ -120,6 +123,35 @@ class CompileConfig:
                 f"got {self.lce_memory_budget!r}"
             )
         _positive("compile", self, "lce_memory_budget", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """Which GEMMs the fp8_linear pass runs in FP8, and its recipe (graphtrain/passes/fp8_linear.py
+    explains each rule and the default minimum size)."""
+
+    # fnmatch globs over module paths ("layers.0.attention.wq"); the head and router are left out
+    include: list[str] = field(default_factory=lambda: ["*"])
+    exclude: list[str] = field(default_factory=lambda: ["*output", "*router*"])
+    min_dim: int = 4096  # M, K, N (experts: K, N) at least this; smaller GEMMs lose to bf16
+    multiple_of: int = 16  # torch._scaled_mm on CUDA needs dims that are multiples of 16
+    experts: bool = True  # the MoE experts' grouped GEMMs too
+    e4m3_grads: bool = False  # gradients in E4M3 instead of E5M2
+    pow2_scale: bool = False  # round scales down to powers of two
+
+    def __post_init__(self) -> None:
+        _positive("fp8", self, "min_dim")
+        if self.multiple_of < 16 or self.multiple_of % 16:
+            raise ValueError(
+                f"fp8.multiple_of must be a multiple of 16 (torch._scaled_mm's alignment), "
+                f"got {self.multiple_of}"
+            )
+        for name in ("include", "exclude"):
+            globs = getattr(self, name)
+            if not all(isinstance(g, str) and g for g in globs):
+                raise ValueError(f"fp8.{name} must be a list of non-empty globs, got {globs!r}")
+        if not self.include:
+            raise ValueError('fp8.include is empty: no linear could run in FP8; use ["*"]')
 
 
 @dataclass(frozen=True)
@@ -224,6 +256,7 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -248,6 +281,26 @@ class JobConfig:
                 "checkpoint.async_save=true needs CUDA (it overlaps writing with GPU compute); "
                 "training.device='cpu' saves synchronously: set checkpoint.async_save=false"
             )
+
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        """training.fp8 = true is compile.passes += ["+fp8_linear"]: added here, so the trainer
+        and `graphtrain inspect` (which read compile.passes) both see it."""
+        if not self.training.fp8:
+            return
+        if not self.compile.enable:
+            raise ValueError(
+                "training.fp8=true needs compile.enable=true (FP8 is inserted by a graph pass)"
+            )
+        if "-fp8_linear" in self.compile.passes:
+            raise ValueError(
+                'training.fp8=true contradicts compile.passes entry "-fp8_linear"; drop one'
+            )
+        if "+fp8_linear" not in self.compile.passes:
+            passes = [*self.compile.passes, "+fp8_linear"]
+            # frozen: the resolved config is built once, here
+            object.__setattr__(self, "compile", dataclasses.replace(self.compile, passes=passes))
 
     @property
     def decay_steps(self) -> int:
@@ -509,6 +562,7 @@ def pass_options(cfg: JobConfig) -> dict[str, Any]:
     return {
         "lce_mode": cfg.compile.lce_mode,
         "lce_memory_budget": cfg.compile.lce_memory_budget,
+        **{f"fp8.{k}": v for k, v in dataclasses.asdict(cfg.fp8).items()},
     }
 
 

@@ -126,4 +126,31 @@ def test_lce_mode_and_budget_are_checked_and_reach_the_passes():
     with pytest.raises(ValueError, match="whole number of bytes"):
         CompileConfig(lce_memory_budget=1.5)
     cfg = JobConfig(compile=CompileConfig(lce_mode="low_memory", lce_memory_budget=1 << 30))
-    assert pass_options(cfg) == {"lce_mode": "low_memory", "lce_memory_budget": 1 << 30}
+    options = pass_options(cfg)
+    assert (options["lce_mode"], options["lce_memory_budget"]) == ("low_memory", 1 << 30)
+
+
+def test_fp8_switch_and_filters():
+    """training.fp8 turns the fp8_linear pass on (once, also when read back from config.toml);
+    the [fp8] filters reach the passes through pass_options; bad values name the key."""
+    from graphtrain.config import pass_options
+
+    cfg = load_config(["--preset", "debug", "--training.fp8=true", "--fp8.min_dim=64"])
+    assert cfg.compile.passes == ["+fp8_linear"]
+    again = load_config(
+        ["--preset", "debug", "--training.fp8=true", "--compile.passes=+fp8_linear"]
+    )
+    assert again.compile.passes == ["+fp8_linear"]
+    options = pass_options(cfg)
+    assert options["fp8.min_dim"] == 64 and options["fp8.exclude"] == ["*output", "*router*"]
+    assert load_config(["--preset", "debug"]).compile.passes == []
+    bad = [
+        (["--compile.passes=-fp8_linear"], "contradicts compile.passes"),
+        (["--compile.enable=false"], "needs compile.enable=true"),
+        (["--fp8.multiple_of=8"], "fp8.multiple_of must be a multiple of 16"),
+        (["--fp8.min_dim=0"], "fp8.min_dim must be > 0"),
+        (["--fp8.include=[]"], "fp8.include is empty"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            load_config(["--preset", "debug", "--training.fp8=true", *args])

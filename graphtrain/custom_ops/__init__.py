@@ -5,6 +5,10 @@ Importing this package registers the ops under torch.ops.graphtrain.
 
 import graphtrain.custom_ops.linear_cross_entropy  # noqa: F401  (graphtrain::linear_cross_entropy)
 from graphtrain.custom_ops import (
+    fp8_amax,  # noqa: F401  (graphtrain::fp8_amax)
+    fp8_cast,  # noqa: F401  (graphtrain::fp8_cast)
+    fp8_grouped_mm,  # noqa: F401  (graphtrain::fp8_grouped_mm, fp8_grouped_mm_backward)
+    fp8_linear,  # noqa: F401  (graphtrain::fp8_linear, fp8_linear_backward)
     moe_permute,  # noqa: F401  (graphtrain::moe_permute, moe_unpermute)
     moe_route,  # noqa: F401  (graphtrain::moe_route)
 )

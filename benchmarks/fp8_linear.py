@@ -1,0 +1,233 @@
+"""Benchmark: a linear layer's forward + backward in FP8 (per-tensor current scaling) against bf16.
+
+What
+    For (M, K, N) = 16384x4096x4096, 16384x8192x8192, 8192x2048x8192 (MISSION.md's anchors):
+    x [M, K] bf16, W [N, K] bf16, out = x W^T, then d x and d W for a fixed random d out; one
+    timed call runs all three GEMMs and, for the FP8 rows, every amax and cast:
+        bf16            F.linear under torch.compile (the baseline)
+        fp8 compiled    the same recipe as graphtrain's (E4M3 x and W, E5M2 d out, one scale
+                        per tensor from its current amax, torch._scaled_mm for the three
+                        GEMMs) written in plain torch and compiled by Inductor: what torchao's
+                        tensorwise recipe does
+        graphtrain      graphtrain::fp8_linear (Triton amax and cast+transpose kernels, then
+                        torch._scaled_mm)
+        torchao         torchao.float8 Float8Linear, tensorwise recipe, compiled (when torchao
+                        imports and runs on this torch; otherwise the row says why)
+    and one grouped-experts row at moe-1b's shape (64 experts, x [16384 * 6, 1024] split evenly,
+    W [64, 1024, 1024] = the fused w1|w3): torch._grouped_mm in bf16 against
+    graphtrain::fp8_grouped_mm. Each row: median ms (triton.testing.do_bench), speedup over
+    bf16, SQNR (dB) of out, d x, d W against the bf16 row.
+
+Run
+    python benchmarks/fp8_linear.py [--shapes 16384x4096x4096,...] [--no-record]
+    python benchmarks/fp8_linear.py --cpu-smoke   # no GPU: tiny shapes, fp32, every FP8 row
+                                                  # agrees with the fp32 linear by SQNR and
+                                                  # graphtrain's op with the plain recipe
+The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from cross_entropy import RESULTS, git_commit  # run as a script: benchmarks/ is on sys.path
+
+import graphtrain.custom_ops  # noqa: F401  (registers graphtrain::fp8_linear, fp8_grouped_mm)
+
+SHAPES = ((16384, 4096, 4096), (16384, 8192, 8192), (8192, 2048, 8192))
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch per-tensor current scaling: (t8, 1 / scale)."""
+    fp8_max = torch.finfo(dtype).max
+    scale = fp8_max / t.abs().amax().float().clamp_min(1e-12)
+    return (t.float() * scale).clamp(-fp8_max, fp8_max).to(dtype), scale.reciprocal()
+
+
+class PlainFp8Linear(torch.autograd.Function):
+    """The recipe in plain torch (the compiled peer): Inductor fuses each amax and cast."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        x8, sx = _cast(x, E4M3)
+        w8, sw = _cast(w, E4M3)
+        ctx.save_for_backward(x8, sx, w8, sw)
+        return torch._scaled_mm(x8, w8.t(), sx, sw, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, sx, w8, sw = ctx.saved_tensors
+        g8, sg = _cast(grad, E5M2)
+        # _scaled_mm: first operand row-major, second column-major
+        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), sg, sw, out_dtype=grad.dtype)
+        grad_w = torch._scaled_mm(
+            g8.t().contiguous(), x8.t().contiguous().t(), sg, sx, out_dtype=grad.dtype
+        )
+        return grad_x, grad_w
+
+
+def plain_fp8(x, w):
+    return PlainFp8Linear.apply(x, w)
+
+
+def graphtrain_fp8(x, w):
+    return torch.ops.graphtrain.fp8_linear(x, w, None)[0]
+
+
+def torchao_fp8():
+    """A function (x, w) -> out through torchao's Float8Linear (tensorwise), or the reason."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as e:  # not installed, or built for another torch
+        return f"torchao.float8 does not import: {type(e).__name__}: {e}"[:160]
+    cache: dict = {}
+
+    def run(x, w):
+        if w.shape not in cache:
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device)
+            config = Float8LinearConfig.from_recipe_name("tensorwise")
+            cache[w.shape] = torch.compile(convert_to_float8_training(lin, config=config))
+        module = cache[w.shape]
+        module.weight = torch.nn.Parameter(w.detach(), requires_grad=w.requires_grad)
+        return module(x)
+
+    return run
+
+
+def sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.double()
+    noise = (got.double() - want).pow(2).sum().clamp_min(1e-300)
+    return (10 * torch.log10(want.pow(2).sum() / noise)).item()
+
+
+def fwd_bwd(fn, x, w, grad):
+    out = fn(x, w)
+    return (out, *torch.autograd.grad(out, [x, w], grad))
+
+
+def linear_inputs(M, K, N, device, dtype):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(M, K, device=device, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(N, K, device=device, generator=g) / K**0.5).to(dtype).requires_grad_()
+    grad = torch.randn(M, N, device=device, generator=g).to(dtype)
+    return x, w, grad
+
+
+def grouped_inputs(tokens, E, K, N, device, dtype):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, K, device=device, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(E, N, K, device=device, generator=g) / K**0.5).to(dtype).requires_grad_()
+    offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (tokens // E)
+    grad = torch.randn(tokens, N, device=device, generator=g).to(dtype)
+    return x, w, offs, grad
+
+
+def linear_rows():
+    """[(impl, callable or the reason it cannot run)]."""
+    return [
+        ("bf16 (compiled)", torch.compile(F.linear)),
+        ("fp8 plain recipe (compiled)", torch.compile(plain_fp8)),
+        ("graphtrain fp8_linear", graphtrain_fp8),
+        ("torchao Float8Linear tensorwise", torchao_fp8()),
+    ]
+
+
+def measure(rows, args, label, results):
+    """Time each row's forward + backward; SQNR of its outputs against the first row's."""
+    want = fwd_bwd(rows[0][1], *args)
+    base = None
+    for impl, fn in rows:
+        if isinstance(fn, str):
+            results.append(f"| {label} | {impl} | skipped: {fn} | | |")
+            continue
+        try:
+            got = fwd_bwd(fn, *args)  # compiles
+        except Exception as e:  # a peer that does not run here: the row says why
+            results.append(f"| {label} | {impl} | skipped: {type(e).__name__}: {e} |"[:200])
+            continue
+        ms = triton.testing.do_bench(lambda fn=fn: fwd_bwd(fn, *args), return_mode="median")
+        base = base or ms
+        dbs = " / ".join(f"{sqnr(g, w):.1f}" for g, w in zip(got, want, strict=True))
+        results.append(f"| {label} | {impl} | {ms:.3f} | {base / ms:.2f}x | {dbs} |")
+
+
+def grouped_rows():
+    def bf16(x, w, offs):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    def fp8(x, w, offs):
+        return torch.ops.graphtrain.fp8_grouped_mm(x, w, offs)[0]
+
+    return [("bf16 torch._grouped_mm", bf16), ("graphtrain fp8_grouped_mm", fp8)]
+
+
+def grouped_fwd_bwd(fn, x, w, offs, grad):
+    out = fn(x, w, offs)
+    return (out, *torch.autograd.grad(out, [x, w], grad))
+
+
+def cpu_smoke() -> None:
+    x, w, grad = linear_inputs(64, 32, 48, "cpu", torch.float32)
+    want = fwd_bwd(F.linear, x, w, grad)
+    plain = fwd_bwd(plain_fp8, x, w, grad)
+    ours = fwd_bwd(graphtrain_fp8, x, w, grad)
+    for got in (plain, ours):
+        dbs = [sqnr(g, t) for g, t in zip(got, want, strict=True)]
+        assert min(dbs) > 20.0, dbs
+    for a, b in zip(plain, ours, strict=True):  # one recipe: equal up to fp32 rounding
+        assert sqnr(a, b) > 100.0
+    x, w, offs, grad = grouped_inputs(64, 4, 32, 16, "cpu", torch.float32)
+    (_, bf16), (_, fp8) = grouped_rows()
+    want = grouped_fwd_bwd(bf16, x, w, offs, grad)
+    got = grouped_fwd_bwd(fp8, x, w, offs, grad)
+    assert min(sqnr(g, t) for g, t in zip(got, want, strict=True)) > 20.0
+    peer = torchao_fp8()
+    print(f"torchao row: {peer if isinstance(peer, str) else 'importable'}")
+    print("cpu smoke: fp8 rows agree with fp32 by SQNR, graphtrain equals the plain recipe")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
+    parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--cpu-smoke", action="store_true")
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        cpu_smoke()
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/fp8_linear.py needs a CUDA GPU (or --cpu-smoke)")
+    lines = [
+        "| shape | impl | fwd+bwd ms | vs first row | SQNR dB out / dx / dW vs first row |",
+        "|---|---|---:|---:|---|",
+    ]
+    for shape in args.shapes.split(","):
+        M, K, N = (int(d) for d in shape.split("x"))
+        torch._dynamo.reset()
+        measure(linear_rows(), linear_inputs(M, K, N, "cuda", torch.bfloat16), shape, lines)
+    # moe-1b experts: 16384 tokens x top-6 slots, 64 experts, dim 1024, fused w1|w3 2 x 512
+    x, w, offs, grad = grouped_inputs(16384 * 6, 64, 1024, 1024, "cuda", torch.bfloat16)
+    rows = [(impl, lambda x, w, fn=fn: fn(x, w, offs)) for impl, fn in grouped_rows()]
+    measure(rows, (x, w, grad), "experts 98304x1024x1024 (E=64)", lines)
+    table = "\n".join(lines)
+    print(table)
+    if not args.no_record:
+        header = (
+            f"\n## fp8_linear: forward + backward incl. amax and casts "
+            f"({datetime.datetime.now():%Y-%m-%d %H:%M}, {torch.cuda.get_device_name()}, "
+            f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()})\n\n"
+        )
+        with open(RESULTS, "a") as f:
+            f.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()

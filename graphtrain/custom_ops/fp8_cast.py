@@ -1,0 +1,211 @@
+"""graphtrain::fp8_cast: scaled, saturating cast to FP8 (and its transpose, in one read).
+
+What
+    fp8_cast(x [R, C], amax, float8_dtype, pow2_scale, transpose)
+        -> (y [R, C], y_t [C, R] (or [0] without transpose), scale_inv, counts)
+    with (scale, scale_inv) = fp8_scale(amax, float8_dtype, pow2_scale):
+        scale = fp8_max / max(amax, EPS)      (optionally rounded down to a power of two)
+        y = saturate(x * scale) rounded to nearest-even in float8_dtype, y_t = y.T
+        counts = [values clipped, nonzero values flushed to 0] (int64); clipped means beyond
+                 fp8_max by more than half the top spacing (a non-saturating cast would have
+                 made them inf or NaN), so amax itself landing a rounding above fp8_max is not
+                 counted
+    amax is a 0-d float32 device tensor (graphtrain::fp8_amax, max-reduced over the tp group
+    where the tensor is a shard); scale_inv = 1 / scale is what torch._scaled_mm takes.
+    Formats: E4M3 (float8_e4m3fn, max 448, 3 mantissa bits) for activations and weights, E5M2
+    (max 57344, 2 mantissa bits) for gradients in the hybrid recipe.
+
+Numerics
+    An all-zero tensor has amax 0 and gets scale fp8_max / EPS (finite): zeros, never NaN or
+    inf. A NaN anywhere makes amax NaN, so every element is NaN; an inf makes amax inf, scale
+    0 and the inf element NaN: the GEMM's output is NaN and the trainer's non-finite check
+    stops the run with the step named. Power-of-two scales make the scaling itself exact (only
+    the FP8 rounding remains) at the cost of up to one bit of range.
+
+Why
+    _scaled_mm wants its first operand row-major and its second column-major, so every GEMM of
+    a linear's forward and backward needs the other layout of one operand: the kernel writes
+    both from one read of x. The counts feed the saturation statistics (fp8_saturation_stats)
+    from device-side counters, with no host synchronisation in the step.
+
+Kernel
+    _cast_kernel  one program per [BLOCK_R, BLOCK_C] tile: load, scale, saturate, round to the
+                  FP8 grid in fp32 arithmetic (add and subtract 2^(e - m + 23), which rounds to
+                  nearest-even at the FP8 spacing, subnormals included), encode the byte with
+                  integer ops, store the tile and its transpose. The byte is built by hand
+                  because Triton's interpreter converts fp32 to FP8 without round-to-even and
+                  turns NaN into a number; the result equals torch's conversion bit for bit
+                  (fp8_cast_ref), NaN's sign included.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# amax floor: an all-zero tensor gets a finite scale (fp8_max / EPS fits fp32 for both formats).
+EPS = 1e-12
+# (max, smallest normal exponent, mantissa bits, clip threshold = max + half the top spacing)
+_FORMATS = {
+    torch.float8_e4m3fn: (448.0, -6, 3, 448.0 + 16.0),
+    torch.float8_e5m2: (57344.0, -14, 2, 57344.0 + 4096.0),
+}
+FP8_DTYPES = tuple(_FORMATS)
+
+
+def _check(x: Tensor, amax: Tensor, float8_dtype: torch.dtype) -> None:
+    if float8_dtype not in _FORMATS:
+        raise ValueError(f"float8_dtype must be one of {FP8_DTYPES}, got {float8_dtype}")
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"fp8_cast takes a 2-D float tensor, got {x.dtype} {tuple(x.shape)}")
+    if amax.shape != () or amax.dtype != torch.float32:
+        raise ValueError(f"amax must be a 0-d float32 tensor, got {amax.dtype} {tuple(amax.shape)}")
+
+
+def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tuple[Tensor, Tensor]:
+    """(scale, 1 / scale) as 0-d float32 device tensors; NaN amax gives NaN, inf gives 0."""
+    scale = _FORMATS[float8_dtype][0] / amax.clamp_min(EPS)
+    if pow2_scale:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale, scale.reciprocal()
+
+
+def fp8_cast_ref(
+    x: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, transpose: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    fp8_max, _, _, clip = _FORMATS[float8_dtype]
+    scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
+    v = x.float() * scale
+    y = v.clamp(-fp8_max, fp8_max).to(float8_dtype)  # clamp keeps NaN; torch rounds to even
+    clipped = (v.abs() > clip).sum()
+    flushed = ((x != 0) & (y.view(torch.uint8) & 0x7F == 0)).sum()
+    # clone, not contiguous(): a [1, C] tensor's transpose is contiguous and would alias y
+    y_t = y.t().clone(memory_format=torch.contiguous_format) if transpose else y.new_empty(0)
+    return y, y_t, scale_inv, torch.stack([clipped, flushed])
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr,  # [R, C]
+    scale_ptr,  # 0-d fp32
+    y_ptr,  # [R, C] uint8 view of the FP8 output
+    yt_ptr,  # [C, R] uint8 (TRANSPOSE)
+    counts_ptr,  # [programs, 2] int32: clipped, flushed to zero
+    R,
+    C,
+    FP8_MAX: tl.constexpr,
+    CLIP: tl.constexpr,
+    EMIN: tl.constexpr,
+    MBITS: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    v = x * tl.load(scale_ptr)
+    clipped = tl.abs(v) > CLIP
+    v = tl.where(v > FP8_MAX, FP8_MAX, tl.where(v < -FP8_MAX, -FP8_MAX, v))  # NaN stays NaN
+    vbits = v.to(tl.int32, bitcast=True)
+    a = tl.abs(v)
+    # Round |v| to the FP8 grid: the spacing there is 2^(max(e, EMIN) - MBITS); adding and
+    # subtracting 2^23 times the spacing rounds to nearest-even in fp32.
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+    magic = ((e - MBITS + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    rbits = r.to(tl.int32, bitcast=True)
+    normal = (((rbits >> 23) - 127 - EMIN + 1) << MBITS) | (
+        (rbits >> (23 - MBITS)) & ((1 << MBITS) - 1)
+    )
+    subnormal = (r * (2.0 ** (MBITS - EMIN))).to(tl.int32)
+    code = tl.where(r >= 2.0**EMIN, normal, subnormal)
+    code = tl.where(a != a, 0x7F, code) | ((vbits >> 24) & 0x80)
+    flushed = (x != 0) & ((code & 0x7F) == 0)
+    code = code.to(tl.uint8)
+    tl.store(y_ptr + rows[:, None] * C + cols[None, :], code, mask=mask)
+    if TRANSPOSE:
+        # the tile transposed in registers, so that the store runs along rows of y_t
+        tl.store(yt_ptr + cols[:, None] * R + rows[None, :], tl.trans(code), mask=tl.trans(mask))
+    pid = pid_r * tl.num_programs(1) + pid_c
+    tl.store(counts_ptr + pid * 2, tl.sum(tl.sum((clipped & mask).to(tl.int32), 1), 0))
+    tl.store(counts_ptr + pid * 2 + 1, tl.sum(tl.sum((flushed & mask).to(tl.int32), 1), 0))
+
+
+def fp8_cast_triton(
+    x: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, transpose: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    fp8_max, emin, mbits, clip = _FORMATS[float8_dtype]
+    scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
+    x = x.contiguous()
+    R, C = x.shape
+    y = torch.empty(R, C, dtype=float8_dtype, device=x.device)
+    y_t = torch.empty((C, R) if transpose else (0,), dtype=float8_dtype, device=x.device)
+    BLOCK_R, BLOCK_C = 64, 64
+    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
+    counts = torch.zeros(grid[0] * grid[1], 2, dtype=torch.int32, device=x.device)
+    if R and C:
+        _cast_kernel[grid](
+            x,
+            scale.float().contiguous(),
+            y.view(torch.uint8),
+            y_t.view(torch.uint8),
+            counts,
+            R,
+            C,
+            FP8_MAX=fp8_max,
+            CLIP=clip,
+            EMIN=emin,
+            MBITS=mbits,
+            TRANSPOSE=transpose,
+            BLOCK_R=BLOCK_R,
+            BLOCK_C=BLOCK_C,
+        )
+    return y, y_t, scale_inv, counts.sum(0, dtype=torch.int64)
+
+
+def _use_triton(x: Tensor) -> bool:
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return x.dtype != torch.float64 and (x.is_cuda or interpreting)
+
+
+@torch.library.custom_op(
+    "graphtrain::fp8_cast",
+    mutates_args=(),
+    schema=(
+        "(Tensor x, Tensor amax, ScalarType float8_dtype, bool pow2_scale, bool transpose) "
+        "-> (Tensor y, Tensor y_t, Tensor scale_inv, Tensor counts)"
+    ),
+)
+def fp8_cast(
+    x: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, transpose: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x scaled by fp8_max / amax, saturated and rounded to float8_dtype (and transposed).
+    The body is the CPU kernel."""
+    _check(x, amax, float8_dtype)
+    return fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose)
+
+
+@fp8_cast.register_fake
+def _fp8_cast_fake(x, amax, float8_dtype, pow2_scale, transpose):
+    _check(x, amax, float8_dtype)
+    R, C = x.shape
+    return (
+        x.new_empty((R, C), dtype=float8_dtype),
+        x.new_empty((C, R) if transpose else (0,), dtype=float8_dtype),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((2,), dtype=torch.int64),
+    )
+
+
+@fp8_cast.register_kernel("cuda")
+def _fp8_cast_cuda(x, amax, float8_dtype, pow2_scale, transpose):
+    _check(x, amax, float8_dtype)
+    run = fp8_cast_triton if _use_triton(x) else fp8_cast_ref
+    return run(x, amax, float8_dtype, pow2_scale, transpose)

@@ -1,0 +1,163 @@
+"""Tests of graphtrain::fp8_cast (scaled saturating cast to FP8, with its transpose).
+
+The oracle is torch's own conversion (round to nearest-even, after a clamp to +-fp8_max) of
+x * scale, scale = fp8_max / max(amax, EPS). The Triton kernels (fp8_amax's and fp8_cast's)
+run under TRITON_INTERPRET=1 in a child process on fp32 inputs and must equal the references
+bit for bit: odd shapes (not multiples of the 64 x 64 tile), all-zero, subnormal inputs,
+values that round to FP8 subnormals, values beyond amax (saturation), NaN and inf. GPU tests
+(marker gpu) repeat this on CUDA in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import graphtrain.custom_ops  # noqa: F401  (registers the ops)
+from graphtrain.custom_ops import fp8_amax as fa
+from graphtrain.custom_ops import fp8_cast as fc
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SHAPES = [(37, 45), (1, 1), (65, 70)]  # (65, 70): 2 x 2 tiles of 64 x 64
+SPECIALS = ("random", "zero", "nan", "inf", "subnormal", "saturate")
+
+
+def _input(shape: tuple[int, int], special: str, seed: int = 0) -> tuple[torch.Tensor, float]:
+    """(x, factor): x over ~60 binades; amax is multiplied by factor (<1 saturates)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(
+        torch.randint(-30, 30, shape, generator=g).float()
+    )
+    x.view(-1)[0] = 0.0
+    factor = 1.0
+    if special == "zero":
+        x.zero_()
+    elif special == "nan":
+        x.view(-1)[-1] = float("nan")
+    elif special == "inf":
+        x.view(-1)[-1] = -float("inf")
+    elif special == "subnormal":
+        x = x * 1e-40  # fp32 subnormals, amax below EPS
+    elif special == "saturate":
+        factor = 0.25  # a stale amax: the largest values clip at +-fp8_max
+    return x, factor
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in (E4M3, E5M2) else t
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = _bits(a), _bits(b)
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def check_kernels(run_amax, run_cast) -> None:
+    for shape in SHAPES:
+        for special in SPECIALS:
+            x, factor = _input(shape, special)
+            amax = fa.fp8_amax_ref(x)
+            assert _same(run_amax(x), amax), (shape, special)
+            for dtype, pow2 in ((E4M3, False), (E5M2, False), (E4M3, special == "random")):
+                want = fc.fp8_cast_ref(x, amax * factor, dtype, pow2, True)
+                got = run_cast(x, amax * factor, dtype, pow2, True)
+                for name, u, v in zip(("y", "y_t", "scale_inv", "counts"), got, want, strict=True):
+                    assert _same(u, v), (shape, special, dtype, pow2, name)
+
+
+def test_reference_numerics():
+    """The reference itself: scale, saturation, zeros, NaN/inf, round-to-even, counts."""
+    x = torch.tensor([[0.0, 1.0, -2.0, 3.0]])
+    y, y_t, s_inv, counts = torch.ops.graphtrain.fp8_cast(x, torch.tensor(3.0), E4M3, False, True)
+    # 448 / 3 * [1, 2, 3] = [149.3, 298.7, 448] -> nearest E4M3 [144, 288, 448]
+    assert y.float().tolist() == [[0.0, 144.0, -288.0, 448.0]]
+    assert torch.equal(y_t.view(torch.uint8), y.t().view(torch.uint8))
+    assert s_inv.item() == pytest.approx(3.0 / 448.0) and counts.tolist() == [0, 0]
+    # power-of-two scale 2^7 (the largest power of two <= 448 / 3): scaling is exact
+    y, _, s_inv, _ = torch.ops.graphtrain.fp8_cast(x, torch.tensor(3.0), E4M3, True, False)
+    assert s_inv.item() == 2.0**-7 and torch.equal(y.float() * s_inv, x)
+    # all-zero: zeros and a finite scale
+    y, _, s_inv, _ = fc.fp8_cast_ref(torch.zeros(3, 4), torch.tensor(0.0), E4M3, False, False)
+    assert torch.equal(y.float(), torch.zeros(3, 4)) and s_inv.isfinite() and s_inv > 0
+    # a stale amax: values beyond fp8_max (+ half a step) clip and are counted; a tiny value
+    # flushes to zero and is counted
+    x = torch.tensor([[1.0, -8.0, 1e-9, 2.0]])
+    y, _, _, counts = fc.fp8_cast_ref(x, torch.tensor(1.0), E4M3, False, False)
+    assert y.float().tolist() == [[448.0, -448.0, 0.0, 448.0]] and counts.tolist() == [2, 1]
+    # NaN anywhere: NaN everywhere; inf: NaN at the inf (scale 0), zeros elsewhere
+    x = torch.tensor([[1.0, float("nan")]])
+    y, *_ = fc.fp8_cast_ref(x, fa.fp8_amax_ref(x), E5M2, False, False)
+    assert y.float().isnan().all()
+    x = torch.tensor([[1.0, float("inf")]])
+    y, *_ = fc.fp8_cast_ref(x, fa.fp8_amax_ref(x), E4M3, False, False)
+    assert y.float()[0, 1].isnan() and y.float()[0, 0] == 0
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_error_against_float64(dtype):
+    """Dequantised values lie within half an FP8 step of x (relative 2^-4 E4M3, 2^-3 E5M2 for
+    normal values), and the largest |x| maps to fp8_max."""
+    x = torch.randn(33, 17, generator=torch.Generator().manual_seed(3))
+    y, _, s_inv, _ = torch.ops.graphtrain.fp8_cast(x, fa.fp8_amax_ref(x), dtype, False, False)
+    back = y.double() * s_inv.double()
+    rel = 2.0 ** -(4 if dtype == E4M3 else 3)
+    tiny = torch.finfo(dtype).smallest_normal * s_inv.double()
+    normal = x.abs() > tiny
+    assert ((back - x.double()).abs()[normal] <= rel * x.double().abs()[normal]).all()
+    assert y.float().abs().max().item() == torch.finfo(dtype).max
+
+
+def test_bad_arguments():
+    amax = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="2-D float tensor"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3, 4), amax, E4M3, False, False)
+    with pytest.raises(ValueError, match="float8_dtype must be one of"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, torch.bfloat16, False, False)
+    with pytest.raises(ValueError, match="0-d float32"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax.view(1), E4M3, False, False)
+
+
+def test_opcheck():
+    for transpose in (False, True):
+        torch.library.opcheck(
+            torch.ops.graphtrain.fp8_cast.default,
+            (torch.randn(5, 7), torch.tensor(2.5), E5M2, True, transpose),
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# the Triton kernels, under the interpreter (fp32, small shapes)
+# ------------------------------------------------------------------------------------------
+
+
+def _interpreter_checks() -> None:
+    assert fc._use_triton(torch.zeros(1))
+    check_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
+    print("interpreter all ok")
+
+
+def test_triton_kernels_under_interpreter():
+    from conftest import run_interpreter_checks  # not at the top: this file also runs as a script
+
+    run_interpreter_checks(__file__, "interpreter all ok")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_kernels_match_reference():
+    def cast_cuda(x, amax, *args):
+        return [t.cpu() for t in torch.ops.graphtrain.fp8_cast(x.cuda(), amax.cuda(), *args)]
+
+    check_kernels(lambda x: torch.ops.graphtrain.fp8_amax(x.cuda()).cpu(), cast_cuda)
+    x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
+    amax = torch.ops.graphtrain.fp8_amax(x)
+    got = torch.ops.graphtrain.fp8_cast(x, amax, E4M3, False, True)
+    want = fc.fp8_cast_ref(x, amax, E4M3, False, True)
+    assert all(_same(u, v) for u, v in zip(got, want, strict=True))
+
+
+if __name__ == "__main__":
+    if "--interpreter-checks" in sys.argv:
+        _interpreter_checks()

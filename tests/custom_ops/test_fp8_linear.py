@@ -1,0 +1,264 @@
+"""Tests of graphtrain::fp8_linear (and fp8_linear_backward) and the saturation statistics.
+
+Two oracles:
+  * tight: float64 GEMMs of the same FP8-rounded operands (each operand cast by fp8_cast_ref
+    with its own amax, dequantised exactly in float64). The op may differ from it only by its
+    fp32 accumulation and the rounding of its output: relative 1e-6 in fp32, 2^-8 in bf16.
+  * loose: the unquantised fp32 linear, by signal-to-noise ratio. Rounding to a grid with m
+    mantissa bits leaves a relative error uniform within +-2^-(m+1) of the binade, RMS about
+    2^-m / sqrt(12) of the value: 29 dB for one E4M3 operand, 23 dB for E5M2. A dot product's
+    error power is the sum of both operands' (random signs, independent): about 26 dB for
+    out = x W^T (E4M3 x E4M3), about 22 dB for the gradients (E5M2 x E4M3). The bounds are
+    those less about 1 dB for the spread of a few thousand samples (measured: 28 and 24 dB);
+    an upper bound of 40 dB checks that the GEMMs really ran in FP8 (bf16 would give ~50 dB).
+CPU runs the op's reference path (torch._scaled_mm on CPU); the casts' Triton kernels are
+tested in test_fp8_cast.py; tp=2 runs on gloo.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphtrain.custom_ops  # noqa: F401  (registers the ops)
+from graphtrain.custom_ops import fp8_linear as fl
+from graphtrain.custom_ops.fp8_amax import fp8_amax_ref
+from graphtrain.custom_ops.fp8_cast import fp8_cast_ref
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Signal-to-noise ratio of got against want, in dB."""
+    want = want.double()
+    noise = (got.double() - want).pow(2).sum().clamp_min(1e-300)
+    return (10 * torch.log10(want.pow(2).sum() / noise)).item()
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def dequant(t: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
+    """t rounded exactly as the op rounds it, in float64."""
+    t2 = t.reshape(-1, t.shape[-1])
+    y, _, s_inv, _ = fp8_cast_ref(t2, fp8_amax_ref(t2), float8_dtype, pow2, False)
+    return (y.double() * s_inv.double()).view(t.shape)
+
+
+def _inputs(shape, K, N, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    grad = torch.randn(*shape, N, generator=g)
+    return x, w, b, grad
+
+
+def _run(x, w, b, grad, **options):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    b = b.clone().requires_grad_() if b is not None else None
+    out = torch.ops.graphtrain.fp8_linear(x, w, b, **options)[0]
+    inputs = [x, w] + ([b] if b is not None else [])
+    return out, torch.autograd.grad(out, inputs, grad.to(out.dtype))
+
+
+CASES = [  # (leading shape, K, N, bias, options)
+    ((2, 7), 33, 45, True, {}),
+    ((13,), 64, 16, False, {"e4m3_grads": True}),
+    ((3, 5), 48, 40, True, {"pow2_scale": True}),
+    ((31,), 17, 9, False, {"out_dtype": torch.bfloat16}),
+]
+
+
+@pytest.mark.parametrize("shape,K,N,bias,options", CASES)
+def test_matches_float64_on_fp8_operands(shape, K, N, bias, options):
+    x, w, b, grad = _inputs(shape, K, N, seed=K)
+    b = b if bias else None
+    out, grads = _run(x, w, b, grad, **options)
+    pow2 = options.get("pow2_scale", False)
+    gdtype = E4M3 if options.get("e4m3_grads") else E5M2
+    x8, w8 = dequant(x, E4M3, pow2), dequant(w, E4M3, pow2)
+    g8 = dequant(grad.to(out.dtype).float(), gdtype, pow2)
+    want = x8 @ w8.T + (b.double() if b is not None else 0)
+    tol = 1e-6 if out.dtype == torch.float32 else 2.0**-8
+    assert out.dtype == options.get("out_dtype", x.dtype) and out.shape == (*shape, N)
+    assert rel(out, want) < tol
+    assert rel(grads[0], g8 @ w8) < 1e-6  # grad_x in x's dtype (fp32)
+    assert rel(grads[1], g8.reshape(-1, N).T @ x8.reshape(-1, K)) < 1e-6
+    if b is not None:
+        assert rel(grads[2], grad.double().reshape(-1, N).sum(0)) < 1e-6
+
+
+@pytest.mark.parametrize("e4m3_grads", [False, True])
+def test_sqnr_against_fp32_linear(e4m3_grads):
+    x, w, b, grad = _inputs((8, 32), 256, 192, seed=5)
+    out, (gx, gw, gb) = _run(x, w, b, grad, e4m3_grads=e4m3_grads)
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    want = F.linear(x, w, b)
+    wgx, wgw, wgb = torch.autograd.grad(want, [x, w, b], grad)
+    grad_bound = 24.0 if e4m3_grads else 21.0  # both operands E4M3 for e4m3_grads: ~26 dB
+    assert 25.0 < sqnr(out, want) < 40.0
+    assert grad_bound < sqnr(gx, wgx) < 40.0
+    assert grad_bound < sqnr(gw, wgw) < 40.0
+    assert rel(gb, wgb) < 1e-6  # the bias gradient is not quantised
+
+
+def test_saves_fp8_copies_not_the_input():
+    """What autograd keeps for the backward: the FP8 copies and 0-d scales only."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.dim()))
+        return t
+
+    x, w, b, grad = _inputs((4,), 32, 16, seed=0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _run(x, w, b, grad)
+    assert sorted(saved, key=str) == sorted(
+        [(E4M3, 2), (torch.float32, 0), (E4M3, 2), (torch.float32, 0)], key=str
+    )
+
+
+def test_nonfinite_inputs_give_nan():
+    """NaN or inf in x makes the output NaN (the trainer's non-finite check then stops)."""
+    x, w, b, _ = _inputs((4,), 32, 16, seed=0)
+    for bad in (float("nan"), float("inf")):
+        x[1, 3] = bad
+        out = torch.ops.graphtrain.fp8_linear(x, w, b)[0]
+        assert out.isnan().any() and not out.isinf().any()
+
+
+def test_saturation_stats():
+    """Counters per tensor class: a value 1e6 times the rest flushes the rest to zero in E4M3."""
+    fl.fp8_saturation_stats(reset=True)
+    x, w, b, grad = _inputs((8,), 32, 16, seed=0)
+    x[0, 0] = 1e6
+    _run(x, w, b, grad)
+    stats = fl.fp8_saturation_stats()
+    # below half the smallest E4M3 subnormal (2^-9) after scaling by 448 / 1e6: rounds to 0
+    expected = (x.abs() * (448.0 / 1e6) <= 2.0**-10).sum() / x.numel()
+    assert stats["fp8/flushed/activation"].item() == pytest.approx(expected.item(), rel=1e-12)
+    assert expected > 0.9
+    assert stats["fp8/flushed/weight"].item() < 0.01
+    assert all(stats[f"fp8/clipped/{c}"].item() == 0 for c in fl.TENSOR_CLASSES)
+    assert stats["fp8/flushed/gradient"].item() < 0.01
+    after = fl.fp8_saturation_stats()
+    assert after["fp8/flushed/activation"].item() == 0  # reset
+
+
+def test_compiled_equals_eager():
+    x, w, b, grad = _inputs((3, 4), 32, 16, seed=2)
+    eager = _run(x, w, b, grad)
+
+    def fn(x, w, b):
+        return torch.ops.graphtrain.fp8_linear(x, w, b)[0]
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    xc, wc, bc = (t.clone().requires_grad_() for t in (x, w, b))
+    out = compiled(xc, wc, bc)
+    grads = torch.autograd.grad(out, [xc, wc, bc], grad)
+    assert torch.equal(out, eager[0])
+    assert all(torch.equal(u, v) for u, v in zip(grads, eager[1], strict=True))
+
+
+def test_bad_arguments():
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and weight \[N, K\]"):
+        torch.ops.graphtrain.fp8_linear(x, w[:, :5], None)
+    with pytest.raises(ValueError, match=r"bias must be \[N\] = \[6\]"):
+        torch.ops.graphtrain.fp8_linear(x, w, torch.randn(5))
+    with pytest.raises(ValueError, match="x must be one of"):
+        torch.ops.graphtrain.fp8_linear(x.double(), w, None)
+
+
+def test_opcheck():
+    # test_schema and the backward half of test_aot_dispatch compare or sum FP8 tensors with
+    # CPU kernels torch does not have for float8 ("mul_cpu_reduced_float", "sum_cpu"): run the
+    # checks that work on CPU, with inputs that do not require grad.
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    x, w, b, grad = _inputs((5,), 32, 16, seed=1)
+    op = torch.ops.graphtrain
+    torch.library.opcheck(op.fp8_linear.default, (x, w, b), test_utils=utils)
+    torch.library.opcheck(
+        op.fp8_linear.default,
+        (x.bfloat16(), w, None),
+        {"out_dtype": torch.bfloat16},
+        test_utils=utils,
+    )
+    _, x8_t, sx, w8_t, sw = op.fp8_linear(x, w, b)
+    kwargs = dict(e4m3_grads=False, pow2_scale=False, tp_group=None)
+    kwargs.update(x_dtype=torch.float32, w_dtype=torch.float32)
+    args = (grad, x8_t, sx, w8_t, sw, True)
+    torch.library.opcheck(op.fp8_linear_backward.default, args, kwargs, test_utils=utils)
+
+
+# ------------------------------------------------------------------------------------------
+# tensor parallel: tp=2 on gloo
+# ------------------------------------------------------------------------------------------
+
+
+def _tp_worker(rank: int, world: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        group = dist.group.WORLD.group_name
+        x, w, _, grad = _inputs((6,), 64, 32, seed=0)
+        w[16:] *= 10  # the shards' own amaxes differ: only the reduced one gives equal scales
+        full_out, (full_gx, full_gw) = _run(x, w, None, grad)
+        # column parallel: W split on its rows (N); x whole; grad_out split like out
+        rows = slice(rank * 16, (rank + 1) * 16)
+        for tp_group, must_match in ((group, True), (None, False)):
+            out, (gx, gw) = _run(x, w[rows], None, grad[:, rows], tp_group=tp_group)
+            dist.all_reduce(gx)  # the caller's (DTensor's) reduction of partial input gradients
+            errors = [rel(out, full_out[:, rows]), rel(gw, full_gw[rows]), rel(gx, full_gx)]
+            assert (max(errors) < 1e-6) == must_match, (rank, tp_group, errors)
+        # row parallel: x and W split on K; the partial outputs sum to the full output
+        cols = slice(rank * 32, (rank + 1) * 32)
+        out, (gx, gw) = _run(x[:, cols], w[:, cols], None, grad, tp_group=group)
+        dist.all_reduce(out)
+        assert rel(out, full_out) < 1e-6
+        assert rel(gx, full_gx[:, cols]) < 1e-6 and rel(gw, full_gw[:, cols]) < 1e-6
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_amax_reduction_gloo(tmp_path):
+    """Shards with their amax max-reduced over tp equal the single-rank op; without the
+    reduction (tp_group None) they do not."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        _tp_worker, args=(2, str(tmp_path / "rdzv")), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.time() + 240
+    while not ctx.join(timeout=5):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("tp=2 gloo test timed out")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_float64_on_fp8_operands(dtype):
+    x, w, b, grad = (t.cuda() for t in _inputs((64,), 128, 96, seed=0, dtype=dtype))
+    out, (gx, gw, gb) = _run(x, w, b, grad)
+    x8, w8 = dequant(x.float(), E4M3), dequant(w.float(), E4M3)
+    g8 = dequant(grad.to(dtype).float(), E5M2)
+    tol = 1e-6 if dtype == torch.float32 else 2.0**-8
+    assert rel(out, x8 @ w8.T + b.double()) < tol
+    assert rel(gx, g8 @ w8) < tol and rel(gw, g8.T @ x8) < tol
+    assert rel(gb, grad.double().sum(0)) < tol
+
+
+def test_benchmark_cpu_smoke():
+    from conftest import run_benchmark_smoke
+
+    run_benchmark_smoke("fp8_linear.py", "graphtrain equals the plain recipe")

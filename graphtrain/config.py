@@ -91,9 +91,13 @@ class ParallelConfig:
     ep: int = 1
     # Expert tensor parallel (MoE models with tp): 1, or tp to split every expert over tp.
     etp: int = 1
+    # Blocks each tp all-gather / reduce-scatter is split into by the overlap_tp_comm pass, so
+    # that a block's GEMM runs while the next block is in flight; 0: tp blocks.
+    tp_overlap_chunks: int = 0
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "dp_replicate", "tp", "ep", "etp")
+        _positive("parallel", self, "tp_overlap_chunks", allow_zero=True)
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be >= 1 or -1, got {self.dp_shard}")
 
@@ -493,7 +497,7 @@ def pass_options(cfg: JobConfig) -> dict[str, Any]:
 
     One place, so the trainer and `graphtrain inspect` hand the passes the same options.
     """
-    return {}
+    return {"tp_overlap_chunks": cfg.parallel.tp_overlap_chunks}
 
 
 # ---------------------------------------------------------------------------------------------

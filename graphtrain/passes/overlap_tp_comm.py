@@ -101,22 +101,21 @@ class _Builder:
         ranked = self(
             aten.cat.default, [self(aten.view.default, p, [tp, rows, width]) for p in blocks], 1
         )
-        by_batch = self(
-            aten.permute.default,
-            self(aten.view.default, ranked, [tp, batch, seq, width]),
-            [1, 0, 2, 3],
-        )
-        dense = self(aten.clone.default, by_batch, memory_format=torch.contiguous_format)
-        return self(aten.view.default, dense, [batch, tp * seq, width])
+        if batch > 1:  # with one sequence, rank-major rows are sequence order already
+            ranked = self(aten.view.default, ranked, [tp, batch, seq, width])
+            ranked = self(aten.permute.default, ranked, [1, 0, 2, 3])
+            ranked = self(aten.clone.default, ranked, memory_format=torch.contiguous_format)
+        return self(aten.view.default, ranked, [batch, tp * seq, width])
 
     def sequence_to_rank_major(self, x: Node, tp: int) -> Node:
         """[tp, B * S, K] from x [B, tp * S, K]: each rank's destination rows, contiguous."""
         batch, length, width = _shape(x)
         seq = length // tp
-        split = self(aten.view.default, x, [batch, tp, seq, width])
-        ranked = self(aten.permute.default, split, [1, 0, 2, 3])
-        dense = self(aten.clone.default, ranked, memory_format=torch.contiguous_format)
-        return self(aten.view.default, dense, [tp, batch * seq, width])
+        if batch > 1:
+            x = self(aten.view.default, x, [batch, tp, seq, width])
+            x = self(aten.permute.default, x, [1, 0, 2, 3])
+            x = self(aten.clone.default, x, memory_format=torch.contiguous_format)
+        return self(aten.view.default, x, [tp, batch * seq, width])
 
 
 def _row_block(rows: int, chunks: int) -> int:
@@ -217,12 +216,16 @@ def _overlap_gather(
             _symm_mem().fused_all_gather_matmul.default, x, [g.args[1] for g in gemms], 1, group
         )
         outs = b(operator.getitem, fused, 1)
+        # Its outputs are laid out as the op's pipeline left them (gather dim first): reshape,
+        # and a contiguous copy of the gathered input for whoever reads it as `full`.
         for i, gemm in enumerate(gemms):
-            gemm.replace_all_uses_with(
-                b(aten.view.default, b(operator.getitem, outs, i), _shape(gemm))
-            )
+            out = b(aten.reshape.default, b(operator.getitem, outs, i), _shape(gemm))
+            gemm.replace_all_uses_with(out)
             gm.graph.erase_node(gemm)
-        _replace_rest(gm, full, lambda: b(operator.getitem, fused, 0))
+        gathered = b(operator.getitem, fused, 0)
+        _replace_rest(
+            gm, full, lambda: b(aten.clone.default, gathered, memory_format=torch.contiguous_format)
+        )
         _erase_chain(gm, [full, *reversed(pieces), wait, ag])
         return f"all_gather {ag.name} -> mm ({names}): symm_mem fused_all_gather_matmul"
     flat = b(aten.view.default, x, [batch * seq, dim])

@@ -7,7 +7,6 @@ notes (rank 0's graph dumps), so the test can assert bitwise equality and what w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import tempfile
@@ -38,8 +37,13 @@ def _notes(dump: Path) -> dict[str, list[str]]:
 
 def _train(rank: int, world: int, spec: dict[str, Any], overlap: bool, dump: Path) -> dict:
     torch._dynamo.reset()
+    device = spec.get("device", "cpu")
     dims = ParallelDims(**spec["dims"], world_size=world)
-    mesh = build_mesh(dims, "cpu")
+    mesh = build_mesh(dims, device)
+    if device == "cuda":  # the symm_mem variant's condition (torchtitan's async TP does the same)
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
     cfg = dataclasses.replace(MODEL_PRESETS[spec["model"]], num_kv_heads=4)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -50,7 +54,7 @@ def _train(rank: int, world: int, spec: dict[str, Any], overlap: bool, dump: Pat
         plan=tp_plan(cfg, dims.etp, dims.ep),
         ac_mode="none",
         compile_options={
-            "inner": "aot_eager",
+            "inner": spec.get("inner", "aot_eager"),
             "passes": [] if overlap else ["-overlap_tp_comm"],
             "dump_dir": dump if rank == 0 else None,
             "pass_options": {
@@ -61,10 +65,10 @@ def _train(rank: int, world: int, spec: dict[str, Any], overlap: bool, dump: Pat
         param_dtype=torch.float32,
         reduce_dtype=torch.float32,
     )
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.init_weights(SEED)
     g = torch.Generator().manual_seed(SEED + 1)
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=g).to(device)
     dp = dp_mesh(mesh) if dims.dp_size > 1 else None
     rows = BATCH // dims.dp_size
     start = (dp.get_local_rank() if dp is not None else 0) * rows
@@ -91,10 +95,9 @@ def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any
     """For each spec: the off and on runs, and the pass's notes of the on run."""
     out = {}
     for spec in specs:
-        # torch's fallback kernels of the symm_mem ops (gloo has no symmetric memory): what
-        # the rewrite computes is checked here, its speed only on GPUs.
-        symm_mem = spec.get("variant") == "symm_mem"
-        with tempfile.TemporaryDirectory() as tmp, _symm_mem_test_mode(symm_mem):
+        if spec.get("variant") == "symm_mem" and spec.get("device", "cpu") == "cpu":
+            _register_cpu_symm_mem()
+        with tempfile.TemporaryDirectory() as tmp:
             # A spec that only checks what the pass notes needs no run without it.
             off = (
                 _train(rank, world, spec, False, Path(tmp) / "off")
@@ -103,16 +106,27 @@ def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any
             )
             on = _train(rank, world, spec, True, Path(tmp) / "on")
             out[spec["name"]] = {"off": off, "on": on, "notes": _notes(Path(tmp) / "on")}
-    out["refusal"] = _gather_without_gemm(rank, world)
+    if all(spec.get("device", "cpu") == "cpu" for spec in specs):
+        out["refusal"] = _gather_without_gemm(rank, world)
     return out
 
 
-def _symm_mem_test_mode(on: bool) -> Any:
-    if not on:
-        return contextlib.nullcontext()
-    from torch.distributed._symmetric_memory import _test_mode
+_CPU_SYMM_MEM: list = []
 
-    return _test_mode()
+
+def _register_cpu_symm_mem() -> None:
+    """torch's own fallback kernels of the symm_mem fused ops (all-gather or reduce-scatter,
+    then the matmul) registered for CPU, where torch has none: what the symm_mem rewrite
+    computes is checked on gloo; its speed only on GPUs."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if not _CPU_SYMM_MEM:
+        lib = torch.library.Library("symm_mem", "IMPL")
+        lib.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
+        lib.impl(
+            "fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU"
+        )
+        _CPU_SYMM_MEM.append(lib)  # registrations live as long as the library object
 
 
 def _gather_without_gemm(rank: int, world: int) -> list[str]:

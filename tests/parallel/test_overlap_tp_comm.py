@@ -122,3 +122,26 @@ def test_moe_expert_tp_pairs(ranks2):
 def test_gather_without_gemm_is_noted(ranks2):
     notes = ranks2[0]["refusal"]
     assert any("feeds no GEMM" in n for n in notes), notes
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_symm_mem_on_gpus():
+    # NCCL with symmetric memory enabled for the tp group: the auto variant picks torch's
+    # fused ops in the forward under Inductor, and training matches the unrewritten graphs
+    # to fp32 rounding (the fused ops' GEMM kernels may block K differently).
+    spec = {"name": "gpu", "model": "debug", "dims": {"tp": 2, "dp_shard": 1}}
+    spec.update(device="cuda", inner="inductor")
+    (result, _) = run_ranks(compare, 2, [spec], timeout=900, backend="nccl")
+    forward = _block_graphs(result["gpu"]["notes"], "forward")
+    assert all(sum("symm_mem" in n for n in graph) == 4 for graph in forward), forward
+    off, on = result["gpu"]["off"], result["gpu"]["on"]
+    for a, b in zip(off["losses"], on["losses"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_benchmark_cpu_smoke():
+    """benchmarks/tp_overlap.py imports and its emulation of the chunked GEMMs is right."""
+    from conftest import run_benchmark_smoke
+
+    run_benchmark_smoke("tp_overlap.py", "tp_overlap smoke: chunked == one GEMM")

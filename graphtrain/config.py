@@ -94,9 +94,22 @@ class ParallelConfig:
     ep: int = 1
     # Expert tensor parallel (MoE models with tp): 1, or tp to split every expert over tp.
     etp: int = 1
+    # Blocks each tp all-gather / reduce-scatter is split into by the overlap_tp_comm pass, so
+    # that a block's GEMM runs while the next block is in flight; 0: tp blocks.
+    tp_overlap_chunks: int = 0
+    # How overlap_tp_comm overlaps: auto (torch's symm_mem fused ops where the tp group has
+    # symmetric memory, else chunked), chunked, or symm_mem.
+    tp_overlap_variant: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "dp_replicate", "tp", "ep", "etp")
+        _positive("parallel", self, "tp_overlap_chunks", allow_zero=True)
+        _choice(
+            "parallel",
+            "tp_overlap_variant",
+            self.tp_overlap_variant,
+            ("auto", "chunked", "symm_mem"),
+        )
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be >= 1 or -1, got {self.dp_shard}")
 
@@ -563,6 +576,8 @@ def pass_options(cfg: JobConfig) -> dict[str, Any]:
         "lce_mode": cfg.compile.lce_mode,
         "lce_memory_budget": cfg.compile.lce_memory_budget,
         **{f"fp8.{k}": v for k, v in dataclasses.asdict(cfg.fp8).items()},
+        "tp_overlap_chunks": cfg.parallel.tp_overlap_chunks,
+        "tp_overlap_variant": cfg.parallel.tp_overlap_variant,
     }
 
 

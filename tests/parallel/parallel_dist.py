@@ -1,4 +1,5 @@
-"""Run a function on N CPU ranks (gloo) in spawned processes and collect what each returns.
+"""Run a function on N ranks (CPU with gloo; or one GPU each with nccl) in spawned processes and
+collect what each returns.
 
 A rank that hangs (a collective waiting forever) fails the test after `timeout` seconds instead of
 blocking CI: the children are killed and TimeoutError is raised.
@@ -18,13 +19,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(
+    rank: int, world_size: int, out_dir: str, backend: str, fn: Callable[..., Any], args: tuple
+) -> None:
     # One intra-op thread per rank: 4 ranks on 2 cores otherwise oversubscribe badly.
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     # A file rendezvous in this run's own temp dir: no race for a free TCP port with whatever
     # else runs on the machine (a port picked and released can be taken before rank 0 binds it).
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{Path(out_dir) / 'rendezvous'}",
         rank=rank,
         world_size=world_size,
@@ -39,7 +44,11 @@ def _entry(rank: int, world_size: int, out_dir: str, fn: Callable[..., Any], arg
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240.0,
+    backend: str = "gloo",
 ) -> list[Any]:
     """fn(rank, world_size, *args) on every rank; returns the results in rank order.
 
@@ -49,7 +58,7 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _entry,
-            args=(world_size, out_dir, fn, args),
+            args=(world_size, out_dir, backend, fn, args),
             nprocs=world_size,
             join=False,
             start_method="spawn",

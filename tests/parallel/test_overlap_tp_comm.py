@@ -1,0 +1,150 @@
+"""Pass overlap_tp_comm on CPU ranks (gloo): what it rewrites, and that training is unchanged.
+
+The chunked variant keeps every dot product's K order and every reduce-scatter's per-element
+sum (same ranks, same order), so the losses and every gradient of every step must be bitwise
+equal to the unrewritten graphs: dense tp=2 (chunks = tp and 4), MoE with expert TP (etp=tp),
+tp=4, and FSDP composed with TP (dp2 x tp2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from overlap_scenarios import compare
+from parallel_dist import run_ranks
+
+SPECS_2 = [
+    {"name": "dense_tp2", "model": "debug", "dims": {"tp": 2, "dp_shard": 1}},
+    {"name": "dense_tp2_chunks4", "model": "debug", "dims": {"tp": 2, "dp_shard": 1}, "chunks": 4},
+    {
+        "name": "dense_tp2_chunks3",
+        "model": "debug",
+        "dims": {"tp": 2, "dp_shard": 1},
+        "chunks": 3,
+        "compare": False,
+    },
+    {
+        "name": "dense_tp2_symm_mem",
+        "model": "debug",
+        "dims": {"tp": 2, "dp_shard": 1},
+        "variant": "symm_mem",
+    },
+    {"name": "moe_etp2", "model": "moe-debug", "dims": {"tp": 2, "dp_shard": 1, "etp": 2}},
+]
+SPECS_4 = [
+    {"name": "dense_tp4", "model": "debug", "dims": {"tp": 4, "dp_shard": 1}},
+    {"name": "fsdp2_tp2", "model": "debug", "dims": {"tp": 2, "dp_shard": 2}},
+]
+
+
+@pytest.fixture(scope="module")
+def ranks2() -> list[dict]:
+    return run_ranks(compare, 2, SPECS_2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ranks4() -> list[dict]:
+    return run_ranks(compare, 4, SPECS_4, timeout=600)
+
+
+def _assert_bitwise(result: dict) -> None:
+    off, on = result["off"], result["on"]
+    for a, b in zip(off["losses"], on["losses"], strict=True):
+        assert torch.equal(a, b), (a, b)
+    for step, (ga, gb) in enumerate(zip(off["grads"], on["grads"], strict=True)):
+        assert ga.keys() == gb.keys()
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), (step, name)
+
+
+def _rewritten(notes: list[str]) -> int:
+    return sum("chunked into" in n for n in notes)
+
+
+def _block_graphs(notes: dict[str, list[str]], kind: str) -> list[list[str]]:
+    graphs = [v for k, v in notes.items() if k.startswith("block-") and k.endswith(kind)]
+    assert graphs, notes
+    return graphs
+
+
+@pytest.mark.parametrize("name", ["dense_tp2", "dense_tp2_chunks4", "moe_etp2"])
+def test_tp2_bitwise(ranks2, name):
+    _assert_bitwise(ranks2[0][name])
+
+
+def test_symm_mem_variant(ranks2):
+    # The fused ops where they apply (the forward's gathers and single-GEMM scatters); the
+    # backward's scatter of a sum of dgrads stays chunked. Checked through torch's fallback
+    # kernels of those ops (gloo has no symmetric memory), within fp32 rounding: the fallback
+    # multiplies [B, T, K] by [K, N] with matmul, the same GEMM as the original.
+    result = ranks2[0]["dense_tp2_symm_mem"]
+    for forward in _block_graphs(result["notes"], "forward"):
+        assert sum("symm_mem fused_all_gather_matmul" in n for n in forward) == 2, forward
+        assert sum("symm_mem fused_matmul_reduce_scatter" in n for n in forward) == 2, forward
+    for backward in _block_graphs(result["notes"], "backward"):
+        assert sum("symm_mem fused_all_gather_matmul" in n for n in backward) == 2, backward
+        assert sum("chunked into" in n for n in backward) == 2, backward
+    _assert_bitwise(result)
+
+
+@pytest.mark.parametrize("name", ["dense_tp4", "fsdp2_tp2"])
+def test_tp4_world_bitwise(ranks4, name):
+    _assert_bitwise(ranks4[0][name])
+
+
+def test_dense_pairs_per_region(ranks2, ranks4):
+    # A dense block: attention (q, k, v share one gather; wo scatters) and the MLP (w1, w3
+    # share one gather; w2 scatters) in the forward, and their mirrors in the backward: the
+    # gradient gathered before wo's / w2's dgrad, the dgrads of q, k, v / w1, w3 summed and
+    # scattered.
+    for notes in (ranks2[0]["dense_tp2"]["notes"], ranks4[0]["dense_tp4"]["notes"]):
+        for kind in ("forward", "backward"):
+            for graph in _block_graphs(notes, kind):
+                assert _rewritten(graph) == 4, graph
+    (graph, *_) = _block_graphs(ranks2[0]["dense_tp2_chunks4"]["notes"], "forward")
+    assert sum("chunked into 4" in n for n in graph) == 4, graph
+
+
+def test_rows_that_do_not_split_are_left_alone(ranks2):
+    for notes in _block_graphs(ranks2[0]["dense_tp2_chunks3"]["notes"], "forward"):
+        assert _rewritten(notes) == 0
+        assert sum("do not split into 3 chunks" in n for n in notes) == 4, notes
+
+
+def test_moe_expert_tp_pairs(ranks2):
+    # moe-debug: a dense first block (4 pairs each way), then MoE blocks whose attention pairs
+    # are rewritten; their expert layer gathers the sequence for the router and the grouped
+    # GEMMs (no row GEMM of the gathered tensor) and scatters a combine: left alone, noted.
+    for kind in ("forward", "backward"):
+        graphs = _block_graphs(ranks2[0]["moe_etp2"]["notes"], kind)
+        assert sorted(_rewritten(g) for g in graphs) == [2, 4], graphs
+        moe = next(g for g in graphs if _rewritten(g) == 2)
+        assert any("left alone" in n for n in moe), moe
+
+
+def test_gather_without_gemm_is_noted(ranks2):
+    notes = ranks2[0]["refusal"]
+    assert any("feeds no GEMM" in n for n in notes), notes
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_symm_mem_on_gpus():
+    # NCCL with symmetric memory enabled for the tp group: the auto variant picks torch's
+    # fused ops in the forward under Inductor, and training matches the unrewritten graphs
+    # to fp32 rounding (the fused ops' GEMM kernels may block K differently).
+    spec = {"name": "gpu", "model": "debug", "dims": {"tp": 2, "dp_shard": 1}}
+    spec.update(device="cuda", inner="inductor")
+    (result, _) = run_ranks(compare, 2, [spec], timeout=900, backend="nccl")
+    forward = _block_graphs(result["gpu"]["notes"], "forward")
+    assert all(sum("symm_mem" in n for n in graph) == 4 for graph in forward), forward
+    off, on = result["gpu"]["off"], result["gpu"]["on"]
+    for a, b in zip(off["losses"], on["losses"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_benchmark_cpu_smoke():
+    """benchmarks/tp_overlap.py imports and its emulation of the chunked GEMMs is right."""
+    from conftest import run_benchmark_smoke
+
+    run_benchmark_smoke("tp_overlap.py", "tp_overlap smoke: chunked == one GEMM")

@@ -354,7 +354,13 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         td = td.to(device, non_blocking=True)
         mask = build_attention_mask(td["document_ids"], attention)
         with autocast:
-            return model(td["input_ids"], td["labels"], td["position_ids"], mask)
+            return model(
+                td["input_ids"],
+                td["labels"],
+                td["position_ids"],
+                mask,
+                document_ids=td["document_ids"],  # MTP shifts stay inside documents
+            )
 
     def validate() -> float | None:
         """Mean loss over the first metrics.val_batches batches of the held-out data."""

@@ -104,6 +104,10 @@ class CompileConfig:
     backend: str = "inductor"  # inner backend after graphtrain's passes: inductor or aot_eager
     passes: list[str] = field(default_factory=list)  # ["-name", "+name"] switches
     dump_graphs: bool = False  # write every region's graph before/after each pass to run_dir/graphs
+    # The MTP layers' compiled forward and backward as CUDA graphs (Inductor's cudagraph trees).
+    # Used where they can work (CUDA, Inductor, no FSDP, no expert parallel, no activation
+    # checkpointing); elsewhere one log line says why not (graphtrain.compile).
+    cudagraph_mtp: bool = True
 
     def __post_init__(self) -> None:
         _choice("compile", "backend", self.backend, ("inductor", "aot_eager"))

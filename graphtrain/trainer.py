@@ -224,6 +224,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             # an MoE block compiles as two graphs around it.
             "fullgraph": dims.ep == 1,
             "pass_options": pass_options(cfg),
+            "cudagraph_mtp": cfg.compile.cudagraph_mtp,
+            "device_type": device.type,
         }
     plan = tp_plan(m_cfg, dims.etp, dims.ep)
     parallelize_model(

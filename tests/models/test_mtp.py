@@ -2,6 +2,7 @@
 a per-document float64 reference, depth 0 unchanged, gradients, acceptance."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -191,3 +192,101 @@ def test_config_errors_name_values():
         dataclasses.replace(DENSE, mtp_depth=-1)
     with pytest.raises(ValueError, match=r"mtp_loss_scale.*-0\.5"):
         dataclasses.replace(DENSE, mtp_loss_scale=-0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled: the MTP regions and the shared head_loss region (graphtrain.compile.apply_compile).
+
+
+def _train(model, td, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for _ in range(steps):
+        stats = {}
+        loss = run(model, td, stats)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append((loss.detach(), stats))
+    return out
+
+
+def test_compiled_equals_eager_bitwise_over_three_steps(tmp_path):
+    """D=2, packed rows, stats on: backend graphtrain (aot_eager, numerics-preserving passes)
+    gives the eager losses and per-depth stats bit for bit; each depth is a region of its own."""
+    from graphtrain.compile import apply_compile
+    from graphtrain.passes import all_passes
+
+    torch._dynamo.reset()
+    switches = [("+" if p.preserves_numerics else "-") + p.name for p in all_passes()]
+    cfg = dataclasses.replace(DENSE, mtp_depth=2)
+    td = packed_rows(DOCS)
+    eager = _train(build(cfg), td)
+    model = build(cfg)
+    apply_compile(model, passes=switches, inner="aot_eager", dump_dir=tmp_path)
+    compiled = _train(model, td)
+    for (a, sa), (b, sb) in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b), (a.item(), b.item())
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert (tmp_path / "mtp_1-0").is_dir() and (tmp_path / "mtp_2-0").is_dir()
+    torch._dynamo.reset()
+
+
+def test_fused_cross_entropy_replaces_every_depths_head(tmp_path):
+    """With the default passes every head (main and D=2 depths) runs the fused linear +
+    cross-entropy op: the head_loss graph holds it and a forward calls it 1 + D times; the
+    loss stays within the pass's stated tolerance of eager."""
+    from graphtrain.compile import apply_compile
+
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(DENSE, mtp_depth=2)
+    td = packed_rows(DOCS)
+    eager = run(build(cfg), td)
+    model = build(cfg)
+    apply_compile(model, inner="aot_eager", dump_dir=tmp_path)
+    run(model, td)  # compiles (a dispatch mode would stop Dynamo; the profiler does not)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss = run(model, td)
+    # After AOT autograd the forward graph calls the op's forward half (its backward is saved).
+    fused = [e.name for e in prof.events() if e.name.startswith("graphtrain::linear_cross_entropy")]
+    assert len(fused) == 3, fused
+    torch.testing.assert_close(loss, eager, rtol=1e-5, atol=0)
+    loss.backward()
+    assert model.mtp_layers["1"].eh_proj.weight.grad.abs().sum() > 0
+    # One head_loss graph serves every head (same shapes): the pass fused its one head there.
+    (summary,) = tmp_path.glob("head_loss-*/summary.json")
+    (step,) = [
+        s for s in json.loads(summary.read_text()) if s["label"] == "fuse_linear_cross_entropy"
+    ]
+    assert step["op_diff"].get("graphtrain.linear_cross_entropy.default") == 1, step
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphed_mtp_regions_train_as_the_ungraphed_ones():
+    """Inductor on CUDA: the MTP regions captured as CUDA graphs (cudagraph trees hold
+    recordings afterwards) and three training steps give the losses of the same regions compiled
+    without graphs."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    from graphtrain.compile import apply_compile
+
+    cfg = dataclasses.replace(DENSE, vocab_size=512, mtp_depth=2)
+    td = packed_rows(DOCS).to("cuda")
+    runs = []
+    for graphed in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build(cfg).cuda()
+        apply_compile(model, inner="inductor", cudagraph_mtp=graphed, device_type="cuda")
+        runs.append(_train(model, td, steps=3))
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and manager.roots, "no CUDA graph was recorded"
+    for (a, sa), (b, sb) in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+        for key in sa:
+            torch.testing.assert_close(sa[key], sb[key], rtol=1e-6, atol=0)
+    torch._dynamo.reset()

@@ -227,6 +227,12 @@ class JobConfig:
                 f"training.seq_len={self.training.seq_len} exceeds the model's "
                 f"model.max_seq_len={self.model.max_seq_len}"
             )
+        if self.model.mtp_depth >= self.training.seq_len:
+            # Depth k predicts the token k + 1 ahead inside the row: none would have a label.
+            raise ValueError(
+                f"model.mtp_depth={self.model.mtp_depth} needs training.seq_len > "
+                f"{self.model.mtp_depth}, got {self.training.seq_len}"
+            )
         s = self.schedule
         if s.warmup_steps + self.decay_steps > self.training.steps:
             raise ValueError(

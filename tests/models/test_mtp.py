@@ -259,6 +259,18 @@ def test_fused_cross_entropy_replaces_every_depths_head(tmp_path):
         s for s in json.loads(summary.read_text()) if s["label"] == "fuse_linear_cross_entropy"
     ]
     assert step["op_diff"].get("graphtrain.linear_cross_entropy.default") == 1, step
+    # Per-depth statistics compiled (the fused op's own top-1 count where the pass folds the
+    # argmax into it) equal eager argmax accuracy on materialised logits (same weights: no
+    # optimizer step was taken).
+    want, got = {}, {}
+    run(build(cfg), td, want)
+    run(model, td, got)
+    assert want.keys() == got.keys()
+    for k in (1, 2):
+        # Exact: a top-1 flip would need two logits within rounding of each other.
+        assert got[f"mtp/acceptance_{k}"] == want[f"mtp/acceptance_{k}"], k
+        torch.testing.assert_close(got[f"mtp/loss_{k}"], want[f"mtp/loss_{k}"], rtol=1e-5, atol=0)
+    assert any(want[f"mtp/acceptance_{k}"] > 0 for k in (1, 2))
     torch._dynamo.reset()
 
 

@@ -302,3 +302,11 @@ def test_cuda_graphed_mtp_regions_train_as_the_ungraphed_ones():
         for key in sa:
             torch.testing.assert_close(sa[key], sb[key], rtol=1e-6, atol=0)
     torch._dynamo.reset()
+
+
+@pytest.mark.slow  # a subprocess importing triton, then a compile: ~40 s on 2 busy cores
+def test_benchmark_cpu_smoke():
+    """benchmarks/mtp.py imports and its graphtrain row equals eager on a tiny layer."""
+    from conftest import run_benchmark_smoke
+
+    run_benchmark_smoke("mtp.py", "cpu smoke: eager and graphtrain agree bit for bit")

@@ -13,6 +13,28 @@ Regions (`apply_compile`): every transformer block is compiled on its own, all b
 backend so that identical blocks share one compiled graph, plus one region for the final norm,
 output head and loss (`head_loss`). Per-block regions are what FSDP2 needs (it gathers parameters
 block by block, around the compiled code) and keep compile time flat in depth.
+
+Multi-token prediction (models/mtp.py): each MTP depth's layer (norms, projection, block) is a
+region of its own with its own backend ("mtp_1", "mtp_2", ...), so each depth gets its own
+compiled code and, on CUDA, its own CUDA graphs; every depth's head and loss go through the
+shared `head_loss` region, where the fused cross-entropy pass replaces them as the main head's.
+
+CUDA graphs for the MTP regions (`cudagraph_mtp`): Inductor's cudagraph trees, switched on for
+those regions only (the config patch "triton.cudagraphs", what mode="reduce-overhead" sets).
+Chosen over torch.cuda.make_graphed_callables because the trees capture the compiled forward AND
+backward after a warm-up run, replay them every step, take all their memory from one pool shared
+by every graphed region, re-record when a static input (a parameter) moves, and skip a graph
+with a logged reason where capture is unsafe (CPU tensors, mutated inputs, dynamic shapes);
+make_graphed_callables needs plain-tensor inputs (no DTensor) and gives none of that. Where the
+layout rules it out before any capture, `cudagraph_fallback_reason` names why and the regions run
+as ordinary compiled code, announced by one log line:
+  * not CUDA, or the aot_eager inner backend (the graphs come from Inductor);
+  * expert parallel (fullgraph=False): the all-to-all has data-dependent sizes;
+  * FSDP2: it allocates the gathered parameters per step, so their addresses move and the trees
+    would re-record every step;
+  * activation checkpointing: the region's forward would run again inside backward, replaying a
+    captured forward out of the order the trees expect.
+Tensor parallel composes: its collectives are inside the graphs, on NCCL, which is capturable.
 """
 
 from __future__ import annotations
@@ -165,6 +187,7 @@ class GraphtrainBackend:
         dump_dir: str | Path | None = None,
         region: str = "graph",
         pass_options: Mapping[str, Any] | None = None,
+        inductor_options: Mapping[str, Any] | None = None,
     ) -> None:
         if inner not in INNER_BACKENDS:
             raise ValueError(f"compile.backend must be one of {INNER_BACKENDS}, got {inner!r}")
@@ -173,6 +196,7 @@ class GraphtrainBackend:
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.region = region
         self.pass_options = dict(pass_options or {})
+        self.inductor_options = dict(inductor_options or {})
         self._graph_ids = itertools.count()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -196,7 +220,7 @@ class GraphtrainBackend:
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            patches = {}
+            patches = dict(self.inductor_options)
             if post.passes or post.dump_dir is not None:
                 patches["post_grad_custom_post_pass"] = _inductor_post_grad_pass(post)
             return compile_fx(gm, example_inputs, config_patches=patches)
@@ -216,8 +240,38 @@ def _aot_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], post: _P
 def backend(**options: Any) -> GraphtrainBackend:
     """A configured graphtrain backend: passes=["-name", "+name"], inner="inductor"|"aot_eager",
     dump_dir=path (write graph dumps), region=name (the dump folder's prefix),
-    pass_options={...} (what the passes read: graphtrain.config.pass_options)."""
+    pass_options={...} (what the passes read: graphtrain.config.pass_options),
+    inductor_options={...} (Inductor config patches of this backend's regions)."""
     return GraphtrainBackend(**options)
+
+
+def cudagraph_fallback_reason(
+    *, device_type: str, inner: str, fullgraph: bool, fsdp: bool, activation_checkpoint: bool
+) -> str | None:
+    """Why the MTP regions cannot run as CUDA graphs in this layout, or None if they can
+    (module docstring)."""
+    if device_type != "cuda":
+        return f"training runs on {device_type}; CUDA graphs need a CUDA device"
+    if inner != "inductor":
+        return f"compile.backend={inner!r}; the CUDA graphs come from Inductor"
+    if not fullgraph:
+        return "expert parallel's all-to-all has data-dependent shapes"
+    if fsdp:
+        return "FSDP2 gathers the parameters into new memory every step (their addresses move)"
+    if activation_checkpoint:
+        return "activation checkpointing would replay the captured forward inside backward"
+    return None
+
+
+def _compile_region(module: nn.Module, region_backend: GraphtrainBackend, fullgraph: bool) -> None:
+    module.compile(backend=region_backend, fullgraph=fullgraph)
+    if not fullgraph:
+        # fullgraph=True also lets Dynamo trace ops whose output shape or value depends on
+        # the data (the router's bincount); a region that may break elsewhere (expert
+        # parallel's all-to-all) keeps them in its graph too, for the passes to see.
+        module._compiled_call_impl = torch._dynamo.config.patch(
+            capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True
+        )(module._compiled_call_impl)
 
 
 def apply_compile(
@@ -228,8 +282,17 @@ def apply_compile(
     dump_dir: str | Path | None = None,
     fullgraph: bool = True,
     pass_options: Mapping[str, Any] | None = None,
+    cudagraph_mtp: bool = False,
+    device_type: str = "cpu",
+    fsdp: bool = False,
+    activation_checkpoint: bool = False,
 ) -> None:
-    """Compile each transformer block and the head+loss region of `model` in place.
+    """Compile each transformer block, each MTP depth's layer and the head+loss region of
+    `model` in place.
+
+    cudagraph_mtp: run the MTP regions as CUDA graphs where `cudagraph_fallback_reason` (given
+    device_type, fsdp, activation_checkpoint and this call's inner and fullgraph) allows;
+    otherwise they are compiled as the rest and one log line names the reason.
 
     Module.compile keeps parameter names (no `_orig_mod.` prefix), so checkpoints and the TP and
     FSDP plans see the same names compiled or not.
@@ -237,14 +300,26 @@ def apply_compile(
     common = {"passes": passes, "inner": inner, "dump_dir": dump_dir, "pass_options": pass_options}
     block_backend = backend(**common, region="block")
     for block in model.layers.values():
-        block.compile(backend=block_backend, fullgraph=fullgraph)
-        if not fullgraph:
-            # fullgraph=True also lets Dynamo trace ops whose output shape or value depends on
-            # the data (the router's bincount); a region that may break elsewhere (expert
-            # parallel's all-to-all) keeps them in its graph too, for the passes to see.
-            block._compiled_call_impl = torch._dynamo.config.patch(
-                capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True
-            )(block._compiled_call_impl)
+        _compile_region(block, block_backend, fullgraph)
+    mtp_layers = list(model.mtp_layers.values()) if getattr(model, "mtp_layers", None) else []
+    mtp_options = {}
+    if mtp_layers and cudagraph_mtp:
+        reason = cudagraph_fallback_reason(
+            device_type=device_type,
+            inner=inner,
+            fullgraph=fullgraph,
+            fsdp=fsdp,
+            activation_checkpoint=activation_checkpoint,
+        )
+        if reason is None:
+            mtp_options = {"triton.cudagraphs": True}
+        else:
+            logger.info("compile.cudagraph_mtp: the MTP layers run without CUDA graphs: %s", reason)
+    for k, mtp_layer in enumerate(mtp_layers, start=1):
+        # A backend per depth: Dynamo keeps one compiled entry per backend, so each depth has
+        # its own code (and CUDA graphs over its own parameters) instead of sharing one.
+        mtp_backend = backend(**common, region=f"mtp_{k}", inductor_options=mtp_options)
+        _compile_region(mtp_layer, mtp_backend, fullgraph)
     head_backend = backend(**common, region="head_loss")
     model.head_loss = torch.compile(model.head_loss, backend=head_backend, fullgraph=fullgraph)
 

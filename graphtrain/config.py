@@ -126,6 +126,10 @@ class CompileConfig:
     # CPU a quarter of the available system memory).
     lce_mode: str = "auto"
     lce_memory_budget: int = 0
+    # The MTP layers' compiled forward and backward as CUDA graphs (Inductor's cudagraph trees).
+    # Used where they can work (CUDA, Inductor, no FSDP, no expert parallel, no activation
+    # checkpointing); elsewhere one log line says why not (graphtrain.compile).
+    cudagraph_mtp: bool = True
 
     def __post_init__(self) -> None:
         _choice("compile", "backend", self.backend, ("inductor", "aot_eager"))
@@ -281,6 +285,12 @@ class JobConfig:
             raise ValueError(
                 f"training.seq_len={self.training.seq_len} exceeds the model's "
                 f"model.max_seq_len={self.model.max_seq_len}"
+            )
+        if self.model.mtp_depth >= self.training.seq_len:
+            # Depth k predicts the token k + 1 ahead inside the row: none would have a label.
+            raise ValueError(
+                f"model.mtp_depth={self.model.mtp_depth} needs training.seq_len > "
+                f"{self.model.mtp_depth}, got {self.training.seq_len}"
             )
         s = self.schedule
         if s.warmup_steps + self.decay_steps > self.training.steps:

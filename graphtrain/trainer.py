@@ -224,6 +224,8 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             # an MoE block compiles as two graphs around it.
             "fullgraph": dims.ep == 1,
             "pass_options": pass_options(cfg),
+            "cudagraph_mtp": cfg.compile.cudagraph_mtp,
+            "device_type": device.type,
         }
     plan = tp_plan(m_cfg, dims.etp, dims.ep)
     parallelize_model(
@@ -354,7 +356,13 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         td = td.to(device, non_blocking=True)
         mask = build_attention_mask(td["document_ids"], attention)
         with autocast:
-            return model(td["input_ids"], td["labels"], td["position_ids"], mask)
+            return model(
+                td["input_ids"],
+                td["labels"],
+                td["position_ids"],
+                mask,
+                document_ids=td["document_ids"],  # MTP shifts stay inside documents
+            )
 
     def validate() -> float | None:
         """Mean loss over the first metrics.val_batches batches of the held-out data."""

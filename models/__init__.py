@@ -1,7 +1,7 @@
 """Plain-PyTorch models and their presets. Nothing here imports distributed, compile or kernel code."""
 
 from models.gpt import GPT, PRESETS, GPTConfig, build_gpt
-from models.gpt_plan import GPT_TP_PLAN
+from models.gpt_plan import GPT_TP_PLAN, mtp_tp_plan
 from models.moe import MOE_PRESETS, MoEConfig, MoEGPT, active_params, build_moe
 from models.moe_plan import moe_tp_plan
 
@@ -19,7 +19,12 @@ def build_model(cfg: GPTConfig) -> GPT:
 def tp_plan(cfg: GPTConfig, etp: int = 1, ep: int = 1) -> dict[str, str]:
     """The tensor-parallel plan (module pattern -> style name) of the model for `cfg`; `etp`,
     `ep`: expert tensor-parallel (1 or tp) and expert-parallel sizes of an MoE model."""
-    return moe_tp_plan(cfg, etp, ep) if isinstance(cfg, MoEConfig) else GPT_TP_PLAN
+    moe = isinstance(cfg, MoEConfig)
+    plan = moe_tp_plan(cfg, etp, ep) if moe else dict(GPT_TP_PLAN)
+    if cfg.mtp_depth:
+        # The MTP block is of the kind of the trunk's last layer.
+        plan |= mtp_tp_plan(plan, moe_block=moe and cfg.num_layers > cfg.first_k_dense)
+    return plan
 
 
 __all__ = [

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from models.mtp import IGNORE_INDEX, MTPLayer, mtp_shift
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -39,6 +41,8 @@ class GPTConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    mtp_depth: int = 0  # D multi-token prediction depths (models/mtp.py); 0: off
+    mtp_loss_scale: float = 0.1  # lambda: loss = main + lambda / D * sum of the depths' losses
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
@@ -57,6 +61,12 @@ class GPTConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.max_seq_len < 2:
             raise ValueError(f"model.max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.mtp_depth < 0:
+            raise ValueError(
+                f"model.mtp_depth must be >= 0 (0 turns MTP off), got {self.mtp_depth}"
+            )
+        if self.mtp_loss_scale < 0:
+            raise ValueError(f"model.mtp_loss_scale must be >= 0, got {self.mtp_loss_scale}")
 
     @property
     def head_dim(self) -> int:
@@ -246,6 +256,12 @@ class GPT(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Registered last, so a model without MTP has exactly the parameters (and the init
+        # draws) it had before MTP existed.
+        if cfg.mtp_depth:
+            self.mtp_layers = nn.ModuleDict(
+                {str(k): self.build_mtp_layer() for k in range(cfg.mtp_depth)}
+            )
         # Recomputed by init_weights, never saved: a function of the config alone.
         self.register_buffer(
             "rope", rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
@@ -254,6 +270,16 @@ class GPT(nn.Module):
     def build_block(self, layer_id: int) -> nn.Module:
         """Block number layer_id (models.moe.MoEGPT builds MoE blocks after the dense ones)."""
         return TransformerBlock(self.cfg)
+
+    def build_mtp_layer(self) -> MTPLayer:
+        """One MTP depth whose block is of the kind of the trunk's last layer."""
+        cfg = self.cfg
+        return MTPLayer(
+            RMSNorm(cfg.dim, cfg.norm_eps),
+            RMSNorm(cfg.dim, cfg.norm_eps),
+            cfg.dim,
+            self.build_block(cfg.num_layers - 1),
+        )
 
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter and buffer in place (after to_empty from the meta device).
@@ -280,6 +306,8 @@ class GPT(nn.Module):
         if not cfg.tie_embeddings:
             bound = 3 * cfg.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, std=cfg.dim**-0.5, a=-bound, b=bound)
+        for mtp_layer in self.mtp_layers.values() if cfg.mtp_depth else ():
+            mtp_layer.init_weights(std, out_std)  # after the trunk: its draws stay the same
 
     def forward(
         self,
@@ -287,9 +315,18 @@ class GPT(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | BlockMask | None = None,
+        document_ids: torch.Tensor | None = None,
+        stats: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids, labels, position_ids: (B, T). Returns the mean loss over labels != -100
-        when labels are given, else the logits (B, T, V)."""
+        (plus the MTP losses when cfg.mtp_depth > 0) when labels are given, else the main
+        head's logits (B, T, V).
+
+        document_ids (B, T): the document of each position in a packed row, which keeps the MTP
+        shifts inside documents (None: each row is one document; the main loss ignores it).
+        stats: a dict the forward fills with detached device tensors (per-depth MTP loss and
+        acceptance), or None to compute nothing extra.
+        """
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -299,15 +336,57 @@ class GPT(nn.Module):
             h = layer(h, rope, attn_mask)
         if labels is None:
             return self.output(self.norm(h))
-        return self.head_loss(h, labels)
+        loss = self.head_loss(h, labels)
+        if self.cfg.mtp_depth:
+            loss = loss + self.mtp_loss(h, input_ids, labels, rope, attn_mask, document_ids, stats)
+        return loss
 
-    def head_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def mtp_loss(
+        self,
+        h: torch.Tensor,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        rope: torch.Tensor,
+        attn_mask: torch.Tensor | BlockMask | None,
+        document_ids: torch.Tensor | None,
+        stats: dict[str, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """(mtp_loss_scale / D) * sum over depths k of L_k, the mean cross-entropy of depth k's
+        prediction of the token k + 1 ahead (models/mtp.py). h: the trunk's last hidden state.
+
+        stats gets "mtp/loss_k" and "mtp/acceptance_k": the fraction of depth k's counted
+        positions (label not ignored) whose top-1 prediction is the true token.
+        """
+        total = torch.zeros((), device=h.device)
+        for k, mtp_layer in enumerate(self.mtp_layers.values(), start=1):
+            ids, labels_k, keep = mtp_shift(input_ids, labels, document_ids, k)
+            h = mtp_layer(h, self.tok_embeddings(ids), keep, rope, attn_mask)
+            if stats is None:
+                loss_k = self.head_loss(h, labels_k)
+            else:
+                loss_k, hits = self.head_loss(h, labels_k, count_hits=True)
+                counted = (labels_k != IGNORE_INDEX).sum().clamp(min=1)
+                stats[f"mtp/loss_{k}"] = loss_k.detach()
+                stats[f"mtp/acceptance_{k}"] = (hits / counted).detach()
+            total = total + loss_k
+        return total * (self.cfg.mtp_loss_scale / self.cfg.mtp_depth)
+
+    def head_loss(
+        self, h: torch.Tensor, labels: torch.Tensor, count_hits: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Final norm, output head and cross-entropy: one compile region of its own, so the
-        linear -> cross_entropy pattern is visible to the fusion pass."""
-        logits = self.output(self.norm(h))
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100
-        )
+        linear -> cross_entropy pattern is visible to the fusion pass.
+
+        count_hits: also return the number of positions whose top-1 (argmax) logit is the label
+        (ignored labels, -100, never count). The fused cross-entropy counts these from its own
+        row maxima, so compiled, the logits are still never materialised.
+        """
+        logits = self.output(self.norm(h)).flatten(0, 1).float()  # (B * T, V)
+        target = labels.flatten(0, 1)
+        loss = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
+        if not count_hits:
+            return loss
+        return loss, (logits.argmax(-1) == target).sum()
 
 
 def build_gpt(cfg: GPTConfig) -> GPT:

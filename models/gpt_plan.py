@@ -24,6 +24,15 @@ Layouts over the tp axis (B batch, T sequence, V vocab; "Shard(1)" = split on T)
     output            colwise_head        all-gather on T, split on V, logits all-gathered to
                                           full (B, T, V) so F.cross_entropy stays plain
 
+MTP layers (models/mtp.py, "mtp_layers.*"), h and Emb(ids) arriving Shard(1) like the trunk's:
+    mtp_layers.*      split_keep_mask     the (B, T) keep mask, full on every rank, cut to this
+                                          rank's T slice (Shard(1)); no communication
+      enorm, hnorm    sequence_parallel
+      eh_proj         sequence_local      2*dim -> dim on the local T slice with a replicated
+                                          weight (no communication; its gradient is partial
+                                          over tp, summed by reduce_partial_grads)
+      block.*         the trunk's entries for a block of the MTP block's kind
+
 The residual adds inside a block are on the local T slices: no communication.
 A tied output head (cfg.tie_embeddings) shares the table with tok_embeddings: both split on V.
 """
@@ -46,3 +55,23 @@ GPT_TP_PLAN: dict[str, str] = {
     "norm": "sequence_parallel",
     "output": "colwise_head",
 }
+
+
+def mtp_tp_plan(plan: dict[str, str], moe_block: bool) -> dict[str, str]:
+    """The entries of the MTP layers, given the trunk's `plan`: their own, and the trunk's
+    "layers.*." block entries for the MTP block (an MoE block if `moe_block`, else dense)."""
+    out = {
+        "mtp_layers.*": "split_keep_mask",
+        "mtp_layers.*.enorm": "sequence_parallel",
+        "mtp_layers.*.hnorm": "sequence_parallel",
+        "mtp_layers.*.eh_proj": "sequence_local",
+    }
+    for pattern, style in plan.items():
+        if not pattern.startswith("layers.*."):
+            continue
+        rest = pattern.removeprefix("layers.*.")
+        # Only entries that match a module of the MTP block (a pattern must match a module).
+        if rest.startswith("feed_forward" if moe_block else "moe"):
+            continue
+        out[f"mtp_layers.*.block.{rest}"] = style
+    return out

@@ -500,12 +500,12 @@ class MoEGPT(GPT):
         return MoEBlock(self.cfg)
 
     def routers(self) -> list[tuple[str, Router]]:
-        """(layer name, router) of every MoE block present, e.g. ("layers.1", router)."""
-        return [
-            (f"layers.{name}", layer.moe.router)
-            for name, layer in self.layers.items()
-            if isinstance(layer, MoEBlock)
-        ]
+        """(layer name, router) of every MoE block present, e.g. ("layers.1", router), the MTP
+        layers' blocks included ("mtp_layers.0.block")."""
+        blocks = [(f"layers.{name}", layer) for name, layer in self.layers.items()]
+        if self.cfg.mtp_depth:
+            blocks += [(f"mtp_layers.{n}.block", m.block) for n, m in self.mtp_layers.items()]
+        return [(name, block.moe.router) for name, block in blocks if isinstance(block, MoEBlock)]
 
     @torch.no_grad()
     def set_aux_loss_scale(self, scale: float | torch.Tensor) -> None:

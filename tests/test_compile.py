@@ -1,6 +1,7 @@
 """The graphtrain backend: pass stages, dumps, inner backends, and the numerics contract."""
 
 import json
+import logging
 import operator
 import re
 
@@ -177,3 +178,28 @@ def test_regions_that_may_break_still_trace_data_dependent_shapes(tmp_path):
     notes = [p.read_text() for p in tmp_path.rglob("*") if p.is_file()]
     assert any("counts from 1 node(s)" in n for n in notes)
     torch._dynamo.reset()
+
+
+def test_cudagraph_mtp_falls_back_with_one_log_line(caplog):
+    """On CPU the MTP regions compile without CUDA graphs and one log line says why; every
+    layout that rules the graphs out has its reason."""
+    import dataclasses
+
+    from graphtrain.compile import cudagraph_fallback_reason
+
+    cfg = dataclasses.replace(PRESETS["debug"], mtp_depth=2)
+    with caplog.at_level(logging.INFO, logger="graphtrain.compile"):
+        apply_compile(GPT(cfg), inner="aot_eager", cudagraph_mtp=True, device_type="cpu")
+        apply_compile(GPT(cfg), inner="aot_eager", cudagraph_mtp=False, device_type="cpu")
+    (line,) = [r.getMessage() for r in caplog.records if "cudagraph_mtp" in r.getMessage()]
+    assert "training runs on cpu" in line
+    ok = dict(device_type="cuda", inner="inductor", fullgraph=True, fsdp=False)
+    assert cudagraph_fallback_reason(**ok, activation_checkpoint=False) is None
+    for change, words in [
+        (dict(inner="aot_eager"), "aot_eager"),
+        (dict(fullgraph=False), "expert parallel"),
+        (dict(fsdp=True), "FSDP2"),
+        (dict(activation_checkpoint=True), "activation checkpointing"),
+    ]:
+        reason = cudagraph_fallback_reason(**{**ok, "activation_checkpoint": False, **change})
+        assert words in reason, (change, reason)

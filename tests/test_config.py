@@ -55,6 +55,11 @@ def test_overrides_are_typed():
             "training.seq_len=4096 exceeds the model's model.max_seq_len=1024",
         ),
         (["--model.num_kv_heads=3"], "model.num_heads=4 is not divisible by model.num_kv_heads=3"),
+        (["--model.mtp_depth=-1"], "model.mtp_depth must be >= 0 (0 turns MTP off), got -1"),
+        (
+            ["--model.mtp_depth=8", "--training.seq_len=8"],
+            "model.mtp_depth=8 needs training.seq_len > 8, got 8",
+        ),
         (["--training.device=tpu"], "training.device must be one of"),
         (["--training.steps=10"], "schedule.warmup_steps=20"),
         (["steps=3"], "unexpected argument 'steps=3'"),

@@ -15,11 +15,18 @@ anything is read or written (models/moe_hf.py says which and why).
 
 Import (`--checkpoint.init_from_hf DIR`): the same files read back, converted, shape-checked
 against the model and copied into its (possibly sharded) parameters.
+
+MTP layers (model.mtp_depth > 0): export writes them to an extra `mtp.safetensors` with
+DeepSeek-V3's names (models/mtp_hf.py), outside the files and index transformers reads, so the
+main model loads there unchanged. Import takes them from that file when the model has MTP depths
+and the file is there; without the file the MTP layers keep their fresh initialisation (logged),
+and a file is ignored by a model without MTP.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +40,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from graphtrain.checkpoint.integrity import DCP_ERRORS, check_shapes, read_shapes
 from graphtrain.checkpoint.manager import read_trainer_files, resolve
 from models import GPTConfig, MoEConfig, build_model, gpt_hf, moe_hf
+from models.mtp_hf import MTP_FILE, mtp_from_hf_state, mtp_to_hf_state
+
+logger = logging.getLogger(__name__)
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _INDEX = "model.safetensors.index.json"
@@ -154,7 +164,9 @@ def export_hf(
     if cfg.tie_embeddings:
         state.pop("output.weight")  # the same tensor as the embedding: tie_word_embeddings
     state = {k: v if k in buffers else v.to(EXPORT_DTYPES[dtype]) for k, v in state.items()}
-    tensors = {k: v.contiguous() for k, v in layout.to_hf_state(state, cfg).items()}
+    main = {k: v for k, v in state.items() if not k.startswith("mtp_layers.")}
+    tensors = {k: v.contiguous() for k, v in layout.to_hf_state(main, cfg).items()}
+    mtp = {k: v.contiguous() for k, v in mtp_to_hf_state(state, cfg, layout.to_hf_state).items()}
 
     if occupied:
         for pattern in _EXPORT_GLOBS:
@@ -173,6 +185,8 @@ def export_hf(
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    if mtp:
+        save_file(mtp, str(out_dir / MTP_FILE), metadata={"format": "pt"})
     config["eos_token_id"] = _write_tokenizer(run_dir, out_dir, cfg.max_seq_len)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
@@ -189,6 +203,18 @@ def _hf_files(hf_dir: Path) -> list[Path]:
     return [single]
 
 
+def _read_safetensors(paths: list[Path]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in paths:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    out[name] = f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ValueError(f"{path} is truncated or corrupted ({e})") from e
+    return out
+
+
 def read_hf(hf_dir: Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """Our-named full tensors of a Hugging Face directory in the model's layout, checked
     against `cfg`."""
@@ -200,18 +226,17 @@ def read_hf(hf_dir: Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     differ = layout.config_mismatches(cfg, json.loads(config_path.read_text()))
     if differ:
         raise ValueError(f"{config_path} does not match the model config: " + "; ".join(differ))
-    hf_tensors: dict[str, torch.Tensor] = {}
-    for path in _hf_files(hf_dir):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    hf_tensors[name] = f.get_tensor(name)
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise ValueError(f"{path} is truncated or corrupted ({e})") from e
+    hf_tensors = _read_safetensors(_hf_files(hf_dir))
+    mtp_path = hf_dir / MTP_FILE
     try:
         tensors = layout.from_hf_state(hf_tensors, cfg)
+        if cfg.mtp_depth and mtp_path.is_file():
+            mtp = _read_safetensors([mtp_path])
+            tensors |= mtp_from_hf_state(mtp, cfg, layout.from_hf_state)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{hf_dir}: {e.args[0]}") from None
+    if cfg.mtp_depth and not mtp_path.is_file():
+        logger.info("%s has no %s: the MTP layers keep their initialisation", hf_dir, MTP_FILE)
     if cfg.tie_embeddings:
         tensors.setdefault("output.weight", tensors.get("tok_embeddings.weight"))
     return tensors
@@ -222,6 +247,8 @@ def load_hf_into(model: torch.nn.Module, hf_dir: Path) -> None:
     """Copy a Hugging Face directory into `model`'s parameters and buffers (sharded or not)."""
     tensors = read_hf(hf_dir, model.cfg)
     own = model.state_dict()
+    if not any(k.startswith("mtp_layers.") for k in tensors):  # an export without MTP layers
+        own = {k: v for k, v in own.items() if not k.startswith("mtp_layers.")}
     check_shapes(
         {k: v.shape for k, v in own.items()},
         {k: tuple(v.shape) for k, v in tensors.items() if v is not None},

@@ -25,6 +25,13 @@ of the same size, so backward = 2 * forward and
 This is "model FLOPs" (PaLM's MFU definition): the recompute of attention scores in a
 flash-attention backward and activation checkpointing are not counted.
 
+Multi-token prediction (models/mtp.py, cfg.mtp_depth = D): each depth runs, per token, one more
+block of the kind of the trunk's last layer (over the same document mask, so the same attention
+pairs), the projection eh_proj: 2*dim -> dim and the shared output head again:
+    mtp_forward = D * (num_tokens * (layer_matmul + 2*2*dim*dim + head)
+                       + num_attention_pairs * 4 * head_dim * num_heads)
+counted as the model with D more layers plus D * num_tokens * (2*2*dim*dim + head).
+
 Not counted (each is O(dim) per token, under 1% of the total for real models): the embedding
 lookup (a gather, 0 FLOPs), RMSNorm, RoPE, SiLU and the SwiGLU product, softmax, residual adds,
 the cross-entropy loss, and the optimizer step.
@@ -42,6 +49,7 @@ which is about 8.42 GFLOPs per token.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -104,7 +112,23 @@ def model_training_flops(cfg: Any, *, num_tokens: int, num_attention_pairs: int)
     (attention, dense FFNs, router gate, shared experts and its top_k routed experts, head;
     models.moe.active_params), 2 FLOPs each per token forward, plus the same attention term;
     backward = 2 * forward as above. Tokens are counted once per routed expert they visit.
+
+    MTP depths (cfg.mtp_depth): counted as that many more layers of the last layer's kind, plus
+    each depth's 2*dim -> dim projection and output head (module docstring).
     """
+    depth = getattr(cfg, "mtp_depth", 0)
+    if depth:
+        extra = {"num_layers": cfg.num_layers + depth, "mtp_depth": 0}
+        if isinstance(cfg, MoEConfig) and cfg.first_k_dense == cfg.num_layers:
+            extra["first_k_dense"] = cfg.num_layers + depth  # an all-dense trunk: dense MTP blocks
+        deeper = dataclasses.replace(cfg, **extra)
+        per_token = 2 * 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.vocab_size  # eh_proj, head
+        return (
+            model_training_flops(
+                deeper, num_tokens=num_tokens, num_attention_pairs=num_attention_pairs
+            )
+            + 3 * depth * num_tokens * per_token
+        )
     if isinstance(cfg, MoEConfig):
         attention_per_pair = cfg.num_layers * 4 * cfg.head_dim * cfg.num_heads
         forward = num_tokens * 2 * active_params(cfg) + num_attention_pairs * attention_per_pair

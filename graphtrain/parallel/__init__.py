@@ -111,7 +111,11 @@ def parallelize_model(
     if compile_options is not None:
         from graphtrain.compile import apply_compile  # not imported for eager runs
 
-        apply_compile(model, **compile_options)
+        layout = {
+            "fsdp": dims.dp_replicate > 1 or dims.dp_shard > 1,
+            "activation_checkpoint": ac_mode != "none",
+        }
+        apply_compile(model, **{**compile_options, **layout})
 
     # 3. AC around each (compiled) block call.
     apply_ac(model, ac_mode)

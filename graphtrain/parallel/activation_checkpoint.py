@@ -51,7 +51,8 @@ def _checkpointed(call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:
-    """Activation checkpointing of every block of model.layers in place: mode "none" or "full".
+    """Activation checkpointing of every block of model.layers and every MTP depth's layer, in
+    place: mode "none" or "full".
 
     Apply after compile (a later Module.compile would replace the wrapped call and silently drop
     the checkpoint) and before FSDP.
@@ -60,6 +61,6 @@ def apply_ac(model: nn.Module, mode: str) -> None:
         raise ValueError(f"activation checkpoint mode must be one of {AC_MODES}, got {mode!r}")
     if mode == "none":
         return
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *getattr(model, "mtp_layers", {}).values()]:
         call = block._compiled_call_impl or block._call_impl
         block._compiled_call_impl = _checkpointed(call)

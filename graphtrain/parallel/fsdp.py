@@ -1,6 +1,6 @@
 """FSDP2 (fully_shard): parameters sharded over the data-parallel ranks, gathered block by block.
 
-One FSDP unit per transformer block (its all-gather overlaps the previous block's compute, its
+One FSDP unit per transformer block and per MTP depth's layer (its all-gather overlaps the previous block's compute, its
 reduce-scatter the next block's backward), then the root for what is left: tok_embeddings, norm,
 output (a tied output head is the same Parameter as the table and stays one: fully_shard
 deduplicates shared parameters within a unit).
@@ -28,7 +28,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
-    """fully_shard every block of model.layers, then the model itself, in place.
+    """fully_shard every block of model.layers and every MTP layer, then the model itself.
 
     param_dtype: dtype of the gathered parameters the compute sees (bf16 for speed; the sharded
     master copy keeps its own dtype, fp32). reduce_dtype: dtype of the gradient reduce-scatter
@@ -40,7 +40,8 @@ def apply_fsdp(
     if dp_mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp wants a 1-D (FSDP) or 2-D (HSDP) mesh, got {dp_mesh.ndim}-D")
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    blocks = list(model.layers.values())
+    # In forward order: the trunk's blocks, then the MTP depths' layers (one unit each).
+    blocks = [*model.layers.values(), *getattr(model, "mtp_layers", {}).values()]
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: resharding them
         # after forward would only buy an immediate second all-gather.

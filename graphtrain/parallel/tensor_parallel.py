@@ -57,6 +57,21 @@ def _gather_sequence(module: nn.Module) -> ParallelStyle:
     )
 
 
+def _split_keep_mask(module: nn.Module) -> ParallelStyle:
+    # An MTP layer (models.mtp.MTPLayer): its `keep` input, a (B, T) mask full on every rank, is
+    # cut to this rank's T slice (a local chunk, no communication) so that it multiplies the
+    # Shard(1) embedding; the other inputs pass untouched.
+    names = [
+        p.name
+        for p in inspect.signature(module.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return PrepareModuleInput(
+        input_layouts=tuple(Replicate() if n == "keep" else None for n in names),
+        desired_input_layouts=tuple(_SEQ if n == "keep" else None for n in names),
+    )
+
+
 # Style name -> factory (given the module, for styles that depend on its signature).
 STYLES: dict[str, Callable[[nn.Module], ParallelStyle]] = {
     # Vocab-split table; partial sums reduce-scattered onto T, kept a DTensor (module docstring).
@@ -66,6 +81,7 @@ STYLES: dict[str, Callable[[nn.Module], ParallelStyle]] = {
     # Norm on the local T slice, output a DTensor Shard(1) for the next gather_sequence/head.
     "sequence_parallel": lambda m: SequenceParallel(sequence_dim=1),
     "gather_sequence": _gather_sequence,
+    "split_keep_mask": _split_keep_mask,
     # Replicated input -> output split on the last dim (heads / ffn), returned local: the
     # attention reshapes it with -1 heads and SDPA/FlexAttention run on plain tensors.
     "colwise": lambda m: ColwiseParallel(),

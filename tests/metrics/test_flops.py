@@ -189,3 +189,55 @@ def test_moe_flops_count_the_active_experts_only():
     pairs = 10
     expected = 3 * (5 * (attention + experts + head) + pairs * 4 * hd * 2)
     assert model_training_flops(cfg, num_tokens=5, num_attention_pairs=pairs) == expected
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_mtp_flops_match_flop_counter_on_the_model(depth):
+    """The real dense model with D MTP depths (its blocks, projections and shared head run by
+    the loss) against FlopCounterMode; plain causal attention counted as its full T x T."""
+    from models import GPTConfig, build_model
+
+    cfg = GPTConfig(
+        vocab_size=50, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=48,
+        max_seq_len=16, mtp_depth=depth,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    model.init_weights(seed=0)
+    B, T = 2, 7
+    tokens = torch.randint(0, cfg.vocab_size, (B, T))
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        model(tokens, tokens).backward()
+    expected = model_training_flops(cfg, num_tokens=B * T, num_attention_pairs=B * T * T)
+    assert counter.get_total_flops() == expected
+
+
+def test_mtp_flops_of_moe_add_one_block_projection_and_head_per_depth():
+    """An MoE model's MTP depth costs one more MoE block (the last layer's kind), eh_proj and
+    the head, by hand; an all-dense trunk gets dense MTP blocks."""
+    from dataclasses import replace
+
+    from models import MoEConfig
+
+    cfg = MoEConfig(
+        vocab_size=64, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=32,
+        max_seq_len=8, num_experts=8, top_k=2, num_shared_experts=1, moe_ffn_dim=8,
+        first_k_dense=0, num_groups=1, topk_groups=1,
+    )  # fmt: skip
+    hd, tokens, pairs = 8, 5, 10
+    attention = 2 * 16 * 2 * hd * 2 + 2 * 2 * 16 * 1 * hd  # wq, wo; wk, wv
+    experts = (2 + 1) * 3 * 2 * 16 * 8 + 2 * 16 * 8  # routed top-2 + shared, router gate
+    dense_ffn = 3 * 2 * 16 * 32
+    mtp = 2 * 2 * 16 * 16 + 2 * 16 * 64  # eh_proj, head
+    base = model_training_flops(cfg, num_tokens=tokens, num_attention_pairs=pairs)
+    got = model_training_flops(
+        replace(cfg, mtp_depth=2), num_tokens=tokens, num_attention_pairs=pairs
+    )
+    assert got - base == 3 * 2 * (tokens * (attention + experts + mtp) + pairs * 4 * hd * 2)
+    dense = replace(cfg, first_k_dense=1)
+    base = model_training_flops(dense, num_tokens=tokens, num_attention_pairs=pairs)
+    got = model_training_flops(
+        replace(dense, mtp_depth=1), num_tokens=tokens, num_attention_pairs=pairs
+    )
+    assert got - base == 3 * (tokens * (attention + dense_ffn + mtp) + pairs * 4 * hd * 2)

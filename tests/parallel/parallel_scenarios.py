@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from models import tp_plan
 from models.gpt import PRESETS, build_gpt
-from models.gpt_plan import GPT_TP_PLAN
 
 SEED = 1234
 STEPS = 3
@@ -21,13 +21,14 @@ BATCH, SEQ = 4, 16  # SEQ divisible by tp=2 (sequence parallel), BATCH by dp=4
 LR = 1e-2  # large enough that 3 steps move the loss well beyond the tolerance
 
 
-def config(tie: bool = False):
-    return dataclasses.replace(PRESETS["debug"], tie_embeddings=tie)
+def config(tie: bool = False, mtp: int = 0):
+    return dataclasses.replace(PRESETS["debug"], tie_embeddings=tie, mtp_depth=mtp)
 
 
 def batch(mask: bool) -> dict[str, torch.Tensor]:
     """The global batch. mask=True: two documents per row (block-diagonal causal bool mask,
-    positions restarting at each document), the packed-sequence path."""
+    positions restarting at each document, document ids for the MTP shifts), the
+    packed-sequence path."""
     g = torch.Generator().manual_seed(SEED + 1)
     vocab = config().vocab_size
     out = {
@@ -42,25 +43,30 @@ def batch(mask: bool) -> dict[str, torch.Tensor]:
         out["attn_mask"] = (same_doc & causal).expand(BATCH, 1, SEQ, SEQ).clone()
         pos = torch.arange(SEQ) - torch.where(doc.bool(), cut, 0)
         out["position_ids"] = pos.expand(BATCH, SEQ).clone()
+        out["document_ids"] = doc.expand(BATCH, SEQ).clone()
     return out
 
 
-def _train(model: torch.nn.Module, data: dict[str, torch.Tensor], reduce_loss) -> list[float]:
+def _train(
+    model: torch.nn.Module, data: dict[str, torch.Tensor], reduce_loss, finish_grads=None
+) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses = []
     for _ in range(STEPS):
         loss = model(**data)
         loss.backward()
+        if finish_grads is not None:
+            finish_grads()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(reduce_loss(loss.detach()))
     return losses
 
 
-def reference(tie: bool = False, mask: bool = False) -> dict[str, Any]:
+def reference(tie: bool = False, mask: bool = False, mtp: int = 0) -> dict[str, Any]:
     """Single process: initial parameters and the STEPS losses."""
     with torch.device("meta"):
-        model = build_gpt(config(tie))
+        model = build_gpt(config(tie, mtp))
     model.to_empty(device="cpu")
     model.init_weights(SEED)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -103,18 +109,27 @@ def parallel_run(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
     (averaged over dp), and whether a tied head is still the embedding's Parameter."""
     from torch.distributed.tensor import DTensor
 
-    from graphtrain.parallel import ParallelDims, build_mesh, dp_mesh, parallelize_model
+    from graphtrain.parallel import (
+        ParallelDims,
+        build_mesh,
+        dp_mesh,
+        parallelize_model,
+        partial_grad_params,
+        reduce_partial_grads,
+    )
 
     dims = ParallelDims(**spec["dims"], world_size=world_size)
     mesh = build_mesh(dims, "cpu")
     tie = spec.get("tie", False)
+    cfg = config(tie, spec.get("mtp", 0))
     with torch.device("meta"):
-        model = build_gpt(config(tie))
+        model = build_gpt(cfg)
+    plan = tp_plan(cfg)
     parallelize_model(
         model,
         mesh,
         dims,
-        plan=GPT_TP_PLAN,
+        plan=plan,
         ac_mode=spec.get("ac", "none"),
         compile_options=spec.get("compile"),
         param_dtype=torch.float32,
@@ -152,7 +167,10 @@ def parallel_run(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
         torch.distributed.all_reduce(loss, group=dp_group)
         return loss.item() / dp_size
 
-    losses = _train(model, data, reduce_loss)
+    # What the trainer does after backward: parameters the plan leaves replicated on tp
+    # ranks that see different tokens (an MTP layer's eh_proj) get their gradients summed.
+    partial = partial_grad_params(model, plan) if dims.tp > 1 else []
+    losses = _train(model, data, reduce_loss, lambda: reduce_partial_grads(partial, mesh["tp"]))
     return {
         "still_nan": still_nan,
         "params": params if rank == 0 else None,

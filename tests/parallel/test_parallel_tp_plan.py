@@ -46,3 +46,26 @@ def test_gather_sequence_leaves_rope_and_mask_alone(model):
     assert style.desired_input_layouts == (Replicate(), None, None)
     style = STYLES["gather_sequence"](model.layers["0"].feed_forward)  # forward(x)
     assert style.input_layouts == (Shard(1),)
+
+
+@pytest.mark.parametrize("preset", ["debug", "moe-debug"])
+@pytest.mark.parametrize("etp", [1, 2])
+def test_mtp_plan_matches_and_covers_the_mtp_layers(preset, etp):
+    """With MTP depths the plan shards every MTP layer's block as a trunk block of its kind:
+    every pattern matches a module, and each trunk block entry has its MTP twin."""
+    import dataclasses
+
+    from models import MODEL_PRESETS, build_model, tp_plan
+
+    cfg = dataclasses.replace(MODEL_PRESETS[preset], mtp_depth=2)
+    with torch.device("meta"):
+        mtp_model = build_model(cfg)
+    plan = tp_plan(cfg, etp=etp if preset.startswith("moe") else 1)
+    assert set(plan.values()) <= set(STYLES)
+    with pytest.raises(ValueError, match=r"pattern 'nope' matches no module"):
+        apply_tp(mtp_model, None, {**plan, "nope": "colwise"})
+    last = mtp_model.layers[str(cfg.num_layers - 1)]
+    block_names = {name for name, _ in last.named_modules() if name}
+    trunk = {p.removeprefix("layers.*.") for p in plan if p.startswith("layers.*.")}
+    mtp = {p.removeprefix("mtp_layers.*.block.") for p in plan if p.startswith("mtp_layers.*.b")}
+    assert mtp == {p for p in trunk if p in block_names}

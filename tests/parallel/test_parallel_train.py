@@ -39,6 +39,9 @@ SPECS_2 = [
         "tie": True,
     },
     {"name": "replicate", "dims": {"dp_replicate": 2, "dp_shard": 1}},
+    # MTP (D=2) on packed rows: its layers sharded like the trunk's blocks.
+    {"name": "fsdp_mtp", "dims": {"dp_shard": 2}, "mtp": 2, "mask": True},
+    {"name": "tp_mtp", "dims": {"tp": 2}, "mtp": 2, "mask": True},
 ]
 SPECS_4 = [
     {"name": "fsdp_tp", "dims": {"dp_shard": 2, "tp": 2}},
@@ -68,10 +71,10 @@ def ranks4() -> list[dict]:
 def references() -> dict:
     cache: dict = {}
 
-    def get(tie: bool, mask: bool) -> dict:
-        if (tie, mask) not in cache:
-            cache[tie, mask] = reference(tie=tie, mask=mask)
-        return cache[tie, mask]
+    def get(tie: bool, mask: bool, mtp: int) -> dict:
+        if (tie, mask, mtp) not in cache:
+            cache[tie, mask, mtp] = reference(tie=tie, mask=mask, mtp=mtp)
+        return cache[tie, mask, mtp]
 
     return get
 
@@ -82,7 +85,7 @@ def layout(request, ranks2, ranks4, references):
     name = request.param
     world, spec = ALL[name]
     results = ranks2 if world == 2 else ranks4
-    ref = references(spec.get("tie", False), spec.get("mask", False))
+    ref = references(spec.get("tie", False), spec.get("mask", False), spec.get("mtp", 0))
     return name, spec, [r[name] for r in results], ref
 
 

@@ -271,6 +271,15 @@ def test_fused_cross_entropy_replaces_every_depths_head(tmp_path):
         assert got[f"mtp/acceptance_{k}"] == want[f"mtp/acceptance_{k}"], k
         torch.testing.assert_close(got[f"mtp/loss_{k}"], want[f"mtp/loss_{k}"], rtol=1e-5, atol=0)
     assert any(want[f"mtp/acceptance_{k}"] > 0 for k in (1, 2))
+    # ... and that count is the op's: the heads asked for hits compiled to the with-stats op,
+    # no argmax over materialised logits left.
+    diffs = [
+        s["op_diff"]
+        for summary in tmp_path.glob("head_loss-*/summary.json")
+        for s in json.loads(summary.read_text())
+        if s["label"] == "fuse_linear_cross_entropy"
+    ]
+    assert any(d.get("graphtrain.linear_cross_entropy_with_stats.default") == 1 for d in diffs)
     torch._dynamo.reset()
 
 

@@ -6,6 +6,9 @@ import logging
 import os
 import sys
 
+from graphtrain.parallel.divergence import ReplicaDivergenceError
+from graphtrain.preemption import EXIT_PREEMPTED, Preempted
+
 USAGE = """usage: graphtrain COMMAND ...
 
 commands:
@@ -106,9 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"graphtrain: error: {e}", file=sys.stderr)
         return 2
-    except FloatingPointError as e:  # the run diverged
+    except (FloatingPointError, ReplicaDivergenceError) as e:  # the run diverged
         print(f"graphtrain: stopped: {e}", file=sys.stderr)
         return 3
+    except Preempted:  # SIGTERM/SIGINT during training: rank 0 logged what was saved
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
+        print("graphtrain: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from graphtrain.metrics import (
     peak_flops,
     write_run_info,
 )
+from graphtrain.metrics.memory_plan import plan_memory
 from graphtrain.optim import (
     BatchSizeSchedule,
     FP32GradAccumulator,
@@ -160,6 +161,10 @@ def _train(
     )
     validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len, etp=dims.etp)
     attention = resolve_attention(t_cfg.attention, device)
+    # Memory plan: predicted here, the measured peak beside it at the first log step.
+    memory_plan = plan_memory(cfg, world_size)
+    if rank == 0:
+        logger.info("%s", memory_plan.format())
     if cfg.checkpoint.async_save and device.type != "cuda":
         raise ValueError(
             f"checkpoint.async_save=true needs CUDA but training runs on {device.type}; "
@@ -497,6 +502,14 @@ def _train(
             if peak:
                 entry["mfu"] = device_flops / elapsed / peak
             entry.update(memory_stats(device))
+            if memory_plan is not None and rank == 0:
+                measured = ", ".join(f"{k} {v:.2f}" for k, v in memory_stats(device).items())
+                logger.info(
+                    "memory: predicted %.2f GiB per rank; measured %s",
+                    memory_plan.total / 2**30,
+                    measured,
+                )
+            memory_plan = None  # logged once
             entry.update(balance.metrics())
             metrics.log(step, entry)
             window_tokens, window_flops, window_start = 0, 0, time.perf_counter()

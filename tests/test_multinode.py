@@ -47,7 +47,7 @@ def _venv(tmp_path: Path) -> Path:
     return venv
 
 
-@pytest.mark.slow  # three torchrun launches (~50 s on 2 busy cores)
+@pytest.mark.slow  # two torchrun nodes and a single-process run (~50 s on 2 busy cores)
 def test_two_nodes_through_launch_sh_follow_one_process(corpus, tmp_path):
     common = ["--training.steps=4", "--metrics.log_interval=1", "--metrics.val_interval=0"]
     single = train(load_config(job(corpus, tmp_path / "one", *common)))

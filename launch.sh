@@ -77,8 +77,17 @@ NNODES="${NNODES:-1}"
 
 if [[ "$NGPU" == "1" && "$NNODES" == "1" ]]; then
     run "$PY" -m graphtrain train "${args[@]}"
+elif [[ "$NNODES" == "1" ]]; then
+    run "$PY" -m torch.distributed.run \
+        --nnodes 1 --nproc-per-node "$NGPU" \
+        --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-29500}" \
+        -m graphtrain train "${args[@]}"
+else
+    # Several nodes meet in a c10d rendezvous at MASTER_ADDR:MASTER_PORT (the node on that host
+    # starts its store; nodes may start in any order and wait for each other).
+    run "$PY" -m torch.distributed.run \
+        --nnodes "$NNODES" --nproc-per-node "$NGPU" --node-rank "${NODE_RANK:-0}" \
+        --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}" \
+        --rdzv-id "${RDZV_ID:-graphtrain}" \
+        -m graphtrain train "${args[@]}"
 fi
-run "$PY" -m torch.distributed.run \
-    --nnodes "$NNODES" --nproc-per-node "$NGPU" --node-rank "${NODE_RANK:-0}" \
-    --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-29500}" \
-    -m graphtrain train "${args[@]}"

@@ -6,6 +6,9 @@ import logging
 import os
 import sys
 
+from graphtrain.parallel.divergence import ReplicaDivergenceError
+from graphtrain.preemption import EXIT_PREEMPTED, Preempted
+
 USAGE = """usage: graphtrain COMMAND ...
 
 commands:
@@ -13,6 +16,7 @@ commands:
             [--section.key=value ...] (`graphtrain train --help` lists every config key)
   inspect   show what the compiler does to a model (see `graphtrain inspect --help`)
   export    write a run's model as Hugging Face safetensors (see `graphtrain export --help`)
+  plan      predicted memory per rank of a layout, without a device (`graphtrain plan --help`)
 
 presets: {presets}
 """
@@ -83,7 +87,30 @@ def _presets() -> str:
     return ", ".join(JOB_PRESETS)
 
 
-COMMANDS = {"train": _train, "inspect": _inspect, "export": _export}
+def _plan(args: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="graphtrain plan",
+        description="Print the predicted per-rank memory of a job (no device needed); exit 2 "
+        "when it does not fit the device. Other arguments are config overrides "
+        "(--section.key=value), as for train.",
+    )
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--ngpu", type=int, default=1, help="ranks in all (the world size)")
+    parser.add_argument("--device-memory", default="80GB", help="memory of one device")
+    ns, rest = parser.parse_known_args(args)
+    from graphtrain.checkpoint.hf import parse_size
+    from graphtrain.config import load_config
+    from graphtrain.metrics.memory_plan import check_fits, plan_memory
+
+    plan = plan_memory(load_config(["--preset", ns.preset, *rest]), ns.ngpu)
+    print(plan.format())
+    check_fits(plan, parse_size(ns.device_memory))
+    return 0
+
+
+COMMANDS = {"train": _train, "inspect": _inspect, "export": _export, "plan": _plan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,9 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"graphtrain: error: {e}", file=sys.stderr)
         return 2
-    except FloatingPointError as e:  # the run diverged
+    except (FloatingPointError, ReplicaDivergenceError) as e:  # the run diverged
         print(f"graphtrain: stopped: {e}", file=sys.stderr)
         return 3
+    except Preempted:  # SIGTERM/SIGINT during training: rank 0 logged what was saved
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
+        print("graphtrain: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

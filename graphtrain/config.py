@@ -67,9 +67,13 @@ class TrainingConfig:
     # FP8 GEMMs (per-tensor current scaling) for the linears and experts the [fp8] filters
     # select: turns the fp8_linear graph pass on (the same as compile.passes = ["+fp8_linear"]).
     fp8: bool = False
+    # Every N steps, compare a hash of the parameters and optimizer state across the ranks that
+    # must hold equal values (replicas, tp ranks of replicated params); 0: never.
+    replica_check_interval: int = 1000
 
     def __post_init__(self) -> None:
         _positive("training", self, "steps", "micro_batch_size")
+        _positive("training", self, "replica_check_interval", allow_zero=True)
         if self.seq_len < 2:
             raise ValueError(f"training.seq_len must be >= 2, got {self.seq_len}")
         _choice("training", "device", self.device, ("auto", "cuda", "cpu"))
@@ -247,6 +251,11 @@ class CheckpointConfig:
     # A Hugging Face safetensors directory (as `graphtrain export` writes) to start from,
     # instead of a random init; ignored when resuming.
     init_from_hf: str = ""
+    # resume=latest with a damaged newest checkpoint (a file whose digest differs): resume from
+    # the newest intact one instead of stopping.
+    fallback_on_corruption: bool = False
+    # SIGTERM/SIGINT: finish the step, save a checkpoint (when interval > 0), exit with code 75.
+    save_on_signal: bool = True
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "interval", "retain_interval", allow_zero=True)
@@ -258,12 +267,15 @@ class MetricsConfig:
     log_interval: int = 10
     val_interval: int = 100  # 0: validate only at the end
     val_batches: int = 8
+    # Held-out rows (sequences of seq_len) evaluated at each validation, split over the ranks:
+    # the same rows for any layout. 0: val_batches x training.micro_batch_size.
+    val_rows: int = 0
     tensorboard: bool = True
     peak_tflops: float = 0.0  # per device, for MFU; 0 -> from the device name, if known
 
     def __post_init__(self) -> None:
         _positive("metrics", self, "log_interval", "val_batches")
-        _positive("metrics", self, "val_interval", "peak_tflops", allow_zero=True)
+        _positive("metrics", self, "val_interval", "peak_tflops", "val_rows", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -340,14 +352,14 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         "training": {"steps": 180, "seq_len": 256, "micro_batch_size": 16},
         "optim": {"lr": 2e-3, "weight_decay": 0.1},
         "schedule": {"warmup_steps": 20, "decay_ratio": 0.4, "min_lr": 2e-4},
-        "metrics": {"log_interval": 10, "val_interval": 60, "val_batches": 8},
+        "metrics": {"log_interval": 10, "val_interval": 60, "val_rows": 128},
     },
     "debug": {
         "model": "debug",
         "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
         "optim": {"lr": 1e-3},
         "schedule": {"warmup_steps": 2, "decay_ratio": 0.25, "min_lr": 1e-4},
-        "metrics": {"log_interval": 5, "val_interval": 10, "val_batches": 2},
+        "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
     },
     "125m": {
         "model": "125m",
@@ -367,14 +379,14 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         "training": {"steps": 150, "seq_len": 256, "micro_batch_size": 16},
         "optim": {"lr": 2e-3, "weight_decay": 0.1},
         "schedule": {"warmup_steps": 20, "decay_ratio": 0.4, "min_lr": 2e-4},
-        "metrics": {"log_interval": 10, "val_interval": 50, "val_batches": 8},
+        "metrics": {"log_interval": 10, "val_interval": 50, "val_rows": 128},
     },
     "moe-debug": {
         "model": "moe-debug",
         "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
         "optim": {"lr": 1e-3},
         "schedule": {"warmup_steps": 2, "decay_ratio": 0.25, "min_lr": 1e-4},
-        "metrics": {"log_interval": 5, "val_interval": 10, "val_batches": 2},
+        "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
     },
     "moe-1b": {
         "model": "moe-1b",

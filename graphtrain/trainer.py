@@ -36,6 +36,7 @@ from graphtrain.metrics import (
     peak_flops,
     write_run_info,
 )
+from graphtrain.metrics.memory_plan import plan_memory
 from graphtrain.optim import (
     BatchSizeSchedule,
     FP32GradAccumulator,
@@ -57,6 +58,8 @@ from graphtrain.parallel import (
     reduce_partial_grads,
     validate_model_for_tp,
 )
+from graphtrain.parallel.divergence import check_replicas
+from graphtrain.preemption import Preempted, PreemptionHandler
 from models import build_model, tp_plan
 
 logger = logging.getLogger("graphtrain")
@@ -124,19 +127,27 @@ def train(cfg: JobConfig) -> TrainResult:
     # A job starts from a clean compiler state: code compiled for an earlier job in this process
     # (another model, other passes) must neither be reused nor count against the recompile limit.
     torch._dynamo.reset()
+    preemption = PreemptionHandler()  # SIGTERM/SIGINT: save and stop (graphtrain/preemption.py)
     try:
-        result = _train(cfg, device, rank, world_size)
+        result = _train(cfg, device, rank, world_size, preemption)
         if dist.is_initialized():
             # Every rank done with its collectives before the group is torn down: destroying it
             # while a peer still talks aborts that peer (seen with gloo).
             dist.barrier()
         return result
     finally:
+        preemption.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> TrainResult:
+def _train(
+    cfg: JobConfig,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    preemption: PreemptionHandler,
+) -> TrainResult:
     t_cfg, m_cfg = cfg.training, cfg.model
     # Layout and model checks first: nothing large is allocated before they pass.
     p = cfg.parallel
@@ -150,6 +161,10 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     )
     validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len, etp=dims.etp)
     attention = resolve_attention(t_cfg.attention, device)
+    # Memory plan: predicted here, the measured peak beside it at the first log step.
+    memory_plan = plan_memory(cfg, world_size)
+    if rank == 0:
+        logger.info("%s", memory_plan.format())
     if cfg.checkpoint.async_save and device.type != "cuda":
         raise ValueError(
             f"checkpoint.async_save=true needs CUDA but training runs on {device.type}; "
@@ -306,6 +321,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         keep_last=cfg.checkpoint.keep_last,
         retain_interval=cfg.checkpoint.retain_interval,
         async_save=cfg.checkpoint.async_save,
+        fallback_on_corruption=cfg.checkpoint.fallback_on_corruption,
     )
     step, consumed_tokens = 0, 0
     if cfg.checkpoint.resume:
@@ -365,18 +381,22 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             )
 
     def validate() -> float | None:
-        """Mean loss over the first metrics.val_batches batches of the held-out data."""
+        """Mean loss per token over a fixed set of held-out rows, split over the dp ranks
+        (PackedLoader.eval_batches): the same figure for any layout and micro-batch size."""
         if data.val is None:
             return None
         model.eval()
-        data.val.reset()  # the same batches at every validation
-        total = torch.zeros((), device=device)
+        rows = cfg.metrics.val_rows or cfg.metrics.val_batches * t_cfg.micro_batch_size
+        total = torch.zeros(2, device=device)  # (sum of token losses, labelled tokens)
         with torch.no_grad():
-            for _ in range(cfg.metrics.val_batches):
-                total += forward(next(data.val)).float()
+            for td in data.val.eval_batches(rows):
+                loss, n = forward(td).float(), td["num_label_tokens"]  # n: a host int
+                if n:  # a batch of padding only (every rank runs it) has a 0/0 loss
+                    total[0] += loss * n
+                total[1] += n
         model.train()
-        total = _all_reduce(total, dp_group) / (cfg.metrics.val_batches * dims.dp_size)
-        return total.item()  # host sync: validation steps only
+        total = _all_reduce(total, dp_group)
+        return (total[0] / total[1]).item()  # host sync: validation steps only
 
     def log_validation(at: int) -> None:
         val_loss = validate()
@@ -395,6 +415,23 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     pending: list[torch.Tensor] = []
     first_bad = torch.full((), 2**62, dtype=torch.int64, device=device)
     window_tokens, window_flops, window_start = 0, 0, time.perf_counter()
+
+    def save_checkpoint() -> None:
+        checkpoints.save(
+            step,
+            model=model,
+            optimizer=optimizer,
+            trainer_state={
+                "step": step,
+                "consumed_tokens": consumed_tokens,
+                "data": data.train.state_dict(),
+                "lr_schedule": lr_schedule.state_dict(),
+                "batch_schedule": batch_schedule.state_dict(),
+                "model": dataclasses.asdict(m_cfg),
+            },
+        )
+
+    preemption.install()
     while step < t_cfg.steps:
         num_micro = batch_schedule.micro_batches_per_step(
             consumed_tokens,
@@ -434,6 +471,10 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         optimizer.zero_grad(set_to_none=True)
         balance.after_step()  # expert biases move once per optimizer step
         step += 1
+        # Rank divergence: replicas compared every N steps (graphtrain/parallel/divergence.py).
+        if world_size > 1 and t_cfg.replica_check_interval:
+            if step % t_cfg.replica_check_interval == 0:
+                check_replicas(model, optimizer, step=step)
         tokens = num_micro * t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
         consumed_tokens += tokens
         window_tokens += tokens
@@ -469,6 +510,14 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             if peak:
                 entry["mfu"] = device_flops / elapsed / peak
             entry.update(memory_stats(device))
+            if memory_plan is not None and rank == 0:
+                measured = ", ".join(f"{k} {v:.2f}" for k, v in memory_stats(device).items())
+                logger.info(
+                    "memory: predicted %.2f GiB per rank; measured %s",
+                    memory_plan.total / 2**30,
+                    measured,
+                )
+            memory_plan = None  # logged once
             entry.update(balance.metrics())
             metrics.log(step, entry)
             window_tokens, window_flops, window_start = 0, 0, time.perf_counter()
@@ -476,21 +525,20 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         if last or (val_interval and step % val_interval == 0):
             log_validation(step)
             window_start = time.perf_counter()  # keep validation out of tokens/s
-        if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or last):
-            checkpoints.save(
-                step,
-                model=model,
-                optimizer=optimizer,
-                trainer_state={
-                    "step": step,
-                    "consumed_tokens": consumed_tokens,
-                    "data": data.train.state_dict(),
-                    "lr_schedule": lr_schedule.state_dict(),
-                    "batch_schedule": batch_schedule.state_dict(),
-                    "model": dataclasses.asdict(m_cfg),
-                },
-            )
+        saved_now = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or last)
+        if saved_now:
+            save_checkpoint()
             window_start = time.perf_counter()
+        # Preemption: every rank agrees at the step's end (one int all-reduced on the host).
+        if not last and preemption.should_stop():
+            keep = cfg.checkpoint.interval and cfg.checkpoint.save_on_signal
+            if keep and not saved_now:
+                save_checkpoint()
+            checkpoints.wait()
+            stopped = Preempted(step, checkpoints.root / f"step-{step:07d}" if keep else None)
+            if rank == 0:
+                logger.warning("%s", stopped)
+            raise stopped
     checkpoints.wait()  # an async save in flight is complete before train() returns
     metrics.close()
     if dump_dir is not None:  # what the compiler did, as `graphtrain inspect` shows it

@@ -244,8 +244,8 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == (
         "graphtrain: error: unknown config key 'training.stepz'; known keys here: activation_checkpoint, "
-        "attention, device, dtype, fp8, master_dtype, micro_batch_size, reduce_dtype, run_dir, "
-        "seed, seq_len, steps"
+        "attention, device, dtype, fp8, master_dtype, micro_batch_size, reduce_dtype, "
+        "replica_check_interval, run_dir, seed, seq_len, steps"
     )
 
 
@@ -266,9 +266,9 @@ def test_launch_sh_dry_run_builds_the_torchrun_command():
         check=True,
     ).stdout
     assert (
-        "torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1 --master-addr node0"
-        in out
-    )
+        "torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1 --rdzv-backend c10d "
+        "--rdzv-endpoint node0:29500 --rdzv-id graphtrain"
+    ) in out
     assert out.strip().endswith("-m graphtrain train --parallel.tp=2")
 
 
@@ -285,16 +285,23 @@ def test_two_processes_follow_the_single_process_curve(corpus, tmp_path, layout)
 
     Tolerance 1e-3 relative: dp_shard=2 weights each rank's tokens within the rank and then
     averages ranks (the single process weights all tokens of the step together), and both
-    layouts reduce in another order; bf16 is not involved (fp32 on CPU)."""
-    common = ["--training.steps=8", "--metrics.log_interval=1", "--metrics.val_interval=0"]
+    layouts reduce in another order; bf16 is not involved (fp32 on CPU).
+
+    Validation before training (same init) evaluates the same held-out rows on any layout and
+    micro-batch size: equal within 1e-5 relative (fp32 sums in another order)."""
+    common = [
+        "--training.steps=8",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
     single = train(
         load_config(job(corpus, tmp_path / "one", *common, "--training.micro_batch_size=4"))
     )
-    multi = [
-        m["loss"]
-        for m in torchrun_metrics(2, job(corpus, tmp_path / "two", *common, *layout))
-        if "loss" in m
-    ]
+    metrics = torchrun_metrics(2, job(corpus, tmp_path / "two", *common, *layout))
+    multi = [m["loss"] for m in metrics if "loss" in m]
     assert len(multi) == 8
     for a, b in zip(single.losses, multi, strict=True):
         assert b == pytest.approx(a, rel=1e-3)
+    (val0,) = [m["val_loss"] for m in metrics if "val_loss" in m and m["step"] == 0]
+    assert val0 == pytest.approx(single.val_losses[0], rel=1e-5)

@@ -2,6 +2,7 @@
 and import (hf)."""
 
 from graphtrain.checkpoint.manager import (
+    CheckpointCorruptError,
     CheckpointManager,
     CheckpointSaveError,
     complete_checkpoints,
@@ -10,6 +11,7 @@ from graphtrain.checkpoint.manager import (
 )
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointManager",
     "CheckpointSaveError",
     "complete_checkpoints",

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graphtrain.checkpoint.integrity import DCP_ERRORS, check_shapes, read_shapes
 from graphtrain.checkpoint.manager import read_trainer_files, resolve
+from graphtrain.checkpoint.safe_load import brief
 from models import GPTConfig, MoEConfig, build_model, gpt_hf, moe_hf
 from models.mtp_hf import MTP_FILE, mtp_from_hf_state, mtp_to_hf_state
 
@@ -92,7 +93,7 @@ def _read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], se
     try:
         dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     except DCP_ERRORS as e:
-        raise ValueError(f"checkpoint {ckpt} is corrupted: reading it failed ({e})") from e
+        raise ValueError(f"checkpoint {ckpt} is corrupted: reading it failed ({brief(e)})") from e
     return state["model"], {name for name, _ in model.named_buffers()}
 
 

@@ -1,10 +1,12 @@
 """Checks that a checkpoint is whole and fits the model, before anything is loaded from it.
 
-Whole: every rank records the size of each file it wrote (its DCP shards, and rank 0 the DCP
-metadata) in its trainer-rank<r>.pt; on load a missing or shorter/longer file is reported as
-truncated, with the file and both sizes. A file that cannot be unpickled is reported as corrupted.
-Not checked: a bit flip inside a shard that keeps its size (DCP stores no checksums; hashing
-every byte of a large checkpoint at each save would cost more than it is worth here).
+Whole: every rank records the size and the SHA-256 of each file it wrote (its DCP shards, and
+rank 0 the DCP metadata) in its trainer-rank<r>.pt; on load a missing or shorter/longer file is
+reported as truncated, with the file and both sizes, and a file whose bytes changed (a flipped
+bit, an overwritten block) by its digest. Hashing costs one read of each file from the page cache
+at save (DCP stores no checksums of its own); with an async save it runs on the background thread
+that waits for DCP, and on load the files are split over the ranks, each hashing its share.
+Checkpoints written before digests were recorded (sizes only) are checked by size.
 
 Fits: the global shapes recorded in the DCP metadata are compared with the model's before DCP
 reads any tensor, so a checkpoint of another model shape names the keys and shapes that differ.
@@ -12,49 +14,67 @@ reads any tensor, so a checkpoint of another model shape names the keys and shap
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from graphtrain.checkpoint.safe_load import read_dcp_metadata
 
 # What a failed DCP read or write raises: any error, or DCP's CheckpointException, which wraps
 # the failures of every rank and is a BaseException, not an Exception.
 DCP_ERRORS = (Exception, CheckpointException)
 
 
-def written_files(path: Path, rank: int) -> dict[str, int]:
-    """Name -> size of the files DCP wrote for `rank` in checkpoint folder `path`."""
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file, hex (read in blocks: hashlib releases the GIL on each)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 23):
+            h.update(block)
+    return h.hexdigest()
+
+
+def written_files(path: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """Name -> {"size", "sha256"} of the files DCP wrote for `rank` in checkpoint folder `path`."""
     names = [p for p in path.glob(f"__{rank}_*.distcp")]
     if rank == 0:
         names.append(path / ".metadata")
-    return {p.name: p.stat().st_size for p in names}
+    return {p.name: {"size": p.stat().st_size, "sha256": file_digest(p)} for p in names}
 
 
-def check_files(path: Path, manifests: list[dict[str, int]]) -> None:
-    """ValueError naming the first file that is missing or has another size than recorded."""
-    for manifest in manifests:
-        for name, size in manifest.items():
-            f = path / name
-            actual = f.stat().st_size if f.exists() else None
-            if actual != size:
-                found = "missing" if actual is None else f"{actual} bytes"
-                raise ValueError(
-                    f"checkpoint {path} is truncated or damaged: {name} was written with {size} "
-                    f"bytes but is {found}; resume from another checkpoint (--checkpoint.resume=NAME)"
-                )
+def damaged_files(
+    path: Path, manifests: list[dict[str, Any]], *, rank: int = 0, world_size: int = 1
+) -> list[str]:
+    """What is wrong with the files of checkpoint `path` against the manifests its ranks saved:
+    one line per missing file, file of another size, and file whose SHA-256 differs. Sizes are
+    checked for every file; digests only for this rank's share (every world_size-th file), so
+    the ranks together read each file once. An empty list: intact (as far as this rank looked)."""
+    # Old manifests map a name to its size only.
+    files = sorted(
+        (name, entry if isinstance(entry, dict) else {"size": entry})
+        for manifest in manifests
+        for name, entry in manifest.items()
+    )
+    problems = []
+    for i, (name, entry) in enumerate(files):
+        f = path / name
+        actual = f.stat().st_size if f.exists() else None
+        if actual != entry["size"]:
+            found = "missing" if actual is None else f"{actual} bytes"
+            problems.append(f"{name} was written with {entry['size']} bytes but is {found}")
+        elif "sha256" in entry and i % world_size == rank and file_digest(f) != entry["sha256"]:
+            problems.append(f"{name} is corrupted: its SHA-256 differs from the one saved with it")
+    return problems
 
 
 def read_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
     """Key -> global shape of every entry in the DCP checkpoint at `path` (None: not a tensor)."""
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # unpickling a damaged file raises anything
-        raise ValueError(
-            f"checkpoint {path} is corrupted: its .metadata cannot be read ({e})"
-        ) from e
+    metadata = read_dcp_metadata(path)
     return {
         key: tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
         for key, meta in metadata.state_dict_metadata.items()

@@ -3,7 +3,8 @@
 Layout: <run_dir>/checkpoints/step-0000100/ holds the DCP shards of the model and optimizer
 (every rank writes its own shards, `__<rank>_<i>.distcp`, rank 0 also `.metadata`) and
 trainer-rank<r>.pt with what the trainer hands over (step, consumed tokens, data loader position,
-LR and batch-size schedule state), this rank's RNG states and the sizes of the files it wrote.
+LR and batch-size schedule state), this rank's RNG states and the sizes and SHA-256 digests of the
+files it wrote (integrity.py; verified on load, see read_trainer_files).
 
 Never losing work:
 - a save is written under step-N.tmp and renamed to step-N only after every rank finished (the
@@ -13,6 +14,9 @@ Never losing work:
 - a failed save (disk full, permission) raises CheckpointSaveError on every rank, naming the
   path and the previous checkpoint, which is untouched: nothing is deleted before a newer
   checkpoint is complete;
+- a checkpoint damaged after it was written (a changed byte in any file) is refused on load,
+  naming the file and the previous intact checkpoint; with fallback_on_corruption, `latest`
+  resumes from that one instead;
 - retention: after a save completes, checkpoints are deleted except the last `keep_last` and
   those whose step is a multiple of `retain_interval`.
 - durability: before the rename every rank's files are fsynced (DCP syncs its shards, we sync
@@ -32,6 +36,7 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +51,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from graphtrain.checkpoint.integrity import (
     DCP_ERRORS,
-    check_files,
     check_shapes,
+    damaged_files,
     read_shapes,
     written_files,
 )
+from graphtrain.checkpoint.safe_load import UnsafeCheckpointError, brief, load_trainer_file
 
 logger = logging.getLogger("graphtrain")
 
@@ -68,8 +74,26 @@ class CheckpointSaveError(OSError):
     """A checkpoint could not be written; the previous checkpoints are intact."""
 
 
+class CheckpointCorruptError(ValueError):
+    """A checkpoint's files are not those that were saved. `previous`: the newest earlier
+    checkpoint of the same run whose files are intact, or None."""
+
+    def __init__(self, message: str, previous: Path | None) -> None:
+        super().__init__(message)
+        self.previous = previous
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree_lines(lines: list[str]) -> list[str]:
+    """Every rank's lines, joined in rank order without repeats, on every rank. A collective."""
+    if not dist.is_initialized():
+        return lines
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, lines)
+    return list(dict.fromkeys(line for rank_lines in gathered for line in rank_lines))
 
 
 def _agree(error: BaseException | None) -> str | None:
@@ -134,21 +158,54 @@ def resolve(path: Path, which: str = "latest") -> Path:
     return ckpt
 
 
-def _load_trainer_file(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, weights_only=False)
-    except Exception as e:  # a truncated pickle raises EOFError, RuntimeError, UnpicklingError...
-        raise ValueError(f"checkpoint file {path} is truncated or corrupted ({e})") from e
+def _check(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """(every rank's trainer state, what is wrong with checkpoint `path`), the same on every rank
+    (a collective when distributed: each rank hashes its share of the files)."""
+    saved, problems = [], []
+    for f in sorted(path.glob("trainer-rank*.pt")):
+        try:
+            saved.append(load_trainer_file(f))
+        except UnsafeCheckpointError:
+            raise
+        except ValueError as e:  # every rank reads the same files: the same on every rank
+            problems.append(f"{f.name} cannot be read ({brief(e.__cause__ or e)})")
+    if not saved and not problems:
+        problems.append("it has no trainer-rank*.pt (never completed)")
+    if not problems:
+        rank, world = _rank(), dist.get_world_size() if dist.is_initialized() else 1
+        problems = damaged_files(path, [s["files"] for s in saved], rank=rank, world_size=world)
+    return saved, _agree_lines(problems)
 
 
 def read_trainer_files(path: Path) -> list[dict[str, Any]]:
     """Every rank's trainer-rank<r>.pt of checkpoint `path`, after checking that each file they
-    list is whole (a ValueError naming the first that is not)."""
-    saved = [_load_trainer_file(p) for p in sorted(path.glob("trainer-rank*.pt"))]
-    if not saved:
-        raise ValueError(f"checkpoint {path} has no trainer-rank*.pt: it is incomplete")
-    check_files(path, [s["files"] for s in saved])
-    return saved
+    list is whole and unchanged: CheckpointCorruptError naming what is not, and the previous
+    intact checkpoint. Every rank calls it (a collective when distributed)."""
+    saved, problems = _check(path)
+    if not problems:
+        return saved
+    previous = None
+    for earlier in reversed(complete_checkpoints(path.parent.parent)):
+        if step_of(earlier) < step_of(path) and not _check(earlier)[1]:
+            previous = earlier
+            break
+    advice = (
+        f"the previous intact checkpoint is {previous}: resume from it with "
+        f"--checkpoint.resume={previous.name}, or let --checkpoint.resume=latest fall back to it "
+        "with --checkpoint.fallback_on_corruption=true"
+        if previous
+        else "no earlier intact checkpoint of this run exists"
+    )
+    raise CheckpointCorruptError(
+        f"checkpoint {path} is truncated or damaged: {'; '.join(problems)}; {advice}", previous
+    )
+
+
+def _manifest_when_written(save: Future, tmp: Path, rank: int) -> dict[str, Any]:
+    """This rank's file manifest once DCP's async save `save` has finished (a background thread:
+    the training thread does not wait for the hashing)."""
+    save.result()
+    return written_files(tmp, rank)
 
 
 def _fsync(path: Path) -> None:
@@ -164,16 +221,28 @@ class CheckpointManager:
     """Saves and loads the checkpoints of one run; every rank makes the same calls."""
 
     def __init__(
-        self, run_dir: Path, *, keep_last: int, retain_interval: int, async_save: bool
+        self,
+        run_dir: Path,
+        *,
+        keep_last: int,
+        retain_interval: int,
+        async_save: bool,
+        fallback_on_corruption: bool = False,
     ) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last
         self.retain_interval = retain_interval
         self.async_save = async_save
-        # An async save in flight: (future, tmp folder, final folder, trainer state).
-        self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
+        self.fallback_on_corruption = fallback_on_corruption
+        # An async save in flight: (future of this rank's file manifest, tmp folder, final
+        # folder, trainer state).
+        self._pending: tuple[Future, Path, Path, dict[str, Any]] | None = None
         self._async_group = None
+        self._hasher: ThreadPoolExecutor | None = None
+        if async_save:
+            # Hashes the files once DCP's background write is done, off the training thread.
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-digest")
         if async_save and dist.is_initialized():
             # The background thread's collectives need a group that runs on the host.
             self._async_group = dist.new_group(backend="gloo")
@@ -213,33 +282,37 @@ class CheckpointManager:
                     checkpoint_id=str(tmp),
                     process_group=self._async_group,
                 )
-                self._pending = (future, tmp, final, state)
+                manifest = self._hasher.submit(_manifest_when_written, future, tmp, _rank())
+                self._pending = (manifest, tmp, final, state)
                 return
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         except DCP_ERRORS as e:
             error = e
         self._raise_if_failed(_agree(error), final, tmp)
-        self._complete(tmp, final, state)
+        self._complete(tmp, final, state, written_files(tmp, _rank()))
 
     def wait(self) -> None:
         """Finish an async save in flight (a no-op otherwise)."""
         if self._pending is None:
             return
-        future, tmp, final, state = self._pending
+        manifest, tmp, final, state = self._pending
         self._pending = None
-        error = None
+        error, files = None, {}
         try:
-            future.result()
+            files = manifest.result()
         except DCP_ERRORS as e:
             error = e
         self._raise_if_failed(_agree(error), final, tmp)
-        self._complete(tmp, final, state)
+        self._complete(tmp, final, state, files)
 
-    def _complete(self, tmp: Path, final: Path, state: dict[str, Any]) -> None:
-        """Write the trainer state, then mark complete (rename) and apply retention."""
+    def _complete(
+        self, tmp: Path, final: Path, state: dict[str, Any], files: dict[str, Any]
+    ) -> None:
+        """Write the trainer state with this rank's file manifest (sizes and digests), then mark
+        complete (rename) and apply retention."""
         error = None
         try:
-            state = {**state, "files": written_files(tmp, _rank())}
+            state = {**state, "files": files}
             trainer_file = tmp / f"trainer-rank{_rank()}.pt"
             torch.save(state, trainer_file)
             _fsync(trainer_file)  # DCP's FileSystemWriter fsyncs its own shards (sync_files)
@@ -290,7 +363,14 @@ class CheckpointManager:
         path of a checkpoint folder); returns the trainer state saved with it (that of rank 0
         when resumed on more ranks than saved)."""
         path = resolve(self.run_dir, which)
-        saved = read_trainer_files(path)
+        try:
+            saved = read_trainer_files(path)
+        except CheckpointCorruptError as e:
+            if not (self.fallback_on_corruption and which == "latest" and e.previous):
+                raise
+            logger.warning("%s. Falling back to it (checkpoint.fallback_on_corruption)", e)
+            path = e.previous
+            saved = read_trainer_files(path)
         saved_keys = read_shapes(path)
         indexed = any(_INDEXED_GROUPS.match(k) for k in saved_keys)
         options = StateDictOptions() if indexed else _BY_NAME
@@ -302,7 +382,9 @@ class CheckpointManager:
         try:
             dcp.load(state, checkpoint_id=str(path))
         except DCP_ERRORS as e:
-            raise ValueError(f"checkpoint {path} is corrupted: reading it failed ({e})") from e
+            raise ValueError(
+                f"checkpoint {path} is corrupted: reading it failed ({brief(e)})"
+            ) from e
         set_state_dict(
             model,
             optimizer,
@@ -311,7 +393,7 @@ class CheckpointManager:
             options=options,
         )
         own = path / f"trainer-rank{_rank()}.pt"
-        extra = _load_trainer_file(own) if own.exists() else saved[0]
+        extra = load_trainer_file(own) if own.exists() else saved[0]
         torch.set_rng_state(extra["rng_cpu"])
         if extra["rng_cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["rng_cuda"])

@@ -26,9 +26,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from tensordict import TensorDict
 
-from graphtrain.data.packing import pack_rows
+from graphtrain.data.packing import IGNORE_INDEX, pack_rows
 
 
 def check_loader_args(
@@ -50,6 +51,20 @@ def check_loader_args(
 def count_windows(tokens: Sequence[np.ndarray], seq_len: int) -> int:
     """Rows per epoch of a stream: windows of seq_len + 1 tokens, stride seq_len, within each shard."""
     return sum(max(len(s) - 1, 0) // seq_len for s in tokens)
+
+
+def _where_out_of_range(shards: Sequence[np.ndarray], vocab_size: int) -> str:
+    """How many ids lie outside [0, vocab_size), and where the first one is (error path only)."""
+    count, first = 0, None
+    for index, shard in enumerate(shards):
+        bad = (
+            (shard >= vocab_size) | (shard < 0) if shard.dtype.kind == "i" else shard >= vocab_size
+        )
+        count += int(bad.sum())
+        if first is None and bad.any():
+            position = int(np.argmax(bad))
+            first = f"the first, {int(shard[position])}, at token {position} of shard {index}"
+    return f"{count} ids outside [0, {vocab_size}); {first}"
 
 
 class PackedLoader:
@@ -91,19 +106,26 @@ class PackedLoader:
                 f"{max((len(s) for s in shards), default=0)}), fewer than one row of "
                 f"seq_len + 1 = {seq_len + 1} tokens; use more data or a smaller seq_len"
             )
-        # One pass over the stream at construction: token ids must index the model's embedding.
+        # One pass over the stream at construction: token ids (inputs and, one position on, the
+        # targets of the loss) must index the model's embedding and head. Checked here, on the
+        # host, a bad id costs the step no device sync and stops the run before training.
         nonempty = [s for s in shards if len(s)]
         self.max_token_id = max(int(s.max()) for s in nonempty)
         if self.max_token_id >= vocab_size:
             raise ValueError(
                 f"the token stream holds token id {self.max_token_id} >= the model vocab_size="
-                f"{vocab_size}; raise model.vocab_size to at least {self.max_token_id + 1} or check "
-                "the tokenizer / token dtype"
+                f"{vocab_size} ({_where_out_of_range(shards, vocab_size)}); raise "
+                f"model.vocab_size to at least {self.max_token_id + 1} or check the tokenizer / "
+                "token dtype"
             )
         signed = [s for s in nonempty if s.dtype.kind == "i"]
         min_token_id = min((int(s.min()) for s in signed), default=0)
         if min_token_id < 0:
-            raise ValueError(f"the token stream holds a negative token id {min_token_id}")
+            raise ValueError(
+                f"the token stream holds a negative token id {min_token_id} "
+                f"({_where_out_of_range(shards, vocab_size)}); token ids must be in "
+                f"[0, {vocab_size})"
+            )
 
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
@@ -148,6 +170,32 @@ class PackedLoader:
         rows = np.stack([self._row(first + i) for i in range(self.micro_batch_size)])
         self.consumed_rows += self.micro_batch_size * self.dp_world_size
         return pack_rows(rows, self.eos_id)
+
+    def eval_batches(self, num_rows: int) -> list[TensorDict]:
+        """This dp rank's share of a fixed evaluation set: the first ``num_rows`` global rows of
+        epoch 0 (the order does not depend on the layout), row i on dp rank i % dp_world_size.
+
+        Every rank gets the same number of full micro-batches, ceil(num_rows / (dp_world_size *
+        micro_batch_size)), so collectives inside the forward match up and compiled shapes stay
+        static; the slots past ``num_rows`` repeat row 0 with every label IGNORE_INDEX, and
+        ``num_label_tokens`` counts only real labels. Summed over ranks, loss x num_label_tokens
+        and num_label_tokens then depend on ``num_rows`` alone, not on the world size or
+        micro-batch size. Does not move the training position (``consumed_rows``).
+        """
+        per_batch = self.micro_batch_size * self.dp_world_size
+        num_batches = -(-num_rows // per_batch)
+        mine = list(range(self.dp_rank, num_batches * per_batch, self.dp_world_size))
+        batches = []
+        for start in range(0, len(mine), self.micro_batch_size):
+            rows = mine[start : start + self.micro_batch_size]
+            td = pack_rows(
+                np.stack([self._row(r if r < num_rows else 0) for r in rows]), self.eos_id
+            )
+            padding = torch.tensor([r >= num_rows for r in rows])
+            td["labels"][padding] = IGNORE_INDEX
+            td.set_non_tensor("num_label_tokens", int((td["labels"] != IGNORE_INDEX).sum()))
+            batches.append(td)
+        return batches
 
     def reset(self) -> None:
         """Start again from the first row of epoch 0 (e.g. to evaluate on the same rows each time)."""

@@ -10,16 +10,16 @@ to reproduce the values one GPU draws for the whole tensor (those depend on the 
 thread-to-element mapping), and trunc_normal_ is several random ops. Either way the initial
 weights, so the loss curve, would depend on the parallel layout, hiding layout bugs.
 
-What we do: model.init_weights is wrapped; the wrapper swaps every DTensor parameter for a plain
-full-size tensor on the parameter's device, runs the model's own init_weights (so the same random
-draws happen in the same order as in one process), then copies each rank's slice of every full
-tensor into its shard. The values are never communicated: each rank cuts its own slice.
+What we do: model.init_weights is wrapped; while the model's own init_weights runs, every
+torch.nn.init initialiser (normal_, trunc_normal_, ones_, ...) and, through a torch-function mode,
+every random in-place Tensor method (normal_, uniform_, ...) called on a DTensor parameter runs on
+a plain full-size tensor instead, so the same random draws happen in the same order, on the
+same tensor shapes, as in one process; then it copies this rank's slice into the shard and drops
+the full tensor. The values are never communicated: each rank cuts its own slice.
 
-Cost: while init runs, every rank holds the full model in the parameters' dtype (fp32: 4 bytes
-per parameter, 32 GB for an 8B model) on top of its shards, and draws all the random numbers of
-the full model. Fine up to a few billion parameters on one GPU; beyond that
-the way out is a block-by-block init (init_weights per block, full tensors of one block at a
-time, same draw order) or loading a checkpoint.
+Cost: at most one full-size tensor at a time on top of the shards (the largest parameter: the
+embedding or one block's largest matrix), whatever the number of blocks; every rank still draws
+all the random numbers of the full model (time, not memory).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 
 def _local_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:
@@ -40,37 +41,70 @@ def _local_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
-def _init_full_then_shard(
-    model: nn.Module, init: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Any:
-    swapped: list[tuple[nn.Module, str, DTensor]] = []
-    fulls: dict[int, torch.Tensor] = {}  # by id of the DTensor parameter: tied weights share one
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if not isinstance(param, DTensor):
-                continue
-            full = fulls.get(id(param))
-            if full is None:
-                local = param.to_local()
-                full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
-                fulls[id(param)] = full
-            # Straight into _parameters: setattr would insist on an nn.Parameter, and the
-            # DTensor Parameter object must come back unchanged (FSDP2 and the optimizer hold it).
-            module._parameters[name] = full
-            swapped.append((module, name, param))
+# Random in-place Tensor methods (a model may call them on a parameter directly).
+_RANDOM_INPLACE = {
+    torch.Tensor.normal_,
+    torch.Tensor.uniform_,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+    torch.Tensor.geometric_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_,
+}
+# torch.nn.init's in-place initialisers (normal_, trunc_normal_, ones_, xavier_uniform_, ...).
+# Most do not dispatch on their tensor (trunc_normal_ is a sequence of Tensor ops with rejection
+# steps), so they are swapped for wrappers while init runs rather than caught by the mode.
+_NN_INIT = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+
+
+def _full_like(param: DTensor) -> torch.Tensor:
+    """A plain tensor of the parameter's global shape, on its device (the only large allocation)."""
+    return torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+
+
+def _on_full(fn: Callable[..., Any], param: DTensor, *args: Any, **kwargs: Any) -> DTensor:
+    """fn applied to a full-size tensor; this rank's slice of the result copied into `param`."""
+    full = _full_like(param)
+    fn(full, *args, **kwargs)
+    local = param.to_local()
+    if not local.is_meta:
+        with torch.no_grad():
+            local.copy_(_local_slice(full, param))
+    return param
+
+
+def _full_size_nn_init(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            return _on_full(fn, tensor, *args, **kwargs)
+        return fn(tensor, *args, **kwargs)
+
+    return init
+
+
+class _FullSizeDraws(TorchFunctionMode):
+    """Random in-place Tensor methods on a DTensor run on a full tensor, of which this rank keeps
+    its slice (on CPU, DTensor would give every shard the same numbers)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RANDOM_INPLACE and args and isinstance(args[0], DTensor):
+            return _on_full(func, args[0], *args[1:], **kwargs)
+        return func(*args, **kwargs)
+
+
+def _init_full_then_shard(init: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    originals = {name: getattr(nn.init, name) for name in _NN_INIT}
     try:
-        result = init(*args, **kwargs)
+        for name, fn in originals.items():
+            setattr(nn.init, name, _full_size_nn_init(fn))
+        with _FullSizeDraws():
+            return init(*args, **kwargs)
     finally:
-        for module, name, param in swapped:
-            module._parameters[name] = param
-    with torch.no_grad():
-        done: set[int] = set()
-        for _, _, param in swapped:
-            if id(param) in done or param.to_local().is_meta:
-                continue
-            done.add(id(param))
-            param.to_local().copy_(_local_slice(fulls[id(param)], param))
-    return result
+        for name, fn in originals.items():
+            setattr(nn.init, name, fn)
 
 
 def apply_reproducible_init(model: nn.Module) -> None:
@@ -80,5 +114,5 @@ def apply_reproducible_init(model: nn.Module) -> None:
         return
     # An instance attribute shadows the class method; the original stays reachable as
     # type(model).init_weights.
-    model.init_weights = functools.partial(_init_full_then_shard, model, model.init_weights)
+    model.init_weights = functools.partial(_init_full_then_shard, model.init_weights)
     model._reproducible_init = True

@@ -133,8 +133,8 @@ def test_a_damaged_checkpoint_never_replaces_an_export(trained, tmp_path):
     shutil.copytree(run_dir, copy)
     shard = copy / "checkpoints" / "step-0000003" / "__0_0.distcp"
     data = shard.read_bytes()
-    shard.write_bytes(b"\0" * len(data))  # the same size, so only DCP's own read fails
-    with pytest.raises(ValueError, match="is corrupted: reading it failed"):
+    shard.write_bytes(b"\0" * len(data))  # the same size: its digest differs
+    with pytest.raises(ValueError, match=r"__0_0\.distcp is corrupted: its SHA-256 differs"):
         export_hf(copy, target, overwrite=True)
     shard.write_bytes(data[:-100])
     with pytest.raises(ValueError, match=r"__0_0\.distcp was written with"):

@@ -125,19 +125,19 @@ def test_a_damaged_checkpoint_is_reported(saved_run, tmp_path, damage):
         f = ckpt / "__0_0.distcp"
         f.write_bytes(f.read_bytes()[:-100])
         match = r"truncated or damaged: __0_0.distcp was written with \d+ bytes but is \d+ bytes"
-    elif damage == "garble_shard":  # the same size: DCP's own read fails (CheckpointException)
+    elif damage == "garble_shard":  # the same size: its digest differs
         f = ckpt / "__0_0.distcp"
         data = f.read_bytes()
         f.write_bytes(data[:-3000] + b"\0" * 3000)
-        match = "is corrupted: reading it failed"
+        match = "__0_0.distcp is corrupted: its SHA-256 differs"
     elif damage == "garble_metadata":
         f = ckpt / ".metadata"
         f.write_bytes(b"\0" * f.stat().st_size)
-        match = "is corrupted: its .metadata cannot be read"
+        match = ".metadata is corrupted: its SHA-256 differs"
     else:
         f = ckpt / "trainer-rank0.pt"
         f.write_bytes(f.read_bytes()[:50])
-        match = "trainer-rank0.pt is truncated or corrupted"
+        match = "trainer-rank0.pt cannot be read"
     args = [a for a in args if not a.startswith("--training.run_dir")]
     config = (copy / "config.toml").read_text()
     with pytest.raises(ValueError, match=match):

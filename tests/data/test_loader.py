@@ -142,9 +142,46 @@ def test_argument_errors() -> None:
         make_loader(stream, dp_rank=2, dp_world_size=2)
     with pytest.raises(ValueError, match=r"token id 99 >= the model vocab_size=99.*at least 100"):
         make_loader(np.append(stream, 99).astype(np.uint16), vocab_size=99)
-    with pytest.raises(ValueError, match="negative token id -1"):
-        make_loader(np.append(stream, -1).astype(np.int32))
+    # Target ids out of range: counted, the first one named with its place.
+    bad = stream.astype(np.int32)
+    bad[[7, 50, 51]] = [120, -1, 130]
+    with pytest.raises(ValueError, match="token id 130 >= the model vocab_size=100") as e:
+        make_loader([stream[:5], bad])
+    assert "3 ids outside [0, 100); the first, 120, at token 7 of shard 1" in str(e.value)
+    with pytest.raises(ValueError, match="negative token id -1") as e:
+        make_loader(np.where(bad > 99, 5, bad))
+    assert "1 ids outside [0, 100); the first, -1, at token 50 of shard 0" in str(e.value)
     loader = make_loader(stream)
     other = make_loader(stream, seed=5)
     with pytest.raises(ValueError, match="seed=3 but this loader has seed=5"):
         other.load_state_dict(loader.state_dict())
+
+
+@pytest.mark.parametrize(("dp", "mbs"), [(2, 2), (2, 3), (3, 1), (3, 4)])
+def test_eval_batches_split_one_fixed_set_over_any_layout(dp: int, mbs: int) -> None:
+    """The first 7 rows of epoch 0, whatever the dp size and micro-batch: the ranks' real rows
+    together are those of one rank with one micro-batch, the padding carries no label, and every
+    rank runs the same number of full micro-batches."""
+    stream = make_stream(400)
+    (one,) = make_loader(stream, micro_batch_size=7).eval_batches(7)
+    expected = sorted(map(tuple, one["labels"].tolist()))
+    per_rank = [
+        make_loader(stream, micro_batch_size=mbs, dp_rank=r, dp_world_size=dp).eval_batches(7)
+        for r in range(dp)
+    ]
+    assert len({len(b) for b in per_rank}) == 1
+    assert all(td["labels"].shape[0] == mbs for batches in per_rank for td in batches)
+    rows = [
+        tuple(row)
+        for batches in per_rank
+        for td in batches
+        for row in td["labels"].tolist()
+        if any(x != -100 for x in row)
+    ]
+    assert sorted(rows) == expected
+    counted = sum(td["num_label_tokens"] for batches in per_rank for td in batches)
+    assert counted == one["num_label_tokens"] == int((one["labels"] != -100).sum())
+    # Evaluating moves nothing: training continues where it was.
+    loader = make_loader(stream)
+    loader.eval_batches(7)
+    assert loader.consumed_rows == 0

@@ -1,0 +1,139 @@
+"""Memory plan: the predicted per-rank device memory of a job, before anything is allocated.
+
+`plan_memory(cfg, world_size)` builds the model on the meta device (no memory) and adds up, for
+one rank of the configured layout:
+
+- parameters: the master copy (training.master_dtype), sharded over dp_shard (FSDP2) and, for
+  the parameters tensor parallel splits (colwise/rowwise/embedding/head, expert hidden dims), over
+  tp (experts: etp); with ep > 1 the routed experts are split over ep instead and replicated
+  over the remaining dp ranks (expert_parallel.py);
+- gradients: the same shards in the master dtype (FSDP2 reduces into them);
+- optimizer states: AdamW's two moments per element (optim.state_dtype, at most the master's size);
+- gathered parameters: with FSDP, the largest block's full parameters in the compute dtype, twice
+  (the block running and the one prefetched);
+- activations per micro-batch: per block, the tensors autograd keeps per token of the rank's
+  sequence slice (sequence parallel divides by tp), counted for a Llama block with SDPA/flash
+  attention (no T x T scores): 7 dim + 2 kv_dim + 4 ffn_dim elements in the compute dtype; with
+  activation_checkpoint=full only each block's input (dim) plus one block's full set during
+  recompute;
+- fused-loss buffers: the head's gradient accumulated in fp32 (V/tp x dim, the fused op's fast
+  mode), the hidden gradient (tokens x dim, fp32) and its 256 MiB logits chunk.
+
+An estimate, not a measurement: allocator fragmentation, NCCL buffers, the CUDA context (~0.5-1
+GiB) and compiler workspaces come on top, so `check_fits` keeps 10% of the device as headroom.
+The trainer logs it at start and the measured peak beside it after the first log step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+
+import torch
+
+from graphtrain.config import JobConfig
+from graphtrain.parallel import ParallelDims
+from models import MoEConfig, build_model, tp_plan
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Plan styles that split a module's parameters over tp (the others keep them whole).
+_TP_SPLIT = {
+    "colwise",
+    "rowwise",
+    "rowwise_partial",
+    "embedding_rowwise",
+    "colwise_head",
+    "experts_hidden",
+}
+_LOSS_CHUNK_BYTES = 256 << 20  # the fused op's logits chunk (custom_ops/linear_cross_entropy.py)
+HEADROOM = 0.9  # of the device memory a plan may use
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    items: dict[str, int]  # name -> bytes per rank
+
+    @property
+    def total(self) -> int:
+        return sum(self.items.values())
+
+    def format(self) -> str:
+        """One line: each item and the total, in GiB."""
+        parts = [f"{name} {size / 2**30:.2f}" for name, size in self.items.items()]
+        return (
+            "predicted memory per rank (GiB): "
+            + ", ".join(parts)
+            + f"; total {self.total / 2**30:.2f}"
+        )
+
+
+def _tp_divisor(name: str, plan: dict[str, str], dims: ParallelDims) -> int:
+    module = name.rsplit(".", 1)[0]
+    for pattern, style in plan.items():
+        pattern_re = pattern.replace("*", "[!.]*")
+        if fnmatch.fnmatchcase(module, pattern_re) and style in _TP_SPLIT:
+            return dims.etp if ".experts" in name else dims.tp
+    return 1
+
+
+def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
+    """The predicted per-rank memory of job `cfg` on `world_size` ranks (no device touched)."""
+    p, t, m = cfg.parallel, cfg.training, cfg.model
+    dims = ParallelDims(
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        ep=p.ep,
+        etp=p.etp,
+        world_size=world_size,
+    )
+    with torch.device("meta"):
+        model = build_model(m)
+    plan = tp_plan(m, dims.etp, dims.ep)
+    master = _DTYPE_BYTES[t.master_dtype]
+    compute = 2 if t.dtype == "auto" else _DTYPE_BYTES[t.dtype]  # auto: bf16 on GPUs
+    state = min(_DTYPE_BYTES[cfg.optim.state_dtype], master)
+    local, per_block = 0.0, {}
+    for name, param in model.named_parameters():
+        share = param.numel() / _tp_divisor(name, plan, dims)
+        # Routed experts under ep: split over ep, replicated over the other dp ranks.
+        local += share / (dims.ep if dims.ep > 1 and ".experts." in name else dims.dp_shard)
+        if name.startswith("layers."):
+            block = name.split(".")[1]
+            per_block[block] = per_block.get(block, 0.0) + share
+    items = {
+        "parameters": int(local * master),
+        "gradients": int(local * master),
+        "optimizer states": int(2 * local * state),
+    }
+    if dims.dp_shard > 1:
+        items["gathered parameters"] = int(2 * max(per_block.values(), default=0) * compute)
+    tokens = t.micro_batch_size * t.seq_len
+    kv_dim = m.num_kv_heads * m.head_dim
+    ffn = m.ffn_dim
+    if isinstance(m, MoEConfig):  # the routed experts' and shared experts' hidden per token
+        ffn = max(ffn, (m.top_k + m.num_shared_experts) * m.moe_ffn_dim)
+    per_token = 7 * m.dim + 2 * kv_dim + 4 * ffn
+    block_acts = tokens / dims.tp * per_token * compute
+    if t.activation_checkpoint == "full":
+        acts = m.num_layers * tokens / dims.tp * m.dim * compute + block_acts
+    else:
+        acts = m.num_layers * block_acts
+    items["activations per micro-batch"] = int(acts)
+    items["fused-loss buffers"] = int(
+        m.vocab_size / dims.tp * m.dim * 4 + tokens * m.dim * 4 + _LOSS_CHUNK_BYTES
+    )
+    return MemoryPlan(items)
+
+
+def check_fits(plan: MemoryPlan, device_bytes: int) -> None:
+    """ValueError naming the biggest item when the plan exceeds HEADROOM of the device."""
+    if plan.total <= HEADROOM * device_bytes:
+        return
+    name, size = max(plan.items.items(), key=lambda kv: kv[1])
+    raise ValueError(
+        f"the layout needs about {plan.total / 2**30:.1f} GiB per rank but the device has "
+        f"{device_bytes / 2**30:.1f} GiB ({HEADROOM:.0%} usable); the biggest item is {name} "
+        f"({size / 2**30:.1f} GiB): shard more (parallel.dp_shard, parallel.tp), use "
+        "training.activation_checkpoint=full or a smaller training.micro_batch_size"
+    )

@@ -1,0 +1,75 @@
+"""Memory plan: the predicted parameter shards equal those of the model parallelized on a fake
+8-rank group (dense tp, dp_replicate, MoE with ep x tp), and `graphtrain plan` prints an 8B
+layout on 64 ranks without any device and refuses one that cannot fit, naming the biggest item."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from graphtrain.cli import _plan
+from graphtrain.config import load_config
+from graphtrain.metrics.memory_plan import plan_memory
+from graphtrain.parallel import ParallelDims, build_mesh, parallelize_model
+from models import build_model, tp_plan
+
+fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--preset", "debug", "--parallel.tp=2"],
+        ["--preset", "debug", "--parallel.tp=2", "--parallel.dp_replicate=2"],
+        ["--preset", "moe-debug", "--parallel.ep=2", "--parallel.tp=2"],
+        ["--preset", "moe-debug", "--parallel.tp=2", "--parallel.etp=2"],
+    ],
+)
+def test_parameter_shards_match_the_parallelized_model(args):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    cfg = load_config(args)
+    p = cfg.parallel
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=3, world_size=8)
+    try:
+        dims = ParallelDims(
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            tp=p.tp,
+            ep=p.ep,
+            etp=p.etp,
+            world_size=8,
+        )
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        parallelize_model(
+            model,
+            build_mesh(dims, "cpu"),
+            dims,
+            plan=tp_plan(cfg.model, dims.etp, dims.ep),
+            ac_mode="none",
+            compile_options=None,
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+        )
+        local = sum(
+            (q.to_local() if isinstance(q, DTensor) else q).numel() for q in model.parameters()
+        )
+    finally:
+        dist.destroy_process_group()
+    plan = plan_memory(cfg, 8)
+    assert plan.items["parameters"] == local * 4  # fp32 master weights
+    assert plan.items["optimizer states"] == 2 * local * 4
+    assert plan.total == sum(plan.items.values())
+
+
+def test_plan_command_prints_a_layout_and_refuses_one_that_does_not_fit(capsys):
+    assert _plan(["--preset", "8b", "--ngpu", "64", "--parallel.tp=8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("predicted memory per rank (GiB): parameters ")
+    assert "activations per micro-batch" in out and "fused-loss buffers" in out
+    with pytest.raises(ValueError, match=r"the biggest item is optimizer states \(\d+\.\d GiB\)"):
+        _plan(["--preset", "8b", "--ngpu", "8", "--parallel.tp=8", "--device-memory", "10GB"])
+    full = plan_memory(load_config(["--preset", "8b", "--training.activation_checkpoint=full"]), 64)
+    none = plan_memory(load_config(["--preset", "8b", "--training.activation_checkpoint=none"]), 64)
+    assert full.items["activations per micro-batch"] < none.items["activations per micro-batch"] / 4

@@ -1,0 +1,92 @@
+"""SIGTERM/SIGINT: the ranks agree to stop after the step in progress, save it and exit with
+EXIT_PREEMPTED; the run resumes exactly; a second signal stops at once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import job, torchrun_metrics
+
+from graphtrain.checkpoint import complete_checkpoints
+from graphtrain.checkpoint.manager import step_of
+from graphtrain.preemption import EXIT_PREEMPTED
+
+_TWICE = """
+import os, signal, sys
+from graphtrain.preemption import PreemptionHandler
+handler = PreemptionHandler().install()
+os.kill(os.getpid(), signal.SIG{name})
+assert handler.should_stop(), "the first signal only sets the flag"
+print("first signal noted", flush=True)
+os.kill(os.getpid(), signal.SIG{name})
+print("still running after the second signal", flush=True)
+"""
+
+
+def test_a_second_signal_stops_at_once():
+    for name in ("TERM", "INT"):
+        proc = subprocess.run(
+            [sys.executable, "-c", _TWICE.format(name=name)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == -getattr(signal, f"SIG{name}"), proc.stderr
+        assert proc.stdout == "first signal noted\n"
+        assert f"SIG{name}: finishing this step" in proc.stderr
+
+
+def _worker(parent: int, rank: int) -> int | None:
+    """The pid of the torchrun worker of `rank` under process `parent`, if it runs yet."""
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        try:
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(child)
+    return None
+
+
+@pytest.mark.slow  # three torchrun launches (~50 s on 2 busy cores)
+def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(corpus, tmp_path):
+    """A real SIGTERM to rank 1 only of a 2-rank gloo job (FSDP over dp_shard=2) while it
+    trains: both ranks stop after the same step, save it, exit 75; resuming from it gives the
+    loss curve of the run that was never interrupted."""
+    steps = ["--training.steps=12", "--metrics.log_interval=1", "--metrics.val_interval=0"]
+    args = job(corpus, tmp_path / "p", *steps, "--checkpoint.interval=100")
+    metrics = tmp_path / "p" / "run" / "metrics.jsonl"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.Popen(
+        [*launch, "-m", "graphtrain", "train", *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        logged = metrics.read_text().count('"loss"') if metrics.exists() else 0
+        if logged >= 3:
+            os.kill(_worker(proc.pid, 1), signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    output = proc.communicate(timeout=240)[0]
+    assert f"exitcode  : {EXIT_PREEMPTED}" in output, output[-3000:]
+
+    (ckpt,) = complete_checkpoints(tmp_path / "p" / "run")
+    stopped = step_of(ckpt)
+    assert 3 <= stopped < 12
+    assert f"stopped by a signal after step {stopped}; saved checkpoint {ckpt}" in output
+    before = [e["loss"] for e in map(json.loads, metrics.read_text().splitlines()) if "loss" in e]
+    assert len(before) == stopped
+
+    after = torchrun_metrics(2, [*args, "--checkpoint.resume=latest"])
+    straight = torchrun_metrics(2, job(corpus, tmp_path / "s", *steps))
+    resumed = [e["loss"] for e in after if "loss" in e][-(12 - stopped) :]
+    assert before + resumed == [e["loss"] for e in straight if "loss" in e]

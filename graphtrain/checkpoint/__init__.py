@@ -8,11 +8,13 @@ from graphtrain.checkpoint.manager import (
     resolve,
     to_delete,
 )
+from graphtrain.checkpoint.resume import resume_differences
 
 __all__ = [
     "CheckpointManager",
     "CheckpointSaveError",
     "complete_checkpoints",
     "resolve",
+    "resume_differences",
     "to_delete",
 ]

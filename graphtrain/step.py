@@ -1,0 +1,186 @@
+"""One optimizer step: micro-batches -> forward/backward -> gradients finished -> clip ->
+optimizer -> statistics. A batch enters here from the loop (graphtrain.trainer) and leaves as
+an optimizer update; nothing of it goes back to the loop but a StepStats.
+
+What
+    ForwardLoss(model, device, attention, autocast)(batch) -> the micro-batch's mean loss:
+        model_inputs() copies the batch to the device and builds the attention mask; the
+        model runs under autocast. Training and validation share it.
+    TrainStep(...)(batches, step=...) -> StepStats: the learning rate of `step`, then each
+        micro-batch's loss weighted by its share of the step's labelled tokens (the step's loss
+        is the mean over all its tokens on this rank, whatever the micro-batches hold; FSDP
+        then averages the ranks), backward, fp32 accumulation for chosen parameters, the
+        layout's gradient finishing (graphtrain.parallel.GradientFinisher), clipping, the
+        optimizer step (its step pre-hooks run there: MoE expert-bias updates), zero_grad.
+        num_micro_batches(consumed_tokens) says how many batches the loop hands it (the batch
+        size schedule).
+
+Step statistics (StepStats.extra), the one place to add a per-step device statistic: a step
+hook. A hook has
+    micro_batch(weight) -> context manager   entered around each micro-batch's forward and
+                                             backward (weight: its loss weight in the step)
+    statistics() -> dict[str, Tensor]        detached device tensors of the step just taken,
+                                             called after the optimizer step
+and their dicts are merged into StepStats.extra. Two kinds exist:
+    ModelStatistics   a model may assign `self.step_stats = {name: detached device tensor}` in
+                      its forward (e.g. "mtp/loss_1"; assignment, so that an activation
+                      checkpoint's recompute changes nothing); their loss-weighted mean over
+                      the micro-batches is logged under those names;
+    graphtrain.balance.RouterBalance   MoE load and bias statistics and aux losses.
+FP8 saturation counters and similar go in as another hook (or through the model's dict). The
+loop logs every entry of extra at log steps with one host sync for all of them
+(graphtrain.trainer); between log steps they stay on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from graphtrain.attention import build_attention_mask
+from graphtrain.metrics import model_training_flops
+from graphtrain.optim import BatchSizeSchedule, FP32GradAccumulator, LRSchedule, clip_grad_norm_
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """One optimizer step, as the loop sees it. Tensors are on the device, detached."""
+
+    loss: torch.Tensor  # fp32 scalar: the step's mean loss on this rank
+    grad_norm: torch.Tensor  # scalar: global norm over all ranks, before clipping
+    lr: float
+    num_micro_batches: int
+    tokens: int  # tokens of the step over all data-parallel ranks
+    flops: int  # training FLOPs of this rank's micro-batches (whole matmuls: before tp splits)
+    extra: dict[str, torch.Tensor]  # step hooks' statistics, see the module docstring
+
+
+class StepHook(Protocol):
+    def micro_batch(self, weight: float) -> contextlib.AbstractContextManager[None]: ...
+
+    def statistics(self) -> dict[str, torch.Tensor]: ...
+
+
+class ModelStatistics:
+    """Step hook: the loss-weighted mean over the step's micro-batches of the model's
+    `step_stats` dict (absent or empty: nothing)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._sums: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def micro_batch(self, weight: float) -> Iterator[None]:
+        yield
+        for name, value in getattr(self.model, "step_stats", {}).items():
+            self._sums[name] = self._sums.get(name, 0.0) + value.detach().float() * weight
+
+    def statistics(self) -> dict[str, torch.Tensor]:
+        stats, self._sums = self._sums, {}
+        return stats
+
+
+def model_inputs(
+    batch: TensorDict, device: torch.device, attention: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """A loader batch on `device` as the model's arguments (input_ids, labels, position_ids,
+    attention mask built from the document ids for the chosen attention)."""
+    if device.type == "cuda":
+        batch = batch.pin_memory()  # so that the copy below is really asynchronous
+    batch = batch.to(device, non_blocking=True)
+    mask = build_attention_mask(batch["document_ids"], attention)
+    return batch["input_ids"], batch["labels"], batch["position_ids"], mask
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardLoss:
+    """batch -> the model's mean loss over it (training and validation alike)."""
+
+    model: nn.Module
+    device: torch.device
+    attention: str
+    autocast: contextlib.AbstractContextManager  # reusable: torch.autocast or nullcontext
+
+    def __call__(self, batch: TensorDict) -> torch.Tensor:
+        inputs = model_inputs(batch, self.device, self.attention)
+        with self.autocast:
+            return self.model(*inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    forward: ForwardLoss
+    optimizer: torch.optim.Optimizer
+    lr_schedule: LRSchedule
+    batch_schedule: BatchSizeSchedule
+    fp32_grads: FP32GradAccumulator
+    finish_gradients: Callable[[], None]  # graphtrain.parallel.GradientFinisher
+    max_norm: float
+    hooks: Sequence[StepHook]
+    model_cfg: Any  # for the FLOPs count
+    micro_batch_size: int
+    seq_len: int
+    dp_size: int
+
+    def num_micro_batches(self, consumed_tokens: int) -> int:
+        """Micro-batches per rank of the step that starts after `consumed_tokens`."""
+        return self.batch_schedule.micro_batches_per_step(
+            consumed_tokens,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
+            dp_world_size=self.dp_size,
+        )
+
+    def __call__(self, batches: list[TensorDict], *, step: int) -> StepStats:
+        """Train on `batches` (this rank's micro-batches of the step) as optimizer step `step`
+        (0-based). No host sync."""
+        lr = self.lr_schedule.apply(self.optimizer, step)
+        loss, flops = self._forward_backward(batches)
+        self.fp32_grads.finalize()
+        self.finish_gradients()
+        params = list(self.forward.model.parameters())
+        grad_norm = clip_grad_norm_(params, self.max_norm)
+        self.optimizer.step()  # step pre-hooks run first (MoE expert biases)
+        self.optimizer.zero_grad(set_to_none=True)
+        extra: dict[str, torch.Tensor] = {}
+        for hook in self.hooks:
+            extra.update(hook.statistics())
+        return StepStats(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            num_micro_batches=len(batches),
+            tokens=len(batches) * self.micro_batch_size * self.seq_len * self.dp_size,
+            flops=flops,
+            extra=extra,
+        )
+
+    def _forward_backward(self, batches: list[TensorDict]) -> tuple[torch.Tensor, int]:
+        """Gradients of the step's loss accumulated over `batches`; (loss, FLOPs)."""
+        step_loss = torch.zeros((), device=self.forward.device)
+        # Counts come from the loader (CPU tensors): no device sync.
+        num_labels = [batch["num_label_tokens"] for batch in batches]
+        flops = 0
+        for batch, n in zip(batches, num_labels, strict=True):
+            # Exact FLOPs of this rank's micro-batch (document-causal attention pairs
+            # included), counted on the host from the loader's CPU-side numbers.
+            flops += model_training_flops(
+                self.model_cfg,
+                num_tokens=batch["input_ids"].numel(),
+                num_attention_pairs=int(batch["num_attention_pairs"]),
+            )
+            weight = n / max(sum(num_labels), 1)
+            with contextlib.ExitStack() as scopes:
+                for hook in self.hooks:
+                    scopes.enter_context(hook.micro_batch(weight))
+                loss = self.forward(batch)
+                (loss * weight).backward()
+            self.fp32_grads.after_backward()
+            step_loss += loss.detach().float() * weight
+        return step_loss, flops

@@ -136,17 +136,9 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     run_dir = _prepare_run_dir(cfg, rank, world_size)
     data, batch_schedule = _build_data(cfg, dims, mesh)
     model, finish_gradients, dump_dir = _build_model(cfg, dims, mesh, device, run_dir, rank)
-    optimizer, fp32_grads, optim_state = _build_optimizer(cfg, model, rank)
+    optimizer, fp32_grads, lr_schedule, optim_state = _build_optimizer(cfg, model, rank)
     balance = install_router_balance(
         model, optimizer, mesh, dims, bias_update_rate=getattr(cfg.model, "bias_update_rate", 0.0)
-    )
-    lr_schedule = LRSchedule(
-        lr=cfg.optim.lr,
-        min_lr=cfg.schedule.min_lr,
-        warmup_steps=cfg.schedule.warmup_steps,
-        decay_steps=cfg.decay_steps,
-        total_steps=cfg.training.steps,
-        decay_style=cfg.schedule.decay_style,
     )
     checkpoints = CheckpointManager(
         run_dir,
@@ -163,14 +155,9 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         run_dir, rank=rank, tensorboard=cfg.metrics.tensorboard, total_steps=cfg.training.steps
     )
     metrics.log(progress.step, optim_state)
-    forward = ForwardLoss(
-        model,
-        device,
-        resolve_attention(cfg.training.attention, device),
-        _autocast(cfg, dims, device),
-    )
+    attention = resolve_attention(cfg.training.attention, device)
     train_step = TrainStep(
-        forward=forward,
+        forward=ForwardLoss(model, device, attention, _autocast(cfg, dims, device)),
         optimizer=optimizer,
         lr_schedule=lr_schedule,
         batch_schedule=batch_schedule,
@@ -182,11 +169,6 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         micro_batch_size=cfg.training.micro_batch_size,
         seq_len=cfg.training.seq_len,
         dp_size=dims.dp_size,
-    )
-    peak = (
-        cfg.metrics.peak_tflops * 1e12
-        if cfg.metrics.peak_tflops
-        else peak_flops(device, _param_dtype(cfg, device))
     )
     return Run(
         cfg=cfg,
@@ -200,7 +182,11 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         train_step=train_step,
         checkpoints=checkpoints,
         metrics=metrics,
-        peak_flops=peak,
+        peak_flops=(
+            cfg.metrics.peak_tflops * 1e12
+            if cfg.metrics.peak_tflops
+            else peak_flops(device, _param_dtype(cfg, device))
+        ),
         dump_dir=dump_dir,
         progress=progress,
     )
@@ -366,9 +352,9 @@ def _autocast(
 
 def _build_optimizer(
     cfg: JobConfig, model: torch.nn.Module, rank: int
-) -> tuple[torch.optim.Optimizer, FP32GradAccumulator, dict[str, int]]:
-    """The optimizer, the fp32 gradient accumulator, and what the optimizer's moments cost
-    on this rank (logged once)."""
+) -> tuple[torch.optim.Optimizer, FP32GradAccumulator, LRSchedule, dict[str, int]]:
+    """The optimizer, the fp32 gradient accumulator, the learning-rate schedule, and what the
+    optimizer's moments cost on this rank (logged once)."""
     optim = cfg.optim
     optimizer = build_optimizer(
         model,
@@ -392,7 +378,15 @@ def _build_optimizer(
             optim_state["optim_state_bytes"] / 2**20,
             optim_state["optim_state_bytes_fp32"] / 2**20,
         )
-    return optimizer, fp32_grads, optim_state
+    lr_schedule = LRSchedule(
+        lr=optim.lr,
+        min_lr=cfg.schedule.min_lr,
+        warmup_steps=cfg.schedule.warmup_steps,
+        decay_steps=cfg.decay_steps,
+        total_steps=cfg.training.steps,
+        decay_style=cfg.schedule.decay_style,
+    )
+    return optimizer, fp32_grads, lr_schedule, optim_state
 
 
 def _resume(

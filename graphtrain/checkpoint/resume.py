@@ -22,19 +22,21 @@ def resume_differences(
     """
     lines = []
     for name, schedule in schedules.items():
-        current = {k: v for k, v in schedule.state_dict().items() if k != "last_step"}
-        saved = {k: v for k, v in saved_state[name].items() if k != "last_step"}
+        current = {key: value for key, value in schedule.state_dict().items() if key != "last_step"}
+        saved = {key: value for key, value in saved_state[name].items() if key != "last_step"}
         if saved != current:
             lines.append(f"{name} differs from the checkpoint's: {current}")
     saved_model = saved_state.get("model", {})
     changed = {
-        k: (saved_model[k], v)
-        for k, v in dataclasses.asdict(model_cfg).items()
-        if k in saved_model and saved_model[k] != v
+        field: (saved_model[field], value)
+        for field, value in dataclasses.asdict(model_cfg).items()
+        if field in saved_model and saved_model[field] != value
     }
     if changed:
         lines.append(
             "the model config differs from the checkpoint's: "
-            + ", ".join(f"model.{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            + ", ".join(
+                f"model.{field}: {old!r} -> {new!r}" for field, (old, new) in changed.items()
+            )
         )
     return lines

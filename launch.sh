@@ -45,12 +45,14 @@ setup() {
     fi
 }
 
+# Runs the command (exec: this script ends there) or, with DRY_RUN=1, prints it and ends, so
+# that exactly the one command that would run is printed.
 run() {
     if [[ "${DRY_RUN:-0}" == "1" ]]; then
         printf '%q ' "$@"; echo
-    else
-        exec "$@"
+        exit 0
     fi
+    exec "$@"
 }
 
 setup

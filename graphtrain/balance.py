@@ -1,36 +1,56 @@
-"""MoE routing state across a training step: count reduction, expert-bias updates, metrics.
+"""MoE routing balance across a training step: count reduction, expert-bias updates, metrics.
 
 What
-    RouterBalance(model, count_group=..., token_slices=..., bias_update_rate=...) drives the
-    routers of an MoE model (models.moe.Router, found through model.routers(); a dense model has
-    none and every method is a no-op):
-        install   each router's reduce_counts = an all-reduce (sum) over count_group, a
-                  functional collective, so it traces into the compiled block; the routers then
-                  see token counts summed over every rank that sees different tokens: the
-                  data-parallel ranks (expert-parallel ranks included: they are carved out of
-                  dp_shard) and, under tensor parallelism with expert TP size 1, the tp ranks
-                  too (each routes its own sequence slice; the aux losses are then per slice);
-                  token_slices = tp either way: the routers' gradients are summed over tp;
-        before_micro_batch(weight)  the micro-batch's loss weight becomes its aux-loss scale
-                  (the aux losses are averaged over the micro-batches like the loss);
-        after_micro_batch()  step_counts += the counts of this micro-batch (for global_aux and
-                  the bias update), and the aux-loss values are summed for logging;
-        after_step()  per-layer load and bias statistics of the step, then update_bias: the
-                  expert bias moves by rate * sign(mean_load - load_e) and step_counts reset;
-        metrics()  the latest statistics as numbers (a host sync: call it at log steps only).
+    install_router_balance(model, optimizer, mesh, dims, bias_update_rate) drives the routers of
+    an MoE model (models.moe.Router, found through model.routers(); a dense model has none and
+    gets None). It returns a RouterBalance, a step hook of graphtrain.step.TrainStep:
+        reduce_counts  each router's count reducer = an all-reduce (sum) over the ranks that
+                  route different tokens, a functional collective, so it traces into the
+                  compiled block: the data-parallel ranks (expert-parallel ranks included: they
+                  are carved out of dp_shard) and, under tensor parallelism with expert TP size
+                  1, the tp ranks too (each routes its own sequence slice; the aux losses are
+                  then per slice). The routers' gradients are summed over tp either way;
+        micro_batch(weight)  around one micro-batch's forward and backward: before, the
+                  micro-batch's loss weight / tp becomes the routers' aux-loss scale (the aux
+                  losses are averaged over the micro-batches like the loss, and count 1/tp on
+                  each of the tp ranks whose router gradients are summed); after, the router's
+                  step_counts buffer += the counts of this micro-batch (for global_aux and the
+                  bias update) and the aux-loss values are summed for logging;
+        optimizer step pre-hook  once per optimizer step, before optimizer.step() (as
+                  torchtitan's MoE load balancing): per-layer load and bias statistics of the
+                  step, then Router.update_bias: the expert bias moves by
+                  rate * sign(mean_load - load_e) and step_counts reset;
+        statistics()  the last step's statistics as detached device tensors (no host sync),
+                  among them each layer's count of tokens whose router logits were not finite
+                  (moe/<layer>/nonfinite_router_tokens, from Router.last_nonfinite): the loop
+                  stops at the next log step naming the layer.
 
-Why here and not in the model: the model file imports no distributed code, and the step
-boundaries (micro-batches, optimizer steps) are the trainer's.
+Why the counts are accumulated after the backward and not in the forward: under activation
+checkpointing the block's forward runs again in the backward, and global_aux reads
+step_counts; counting there would count twice and change the recomputed loss. Why the counts
+are reduced in the forward rather than in the pre-hook: global_aux needs the counts of every
+rank during the forward. The bias is a buffer the optimizer never reads, so updating it before
+optimizer.step() gives the same numbers as after it. The model file imports no distributed
+code: the reducer is injected from here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from graphtrain.parallel import ParallelDims, dp_mesh
+
+# The statistic of each layer's tokens whose router logits were not finite (the loop stops on it).
+NONFINITE = "nonfinite_router_tokens"
 
 
 def _sum_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -47,7 +67,7 @@ class RouterBalance:
         bias_update_rate: float,
     ) -> None:
         self.model = model
-        self.routers = model.routers() if hasattr(model, "routers") else []
+        self.routers = model.routers()
         self.rate = bias_update_rate
         self.token_slices = token_slices
         for _, router in self.routers:
@@ -55,23 +75,30 @@ class RouterBalance:
                 functools.partial(_sum_over, group=count_group) if count_group is not None else None
             )
         self._aux: dict[str, torch.Tensor] = {}
+        self._nonfinite: dict[str, torch.Tensor] = {}  # per layer: tokens with NaN/inf logits
         self._stats: dict[str, torch.Tensor] = {}
+        self._micro_batches = 0  # since the last optimizer step
 
-    def before_micro_batch(self, weight: float) -> None:
-        if self.routers:
-            # The routers' gradients are summed over the token_slices tp ranks: each rank's
-            # aux losses (of its slice, or the same whole-sequence ones) count 1/tp.
-            self.model.set_aux_loss_scale(weight / self.token_slices)
-
-    def after_micro_batch(self, weight: float) -> None:
-        for _, router in self.routers:
+    @contextlib.contextmanager
+    def micro_batch(self, weight: float) -> Iterator[None]:
+        # The routers' gradients are summed over the token_slices tp ranks: each rank's aux
+        # losses (of its slice, or the same whole-sequence ones) count 1/tp.
+        self.model.set_aux_loss_scale(weight / self.token_slices)
+        yield
+        self._micro_batches += 1
+        for layer, router in self.routers:
             router.accumulate_counts()
+            if router.last_nonfinite is not None:
+                self._nonfinite[layer] = self._nonfinite.get(layer, 0) + router.last_nonfinite
             for name, value in router.last_aux.items():
                 self._aux[name] = self._aux.get(name, 0.0) + value * weight
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        if not self.routers:
+    def before_optimizer_step(self, *_: Any) -> None:
+        """Optimizer step pre-hook (torch.optim.Optimizer.register_step_pre_hook)."""
+        if not self._micro_batches:
+            # A step with no training forward (e.g. the optimizer-state initialisation of a
+            # checkpoint load): there are no counts to act on.
             return
         stats = {}
         for name, router in self.routers:
@@ -82,12 +109,34 @@ class RouterBalance:
             router.update_bias(self.rate)
         # Aux losses: summed over the layers, averaged over the step's micro-batches.
         stats.update({f"moe/{name}_loss": value for name, value in self._aux.items()})
-        self._stats, self._aux = stats, {}
+        stats.update({f"moe/{n}/{NONFINITE}": count for n, count in self._nonfinite.items()})
+        self._stats, self._aux, self._nonfinite, self._micro_batches = stats, {}, {}, 0
 
-    def metrics(self) -> dict[str, float]:
-        """The last step's statistics (host sync)."""
-        if not self._stats:
-            return {}
-        names = list(self._stats)
-        values = torch.stack([self._stats[n].float() for n in names]).tolist()
-        return dict(zip(names, values, strict=True))
+    def statistics(self) -> dict[str, torch.Tensor]:
+        """The last optimizer step's statistics (device tensors)."""
+        return dict(self._stats)
+
+
+def install_router_balance(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh: DeviceMesh | None,
+    dims: ParallelDims,
+    *,
+    bias_update_rate: float,
+) -> RouterBalance | None:
+    """A RouterBalance for `model`'s routers, its expert-bias update registered as `optimizer`'s
+    step pre-hook; None for a model without routers."""
+    if not getattr(model, "routers", lambda: [])():
+        return None
+    if dims.tp > 1 and dims.etp == 1:
+        # Every rank routes different tokens: dp rows and, within a tp group, sequence slices
+        # (with etp = tp every tp rank routes the whole sequence).
+        count_group = dist.group.WORLD
+    else:
+        count_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
+    balance = RouterBalance(
+        model, count_group=count_group, token_slices=dims.tp, bias_update_rate=bias_update_rate
+    )
+    optimizer.register_step_pre_hook(balance.before_optimizer_step)
+    return balance

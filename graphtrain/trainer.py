@@ -1,10 +1,15 @@
-"""The training loop: data -> step (gradient accumulation) -> clip -> optimizer -> schedule ->
-metrics -> checkpoint.
+"""A training job: build the run, then the loop (step, log, validate, checkpoint).
 
-The loop knows nothing of the graph passes: it builds the model on the meta device, hands it to
-graphtrain.parallel (tensor parallel, activation checkpointing, compile regions, FSDP2, in that
-order), materialises and initialises it, and runs. Host synchronisation happens only at log,
-validation and checkpoint steps; in between, losses and the non-finite check stay on the device.
+    train(cfg) -> init_distributed -> build_run(cfg) -> Run -> _train_loop(run) -> TrainResult
+
+build_run checks the layout and the run directory, builds the data, the model (on the meta
+device, handed to graphtrain.parallel: expert parallel, tensor parallel, compile regions,
+activation checkpointing, FSDP2, in that order; materialised and initialised), the optimizer,
+the schedules and the step (graphtrain.step.TrainStep), and resumes from a checkpoint. The loop
+pulls each step's micro-batches from the loader, hands them to the step once, and logs,
+validates and saves. It knows nothing of the graph passes, of the parallel layout's gradient
+reductions or of MoE balancing. Host synchronisation happens only at log, validation and
+checkpoint steps; in between, losses and the non-finite check stay on the device.
 """
 
 from __future__ import annotations
@@ -17,54 +22,54 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
 
-from graphtrain.attention import build_attention_mask, resolve_attention
-from graphtrain.balance import RouterBalance
-from graphtrain.checkpoint import CheckpointManager, complete_checkpoints, resolve
+from graphtrain.attention import resolve_attention
+from graphtrain.balance import NONFINITE, install_router_balance
+from graphtrain.checkpoint import (
+    CheckpointManager,
+    complete_checkpoints,
+    resolve,
+    resume_differences,
+)
 from graphtrain.checkpoint.hf import load_hf_into
 from graphtrain.config import JobConfig, pass_options, to_toml
 from graphtrain.data import build_data
 from graphtrain.inspect import write_report
-from graphtrain.metrics import (
-    MetricsLogger,
-    memory_stats,
-    model_training_flops,
-    peak_flops,
-    write_run_info,
-)
-from graphtrain.metrics.memory_plan import plan_memory
+from graphtrain.metrics import MetricsLogger, memory_stats, peak_flops, write_run_info
+from graphtrain.metrics.memory_plan import MemoryPlan, plan_memory
 from graphtrain.optim import (
     BatchSizeSchedule,
     FP32GradAccumulator,
     LRSchedule,
     build_optimizer,
     cast_parameters_,
-    clip_grad_norm_,
     global_norm,
+    optimizer_state_bytes,
 )
 from graphtrain.parallel import (
+    GradientFinisher,
     ParallelDims,
     build_mesh,
     dp_mesh,
-    expert_dp_mesh,
-    expert_params,
+    init_distributed,
     parallelize_model,
-    partial_grad_params,
-    reduce_expert_grads,
-    reduce_partial_grads,
     validate_model_for_tp,
 )
 from graphtrain.parallel.divergence import check_replicas
 from graphtrain.preemption import Preempted, PreemptionHandler
+from graphtrain.step import ForwardLoss, FP8Saturation, StepStats, TrainStep
 from models import build_model, tp_plan
 
 logger = logging.getLogger("graphtrain")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "No step yet" for the first step with a non-finite loss, which is kept as min over steps.
+_NO_STEP = torch.iinfo(torch.int64).max
 
 
 @dataclasses.dataclass
@@ -75,61 +80,45 @@ class TrainResult:
     val_losses: dict[int, float]  # step -> validation loss (step 0: before training)
 
 
-def _init_distributed(device_choice: str) -> tuple[torch.device, int, int]:
-    """Start the process group when launched by torchrun; pick this rank's device."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if device_choice == "auto":
-        device_choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_choice == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("training.device='cuda' but no CUDA device is visible")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            device_id=device if device.type == "cuda" else None,
-        )
-    return device, rank, world_size
+@dataclasses.dataclass
+class Progress:
+    """Where the run is: what a checkpoint saves and a resume restores (with the data's state)."""
+
+    step: int = 0  # optimizer steps taken
+    consumed_tokens: int = 0  # over all data-parallel ranks
 
 
-def _run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
-    """The run directory, the same on every rank (rank 0 names it and tells the others)."""
-    name = [cfg.training.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"]
-    if world_size > 1:
-        dist.broadcast_object_list(name, src=0)
-    path = Path(name[0])
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    return path
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Everything a built job holds; fixed once built except `progress` and the objects' own
+    state (model, optimizer, data position)."""
 
-
-def _param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
-    if cfg.training.master_dtype != "float32":  # pure low-precision: compute in it too
-        return _DTYPES[cfg.training.master_dtype]
-    if cfg.training.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[cfg.training.dtype]
-
-
-def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(t, op=op, group=group)
-    return t
+    cfg: JobConfig
+    device: torch.device
+    rank: int
+    dims: ParallelDims
+    dp_group: dist.ProcessGroup | None  # loss averages; None with one data-parallel rank
+    run_dir: Path
+    data: Any  # graphtrain.data.build_data's result: train and val loaders, tokenizer
+    model: torch.nn.Module
+    train_step: TrainStep
+    checkpoints: CheckpointManager
+    metrics: MetricsLogger
+    peak_flops: float | None  # per device, for MFU
+    dump_dir: Path | None  # compiled graphs, for the end-of-run inspect report
+    progress: Progress
+    memory_plan: MemoryPlan  # predicted per-rank memory, logged beside the measured peak once
 
 
 def train(cfg: JobConfig) -> TrainResult:
     """Run one training job described by `cfg`; returns the losses it logged."""
-    device, rank, world_size = _init_distributed(cfg.training.device)
+    device, rank, world_size = init_distributed(cfg.training.device)
     # A job starts from a clean compiler state: code compiled for an earlier job in this process
     # (another model, other passes) must neither be reused nor count against the recompile limit.
     torch._dynamo.reset()
-    preemption = PreemptionHandler()  # SIGTERM/SIGINT: save and stop (graphtrain/preemption.py)
+    preemption = PreemptionHandler()  # SIGTERM/SIGINT: save and stop (graphtrain.preemption)
     try:
-        result = _train(cfg, device, rank, world_size, preemption)
+        result = _train_loop(build_run(cfg, device, rank, world_size), preemption)
         if dist.is_initialized():
             # Every rank done with its collectives before the group is torn down: destroying it
             # while a peer still talks aborts that peer (seen with gloo).
@@ -141,30 +130,94 @@ def train(cfg: JobConfig) -> TrainResult:
             dist.destroy_process_group()
 
 
-def _train(
-    cfg: JobConfig,
-    device: torch.device,
-    rank: int,
-    world_size: int,
-    preemption: PreemptionHandler,
-) -> TrainResult:
-    t_cfg, m_cfg = cfg.training, cfg.model
-    # Layout and model checks first: nothing large is allocated before they pass.
-    p = cfg.parallel
-    dims = ParallelDims(
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        tp=p.tp,
-        ep=p.ep,
-        etp=p.etp,
-        world_size=world_size,
-    )
-    validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len, etp=dims.etp)
-    attention = resolve_attention(t_cfg.attention, device)
-    # Memory plan: predicted here, the measured peak beside it at the first log step.
-    memory_plan = plan_memory(cfg, world_size)
+# ------------------------------------------------------------------------------------------
+# Building a run
+
+
+def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> Run:
+    """Check, build and (when asked) resume the job; nothing large is allocated before the
+    layout, run-directory and data checks pass."""
+    dims, mesh = _check_layout(cfg, device, world_size)
+    memory_plan = plan_memory(cfg, world_size)  # predicted before anything large exists
     if rank == 0:
         logger.info("%s", memory_plan.format())
+    dp_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
+    run_dir = _prepare_run_dir(cfg, rank, world_size)
+    data, batch_schedule = _build_data(cfg, dims, mesh)
+    model, finish_gradients, dump_dir = _build_model(cfg, dims, mesh, device, run_dir, rank)
+    optimizer, fp32_grads, lr_schedule, optim_state = _build_optimizer(cfg, model, rank)
+    balance = install_router_balance(
+        model, optimizer, mesh, dims, bias_update_rate=getattr(cfg.model, "bias_update_rate", 0.0)
+    )
+    checkpoints = CheckpointManager(
+        run_dir,
+        keep_last=cfg.checkpoint.keep_last,
+        retain_interval=cfg.checkpoint.retain_interval,
+        async_save=cfg.checkpoint.async_save,
+        fallback_on_corruption=cfg.checkpoint.fallback_on_corruption,
+    )
+    progress = Progress()
+    if cfg.checkpoint.resume:
+        schedules = {"lr_schedule": lr_schedule, "batch_schedule": batch_schedule}
+        progress = _resume(cfg, checkpoints, model, optimizer, data, schedules, rank)
+    _describe_run_dir(cfg, run_dir, dims, data, rank)
+    metrics = MetricsLogger(
+        run_dir, rank=rank, tensorboard=cfg.metrics.tensorboard, total_steps=cfg.training.steps
+    )
+    metrics.log(progress.step, optim_state)
+    attention = resolve_attention(cfg.training.attention, device)
+    train_step = TrainStep(
+        forward=ForwardLoss(model, device, attention, _autocast(cfg, dims, device)),
+        optimizer=optimizer,
+        lr_schedule=lr_schedule,
+        batch_schedule=batch_schedule,
+        fp32_grads=fp32_grads,
+        finish_gradients=finish_gradients,
+        max_norm=cfg.optim.max_norm,
+        hooks=[*([balance] if balance else []), *([FP8Saturation()] if cfg.training.fp8 else [])],
+        model_cfg=cfg.model,
+        micro_batch_size=cfg.training.micro_batch_size,
+        seq_len=cfg.training.seq_len,
+        dp_size=dims.dp_size,
+    )
+    return Run(
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        dims=dims,
+        dp_group=dp_group,
+        run_dir=run_dir,
+        data=data,
+        model=model,
+        train_step=train_step,
+        checkpoints=checkpoints,
+        metrics=metrics,
+        peak_flops=(
+            cfg.metrics.peak_tflops * 1e12
+            if cfg.metrics.peak_tflops
+            else peak_flops(device, _param_dtype(cfg, device))
+        ),
+        dump_dir=dump_dir,
+        progress=progress,
+        memory_plan=memory_plan,
+    )
+
+
+def _check_layout(
+    cfg: JobConfig, device: torch.device, world_size: int
+) -> tuple[ParallelDims, DeviceMesh | None]:
+    """The parallel layout and its mesh, after the checks that need no allocation."""
+    parallel, training = cfg.parallel, cfg.training
+    dims = ParallelDims(
+        dp_replicate=parallel.dp_replicate,
+        dp_shard=parallel.dp_shard,
+        tp=parallel.tp,
+        ep=parallel.ep,
+        etp=parallel.etp,
+        world_size=world_size,
+    )
+    validate_model_for_tp(cfg.model, dims.tp, seq_len=training.seq_len, etp=dims.etp)
+    resolve_attention(training.attention, device)  # a wrong choice stops here
     if cfg.checkpoint.async_save and device.type != "cuda":
         raise ValueError(
             f"checkpoint.async_save=true needs CUDA but training runs on {device.type}; "
@@ -172,10 +225,18 @@ def _train(
         )
     # One process needs no mesh: every axis is 1 and nothing is sharded.
     mesh = build_mesh(dims, device.type) if world_size > 1 else None
-    dp_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
-    dp_rank = dp_mesh(mesh).get_local_rank() if dims.dp_size > 1 else 0
+    return dims, mesh
 
-    run_dir = _run_dir(cfg, rank, world_size)
+
+def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
+    """The run directory, the same on every rank (rank 0 names it and tells the others); refuses
+    a start that would overwrite saved checkpoints."""
+    name = [cfg.training.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if world_size > 1:
+        dist.broadcast_object_list(name, src=0)
+    run_dir = Path(name[0])
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
     saved = complete_checkpoints(run_dir)
     if saved and not cfg.checkpoint.resume:
         # A fresh start would overwrite and prune these: never lose saved work silently.
@@ -185,13 +246,20 @@ def _train(
         )
     if cfg.checkpoint.resume:
         start = resolve(run_dir, cfg.checkpoint.resume)  # a wrong name stops here, before any work
-        if saved and start.resolve() not in {p.resolve() for p in saved}:
+        if saved and start.resolve() not in {path.resolve() for path in saved}:
             # Its saves would replace this run's checkpoints of the same steps.
             raise ValueError(
                 f"training.run_dir={str(run_dir)!r} already holds checkpoints (newest "
                 f"{saved[-1].name}); continue {start} in an empty training.run_dir"
             )
+    return run_dir
 
+
+def _build_data(
+    cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None
+) -> tuple[Any, BatchSizeSchedule]:
+    """The loaders of this data-parallel rank and the checked batch-size schedule."""
+    training = cfg.training
     cache_dir = Path(
         cfg.data.cache_dir
         or os.environ.get("GRAPHTRAIN_CACHE", Path.home() / ".cache" / "graphtrain")
@@ -199,35 +267,59 @@ def _train(
     data = build_data(
         paths=cfg.data.paths or None,
         tokenizer_path=cfg.data.tokenizer or None,
-        vocab_size=m_cfg.vocab_size,
-        seq_len=t_cfg.seq_len,
-        micro_batch_size=t_cfg.micro_batch_size,
-        dp_rank=dp_rank,
+        vocab_size=cfg.model.vocab_size,
+        seq_len=training.seq_len,
+        micro_batch_size=training.micro_batch_size,
+        dp_rank=dp_mesh(mesh).get_local_rank() if dims.dp_size > 1 else 0,
         dp_world_size=dims.dp_size,
-        seed=t_cfg.seed,
+        seed=training.seed,
         cache_dir=cache_dir,
         val_paths=cfg.data.val_paths or None,
         token_dtype=cfg.data.token_dtype,
     )
-    if data.vocab_size_needed > m_cfg.vocab_size:
+    if data.vocab_size_needed > cfg.model.vocab_size:
         raise ValueError(
             f"the data needs a vocabulary of {data.vocab_size_needed} tokens but "
-            f"model.vocab_size={m_cfg.vocab_size}; raise model.vocab_size or use another tokenizer"
+            f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or use another "
+            "tokenizer"
         )
     batch_schedule = BatchSizeSchedule.parse(
-        cfg.schedule.batch_size or t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
+        cfg.schedule.batch_size or training.micro_batch_size * training.seq_len * dims.dp_size
     )
     # Every entry must split into whole micro-batches on every rank: checked before training.
     batch_schedule.check(
-        micro_batch_size=t_cfg.micro_batch_size, seq_len=t_cfg.seq_len, dp_world_size=dims.dp_size
+        micro_batch_size=training.micro_batch_size,
+        seq_len=training.seq_len,
+        dp_world_size=dims.dp_size,
     )
+    return data, batch_schedule
 
-    param_dtype = _param_dtype(cfg, device)
-    fsdp = dims.dp_size > 1
+
+def _param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype of the parameters."""
+    if cfg.training.master_dtype != "float32":  # pure low-precision: compute in it too
+        return _DTYPES[cfg.training.master_dtype]
+    if cfg.training.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[cfg.training.dtype]
+
+
+def _build_model(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    run_dir: Path,
+    rank: int,
+) -> tuple[torch.nn.Module, GradientFinisher, Path | None]:
+    """The model built on the meta device, parallelized (and compiled), materialised and
+    initialised (or loaded from Hugging Face weights); its gradient finisher; the graph dump
+    directory (None unless compiled with dump_graphs, on rank 0)."""
+    training = cfg.training
     with torch.device("meta"):
-        model = build_model(m_cfg)
-    if t_cfg.master_dtype != "float32":
-        cast_parameters_(model, _DTYPES[t_cfg.master_dtype])  # before sharding: FSDP2 keeps it
+        model = build_model(cfg.model)
+    if training.master_dtype != "float32":
+        cast_parameters_(model, _DTYPES[training.master_dtype])  # before sharding: FSDP2 keeps it
     compile_options, dump_dir = None, None
     if cfg.compile.enable:
         dump_dir = run_dir / "graphs" if cfg.compile.dump_graphs and rank == 0 else None
@@ -242,66 +334,57 @@ def _train(
             "cudagraph_mtp": cfg.compile.cudagraph_mtp,
             "device_type": device.type,
         }
-    plan = tp_plan(m_cfg, dims.etp, dims.ep)
-    parallelize_model(
+    finish_gradients = parallelize_model(
         model,
         mesh,
         dims,
-        plan=plan,
-        ac_mode=t_cfg.activation_checkpoint,
+        plan=tp_plan(cfg.model, dims.etp, dims.ep),
+        ac_mode=training.activation_checkpoint,
         compile_options=compile_options,
-        param_dtype=param_dtype,
-        reduce_dtype=_DTYPES[t_cfg.reduce_dtype],
+        param_dtype=_param_dtype(cfg, device),
+        reduce_dtype=_DTYPES[training.reduce_dtype],
     )
     model.to_empty(device=device)
-    model.init_weights(seed=t_cfg.seed)
+    model.init_weights(seed=training.seed)
     if cfg.checkpoint.init_from_hf and not cfg.checkpoint.resume:
         load_hf_into(model, Path(cfg.checkpoint.init_from_hf))
     model.train()
-    # FSDP2 casts parameters for compute itself; without it, autocast does, and the fp32
-    # parameters stay the master weights either way.
-    autocast = (
-        torch.autocast(device.type, dtype=param_dtype)
-        if not fsdp and param_dtype != torch.float32
-        else contextlib.nullcontext()
-    )
+    return model, finish_gradients, dump_dir
 
-    o = cfg.optim
+
+def _autocast(
+    cfg: JobConfig, dims: ParallelDims, device: torch.device
+) -> contextlib.AbstractContextManager:
+    """FSDP2 casts parameters for compute itself; without it, autocast does, and the fp32
+    parameters stay the master weights either way."""
+    param_dtype = _param_dtype(cfg, device)
+    if dims.dp_size > 1 or param_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=param_dtype)
+
+
+def _build_optimizer(
+    cfg: JobConfig, model: torch.nn.Module, rank: int
+) -> tuple[torch.optim.Optimizer, FP32GradAccumulator, LRSchedule, dict[str, int]]:
+    """The optimizer, the fp32 gradient accumulator, the learning-rate schedule, and what the
+    optimizer's moments cost on this rank (logged once)."""
+    optim = cfg.optim
     optimizer = build_optimizer(
         model,
-        lr=o.lr,
-        betas=tuple(o.betas),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        no_decay_patterns=o.no_decay,
-        implementation=o.implementation,
-        state_dtype=o.state_dtype,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        no_decay_patterns=optim.no_decay,
+        implementation=optim.implementation,
+        state_dtype=optim.state_dtype,
     )
-    fp32_grads = FP32GradAccumulator(model, o.fp32_grad_accum)
-    ep_params = expert_params(model)
-    # MoE layers (etp=1) or their routers (etp=tp): gradients partial over tp.
-    tp_partial = partial_grad_params(model, plan) if dims.tp > 1 else []
-    # Ranks holding the same experts (none besides this one when ep covers every dp rank).
-    ep_grad_group = expert_dp_mesh(mesh).get_group() if 1 < dims.ep < dims.dp_size else None
-    balance = RouterBalance(
+    fp32_grads = FP32GradAccumulator(model, optim.fp32_grad_accum)
+    optim_state = optimizer_state_bytes(
         model,
-        # Ranks that route different tokens: the dp ranks, and with tp and expert TP size 1
-        # the sequence slices too (with etp = tp every tp rank routes the whole sequence).
-        count_group=dist.group.WORLD if dims.tp > 1 and dims.etp == 1 else dp_group,
-        token_slices=dims.tp,
-        bias_update_rate=getattr(m_cfg, "bias_update_rate", 0.0),
+        state_dtype=_DTYPES[optim.state_dtype],
+        master_dtype=_DTYPES[cfg.training.master_dtype],
     )
-    # AdamW keeps two moments per parameter element; report what they cost on this rank.
-    local_numel = sum(
-        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
-    )
-    optim_state = {
-        # torch's AdamW keeps its moments in the parameters' dtype, AdamWBF16 in bf16.
-        "optim_state_bytes": 2
-        * local_numel
-        * min(_DTYPES[o.state_dtype].itemsize, _DTYPES[t_cfg.master_dtype].itemsize),
-        "optim_state_bytes_fp32": 2 * local_numel * 4,
-    }
     if rank == 0:
         logger.info(
             "optimizer moments: %.1f MiB per rank (%.1f MiB in float32)",
@@ -309,246 +392,262 @@ def _train(
             optim_state["optim_state_bytes_fp32"] / 2**20,
         )
     lr_schedule = LRSchedule(
-        lr=o.lr,
+        lr=optim.lr,
         min_lr=cfg.schedule.min_lr,
         warmup_steps=cfg.schedule.warmup_steps,
         decay_steps=cfg.decay_steps,
-        total_steps=t_cfg.steps,
+        total_steps=cfg.training.steps,
         decay_style=cfg.schedule.decay_style,
     )
-    checkpoints = CheckpointManager(
-        run_dir,
-        keep_last=cfg.checkpoint.keep_last,
-        retain_interval=cfg.checkpoint.retain_interval,
-        async_save=cfg.checkpoint.async_save,
-        fallback_on_corruption=cfg.checkpoint.fallback_on_corruption,
-    )
-    step, consumed_tokens = 0, 0
-    if cfg.checkpoint.resume:
-        saved_state = checkpoints.load(cfg.checkpoint.resume, model=model, optimizer=optimizer)
-        step, consumed_tokens = saved_state["step"], saved_state["consumed_tokens"]
-        data.train.load_state_dict(saved_state["data"])
-        # Both schedules are functions of (step, consumed tokens) and the config: the config
-        # wins, so a run can be extended or re-scheduled; a change is worth a line in the log.
-        for name, sched in (("lr_schedule", lr_schedule), ("batch_schedule", batch_schedule)):
-            saved_sched = saved_state[name]
-            current = {k: v for k, v in sched.state_dict().items() if k != "last_step"}
-            if {k: v for k, v in saved_sched.items() if k != "last_step"} != current and rank == 0:
-                logger.warning("%s differs from the checkpoint's: %s", name, current)
-        changed = {
-            k: (saved_state["model"][k], v)
-            for k, v in dataclasses.asdict(m_cfg).items()
-            if k in saved_state.get("model", {}) and saved_state["model"][k] != v
-        }
-        if changed and rank == 0:
-            logger.warning(
-                "the model config differs from the checkpoint's: %s",
-                ", ".join(f"model.{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()),
-            )
-    # The run dir describes the run only once it has started: a start that fails (a bad
-    # checkpoint, a wrong resume) leaves the previous config.toml and tokenizer.json, which
-    # `graphtrain export` reads, as they were.
+    return optimizer, fp32_grads, lr_schedule, optim_state
+
+
+def _resume(
+    cfg: JobConfig,
+    checkpoints: CheckpointManager,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
+    schedules: dict[str, Any],
+    rank: int,
+) -> Progress:
+    """Load cfg.checkpoint.resume into the model, optimizer and data loader; log what differs."""
+    saved_state = checkpoints.load(cfg.checkpoint.resume, model=model, optimizer=optimizer)
+    data.train.load_state_dict(saved_state["data"])
     if rank == 0:
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-        write_run_info(run_dir, {"world_size": world_size, "parallel": str(dims)})
-        if data.tokenizer is not None and data.tokenizer.path is not None:
-            # The run dir holds its tokenizer, so `graphtrain export` can always find it.
-            shutil.copyfile(data.tokenizer.path, run_dir / "tokenizer.json")
+        for line in resume_differences(saved_state, schedules=schedules, model_cfg=cfg.model):
+            logger.warning("%s", line)
+    return Progress(step=saved_state["step"], consumed_tokens=saved_state["consumed_tokens"])
 
-    peak = (
-        cfg.metrics.peak_tflops * 1e12
-        if cfg.metrics.peak_tflops
-        else peak_flops(device, param_dtype)
-    )
-    metrics = MetricsLogger(
-        run_dir, rank=rank, tensorboard=cfg.metrics.tensorboard, total_steps=t_cfg.steps
-    )
-    metrics.log(step, optim_state)
-    result = TrainResult(run_dir=run_dir, steps=t_cfg.steps, losses=[], val_losses={})
 
-    def forward(td) -> torch.Tensor:
-        if device.type == "cuda":
-            td = td.pin_memory()  # so that the copy below is really asynchronous
-        td = td.to(device, non_blocking=True)
-        mask = build_attention_mask(td["document_ids"], attention)
-        with autocast:
-            return model(
-                td["input_ids"],
-                td["labels"],
-                td["position_ids"],
-                mask,
-                document_ids=td["document_ids"],  # MTP shifts stay inside documents
-            )
+def _describe_run_dir(
+    cfg: JobConfig, run_dir: Path, dims: ParallelDims, data: Any, rank: int
+) -> None:
+    """config.toml, run_info.json and tokenizer.json. Written only once the run has started: a
+    start that fails (a bad checkpoint, a wrong resume) leaves the previous ones, which
+    `graphtrain export` reads, as they were."""
+    if rank != 0:
+        return
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    write_run_info(run_dir, {"world_size": dims.world_size, "parallel": str(dims)})
+    if data.tokenizer is not None and data.tokenizer.path is not None:
+        # The run dir holds its tokenizer, so `graphtrain export` can always find it.
+        shutil.copyfile(data.tokenizer.path, run_dir / "tokenizer.json")
 
-    def validate() -> float | None:
-        """Mean loss per token over a fixed set of held-out rows, split over the dp ranks
-        (PackedLoader.eval_batches): the same figure for any layout and micro-batch size."""
-        if data.val is None:
-            return None
-        model.eval()
-        rows = cfg.metrics.val_rows or cfg.metrics.val_batches * t_cfg.micro_batch_size
-        total = torch.zeros(2, device=device)  # (sum of token losses, labelled tokens)
-        with torch.no_grad():
-            for td in data.val.eval_batches(rows):
-                loss, n = forward(td).float(), td["num_label_tokens"]  # n: a host int
-                if n:  # a batch of padding only (every rank runs it) has a 0/0 loss
-                    total[0] += loss * n
-                total[1] += n
-        model.train()
-        total = _all_reduce(total, dp_group)
-        return (total[0] / total[1]).item()  # host sync: validation steps only
 
-    def log_validation(at: int) -> None:
-        val_loss = validate()
-        if val_loss is not None:
-            result.val_losses[at] = val_loss
-            metrics.log(at, {"val_loss": val_loss})
+# ------------------------------------------------------------------------------------------
+# The loop
 
-    if data.val is None and rank == 0:
+
+def _train_loop(run: Run, preemption: PreemptionHandler) -> TrainResult:
+    """Steps until training.steps: each step's micro-batches from the loader into the step,
+    then log, validate, compare replicas and save at their intervals; a SIGTERM/SIGINT on any
+    rank saves and stops every rank after the step (Preempted)."""
+    cfg, progress = run.cfg, run.progress
+    total = cfg.training.steps
+    result = TrainResult(run_dir=run.run_dir, steps=total, losses=[], val_losses={})
+    if run.data.val is None and run.rank == 0:
         logger.warning("no held-out data large enough for one batch: validation is skipped")
-    if step == 0:
-        log_validation(0)
+    if progress.step == 0:
+        _validate(run, result, step=0)
 
-    train_iter = iter(data.train)
-    # Losses of the steps since the last log, and the first step with a non-finite loss, stay
-    # on the device until a log step.
-    pending: list[torch.Tensor] = []
-    first_bad = torch.full((), 2**62, dtype=torch.int64, device=device)
-    window_tokens, window_flops, window_start = 0, 0, time.perf_counter()
-
-    def save_checkpoint() -> None:
-        checkpoints.save(
-            step,
-            model=model,
-            optimizer=optimizer,
-            trainer_state={
-                "step": step,
-                "consumed_tokens": consumed_tokens,
-                "data": data.train.state_dict(),
-                "lr_schedule": lr_schedule.state_dict(),
-                "batch_schedule": batch_schedule.state_dict(),
-                "model": dataclasses.asdict(m_cfg),
-            },
-        )
-
+    train_iter = iter(run.data.train)
+    window = _LogWindow(run.device)
     preemption.install()
-    while step < t_cfg.steps:
-        num_micro = batch_schedule.micro_batches_per_step(
-            consumed_tokens,
-            micro_batch_size=t_cfg.micro_batch_size,
-            seq_len=t_cfg.seq_len,
-            dp_world_size=dims.dp_size,
-        )
-        lr = lr_schedule.apply(optimizer, step)
-        step_loss = torch.zeros((), device=device)
+    while progress.step < total:
+        num_micro = run.train_step.num_micro_batches(progress.consumed_tokens)
         batches = [next(train_iter) for _ in range(num_micro)]
-        # Each micro-batch's mean loss weighted by its share of the step's labelled tokens: the
-        # step's loss is the mean over all its tokens on this rank, whatever the micro-batches
-        # hold (FSDP then averages the ranks). Counts come from the loader: no device sync.
-        num_labels = [td["num_label_tokens"] for td in batches]
-        for td, n in zip(batches, num_labels, strict=True):
-            # Exact FLOPs of this rank's micro-batch (document-causal attention pairs included),
-            # counted on the host from the loader's CPU-side numbers: no device sync.
-            window_flops += model_training_flops(
-                m_cfg,
-                num_tokens=td["input_ids"].numel(),
-                num_attention_pairs=int(td["num_attention_pairs"]),
-            )
-            weight = n / max(sum(num_labels), 1)
-            balance.before_micro_batch(weight)
-            loss = forward(td)
-            (loss * weight).backward()
-            balance.after_micro_batch(weight)
-            fp32_grads.after_backward()
-            step_loss += loss.detach().float() * weight
-        fp32_grads.finalize()
-        if dims.ep > 1:
-            reduce_expert_grads(ep_params, ep_grad_group, dims.dp_size)
-        if tp_partial:
-            reduce_partial_grads(tp_partial, mesh["tp"])
-        grad_norm = clip_grad_norm_(list(model.parameters()), o.max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        balance.after_step()  # expert biases move once per optimizer step
-        step += 1
-        # Rank divergence: replicas compared every N steps (graphtrain/parallel/divergence.py).
-        if world_size > 1 and t_cfg.replica_check_interval:
-            if step % t_cfg.replica_check_interval == 0:
-                check_replicas(model, optimizer, step=step)
-        tokens = num_micro * t_cfg.micro_batch_size * t_cfg.seq_len * dims.dp_size
-        consumed_tokens += tokens
-        window_tokens += tokens
-        # min(first_bad, step) where the loss is not finite; clamp takes the step as a Python
-        # number (a torch.tensor(step) would be a blocking host-to-device copy every step).
-        first_bad = torch.where(torch.isfinite(step_loss), first_bad, first_bad.clamp(max=step))
-        pending.append(step_loss)
+        stats = run.train_step(batches, step=progress.step)
+        progress.step += 1
+        progress.consumed_tokens += stats.tokens
+        window.add(stats, step=progress.step)
+        replica_interval = cfg.training.replica_check_interval
+        if run.dims.world_size > 1 and replica_interval and progress.step % replica_interval == 0:
+            check_replicas(run.model, run.train_step.optimizer, step=progress.step)
 
-        last = step == t_cfg.steps
-        if step % cfg.metrics.log_interval == 0 or last:
-            losses = _all_reduce(torch.stack(pending), dp_group) / dims.dp_size
-            bad = _all_reduce(first_bad.clone(), dp_group, dist.ReduceOp.MIN).item()  # host sync
-            if bad < 2**62:
-                raise FloatingPointError(
-                    f"non-finite training loss at step {bad} (lr {lr_schedule.lr_at(bad - 1):.3g}); "
-                    f"stopping. Check the learning rate, the data, or the last checkpoint."
-                )
-            result.losses.extend(losses.tolist())
-            pending.clear()
-            elapsed = time.perf_counter() - window_start
-            entry = {
-                "loss": result.losses[-1],
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                # Every rank joins this reduction (a collective), also one with empty shards.
-                "param_norm": global_norm(list(model.parameters())).item(),
-                "tokens_per_s": window_tokens / elapsed,
-                "consumed_tokens": consumed_tokens,
-                "micro_batches": num_micro,
-            }
-            device_flops = window_flops / dims.tp  # tensor parallel splits each matmul
-            entry["tflops_per_device"] = device_flops / elapsed / 1e12
-            if peak:
-                entry["mfu"] = device_flops / elapsed / peak
-            entry.update(memory_stats(device))
-            if memory_plan is not None and rank == 0:
-                measured = ", ".join(f"{k} {v:.2f}" for k, v in memory_stats(device).items())
-                logger.info(
-                    "memory: predicted %.2f GiB per rank; measured %s",
-                    memory_plan.total / 2**30,
-                    measured,
-                )
-            memory_plan = None  # logged once
-            entry.update(balance.metrics())
-            metrics.log(step, entry)
-            window_tokens, window_flops, window_start = 0, 0, time.perf_counter()
+        last = progress.step == total
+        if last or progress.step % cfg.metrics.log_interval == 0:
+            _log_step(run, result, window, stats)
         val_interval = cfg.metrics.val_interval
-        if last or (val_interval and step % val_interval == 0):
-            log_validation(step)
-            window_start = time.perf_counter()  # keep validation out of tokens/s
-        saved_now = cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or last)
-        if saved_now:
-            save_checkpoint()
-            window_start = time.perf_counter()
-        # Preemption: every rank agrees at the step's end (one int all-reduced on the host).
-        if not last and preemption.should_stop():
-            keep = cfg.checkpoint.interval and cfg.checkpoint.save_on_signal
-            if keep and not saved_now:
-                save_checkpoint()
-            checkpoints.wait()
-            stopped = Preempted(step, checkpoints.root / f"step-{step:07d}" if keep else None)
-            if rank == 0:
-                logger.warning("%s", stopped)
-            raise stopped
-    checkpoints.wait()  # an async save in flight is complete before train() returns
-    metrics.close()
-    if dump_dir is not None:  # what the compiler did, as `graphtrain inspect` shows it
-        write_report(dump_dir, run_dir / "inspect", inner=cfg.compile.backend)
-    if rank == 0 and len(result.val_losses) > 1:
-        first, final = (
-            result.val_losses[min(result.val_losses)],
-            result.val_losses[max(result.val_losses)],
+        if last or (val_interval and progress.step % val_interval == 0):
+            _validate(run, result, step=progress.step)
+            window.restart_clock()  # keep validation out of tokens/s
+        saved = bool(cfg.checkpoint.interval) and (
+            last or progress.step % cfg.checkpoint.interval == 0
         )
-        logger.info("validation loss %.3f -> %.3f (%.2f nats)", first, final, first - final)
-    if not all(math.isfinite(v) for v in result.val_losses.values()):
-        raise FloatingPointError(f"non-finite validation loss: {result.val_losses}")
+        if saved:
+            _save_checkpoint(run)
+            window.restart_clock()
+        if not last and preemption.should_stop():  # every rank agrees (one host collective)
+            _stop_on_signal(run, saved)
+    _finish(run, result)
     return result
+
+
+class _LogWindow:
+    """The steps since the last log step: their losses and the first step with a non-finite
+    loss stay on the device until the log step; tokens, FLOPs and the clock on the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.first_non_finite = torch.full((), _NO_STEP, dtype=torch.int64, device=device)
+        self.tokens, self.flops = 0, 0
+        self.first_log = True
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.start = time.perf_counter()
+
+    def add(self, stats: StepStats, *, step: int) -> None:
+        self.tokens += stats.tokens
+        self.flops += stats.flops
+        # min(first_non_finite, step) where the loss is not finite; clamp takes the step as a
+        # Python number (a torch.tensor(step) would be a blocking host-to-device copy).
+        self.first_non_finite = torch.where(
+            torch.isfinite(stats.loss),
+            self.first_non_finite,
+            self.first_non_finite.clamp(max=step),
+        )
+        self.losses.append(stats.loss)
+
+    def reset(self) -> None:
+        self.first_log = False
+        self.losses.clear()
+        self.tokens, self.flops = 0, 0
+        self.restart_clock()
+
+
+def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStats) -> None:
+    """The host syncs of a log step: the window's losses (averaged over the data-parallel
+    ranks) into result.losses, a non-finite loss stops the run, and one metrics line."""
+    dims, model = run.dims, run.model
+    losses = _all_reduce(torch.stack(window.losses), run.dp_group) / dims.dp_size
+    bad = _all_reduce(window.first_non_finite.clone(), run.dp_group, dist.ReduceOp.MIN).item()
+    if bad != _NO_STEP:
+        lr_at_bad = run.train_step.lr_schedule.lr_at(bad - 1)
+        raise FloatingPointError(
+            f"non-finite training loss at step {bad} (lr {lr_at_bad:.3g}); "
+            f"stopping. Check the learning rate, the data, or the last checkpoint."
+        )
+    result.losses.extend(losses.tolist())
+    elapsed = time.perf_counter() - window.start
+    entry = {
+        "loss": result.losses[-1],
+        "lr": stats.lr,
+        "grad_norm": stats.grad_norm.item(),
+        # Every rank joins this reduction (a collective), also one with empty shards.
+        "param_norm": global_norm(list(model.parameters())).item(),
+        "tokens_per_s": window.tokens / elapsed,
+        "consumed_tokens": run.progress.consumed_tokens,
+        "micro_batches": stats.num_micro_batches,
+    }
+    device_flops = window.flops / dims.tp  # tensor parallel splits each matmul
+    entry["tflops_per_device"] = device_flops / elapsed / 1e12
+    if run.peak_flops:
+        entry["mfu"] = device_flops / elapsed / run.peak_flops
+    entry.update(memory_stats(run.device))
+    if run.rank == 0 and window.first_log:  # the plan beside what the first steps used
+        measured = ", ".join(f"{k} {v:.2f}" for k, v in memory_stats(run.device).items())
+        logger.info(
+            "memory: predicted %.2f GiB per rank; measured %s",
+            run.memory_plan.total / 2**30,
+            measured,
+        )
+    if stats.extra:  # one host sync for all of them
+        names = list(stats.extra)
+        values = torch.stack([stats.extra[name].float() for name in names]).tolist()
+        entry.update(zip(names, values, strict=True))
+    _stop_on_nonfinite_routing(run, stats)
+    run.metrics.log(run.progress.step, entry)
+    window.reset()
+
+
+def _stop_on_nonfinite_routing(run: Run, stats: StepStats) -> None:
+    """Every rank stops when any rank's router saw non-finite logits in the last step (a NaN
+    weight or activation would otherwise route silently), naming the layers and counts."""
+    names = [name for name in stats.extra if name.endswith(NONFINITE)]
+    if not names:
+        return
+    counts = torch.stack([stats.extra[name].to(torch.int64) for name in names])
+    counts = _all_reduce(counts, dist.group.WORLD if run.dims.world_size > 1 else None).tolist()
+    bad = [f"{name.split('/')[1]}: {n} tokens" for name, n in zip(names, counts, strict=True) if n]
+    if bad:
+        raise FloatingPointError(
+            f"non-finite MoE router logits at step {run.progress.step} ({'; '.join(bad)}); "
+            "stopping. Check the learning rate, the data, or the last checkpoint."
+        )
+
+
+def _validate(run: Run, result: TrainResult, *, step: int) -> None:
+    """Mean loss per token over a fixed set of held-out rows (metrics.val_rows, split over the
+    data-parallel ranks by PackedLoader.eval_batches): the same figure for any layout and
+    micro-batch size; logged and kept in result."""
+    val = run.data.val
+    if val is None:
+        return
+    cfg, model = run.cfg, run.model
+    rows = cfg.metrics.val_rows or cfg.metrics.val_batches * cfg.training.micro_batch_size
+    model.eval()
+    total = torch.zeros(2, device=run.device)  # (sum of token losses, labelled tokens)
+    with torch.no_grad():
+        for batch in val.eval_batches(rows):
+            loss, n = run.train_step.forward(batch).float(), batch["num_label_tokens"]
+            if n:  # a batch of padding only (every rank runs it) has a 0/0 loss
+                total[0] += loss * n
+            total[1] += n  # n: a host int
+    model.train()
+    total = _all_reduce(total, run.dp_group)
+    val_loss = (total[0] / total[1]).item()  # host sync: validation steps only
+    result.val_losses[step] = val_loss
+    run.metrics.log(step, {"val_loss": val_loss})
+
+
+def _stop_on_signal(run: Run, saved: bool) -> None:
+    """Save (unless this step just did, or checkpoints are off) and raise Preempted."""
+    ckpt, step = run.cfg.checkpoint, run.progress.step
+    keep = bool(ckpt.interval) and ckpt.save_on_signal
+    if keep and not saved:
+        _save_checkpoint(run)
+    run.checkpoints.wait()
+    stopped = Preempted(step, run.checkpoints.root / f"step-{step:07d}" if keep else None)
+    if run.rank == 0:
+        logger.warning("%s", stopped)
+    raise stopped
+
+
+def _save_checkpoint(run: Run) -> None:
+    progress, train_step = run.progress, run.train_step
+    run.checkpoints.save(
+        progress.step,
+        model=run.model,
+        optimizer=train_step.optimizer,
+        trainer_state={
+            "step": progress.step,
+            "consumed_tokens": progress.consumed_tokens,
+            "data": run.data.train.state_dict(),
+            "lr_schedule": train_step.lr_schedule.state_dict(),
+            "batch_schedule": train_step.batch_schedule.state_dict(),
+            "model": dataclasses.asdict(run.cfg.model),
+        },
+    )
+
+
+def _finish(run: Run, result: TrainResult) -> None:
+    """After the last step: pending saves complete, the inspect report, the validation
+    summary; a non-finite validation loss is an error."""
+    run.checkpoints.wait()  # an async save in flight is complete before train() returns
+    run.metrics.close()
+    if run.dump_dir is not None:  # what the compiler did, as `graphtrain inspect` shows it
+        write_report(run.dump_dir, run.run_dir / "inspect", inner=run.cfg.compile.backend)
+    val_losses = result.val_losses
+    if run.rank == 0 and len(val_losses) > 1:
+        first, final = val_losses[min(val_losses)], val_losses[max(val_losses)]
+        logger.info("validation loss %.3f -> %.3f (%.2f nats)", first, final, first - final)
+    if not all(math.isfinite(v) for v in val_losses.values()):
+        raise FloatingPointError(f"non-finite validation loss: {val_losses}")

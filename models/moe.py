@@ -16,14 +16,16 @@ Why the auxiliary losses never appear in the returned loss: they reach the gradi
 AuxLossInjector (Megatron's MoEAuxLossAutoScaler), so the model keeps the dense model's contract
 (forward returns the plain cross-entropy) and the trainer's logged loss stays comparable.
 
-Balancing state, driven by the trainer (this file imports no distributed code), per router:
+Balancing state, driven by graphtrain.balance (this file imports no distributed code): around
+each training micro-batch it sets the aux-loss scale and accumulates the counts, and an optimizer
+step pre-hook calls update_bias. Per router:
     expert_bias      fp32 [E] buffer, saved in checkpoints, kept fp32 under .to(bfloat16)
     step_counts      fp32 [E] buffer, not saved: counts of the optimizer step so far
     aux_loss_scale   fp32 scalar buffer, not saved: the micro-batch's loss weight
     reduce_counts    None, or Tensor -> Tensor (an all-reduce over data-parallel ranks)
     last_counts      tokens per expert of the last forward, reduced (detached)
     last_aux         {"aux" | "seq_aux" | "global_aux" | "z": detached value} of the last forward
-    accumulate_counts()  step_counts += last_counts, after each micro-batch's forward
+    accumulate_counts()  step_counts += last_counts, after each micro-batch's backward
     update_bias(rate)    expert_bias += rate * sign(mean - step_counts); step_counts = 0
 The forward only assigns attributes (no in-place updates), so re-running it (activation
 checkpoint recompute) changes nothing.
@@ -60,7 +62,7 @@ class MoEConfig(GPTConfig):
     normalize_weights: bool = True  # weights / their sum (not with softmax after top-k)
     route_scale: float = 1.0  # weights * route_scale
     expert_bias: bool = True  # aux-loss-free balancing (DeepSeek-V3): bias on the selection
-    bias_update_rate: float = 1e-3  # the trainer's rate for update_bias, once per step
+    bias_update_rate: float = 1e-3  # update_bias's rate, once per optimizer step
     aux_loss_coef: float = 0.0  # per micro-batch load-balancing loss
     seq_aux_loss_coef: float = 1e-4  # per sequence
     global_aux_loss_coef: float = 0.0  # counts over the step's micro-batches and dp ranks
@@ -322,7 +324,7 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def accumulate_counts(self) -> None:
-        """step_counts += last_counts: the trainer calls it after each micro-batch's forward."""
+        """step_counts += last_counts: graphtrain.balance calls it after each micro-batch."""
         self.step_counts += self.last_counts
 
     @torch.no_grad()

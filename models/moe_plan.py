@@ -5,8 +5,8 @@ Expert tensor parallel size 1 ("sequence_local"): an MoE layer is not split over
 sequence parallel each tp rank already holds its own T slice of the tokens, so it routes them
 and runs them through the (replicated) router, experts and shared experts itself: no
 communication in the layer. The layer's parameters get a partial gradient per tp rank, summed
-over tp by the trainer (graphtrain.parallel.reduce_partial_grads). The aux and seq_aux losses
-then see a slice of each sequence.
+over tp once per step (graphtrain.parallel.GradientFinisher). The aux and seq_aux losses then
+see a slice of each sequence.
 
 Expert tensor parallel size tp: the layer gathers the sequence (every tp rank routes the same
 tokens with the replicated router), each expert's and the shared experts' hidden dim is split

@@ -272,6 +272,21 @@ def test_launch_sh_dry_run_builds_the_torchrun_command():
     assert out.strip().endswith("-m graphtrain train --parallel.tp=2")
 
 
+def test_launch_sh_dry_run_with_one_gpu_prints_only_the_plain_command():
+    env = {**os.environ, "DRY_RUN": "1", "NGPU": "1", "NNODES": "1"}
+    out = subprocess.run(
+        ["bash", str(REPO / "launch.sh"), "--training.steps=3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out
+    assert lines[0].strip().endswith("-m graphtrain train --training.steps=3")
+    assert "torch.distributed.run" not in out
+
+
 @pytest.mark.parametrize(
     "layout",
     [

@@ -9,6 +9,7 @@ from graphtrain.checkpoint.manager import (
     resolve,
     to_delete,
 )
+from graphtrain.checkpoint.resume import resume_differences
 
 __all__ = [
     "CheckpointCorruptError",
@@ -16,5 +17,6 @@ __all__ = [
     "CheckpointSaveError",
     "complete_checkpoints",
     "resolve",
+    "resume_differences",
     "to_delete",
 ]

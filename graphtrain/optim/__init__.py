@@ -2,6 +2,7 @@
 
 from graphtrain.optim.adamw_bf16 import AdamWBF16
 from graphtrain.optim.clip import clip_grad_norm_, global_norm
+from graphtrain.optim.memory import optimizer_state_bytes
 from graphtrain.optim.optimizer import build_optimizer
 from graphtrain.optim.precision import FP32GradAccumulator, cast_parameters_
 from graphtrain.optim.schedule import (
@@ -21,5 +22,6 @@ __all__ = [
     "cast_parameters_",
     "clip_grad_norm_",
     "global_norm",
+    "optimizer_state_bytes",
     "parse_token_count",
 ]

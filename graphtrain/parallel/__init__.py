@@ -13,8 +13,8 @@ order.
 
 Data: each rank reads the slice dp_mesh(mesh).get_local_rank() of dp_size slices of the global
 batch (ranks of one tp group read the same rows). Loss to report: its average over dp_mesh(mesh).
-Once per step, after backward, the trainer finishes two kinds of gradients no hook reduces:
-expert-parallel weights (reduce_expert_grads) and MoE layers under tp (reduce_partial_grads).
+parallelize_model returns a GradientFinisher: call it once per step, after the last backward,
+to finish the gradients no FSDP hook reduces (expert-parallel weights, MoE layers under tp).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from graphtrain.parallel.activation_checkpoint import AC_MODES, apply_ac
 from graphtrain.parallel.expert_parallel import apply_ep, expert_params, reduce_expert_grads
 from graphtrain.parallel.fsdp import apply_fsdp
+from graphtrain.parallel.gradients import GradientFinisher
 from graphtrain.parallel.init import apply_reproducible_init
 from graphtrain.parallel.mesh import (
     ParallelDims,
@@ -35,6 +36,7 @@ from graphtrain.parallel.mesh import (
     dp_mesh,
     expert_dp_mesh,
     fsdp_mesh,
+    init_distributed,
     validate_model_for_tp,
 )
 from graphtrain.parallel.tensor_parallel import (
@@ -47,6 +49,7 @@ from graphtrain.parallel.tensor_parallel import (
 __all__ = [
     "AC_MODES",
     "STYLES",
+    "GradientFinisher",
     "ParallelDims",
     "apply_ac",
     "apply_ep",
@@ -58,6 +61,7 @@ __all__ = [
     "expert_dp_mesh",
     "expert_params",
     "fsdp_mesh",
+    "init_distributed",
     "parallelize_model",
     "partial_grad_params",
     "reduce_expert_grads",
@@ -76,8 +80,9 @@ def parallelize_model(
     compile_options: dict[str, Any] | None,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
-) -> nn.Module:
-    """Apply EP -> TP -> compile -> AC -> FSDP to `model` in place (and return it).
+) -> GradientFinisher:
+    """Apply EP -> TP -> compile -> AC -> FSDP to `model` in place; returns the call that
+    finishes each step's gradients (see graphtrain.parallel.gradients).
 
     `mesh` comes from build_mesh(dims, ...); None is fine for one process (nothing to shard).
     compile_options: keyword arguments of graphtrain.compile.apply_compile, None for eager.
@@ -138,4 +143,4 @@ def parallelize_model(
 
     # 5. Seeded init must reproduce the unsharded values whatever the layout above.
     apply_reproducible_init(model)
-    return model
+    return GradientFinisher(model, mesh, dims, plan)

@@ -15,10 +15,12 @@ all-reduces over it).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
@@ -102,6 +104,29 @@ class ParallelDims:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+
+def init_distributed(device_choice: str) -> tuple[torch.device, int, int]:
+    """This process's device, rank and world size; starts the process group (nccl on CUDA,
+    gloo on CPU) when torchrun launched several ranks. device_choice: "auto", "cuda" or
+    "cpu" (training.device); rank and world size come from torchrun's environment."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if device_choice == "auto":
+        device_choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_choice == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("training.device='cuda' but no CUDA device is visible")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device, rank, world_size
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:

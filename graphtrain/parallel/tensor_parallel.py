@@ -14,9 +14,11 @@ backward ("'Tensor' object has no attribute '_local_tensor'"). DTensor block inp
 are handled by AOT autograd as subclass inputs, with no such view; eager cost: the residual adds
 go through DTensor dispatch (a local add, no communication).
 
-The output head gathers the logits to a full (B, T, V) tensor so that the model's plain
-F.cross_entropy works unchanged; a vocab-parallel fused loss (logits kept Shard(-1), no gather)
-replaces "colwise_head" when the fused linear+cross-entropy op learns tp.
+The output head ("colwise_head") splits the vocab and gathers the logits to a full (B, T, V)
+tensor, so that the model's plain F.cross_entropy works unchanged in eager runs. Compiled, the
+fuse_linear_cross_entropy pass recognises that head + gather + cross_entropy chain and replaces
+it with graphtrain.linear_cross_entropy_vocab_parallel on the local vocab shard: the full
+logits are never gathered (see graphtrain/passes/fuse_linear_cross_entropy.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,190 @@
+"""One optimizer step: micro-batches -> forward/backward -> gradients finished -> clip ->
+optimizer -> statistics. A batch enters here from the loop (graphtrain.trainer) and leaves as
+an optimizer update; nothing of it goes back to the loop but a StepStats.
+
+What
+    ForwardLoss(model, device, attention, autocast)(batch, stats) -> the micro-batch's mean
+        loss: model_inputs() copies the batch to the device and builds the attention mask; the
+        model runs under autocast and fills `stats` (below). Training and validation share it.
+    TrainStep(...)(batches, step=...) -> StepStats: the learning rate of `step`, then each
+        micro-batch's loss weighted by its share of the step's labelled tokens (the step's loss
+        is the mean over all its tokens on this rank, whatever the micro-batches hold; FSDP
+        then averages the ranks), backward, fp32 accumulation for chosen parameters, the
+        layout's gradient finishing (graphtrain.parallel.GradientFinisher), clipping, the
+        optimizer step (its step pre-hooks run there: MoE expert-bias updates), zero_grad.
+        num_micro_batches(consumed_tokens) says how many batches the loop hands it (the batch
+        size schedule).
+
+Step statistics (StepStats.extra), the one place to add a per-step device statistic. From the
+model: its forward takes `stats`, a dict it fills with detached device tensors (e.g. the MTP
+depths' "mtp/loss_1", "mtp/acceptance_1"); their loss-weighted mean over the micro-batches is
+logged under those names. From elsewhere: a step hook. A hook has
+    micro_batch(weight) -> context manager   entered around each micro-batch's forward and
+                                             backward (weight: its loss weight in the step)
+    statistics() -> dict[str, Tensor]        detached device tensors of the step just taken,
+                                             called after the optimizer step
+and their dicts are merged into StepStats.extra: graphtrain.balance.RouterBalance (MoE load,
+bias, aux losses, non-finite router logits) and FP8Saturation (graphtrain.custom_ops.fp8_cast's
+counters). The loop logs every entry of extra at log steps with one host sync for all of them
+(graphtrain.trainer); between log steps they stay on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from graphtrain.attention import build_attention_mask
+from graphtrain.metrics import model_training_flops
+from graphtrain.optim import BatchSizeSchedule, FP32GradAccumulator, LRSchedule, clip_grad_norm_
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """One optimizer step, as the loop sees it. Tensors are on the device, detached."""
+
+    loss: torch.Tensor  # fp32 scalar: the step's mean loss on this rank
+    grad_norm: torch.Tensor  # scalar: global norm over all ranks, before clipping
+    lr: float
+    num_micro_batches: int
+    tokens: int  # tokens of the step over all data-parallel ranks
+    flops: int  # training FLOPs of this rank's micro-batches (whole matmuls: before tp splits)
+    extra: dict[str, torch.Tensor]  # step hooks' statistics, see the module docstring
+
+
+class StepHook(Protocol):
+    def micro_batch(self, weight: float) -> contextlib.AbstractContextManager[None]: ...
+
+    def statistics(self) -> dict[str, torch.Tensor]: ...
+
+
+class FP8Saturation:
+    """Step hook: the fraction of values the step's FP8 casts clipped or flushed, per tensor
+    class (graphtrain.custom_ops.fp8_linear's device-side counters, read and reset per step)."""
+
+    def micro_batch(self, weight: float) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def statistics(self) -> dict[str, torch.Tensor]:
+        from graphtrain.custom_ops.fp8_linear import fp8_saturation_stats
+
+        return fp8_saturation_stats()
+
+
+def model_inputs(batch: TensorDict, device: torch.device, attention: str) -> dict[str, Any]:
+    """A loader batch on `device` as the model's keyword arguments: input_ids, labels,
+    position_ids, the attention mask built from the document ids for the chosen attention, and
+    the document ids (MTP's shifts stay inside documents)."""
+    if device.type == "cuda":
+        batch = batch.pin_memory()  # so that the copy below is really asynchronous
+    batch = batch.to(device, non_blocking=True)
+    return {
+        "input_ids": batch["input_ids"],
+        "labels": batch["labels"],
+        "position_ids": batch["position_ids"],
+        "attn_mask": build_attention_mask(batch["document_ids"], attention),
+        "document_ids": batch["document_ids"],
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardLoss:
+    """batch -> the model's mean loss over it (training and validation alike)."""
+
+    model: nn.Module
+    device: torch.device
+    attention: str
+    autocast: contextlib.AbstractContextManager  # reusable: torch.autocast or nullcontext
+
+    def __call__(
+        self, batch: TensorDict, stats: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        inputs = model_inputs(batch, self.device, self.attention)
+        with self.autocast:
+            return self.model(**inputs, stats=stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    forward: ForwardLoss
+    optimizer: torch.optim.Optimizer
+    lr_schedule: LRSchedule
+    batch_schedule: BatchSizeSchedule
+    fp32_grads: FP32GradAccumulator
+    finish_gradients: Callable[[], None]  # graphtrain.parallel.GradientFinisher
+    max_norm: float
+    hooks: Sequence[StepHook]
+    model_cfg: Any  # for the FLOPs count
+    micro_batch_size: int
+    seq_len: int
+    dp_size: int
+
+    def num_micro_batches(self, consumed_tokens: int) -> int:
+        """Micro-batches per rank of the step that starts after `consumed_tokens`."""
+        return self.batch_schedule.micro_batches_per_step(
+            consumed_tokens,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
+            dp_world_size=self.dp_size,
+        )
+
+    def __call__(self, batches: list[TensorDict], *, step: int) -> StepStats:
+        """Train on `batches` (this rank's micro-batches of the step) as optimizer step `step`
+        (0-based). No host sync."""
+        lr = self.lr_schedule.apply(self.optimizer, step)
+        loss, flops, model_stats = self._forward_backward(batches)
+        self.fp32_grads.finalize()
+        self.finish_gradients()
+        params = list(self.forward.model.parameters())
+        grad_norm = clip_grad_norm_(params, self.max_norm)
+        self.optimizer.step()  # step pre-hooks run first (MoE expert biases)
+        self.optimizer.zero_grad(set_to_none=True)
+        extra = model_stats
+        for hook in self.hooks:
+            extra.update(hook.statistics())
+        return StepStats(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            num_micro_batches=len(batches),
+            tokens=len(batches) * self.micro_batch_size * self.seq_len * self.dp_size,
+            flops=flops,
+            extra=extra,
+        )
+
+    def _forward_backward(
+        self, batches: list[TensorDict]
+    ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        """Gradients of the step's loss accumulated over `batches`; (loss, FLOPs, the model's
+        statistics: their loss-weighted mean over the micro-batches)."""
+        step_loss = torch.zeros((), device=self.forward.device)
+        model_stats: dict[str, torch.Tensor] = {}
+        # Counts come from the loader (CPU tensors): no device sync.
+        num_labels = [batch["num_label_tokens"] for batch in batches]
+        flops = 0
+        for batch, n in zip(batches, num_labels, strict=True):
+            # Exact FLOPs of this rank's micro-batch (document-causal attention pairs
+            # included), counted on the host from the loader's CPU-side numbers.
+            flops += model_training_flops(
+                self.model_cfg,
+                num_tokens=batch["input_ids"].numel(),
+                num_attention_pairs=int(batch["num_attention_pairs"]),
+            )
+            weight = n / max(sum(num_labels), 1)
+            with contextlib.ExitStack() as scopes:
+                for hook in self.hooks:
+                    scopes.enter_context(hook.micro_batch(weight))
+                batch_stats: dict[str, torch.Tensor] = {}
+                loss = self.forward(batch, batch_stats)
+                (loss * weight).backward()
+            self.fp32_grads.after_backward()
+            step_loss += loss.detach().float() * weight
+            for name, value in batch_stats.items():
+                model_stats[name] = model_stats.get(name, 0.0) + value.detach().float() * weight
+        return step_loss, flops, model_stats

@@ -504,6 +504,7 @@ def test_non_finite_router_logits_are_counted_per_layer(tmp_path):
         with torch.no_grad():
             router.gate.weight[3, 5] = float("nan")  # expert 3's logit is NaN for every token
         if compiled:
+            torch._dynamo.reset()  # compile here (and dump), not reuse an earlier test's code
             apply_compile(model, inner="aot_eager", dump_dir=tmp_path)
         assert model(x, y).isnan()
         counts = {n: r.last_nonfinite for n, r in model.routers()}

@@ -78,6 +78,9 @@ NNODES="${NNODES:-1}"
 if [[ "$NGPU" == "1" && "$NNODES" == "1" ]]; then
     run "$PY" -m graphtrain train "${args[@]}"
 fi
+# Check the config and the layout once, before any rank starts: a mistake is then one line and
+# exit code 2 instead of a traceback from every rank.
+WORLD_SIZE=$((NGPU * NNODES)) "$PY" -m graphtrain train --check "${args[@]}" || exit $?
 run "$PY" -m torch.distributed.run \
     --nnodes "$NNODES" --nproc-per-node "$NGPU" --node-rank "${NODE_RANK:-0}" \
     --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-29500}" \

@@ -10,7 +10,9 @@ USAGE = """usage: graphtrain COMMAND ...
 
 commands:
   train     train a model: graphtrain train [--preset NAME] [--config FILE.toml]
-            [--section.key=value ...] (`graphtrain train --help` lists every config key)
+            [--section.key=value ...] (`graphtrain train --help` lists every config key);
+            `graphtrain train --check ...` only checks the config and the layout for
+            $WORLD_SIZE ranks (launch.sh does this once before starting the ranks)
   inspect   show what the compiler does to a model (see `graphtrain inspect --help`)
   export    write a run's model as Hugging Face safetensors (see `graphtrain export --help`)
 
@@ -37,10 +39,33 @@ def _train(args: list[str]) -> int:
         print(USAGE.format(presets=_presets()))
         print(describe_keys(load_config(rest)))
         return 0
+    if "--check" in args:
+        return _check([a for a in args if a != "--check"])
     cfg = load_config(args)
     from graphtrain.trainer import train
 
     train(cfg)
+    return 0
+
+
+def _check(args: list[str]) -> int:
+    """Resolve the config and check the layout for WORLD_SIZE ranks, without starting anything:
+    launch.sh runs it once, so that a bad config is one line and exit code 2, not one traceback
+    per rank from torchrun."""
+    from graphtrain.config import load_config
+    from graphtrain.parallel import ParallelDims, validate_model_for_tp
+
+    cfg = load_config(args)
+    p = cfg.parallel
+    dims = ParallelDims(
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        ep=p.ep,
+        etp=p.etp,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
+    validate_model_for_tp(cfg.model, dims.tp, seq_len=cfg.training.seq_len, etp=dims.etp)
     return 0
 
 

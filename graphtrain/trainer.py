@@ -98,10 +98,9 @@ def _run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
     name = [cfg.training.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"]
     if world_size > 1:
         dist.broadcast_object_list(name, src=0)
-    path = Path(name[0])
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    return path
+    # Created (rank 0) only once the start has passed its checks: a failed start leaves no
+    # empty run directory behind.
+    return Path(name[0])
 
 
 def _param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
@@ -294,7 +293,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     lr_schedule = LRSchedule(
         lr=o.lr,
         min_lr=cfg.schedule.min_lr,
-        warmup_steps=cfg.schedule.warmup_steps,
+        warmup_steps=cfg.warmup_steps,
         decay_steps=cfg.decay_steps,
         total_steps=t_cfg.steps,
         decay_style=cfg.schedule.decay_style,
@@ -331,6 +330,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     # checkpoint, a wrong resume) leaves the previous config.toml and tokenizer.json, which
     # `graphtrain export` reads, as they were.
     if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
         write_run_info(run_dir, {"world_size": world_size, "parallel": str(dims)})
         if data.tokenizer is not None and data.tokenizer.path is not None:
@@ -343,7 +343,12 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         else peak_flops(device, param_dtype)
     )
     metrics = MetricsLogger(
-        run_dir, rank=rank, tensorboard=cfg.metrics.tensorboard, total_steps=t_cfg.steps
+        run_dir,
+        rank=rank,
+        tensorboard=cfg.metrics.tensorboard,
+        total_steps=t_cfg.steps,
+        # Rows after the checkpoint's step are superseded; a fresh run starts a new record.
+        resume_step=step if cfg.checkpoint.resume else None,
     )
     metrics.log(step, optim_state)
     result = TrainResult(run_dir=run_dir, steps=t_cfg.steps, losses=[], val_losses={})
@@ -468,7 +473,10 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         if last or (val_interval and step % val_interval == 0):
             log_validation(step)
             window_start = time.perf_counter()  # keep validation out of tokens/s
-        if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or last):
+        ckpt = cfg.checkpoint
+        if (ckpt.interval and step % ckpt.interval == 0) or (
+            last and (ckpt.interval or ckpt.final)
+        ):
             checkpoints.save(
                 step,
                 model=model,

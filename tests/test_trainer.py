@@ -249,6 +249,63 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     )
 
 
+def test_every_run_ends_with_a_checkpoint_that_exports(corpus, tmp_path, capsys):
+    """The README's flow: train without any checkpoint key, then `graphtrain export RUN_DIR`."""
+    from graphtrain.cli import main
+
+    train(load_config(job(corpus, tmp_path / "a", "--training.steps=3")))
+    run = tmp_path / "a" / "run"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000003"]
+    assert main(["export", str(run), str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    # Turned off, there is nothing to export, and the error names the key.
+    train(
+        load_config(job(corpus, tmp_path / "b", "--training.steps=3", "--checkpoint.final=false"))
+    )
+    assert not (tmp_path / "b" / "run" / "checkpoints").exists()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "b" / "run"), str(tmp_path / "hf2")]) == 2
+    assert "checkpoint.final" in capsys.readouterr().err
+
+
+def test_a_failed_start_leaves_no_run_directory(corpus, tmp_path):
+    with pytest.raises(ValueError, match="vocab"):
+        train(load_config(job(corpus, tmp_path, "--model.vocab_size=280")))
+    assert not (tmp_path / "run").exists()
+
+
+def _launch(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """launch.sh with this interpreter's environment (no set-up) and this checkout first."""
+    env = {
+        **os.environ,
+        "VIRTUAL_ENV": str(Path(sys.executable).parent.parent),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(REPO / "launch.sh"), *args], capture_output=True, text=True, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--training.steps=abc", "graphtrain: error: config key 'training.steps' expects int"),
+        ("--parallel.tp=3", "graphtrain: error: parallel.dp_shard=-1 takes what is left"),
+    ],
+)
+def test_launch_sh_multi_rank_config_error_is_one_line_with_exit_code_2(tmp_path, arg, message):
+    # Checked once before torchrun starts any rank: one line, no traceback.
+    out = _launch(
+        [arg, "--training.device=cpu", f"--training.run_dir={tmp_path / 'run'}"], NGPU="2"
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().startswith(message), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_launch_sh_dry_run_builds_the_torchrun_command():
     env = {
         **os.environ,

@@ -123,7 +123,11 @@ def resolve(path: Path, which: str = "latest") -> Path:
     found = complete_checkpoints(path)
     if which == "latest":
         if not found:
-            raise ValueError(f"{path}/checkpoints has no complete checkpoint")
+            raise ValueError(
+                f"{path}/checkpoints has no complete checkpoint: a run saves one when it ends "
+                "(checkpoint.final, on by default) and every checkpoint.interval steps; was "
+                "the run stopped early, or started with --checkpoint.final=false?"
+            )
         return found[-1]
     ckpt = path / "checkpoints" / which
     if ckpt not in found:

@@ -36,6 +36,7 @@ from graphtrain.metrics import (
     peak_flops,
     write_run_info,
 )
+from graphtrain.metrics.banner import start_banner
 from graphtrain.optim import (
     BatchSizeSchedule,
     FP32GradAccumulator,
@@ -58,6 +59,7 @@ from graphtrain.parallel import (
     validate_model_for_tp,
 )
 from models import build_model, tp_plan
+from models.moe import MoEConfig, active_params
 
 logger = logging.getLogger("graphtrain")
 
@@ -336,6 +338,26 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         if data.tokenizer is not None and data.tokenizer.path is not None:
             # The run dir holds its tokenizer, so `graphtrain export` can always find it.
             shutil.copyfile(data.tokenizer.path, run_dir / "tokenizer.json")
+
+    if rank == 0:  # the start banner: what this run is about to do
+        logger.info(
+            "\n%s",
+            start_banner(
+                cfg,
+                run_dir=run_dir,
+                dims=dims,
+                num_params=sum(p.numel() for p in model.parameters()),  # DTensor: global numel
+                active_params=active_params(m_cfg) if isinstance(m_cfg, MoEConfig) else None,
+                param_dtype=str(param_dtype).removeprefix("torch."),
+                device=device.type,
+                micro_batches_per_step=batch_schedule.micro_batches_per_step(
+                    consumed_tokens,
+                    micro_batch_size=t_cfg.micro_batch_size,
+                    seq_len=t_cfg.seq_len,
+                    dp_world_size=dims.dp_size,
+                ),
+            ),
+        )
 
     peak = (
         cfg.metrics.peak_tflops * 1e12

@@ -15,6 +15,8 @@ commands:
             $WORLD_SIZE ranks (launch.sh does this once before starting the ranks)
   inspect   show what the compiler does to a model (see `graphtrain inspect --help`)
   export    write a run's model as Hugging Face safetensors (see `graphtrain export --help`)
+  generate  continue a prompt with a run's newest checkpoint (see `graphtrain generate --help`)
+  eval      loss and perplexity of a run on held-out files (see `graphtrain eval --help`)
 
 presets: {presets}
 """
@@ -108,7 +110,25 @@ def _presets() -> str:
     return ", ".join(JOB_PRESETS)
 
 
-COMMANDS = {"train": _train, "inspect": _inspect, "export": _export}
+def _generate(args: list[str]) -> int:
+    from graphtrain.generate import main as generate_main
+
+    return generate_main(args)
+
+
+def _eval(args: list[str]) -> int:
+    from graphtrain.evaluate import main as eval_main
+
+    return eval_main(args)
+
+
+COMMANDS = {
+    "train": _train,
+    "inspect": _inspect,
+    "export": _export,
+    "generate": _generate,
+    "eval": _eval,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

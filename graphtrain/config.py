@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import tomllib
 
+from graphtrain.metrics.profiling import parse_step_range
 from models import MODEL_PRESETS, GPTConfig
 
 
@@ -211,10 +212,16 @@ class MetricsConfig:
     val_batches: int = 8  # held-out micro-batches per validation
     tensorboard: bool = True  # also write TensorBoard events to run_dir/tb
     peak_tflops: float = 0.0  # per device, for MFU; 0 -> from the device name, if known
+    # Optimizer steps to run under the torch profiler, e.g. "10-12" (a trace per rank in
+    # run_dir/profile/); "" -> none.
+    profile_steps: str = ""
+    # Also record a CUDA memory snapshot over profile_steps (run_dir/memory/); CUDA only.
+    memory_snapshot: bool = False
 
     def __post_init__(self) -> None:
         _positive("metrics", self, "log_interval", "val_batches")
         _positive("metrics", self, "val_interval", "peak_tflops", allow_zero=True)
+        parse_step_range(self.profile_steps)
 
 
 @dataclass(frozen=True)

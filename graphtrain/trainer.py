@@ -37,6 +37,7 @@ from graphtrain.metrics import (
     write_run_info,
 )
 from graphtrain.metrics.banner import start_banner
+from graphtrain.metrics.profiling import StepProfiler
 from graphtrain.optim import (
     BatchSizeSchedule,
     FP32GradAccumulator,
@@ -162,6 +163,13 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
     dp_rank = dp_mesh(mesh).get_local_rank() if dims.dp_size > 1 else 0
 
     run_dir = _run_dir(cfg, rank, world_size)
+    profiler = StepProfiler(  # checks metrics.memory_snapshot against the device, allocates nothing
+        run_dir,
+        steps=cfg.metrics.profile_steps,
+        memory_snapshot=cfg.metrics.memory_snapshot,
+        device=device,
+        rank=rank,
+    )
     saved = complete_checkpoints(run_dir)
     if saved and not cfg.checkpoint.resume:
         # A fresh start would overwrite and prune these: never lose saved work silently.
@@ -421,6 +429,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             seq_len=t_cfg.seq_len,
             dp_world_size=dims.dp_size,
         )
+        profiler.before_step(step + 1)  # metrics.profile_steps
         lr = lr_schedule.apply(optimizer, step)
         step_loss = torch.zeros((), device=device)
         batches = [next(train_iter) for _ in range(num_micro)]
@@ -461,6 +470,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         first_bad = torch.where(torch.isfinite(step_loss), first_bad, first_bad.clamp(max=step))
         pending.append(step_loss)
 
+        profiler.after_step(step)
         last = step == t_cfg.steps
         if step % cfg.metrics.log_interval == 0 or last:
             losses = _all_reduce(torch.stack(pending), dp_group) / dims.dp_size
@@ -514,6 +524,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             )
             window_start = time.perf_counter()
     checkpoints.wait()  # an async save in flight is complete before train() returns
+    profiler.close()  # a range past the last step still writes what it recorded
     metrics.close()
     if dump_dir is not None:  # what the compiler did, as `graphtrain inspect` shows it
         write_report(dump_dir, run_dir / "inspect", inner=cfg.compile.backend)

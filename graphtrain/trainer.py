@@ -37,6 +37,7 @@ from graphtrain.metrics import (
     write_run_info,
 )
 from graphtrain.metrics.banner import start_banner
+from graphtrain.metrics.energy import EnergyMeter, energy_metrics
 from graphtrain.metrics.profiling import StepProfiler
 from graphtrain.optim import (
     BatchSizeSchedule,
@@ -417,6 +418,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         log_validation(0)
 
     train_iter = iter(data.train)
+    energy = EnergyMeter(device)  # energy per token where NVML reads the GPU's counter
     # Losses of the steps since the last log, and the first step with a non-finite loss, stay
     # on the device until a log step.
     pending: list[torch.Tensor] = []
@@ -498,6 +500,11 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
             if peak:
                 entry["mfu"] = device_flops / elapsed / peak
             entry.update(memory_stats(device))
+            if energy.available:  # NVML's energy counter, summed over the ranks
+                joules = energy.joules_since_last()
+                total = torch.tensor(joules, dtype=torch.float64, device=device)
+                total = _all_reduce(total, dist.group.WORLD if world_size > 1 else None).item()
+                entry.update(energy_metrics(joules, total, tokens=window_tokens, seconds=elapsed))
             entry.update(balance.metrics())
             metrics.log(step, entry)
             window_tokens, window_flops, window_start = 0, 0, time.perf_counter()

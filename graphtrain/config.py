@@ -119,6 +119,9 @@ class DataConfig:
     # Files or globs of .txt/.jsonl/.parquet text or .bin/.npy token shards; [] -> the embedded
     # default corpus (the Python standard library's source).
     paths: list[str] = field(default_factory=list)
+    # A blend (Megatron-style): one weight per entry of paths, each entry a source of its own,
+    # rows drawn in these proportions (normalised), deterministic and resumable; [] -> no blend.
+    weights: list[float] = field(default_factory=list)
     # Held-out files or globs for validation; [] -> a deterministic split of data.paths.
     val_paths: list[str] = field(default_factory=list)
     tokenizer: str = ""  # a tokenizer.json; "" -> the default BPE trained on the default corpus
@@ -127,6 +130,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_choices("data", self)
+        if self.weights and len(self.weights) != len(self.paths):
+            raise ValueError(
+                f"data.weights={self.weights} needs one weight per entry of data.paths="
+                f"{self.paths} ({len(self.paths)}); the default corpus cannot be blended"
+            )
+        if any(w <= 0 for w in self.weights):
+            raise ValueError(f"data.weights must all be > 0, got {self.weights}")
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,7 @@ def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> 
         cache_dir=cache_dir,
         val_paths=cfg.data.val_paths or None,
         token_dtype=cfg.data.token_dtype,
+        weights=cfg.data.weights or None,  # a blend of the paths
     )
     if data.vocab_size_needed > m_cfg.vocab_size:
         raise ValueError(

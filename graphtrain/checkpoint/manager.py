@@ -120,6 +120,8 @@ def resolve(path: Path, which: str = "latest") -> Path:
             f"checkpoint.resume={which!r} is not a complete checkpoint folder (a folder "
             "step-NNNNNNN in a run's checkpoints/; a step-NNNNNNN.tmp was never completed)"
         )
+    if not path.is_dir():
+        raise ValueError(f"{path} does not exist: give a run directory or a checkpoint folder")
     found = complete_checkpoints(path)
     if which == "latest":
         if not found:

@@ -274,11 +274,19 @@ def test_a_failed_start_leaves_no_run_directory(corpus, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def _launch(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    """launch.sh with this interpreter's environment (no set-up) and this checkout first."""
+def _launch(tmp_path: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """launch.sh running this interpreter with this checkout first, and no set-up: its
+    VIRTUAL_ENV is a stand-in whose python runs this one and whose install stamp is fresh, so
+    launch.sh never installs anything into the environment the tests run in."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    (venv / ".graphtrain-installed").touch()
     env = {
         **os.environ,
-        "VIRTUAL_ENV": str(Path(sys.executable).parent.parent),
+        "VIRTUAL_ENV": str(venv),
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         **env,
@@ -297,9 +305,8 @@ def _launch(args: list[str], **env: str) -> subprocess.CompletedProcess:
 )
 def test_launch_sh_multi_rank_config_error_is_one_line_with_exit_code_2(tmp_path, arg, message):
     # Checked once before torchrun starts any rank: one line, no traceback.
-    out = _launch(
-        [arg, "--training.device=cpu", f"--training.run_dir={tmp_path / 'run'}"], NGPU="2"
-    )
+    run = tmp_path / "run"
+    out = _launch(tmp_path, [arg, "--training.device=cpu", f"--training.run_dir={run}"], NGPU="2")
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().startswith(message), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -55,19 +55,9 @@ def _check(args: list[str]) -> int:
     launch.sh runs it once, so that a bad config is one line and exit code 2, not one traceback
     per rank from torchrun."""
     from graphtrain.config import load_config
-    from graphtrain.parallel import ParallelDims, validate_model_for_tp
+    from graphtrain.trainer import check_layout
 
-    cfg = load_config(args)
-    p = cfg.parallel
-    dims = ParallelDims(
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        tp=p.tp,
-        ep=p.ep,
-        etp=p.etp,
-        world_size=int(os.environ.get("WORLD_SIZE", "1")),
-    )
-    validate_model_for_tp(cfg.model, dims.tp, seq_len=cfg.training.seq_len, etp=dims.etp)
+    check_layout(load_config(args), int(os.environ.get("WORLD_SIZE", "1")))
     return 0
 
 

@@ -121,6 +121,22 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
+def check_layout(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """The parallel axes of `cfg` on `world_size` ranks, checked against the model (a ValueError
+    naming the numbers otherwise); also `graphtrain train --check`, before any rank starts."""
+    p = cfg.parallel
+    dims = ParallelDims(
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        ep=p.ep,
+        etp=p.etp,
+        world_size=world_size,
+    )
+    validate_model_for_tp(cfg.model, dims.tp, seq_len=cfg.training.seq_len, etp=dims.etp)
+    return dims
+
+
 def train(cfg: JobConfig) -> TrainResult:
     """Run one training job described by `cfg`; returns the losses it logged."""
     device, rank, world_size = _init_distributed(cfg.training.device)
@@ -142,16 +158,7 @@ def train(cfg: JobConfig) -> TrainResult:
 def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> TrainResult:
     t_cfg, m_cfg = cfg.training, cfg.model
     # Layout and model checks first: nothing large is allocated before they pass.
-    p = cfg.parallel
-    dims = ParallelDims(
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        tp=p.tp,
-        ep=p.ep,
-        etp=p.etp,
-        world_size=world_size,
-    )
-    validate_model_for_tp(m_cfg, dims.tp, seq_len=t_cfg.seq_len, etp=dims.etp)
+    dims = check_layout(cfg, world_size)
     attention = resolve_attention(t_cfg.attention, device)
     if cfg.checkpoint.async_save and device.type != "cuda":
         raise ValueError(

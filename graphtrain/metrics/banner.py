@@ -81,8 +81,9 @@ def start_banner(
         ("model", f"{cfg.preset}: {params}"),
         (
             "tokens",
-            f"{per_step:,} per step ({micro_batches_per_step} micro-batches x {dp_size} "
-            f"data-parallel ranks x {per_micro:,} per micro-batch: {t.micro_batch_size} x "
+            f"{per_step:,} per step ({micro_batches_per_step} micro-batch"
+            f"{'es' if micro_batches_per_step != 1 else ''} x {dp_size} data-parallel "
+            f"rank{'s' if dp_size != 1 else ''} x {per_micro:,} per micro-batch: {t.micro_batch_size} x "
             f"{t.seq_len}); {t.steps} steps, warm-up {cfg.warmup_steps}, "
             f"decay {cfg.decay_steps} ({cfg.schedule.decay_style})",
         ),

@@ -81,6 +81,7 @@ def test_moe_banner_shows_active_parameters_and_the_final_checkpoint_plan():
     )
     assert f["layout"].endswith("(experts: ep 2, etp 1)")
     assert f["compile"] == "off (eager)"
+    assert f["tokens"].startswith("8,192 per step (1 micro-batch x 2 data-parallel ranks x 4,096")
     assert f["checkpoints"] == "at the end (checkpoint.interval=0), keep the last 2"
     cfg = load_config(["--checkpoint.final=false", "--checkpoint.resume=latest"])
     text = start_banner(

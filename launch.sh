@@ -79,17 +79,22 @@ NNODES="${NNODES:-1}"
 
 if [[ "$NGPU" == "1" && "$NNODES" == "1" ]]; then
     run "$PY" -m graphtrain train "${args[@]}"
-elif [[ "$NNODES" == "1" ]]; then
+fi
+# Check the config and the layout once, before any rank starts: a mistake is then one line and
+# exit code 2 instead of a traceback from every rank.
+if [[ "${DRY_RUN:-0}" != "1" ]]; then
+    WORLD_SIZE=$((NGPU * NNODES)) "$PY" -m graphtrain train --check "${args[@]}" || exit $?
+fi
+if [[ "$NNODES" == "1" ]]; then
     run "$PY" -m torch.distributed.run \
         --nnodes 1 --nproc-per-node "$NGPU" \
         --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-29500}" \
         -m graphtrain train "${args[@]}"
-else
-    # Several nodes meet in a c10d rendezvous at MASTER_ADDR:MASTER_PORT (the node on that host
-    # starts its store; nodes may start in any order and wait for each other).
-    run "$PY" -m torch.distributed.run \
-        --nnodes "$NNODES" --nproc-per-node "$NGPU" --node-rank "${NODE_RANK:-0}" \
-        --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}" \
-        --rdzv-id "${RDZV_ID:-graphtrain}" \
-        -m graphtrain train "${args[@]}"
 fi
+# Several nodes meet in a c10d rendezvous at MASTER_ADDR:MASTER_PORT (the node on that host
+# starts its store; nodes may start in any order and wait for each other).
+run "$PY" -m torch.distributed.run \
+    --nnodes "$NNODES" --nproc-per-node "$NGPU" --node-rank "${NODE_RANK:-0}" \
+    --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}" \
+    --rdzv-id "${RDZV_ID:-graphtrain}" \
+    -m graphtrain train "${args[@]}"

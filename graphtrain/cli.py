@@ -13,10 +13,14 @@ USAGE = """usage: graphtrain COMMAND ...
 
 commands:
   train     train a model: graphtrain train [--preset NAME] [--config FILE.toml]
-            [--section.key=value ...] (`graphtrain train --help` lists every config key)
+            [--section.key=value ...] (`graphtrain train --help` lists every config key);
+            `graphtrain train --check ...` only checks the config and the layout for
+            $WORLD_SIZE ranks (launch.sh does this once before starting the ranks)
   inspect   show what the compiler does to a model (see `graphtrain inspect --help`)
   export    write a run's model as Hugging Face safetensors (see `graphtrain export --help`)
   plan      predicted memory per rank of a layout, without a device (`graphtrain plan --help`)
+  generate  continue a prompt with a run's newest checkpoint (see `graphtrain generate --help`)
+  eval      loss and perplexity of a run on held-out files (see `graphtrain eval --help`)
 
 presets: {presets}
 """
@@ -41,10 +45,23 @@ def _train(args: list[str]) -> int:
         print(USAGE.format(presets=_presets()))
         print(describe_keys(load_config(rest)))
         return 0
+    if "--check" in args:
+        return _check([a for a in args if a != "--check"])
     cfg = load_config(args)
     from graphtrain.trainer import train
 
     train(cfg)
+    return 0
+
+
+def _check(args: list[str]) -> int:
+    """Resolve the config and check the layout for WORLD_SIZE ranks, without starting anything:
+    launch.sh runs it once, so that a bad config is one line and exit code 2, not one traceback
+    per rank from torchrun."""
+    from graphtrain.config import load_config
+    from graphtrain.trainer import check_layout
+
+    check_layout(load_config(args), int(os.environ.get("WORLD_SIZE", "1")))
     return 0
 
 
@@ -110,7 +127,26 @@ def _plan(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "inspect": _inspect, "export": _export, "plan": _plan}
+def _generate(args: list[str]) -> int:
+    from graphtrain.generate import main as generate_main
+
+    return generate_main(args)
+
+
+def _eval(args: list[str]) -> int:
+    from graphtrain.evaluate import main as eval_main
+
+    return eval_main(args)
+
+
+COMMANDS = {
+    "train": _train,
+    "inspect": _inspect,
+    "export": _export,
+    "generate": _generate,
+    "eval": _eval,
+    "plan": _plan,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,23 +15,31 @@ The `model` section is the model's own config dataclass (models/), chosen by the
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
+import re
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tomllib
 
+from graphtrain.metrics.profiling import parse_step_range
 from models import MODEL_PRESETS, GPTConfig
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-
-def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{section}.{name} must be one of {allowed}, got {value!r}")
+def _check_choices(section: str, obj: Any) -> None:
+    """Every Literal[...] field of `obj` holds one of its allowed values (the type hint is the
+    one list of choices: validation, the CLI and `--help` all read it)."""
+    for name, tp in typing.get_type_hints(type(obj)).items():
+        if typing.get_origin(tp) is Literal and getattr(obj, name) not in typing.get_args(tp):
+            raise ValueError(
+                f"{section}.{name} must be one of {typing.get_args(tp)}, got {getattr(obj, name)!r}"
+            )
 
 
 def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> None:
@@ -44,26 +52,27 @@ def _positive(section: str, obj: Any, *names: str, allow_zero: bool = False) -> 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    steps: int = 1000
-    seq_len: int = 256
+    steps: int = 1000  # optimizer steps to train for
+    seq_len: int = 256  # tokens per packed sequence
     # Sequences per data-parallel rank per micro-batch; gradient accumulation comes from
     # schedule.batch_size.
     micro_batch_size: int = 8
-    seed: int = 0
-    device: str = "auto"  # auto (cuda if available), cuda, cpu
+    seed: int = 0  # of the initialization and the data order
+    device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda if available, else cpu
     # Parameter/compute dtype. auto: bfloat16 on CUDA (fp32 master weights kept by FSDP2 or
     # autocast), float32 on CPU (bf16 matmuls are slow there).
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Gradient reduction dtype across data-parallel ranks.
-    reduce_dtype: str = "float32"
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Storage (and update) dtype of the parameters: float32 keeps fp32 master weights; bfloat16
     # is pure bf16 training (half the parameter and gradient memory; see optim.fp32_grad_accum).
-    master_dtype: str = "float32"
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
     # Attention for packed documents: auto (flex on CUDA, sdpa on CPU), flex, sdpa, or causal
     # (ignore document boundaries).
-    attention: str = "auto"
-    activation_checkpoint: str = "none"  # none, full
-    run_dir: str = ""  # "" -> runs/<preset>-<timestamp>
+    attention: Literal["auto", "flex", "sdpa", "causal"] = "auto"
+    # Activation checkpointing: none, or full (recompute every block in the backward).
+    activation_checkpoint: Literal["none", "full"] = "none"
+    run_dir: str = ""  # "" -> runs/<preset>-<date>-<time>
     # FP8 GEMMs (per-tensor current scaling) for the linears and experts the [fp8] filters
     # select: turns the fp8_linear graph pass on (the same as compile.passes = ["+fp8_linear"]).
     fp8: bool = False
@@ -72,28 +81,23 @@ class TrainingConfig:
     replica_check_interval: int = 1000
 
     def __post_init__(self) -> None:
+        _check_choices("training", self)
         _positive("training", self, "steps", "micro_batch_size")
         _positive("training", self, "replica_check_interval", allow_zero=True)
         if self.seq_len < 2:
             raise ValueError(f"training.seq_len must be >= 2, got {self.seq_len}")
-        _choice("training", "device", self.device, ("auto", "cuda", "cpu"))
-        _choice("training", "dtype", self.dtype, DTYPES)
-        _choice("training", "reduce_dtype", self.reduce_dtype, DTYPES[1:])
-        _choice("training", "master_dtype", self.master_dtype, ("float32", "bfloat16"))
         if self.master_dtype == "bfloat16" and self.dtype not in ("auto", "bfloat16"):
             raise ValueError(
                 f"training.master_dtype='bfloat16' computes in bfloat16, but training.dtype="
                 f"{self.dtype!r}; set training.dtype to 'bfloat16' (or 'auto')"
             )
-        _choice("training", "attention", self.attention, ("auto", "flex", "sdpa", "causal"))
-        _choice("training", "activation_checkpoint", self.activation_checkpoint, ("none", "full"))
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dp_replicate: int = 1
+    dp_replicate: int = 1  # replicated data-parallel groups (HSDP: replicate x shard)
     dp_shard: int = -1  # -1: every rank not used by the other axes
-    tp: int = 1
+    tp: int = 1  # tensor-parallel ranks (with sequence parallelism between blocks)
     # Expert parallel (MoE models): experts split over ep ranks carved out of dp_shard.
     ep: int = 1
     # Expert tensor parallel (MoE models with tp): 1, or tp to split every expert over tp.
@@ -103,32 +107,29 @@ class ParallelConfig:
     tp_overlap_chunks: int = 0
     # How overlap_tp_comm overlaps: auto (torch's symm_mem fused ops where the tp group has
     # symmetric memory, else chunked), chunked, or symm_mem.
-    tp_overlap_variant: str = "auto"
+    tp_overlap_variant: Literal["auto", "chunked", "symm_mem"] = "auto"
 
     def __post_init__(self) -> None:
+        _check_choices("parallel", self)
         _positive("parallel", self, "dp_replicate", "tp", "ep", "etp")
         _positive("parallel", self, "tp_overlap_chunks", allow_zero=True)
-        _choice(
-            "parallel",
-            "tp_overlap_variant",
-            self.tp_overlap_variant,
-            ("auto", "chunked", "symm_mem"),
-        )
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be >= 1 or -1, got {self.dp_shard}")
 
 
 @dataclass(frozen=True)
 class CompileConfig:
-    enable: bool = True
-    backend: str = "inductor"  # inner backend after graphtrain's passes: inductor or aot_eager
+    enable: bool = True  # compile each block and the head+loss with graphtrain's backend
+    # Inner backend after graphtrain's passes: inductor, or aot_eager (no code generation).
+    backend: Literal["inductor", "aot_eager"] = "inductor"
     passes: list[str] = field(default_factory=list)  # ["-name", "+name"] switches
     dump_graphs: bool = False  # write every region's graph before/after each pass to run_dir/graphs
     # The fused linear + cross-entropy's mode: "fast" (three GEMMs, a [token chunk, V] logits
     # buffer), "low_memory" (four GEMMs), or "auto": fast unless its extra bytes exceed
-    # lce_memory_budget (bytes; 0 = a quarter of the free device memory at compile time, on
-    # CPU a quarter of the available system memory).
-    lce_mode: str = "auto"
+    # lce_memory_budget.
+    lce_mode: Literal["auto", "fast", "low_memory"] = "auto"
+    # Bytes the fused cross-entropy's fast mode may use beyond the low-memory mode's; 0: a
+    # quarter of the free device memory at compile time (on CPU, of the available memory).
     lce_memory_budget: int = 0
     # The MTP layers' compiled forward and backward as CUDA graphs (Inductor's cudagraph trees).
     # Used where they can work (CUDA, Inductor, no FSDP, no expert parallel, no activation
@@ -136,8 +137,7 @@ class CompileConfig:
     cudagraph_mtp: bool = True
 
     def __post_init__(self) -> None:
-        _choice("compile", "backend", self.backend, ("inductor", "aot_eager"))
-        _choice("compile", "lce_mode", self.lce_mode, ("auto", "fast", "low_memory"))
+        _check_choices("compile", self)
         if isinstance(self.lce_memory_budget, bool) or not isinstance(self.lce_memory_budget, int):
             raise ValueError(
                 "compile.lce_memory_budget must be a whole number of bytes (0 = automatic), "
@@ -151,8 +151,9 @@ class Fp8Config:
     """Which GEMMs the fp8_linear pass runs in FP8, and its recipe (graphtrain/passes/fp8_linear.py
     explains each rule and the default minimum size)."""
 
-    # fnmatch globs over module paths ("layers.0.attention.wq"); the head and router are left out
+    # fnmatch globs over module paths ("layers.0.attention.wq") that may run in FP8
     include: list[str] = field(default_factory=lambda: ["*"])
+    # globs left out of those: by default the output head and the router
     exclude: list[str] = field(default_factory=lambda: ["*output", "*router*"])
     min_dim: int = 4096  # M, K, N (experts: K, N) at least this; smaller GEMMs lose to bf16
     multiple_of: int = 16  # torch._scaled_mm on CUDA needs dims that are multiples of 16
@@ -180,67 +181,86 @@ class DataConfig:
     # Files or globs of .txt/.jsonl/.parquet text or .bin/.npy token shards; [] -> the embedded
     # default corpus (the Python standard library's source).
     paths: list[str] = field(default_factory=list)
+    # A blend (Megatron-style): one weight per entry of paths, each entry a source of its own,
+    # rows drawn in these proportions (normalised), deterministic and resumable; [] -> no blend.
+    weights: list[float] = field(default_factory=list)
+    # Held-out files or globs for validation; [] -> a deterministic split of data.paths.
     val_paths: list[str] = field(default_factory=list)
     tokenizer: str = ""  # a tokenizer.json; "" -> the default BPE trained on the default corpus
-    token_dtype: str = "uint16"  # of .bin token shards
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # of .bin token shards
     cache_dir: str = ""  # "" -> $GRAPHTRAIN_CACHE or ~/.cache/graphtrain
 
     def __post_init__(self) -> None:
-        _choice("data", "token_dtype", self.token_dtype, ("uint16", "uint32"))
+        _check_choices("data", self)
+        if self.weights and len(self.weights) != len(self.paths):
+            raise ValueError(
+                f"data.weights={self.weights} needs one weight per entry of data.paths="
+                f"{self.paths} ({len(self.paths)}); the default corpus cannot be blended"
+            )
+        if any(w <= 0 for w in self.weights):
+            raise ValueError(f"data.weights must all be > 0, got {self.weights}")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = 3e-4  # peak learning rate (after warm-up)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW beta1, beta2
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # decoupled weight decay, except for the no_decay parameters
+    # Parameters (fnmatch on dotted names) without weight decay.
     no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias", "tok_embeddings.*"])
-    implementation: str = "auto"  # fused, foreach, auto
+    implementation: Literal["auto", "fused", "foreach"] = "auto"  # torch's AdamW kernels
     max_norm: float = 1.0  # gradient clipping by the global norm; <= 0 disables clipping
     # dtype of the AdamW moments: float32, or bfloat16 (half the memory; fp32 math, rounded to
     # nearest on store; see graphtrain.optim.adamw_bf16).
-    state_dtype: str = "float32"
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
     # Parameters (fnmatch on dotted names, e.g. "*norm*", "*.router.*") whose gradients are
     # summed over the micro-batches in fp32 when training.master_dtype is bfloat16 (see
     # graphtrain.optim.precision); fp32 parameters accumulate in fp32 anyway.
     fp32_grad_accum: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _check_choices("optim", self)
         _positive("optim", self, "lr")
         _positive("optim", self, "eps", "weight_decay", allow_zero=True)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
-        _choice("optim", "implementation", self.implementation, ("auto", "fused", "foreach"))
-        _choice("optim", "state_dtype", self.state_dtype, ("float32", "bfloat16"))
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    warmup_steps: int = 100
+    # Linear warm-up, in optimizer steps; -1: take schedule.warmup_ratio of training.steps.
+    warmup_steps: int = -1
+    # Linear warm-up as a fraction of training.steps (used when warmup_steps is -1), so that a
+    # preset's schedule fits a shorter or longer run.
+    warmup_ratio: float = 0.1
     decay_ratio: float = 0.2  # the last decay_ratio of training.steps decay to min_lr
-    decay_style: str = "cosine"  # linear, cosine, exponential, minus_sqrt
-    min_lr: float = 3e-5
+    decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "cosine"  # lr curve
+    min_lr: float = 3e-5  # learning rate at the end of the decay
     # Global batch size in tokens, optionally stepped on consumed tokens: "0:256K 50M:512K".
     # "" -> one micro-batch per data-parallel rank per step (no accumulation).
     batch_size: str = ""
 
     def __post_init__(self) -> None:
-        _positive("schedule", self, "warmup_steps", "min_lr", allow_zero=True)
-        if not 0.0 <= self.decay_ratio <= 1.0:
-            raise ValueError(f"schedule.decay_ratio must be in [0, 1], got {self.decay_ratio}")
-        _choice(
-            "schedule",
-            "decay_style",
-            self.decay_style,
-            ("linear", "cosine", "exponential", "minus_sqrt"),
-        )
+        _check_choices("schedule", self)
+        _positive("schedule", self, "min_lr", allow_zero=True)
+        if self.warmup_steps < -1:
+            raise ValueError(
+                f"schedule.warmup_steps must be >= 0 (or -1: from schedule.warmup_ratio), "
+                f"got {self.warmup_steps}"
+            )
+        for name in ("warmup_ratio", "decay_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"schedule.{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    interval: int = 0  # save every N steps and at the end; 0: no checkpoints
-    keep_last: int = 2
+    interval: int = 0  # save every N steps (and at the end); 0: only the final checkpoint
+    # Save a checkpoint when training ends (also with interval 0), so that every run can be
+    # exported or continued; false: no final save.
+    final: bool = True
+    keep_last: int = 2  # complete checkpoints kept (plus the retain_interval ones)
     # Also keep every checkpoint whose step is a multiple of this; 0: only the last keep_last.
     retain_interval: int = 0
     # "" none, "latest", a checkpoint of this run (step-0000100), or the path of another run's
@@ -254,7 +274,8 @@ class CheckpointConfig:
     # resume=latest with a damaged newest checkpoint (a file whose digest differs): resume from
     # the newest intact one instead of stopping.
     fallback_on_corruption: bool = False
-    # SIGTERM/SIGINT: finish the step, save a checkpoint (when interval > 0), exit with code 75.
+    # SIGTERM/SIGINT: finish the step, save a checkpoint (unless interval = 0 and final = false),
+    # exit with code 75.
     save_on_signal: bool = True
 
     def __post_init__(self) -> None:
@@ -264,23 +285,29 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    log_interval: int = 10
-    val_interval: int = 100  # 0: validate only at the end
-    val_batches: int = 8
+    log_interval: int = 10  # optimizer steps between log lines (a host sync each)
+    val_interval: int = 100  # steps between validations; 0: validate only at the end
+    val_batches: int = 8  # held-out micro-batches per validation
     # Held-out rows (sequences of seq_len) evaluated at each validation, split over the ranks:
     # the same rows for any layout. 0: val_batches x training.micro_batch_size.
     val_rows: int = 0
-    tensorboard: bool = True
+    tensorboard: bool = True  # also write TensorBoard events to run_dir/tb
     peak_tflops: float = 0.0  # per device, for MFU; 0 -> from the device name, if known
+    # Optimizer steps to run under the torch profiler, e.g. "10-12" (a trace per rank in
+    # run_dir/profile/); "" -> none.
+    profile_steps: str = ""
+    # Also record a CUDA memory snapshot over profile_steps (run_dir/memory/); CUDA only.
+    memory_snapshot: bool = False
 
     def __post_init__(self) -> None:
         _positive("metrics", self, "log_interval", "val_batches")
         _positive("metrics", self, "val_interval", "peak_tflops", "val_rows", allow_zero=True)
+        parse_step_range(self.profile_steps)
 
 
 @dataclass(frozen=True)
 class JobConfig:
-    preset: str = "tiny"
+    preset: str = "tiny"  # the job preset the values start from
     model: GPTConfig = field(default_factory=GPTConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -305,18 +332,22 @@ class JobConfig:
                 f"{self.model.mtp_depth}, got {self.training.seq_len}"
             )
         s = self.schedule
-        if s.warmup_steps + self.decay_steps > self.training.steps:
+        if self.warmup_steps + self.decay_steps > self.training.steps:
+            warmup = (
+                f"schedule.warmup_steps={s.warmup_steps}"
+                if s.warmup_steps >= 0
+                else f"warm-up {self.warmup_steps} (schedule.warmup_ratio={s.warmup_ratio})"
+            )
             raise ValueError(
-                f"schedule.warmup_steps={s.warmup_steps} + decay steps {self.decay_steps} "
-                f"(schedule.decay_ratio={s.decay_ratio} of training.steps={self.training.steps}) "
-                f"exceed training.steps"
+                f"{warmup} + decay {self.decay_steps} (schedule.decay_ratio={s.decay_ratio}) "
+                f"exceed training.steps={self.training.steps}; lower them, or give the warm-up "
+                "as schedule.warmup_ratio (a fraction of training.steps)"
             )
         if self.checkpoint.async_save and self.training.device == "cpu":
             raise ValueError(
                 "checkpoint.async_save=true needs CUDA (it overlaps writing with GPU compute); "
                 "training.device='cpu' saves synchronously: set checkpoint.async_save=false"
             )
-
         self._check_fp8()
 
     def _check_fp8(self) -> None:
@@ -338,11 +369,19 @@ class JobConfig:
             object.__setattr__(self, "compile", dataclasses.replace(self.compile, passes=passes))
 
     @property
+    def warmup_steps(self) -> int:
+        """schedule.warmup_steps, or schedule.warmup_ratio of training.steps when it is -1."""
+        if self.schedule.warmup_steps >= 0:
+            return self.schedule.warmup_steps
+        return round(self.schedule.warmup_ratio * self.training.steps)
+
+    @property
     def decay_steps(self) -> int:
         return round(self.schedule.decay_ratio * self.training.steps)
 
 
-# Job presets: a model preset plus training settings that suit it. "tiny" is the default run:
+# Job presets: a model preset plus training settings that suit it. Warm-up is a fraction of the
+# steps, so `--training.steps=N` keeps the preset's schedule shape at any length. "tiny" is the default run:
 # it learns the embedded corpus on a 2-core CPU in a few minutes.
 JOB_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -351,48 +390,48 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         "model": "tiny",
         "training": {"steps": 180, "seq_len": 256, "micro_batch_size": 16},
         "optim": {"lr": 2e-3, "weight_decay": 0.1},
-        "schedule": {"warmup_steps": 20, "decay_ratio": 0.4, "min_lr": 2e-4},
+        "schedule": {"warmup_ratio": 0.11, "decay_ratio": 0.4, "min_lr": 2e-4},
         "metrics": {"log_interval": 10, "val_interval": 60, "val_rows": 128},
     },
     "debug": {
         "model": "debug",
         "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
         "optim": {"lr": 1e-3},
-        "schedule": {"warmup_steps": 2, "decay_ratio": 0.25, "min_lr": 1e-4},
+        "schedule": {"warmup_ratio": 0.1, "decay_ratio": 0.25, "min_lr": 1e-4},
         "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
     },
     "125m": {
         "model": "125m",
         "training": {"steps": 10000, "seq_len": 2048, "micro_batch_size": 8},
         "optim": {"lr": 6e-4},
-        "schedule": {"warmup_steps": 500, "min_lr": 6e-5},
+        "schedule": {"warmup_ratio": 0.05, "min_lr": 6e-5},
     },
     "1b": {
         "model": "1b",
         "training": {"steps": 20000, "seq_len": 4096, "micro_batch_size": 2},
         "optim": {"lr": 3e-4},
-        "schedule": {"warmup_steps": 1000, "min_lr": 3e-5},
+        "schedule": {"warmup_ratio": 0.05, "min_lr": 3e-5},
     },
     # MoE (models/moe.py). moe-tiny learns the embedded corpus on a 2-core CPU in minutes.
     "moe-tiny": {
         "model": "moe-tiny",
         "training": {"steps": 150, "seq_len": 256, "micro_batch_size": 16},
         "optim": {"lr": 2e-3, "weight_decay": 0.1},
-        "schedule": {"warmup_steps": 20, "decay_ratio": 0.4, "min_lr": 2e-4},
+        "schedule": {"warmup_ratio": 0.133, "decay_ratio": 0.4, "min_lr": 2e-4},
         "metrics": {"log_interval": 10, "val_interval": 50, "val_rows": 128},
     },
     "moe-debug": {
         "model": "moe-debug",
         "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
         "optim": {"lr": 1e-3},
-        "schedule": {"warmup_steps": 2, "decay_ratio": 0.25, "min_lr": 1e-4},
+        "schedule": {"warmup_ratio": 0.1, "decay_ratio": 0.25, "min_lr": 1e-4},
         "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
     },
     "moe-1b": {
         "model": "moe-1b",
         "training": {"steps": 20000, "seq_len": 4096, "micro_batch_size": 4},
         "optim": {"lr": 3e-4},
-        "schedule": {"warmup_steps": 1000, "min_lr": 3e-5},
+        "schedule": {"warmup_ratio": 0.05, "min_lr": 3e-5},
     },
     "8b": {
         "model": "8b",
@@ -403,7 +442,7 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
             "activation_checkpoint": "full",
         },
         "optim": {"lr": 3e-4},
-        "schedule": {"warmup_steps": 2000, "min_lr": 3e-5},
+        "schedule": {"warmup_ratio": 0.04, "min_lr": 3e-5},
     },
 }
 
@@ -413,7 +452,23 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "str"
+    if typing.get_origin(tp) in (list, tuple):
+        return "list of " + _type_name((typing.get_args(tp) or (Any,))[0])
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _cli_scalar(text: str, tp: Any) -> Any:
+    """Command-line text for a bool/int/float key as that type; the text itself when it is not
+    one (then _coerce names the key and the value)."""
+    if tp is bool:
+        lowered = text.lower()
+        return lowered in ("true", "1") if lowered in ("true", "false", "1", "0") else text
+    try:
+        return tp(text)
+    except ValueError:
+        return text
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -430,36 +485,23 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         raise TypeError(f"config field {key!r}: union types are not supported")  # internal
+    # Numbers and booleans must be TOML numbers and booleans: a TOML string "5" for an int key
+    # is refused (the command line's text was parsed before, in _cli_values).
     if tp is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
         if isinstance(value, bool):
             return value
     elif tp is int:
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        elif isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        number = None
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            number = float(value)
-        if number is not None:
+        if isinstance(value, int | float) and not isinstance(value, bool):
             # No key means anything by nan or inf (TOML and float() accept both).
-            if not math.isfinite(number):
+            if not math.isfinite(value):
                 raise ValueError(f"config key {key!r} expects a finite number, got {value!r}")
-            return number
-    elif tp is str:
+            return float(value)
+    elif tp is str or origin is Literal:
         if isinstance(value, str):
-            return value
+            return value  # a Literal's choices are checked in the section's __post_init__
     else:
         raise TypeError(f"config field {key!r} has unsupported type {tp!r}")  # internal
     raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}")
@@ -535,20 +577,42 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def _cli_values(obj: Any, updates: dict[str, Any]) -> dict[str, Any]:
-    """Turn raw CLI strings into TOML values, except for str fields where the text is the value."""
+    """Turn raw CLI strings into typed values, except for str fields where the text is the value."""
     hints = typing.get_type_hints(type(obj))
     out = {}
     for name, value in updates.items():
         current = getattr(obj, name, None)
+        tp = hints.get(name)
         if isinstance(value, dict) and dataclasses.is_dataclass(current):
             out[name] = _cli_values(current, value)
-        elif hints.get(name) is str or not isinstance(value, str):
+        elif tp is str or typing.get_origin(tp) is Literal or not isinstance(value, str):
             out[name] = value
+        elif tp in (bool, int, float):
+            out[name] = _cli_scalar(value, tp)
         else:
             parsed = _parse_cli_value(value)
             # "a,b" for a list stays a string (split in _coerce); "[1, 2]" parses as a list.
             out[name] = value if isinstance(parsed, str) else parsed
     return out
+
+
+# Keys that say the same thing two ways: a layer (file, command line) that sets one drops the
+# other from the layers below it; one layer setting both is a contradiction.
+_ALTERNATIVES = {("schedule", "warmup_steps"): ("schedule", "warmup_ratio")}
+_ALTERNATIVES.update({b: a for a, b in _ALTERNATIVES.items()})
+
+
+def _layer_over(below: dict[str, Any], layer: dict[str, Any], origin: str) -> dict[str, Any]:
+    """`layer` merged over `below`, with the alternatives of the keys it sets removed first."""
+    below = _merge(below, {})
+    for (section, key), (alt_section, alt) in _ALTERNATIVES.items():
+        if key in layer.get(section, {}) and alt in layer.get(alt_section, {}):
+            raise ValueError(
+                f"{origin} sets both {section}.{key} and {alt_section}.{alt}; set one of them"
+            )
+        if key in layer.get(section, {}) and isinstance(below.get(alt_section), dict):
+            below[alt_section] = {k: v for k, v in below[alt_section].items() if k != alt}
+    return _merge(below, layer)
 
 
 def preset_updates(name: str) -> dict[str, Any]:
@@ -574,14 +638,14 @@ def load_config(args: list[str] | None = None, *, file: str | Path | None = None
             raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     preset = plain.get("preset") or file_values.pop("preset", None) or JobConfig.preset
     file_values.pop("preset", None)
-    values = _merge(preset_updates(preset), file_values)
+    values = _layer_over(preset_updates(preset), file_values, "the config file")
     values["preset"] = preset
     # The preset's model decides the model section's class (GPTConfig, MoEConfig, ...): its
     # keys are the ones a file or the command line may set.
     base = JobConfig(model=type(MODEL_PRESETS[JOB_PRESETS[preset]["model"]])())
     # Merge everything as plain dicts, then build each section once, so the __post_init__ checks
     # see the final values (a preset value overridden on the command line never trips a check).
-    values = _merge(values, _cli_values(base, overrides))
+    values = _layer_over(values, _cli_values(base, overrides), "the command line")
     unknown = set(values) - {f.name for f in dataclasses.fields(JobConfig)}
     if unknown:
         known = ", ".join(f.name for f in dataclasses.fields(JobConfig))
@@ -619,6 +683,10 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
+def _unused_alternatives(cfg: JobConfig) -> set[tuple[str, str]]:
+    return {("schedule", "warmup_ratio" if cfg.schedule.warmup_steps >= 0 else "warmup_steps")}
+
+
 def to_toml(cfg: JobConfig) -> str:
     lines = [f"preset = {_toml_value(cfg.preset)}"]
     for f in dataclasses.fields(cfg):
@@ -627,12 +695,47 @@ def to_toml(cfg: JobConfig) -> str:
             continue
         lines.append(f"\n[{f.name}]")
         for k, v in dataclasses.asdict(section).items():
+            if (f.name, k) in _unused_alternatives(cfg):
+                continue  # written, it would contradict the key in effect
             lines.append(f"{k} = {_toml_value(v)}")
     return "\n".join(lines) + "\n"
 
 
+@functools.cache
+def _field_comments(cls: type) -> dict[str, str]:
+    """{field: its description} from the comments at a dataclass field's definition: the
+    comment lines right above it and the comment after it on its line (the definitions are the
+    one copy of the documentation; a base class's fields come from the base's source)."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        above: list[str] = []
+        for line in inspect.getsource(klass).splitlines()[1:]:
+            stripped = line.strip()
+            field_match = re.match(r"(\w+)\s*:[^#]*?(?:#\s*(.*))?$", stripped)
+            if stripped.startswith("#"):
+                above.append(stripped.lstrip("#").strip())
+            elif field_match and line.startswith("    ") and not line.startswith("     "):
+                text = " ".join([*above, field_match.group(2) or ""]).strip()
+                out[field_match.group(1)] = text
+                above = []
+            else:
+                above = []
+    return out
+
+
+def describe_key(section: Any, name: str, tp: Any) -> str:
+    """`name`'s type, allowed values and description, for `--help`."""
+    kind = _type_name(tp)
+    if typing.get_origin(tp) is Literal:
+        kind += ": " + " | ".join(typing.get_args(tp))
+    return f"({kind}) {_field_comments(type(section)).get(name, '')}".rstrip()
+
+
 def describe_keys(cfg: JobConfig) -> str:
-    """Every section and key with its type and value in `cfg`, for `graphtrain train --help`."""
+    """Every section and key of `cfg` with its value in `cfg` (the default for this preset), type,
+    allowed values and description, for `graphtrain train --help`."""
     out = []
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
@@ -641,5 +744,13 @@ def describe_keys(cfg: JobConfig) -> str:
         out.append(f"[{f.name}]")
         hints = typing.get_type_hints(type(section))
         for k, v in dataclasses.asdict(section).items():
-            out.append(f"  --{f.name}.{k}={_toml_value(v)}  ({_type_name(hints[k])})")
+            out.append(f"  --{f.name}.{k}={_toml_value(v)}")
+            out.extend(
+                textwrap.wrap(
+                    describe_key(section, k, hints[k]),
+                    width=100,
+                    initial_indent=" " * 6,
+                    subsequent_indent=" " * 6,
+                )
+            )
     return "\n".join(out)

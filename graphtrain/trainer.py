@@ -41,7 +41,10 @@ from graphtrain.config import JobConfig, pass_options, to_toml
 from graphtrain.data import build_data
 from graphtrain.inspect import write_report
 from graphtrain.metrics import MetricsLogger, memory_stats, peak_flops, write_run_info
+from graphtrain.metrics.banner import start_banner
+from graphtrain.metrics.energy import EnergyMeter, energy_metrics
 from graphtrain.metrics.memory_plan import MemoryPlan, plan_memory
+from graphtrain.metrics.profiling import StepProfiler
 from graphtrain.optim import (
     BatchSizeSchedule,
     FP32GradAccumulator,
@@ -64,6 +67,7 @@ from graphtrain.parallel.divergence import check_replicas
 from graphtrain.preemption import Preempted, PreemptionHandler
 from graphtrain.step import ForwardLoss, FP8Saturation, StepStats, TrainStep
 from models import build_model, tp_plan
+from models.moe import MoEConfig, active_params
 
 logger = logging.getLogger("graphtrain")
 
@@ -108,6 +112,8 @@ class Run:
     dump_dir: Path | None  # compiled graphs, for the end-of-run inspect report
     progress: Progress
     memory_plan: MemoryPlan  # predicted per-rank memory, logged beside the measured peak once
+    profiler: StepProfiler  # metrics.profile_steps / memory_snapshot
+    energy: EnergyMeter  # joules per token where NVML reads the GPU's energy counter
 
 
 def train(cfg: JobConfig) -> TrainResult:
@@ -137,12 +143,20 @@ def train(cfg: JobConfig) -> TrainResult:
 def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> Run:
     """Check, build and (when asked) resume the job; nothing large is allocated before the
     layout, run-directory and data checks pass."""
-    dims, mesh = _check_layout(cfg, device, world_size)
+    dims, mesh = _layout_and_mesh(cfg, device, world_size)
     memory_plan = plan_memory(cfg, world_size)  # predicted before anything large exists
     if rank == 0:
         logger.info("%s", memory_plan.format())
     dp_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
     run_dir = _prepare_run_dir(cfg, rank, world_size)
+    # Checks metrics.memory_snapshot against the device now; allocates nothing.
+    profiler = StepProfiler(
+        run_dir,
+        steps=cfg.metrics.profile_steps,
+        memory_snapshot=cfg.metrics.memory_snapshot,
+        device=device,
+        rank=rank,
+    )
     data, batch_schedule = _build_data(cfg, dims, mesh)
     model, finish_gradients, dump_dir = _build_model(cfg, dims, mesh, device, run_dir, rank)
     optimizer, fp32_grads, lr_schedule, optim_state = _build_optimizer(cfg, model, rank)
@@ -161,8 +175,15 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         schedules = {"lr_schedule": lr_schedule, "batch_schedule": batch_schedule}
         progress = _resume(cfg, checkpoints, model, optimizer, data, schedules, rank)
     _describe_run_dir(cfg, run_dir, dims, data, rank)
+    if rank == 0:
+        logger.info("\n%s", _banner(cfg, run_dir, dims, model, batch_schedule, device, progress))
     metrics = MetricsLogger(
-        run_dir, rank=rank, tensorboard=cfg.metrics.tensorboard, total_steps=cfg.training.steps
+        run_dir,
+        rank=rank,
+        tensorboard=cfg.metrics.tensorboard,
+        total_steps=cfg.training.steps,
+        # Rows after the checkpoint's step are superseded; a fresh run starts a new record.
+        resume_step=progress.step if cfg.checkpoint.resume else None,
     )
     metrics.log(progress.step, optim_state)
     attention = resolve_attention(cfg.training.attention, device)
@@ -200,14 +221,15 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         dump_dir=dump_dir,
         progress=progress,
         memory_plan=memory_plan,
+        profiler=profiler,
+        energy=EnergyMeter(device),  # a collective: every rank agrees whether NVML works
     )
 
 
-def _check_layout(
-    cfg: JobConfig, device: torch.device, world_size: int
-) -> tuple[ParallelDims, DeviceMesh | None]:
-    """The parallel layout and its mesh, after the checks that need no allocation."""
-    parallel, training = cfg.parallel, cfg.training
+def check_layout(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """The parallel axes of `cfg` on `world_size` ranks, checked against the model (a ValueError
+    naming the numbers otherwise); also `graphtrain train --check`, before any rank starts."""
+    parallel = cfg.parallel
     dims = ParallelDims(
         dp_replicate=parallel.dp_replicate,
         dp_shard=parallel.dp_shard,
@@ -216,8 +238,16 @@ def _check_layout(
         etp=parallel.etp,
         world_size=world_size,
     )
-    validate_model_for_tp(cfg.model, dims.tp, seq_len=training.seq_len, etp=dims.etp)
-    resolve_attention(training.attention, device)  # a wrong choice stops here
+    validate_model_for_tp(cfg.model, dims.tp, seq_len=cfg.training.seq_len, etp=dims.etp)
+    return dims
+
+
+def _layout_and_mesh(
+    cfg: JobConfig, device: torch.device, world_size: int
+) -> tuple[ParallelDims, DeviceMesh | None]:
+    """The parallel layout and its mesh, after the checks that need no allocation."""
+    dims = check_layout(cfg, world_size)
+    resolve_attention(cfg.training.attention, device)  # a wrong choice stops here
     if cfg.checkpoint.async_save and device.type != "cuda":
         raise ValueError(
             f"checkpoint.async_save=true needs CUDA but training runs on {device.type}; "
@@ -234,9 +264,9 @@ def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
     name = [cfg.training.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"]
     if world_size > 1:
         dist.broadcast_object_list(name, src=0)
+    # Created (rank 0, _describe_run_dir) only once the start has passed its checks: a failed
+    # start leaves no empty run directory behind.
     run_dir = Path(name[0])
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
     saved = complete_checkpoints(run_dir)
     if saved and not cfg.checkpoint.resume:
         # A fresh start would overwrite and prune these: never lose saved work silently.
@@ -276,6 +306,7 @@ def _build_data(
         cache_dir=cache_dir,
         val_paths=cfg.data.val_paths or None,
         token_dtype=cfg.data.token_dtype,
+        weights=cfg.data.weights or None,  # a blend of the paths
     )
     if data.vocab_size_needed > cfg.model.vocab_size:
         raise ValueError(
@@ -394,7 +425,7 @@ def _build_optimizer(
     lr_schedule = LRSchedule(
         lr=optim.lr,
         min_lr=cfg.schedule.min_lr,
-        warmup_steps=cfg.schedule.warmup_steps,
+        warmup_steps=cfg.warmup_steps,
         decay_steps=cfg.decay_steps,
         total_steps=cfg.training.steps,
         decay_style=cfg.schedule.decay_style,
@@ -428,11 +459,40 @@ def _describe_run_dir(
     `graphtrain export` reads, as they were."""
     if rank != 0:
         return
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     write_run_info(run_dir, {"world_size": dims.world_size, "parallel": str(dims)})
     if data.tokenizer is not None and data.tokenizer.path is not None:
         # The run dir holds its tokenizer, so `graphtrain export` can always find it.
         shutil.copyfile(data.tokenizer.path, run_dir / "tokenizer.json")
+
+
+def _banner(
+    cfg: JobConfig,
+    run_dir: Path,
+    dims: ParallelDims,
+    model: torch.nn.Module,
+    batch_schedule: BatchSizeSchedule,
+    device: torch.device,
+    progress: Progress,
+) -> str:
+    """The start banner: what this run is about to do (graphtrain.metrics.banner)."""
+    training = cfg.training
+    return start_banner(
+        cfg,
+        run_dir=run_dir,
+        dims=dims,
+        num_params=sum(p.numel() for p in model.parameters()),  # DTensor: global numel
+        active_params=active_params(cfg.model) if isinstance(cfg.model, MoEConfig) else None,
+        param_dtype=str(_param_dtype(cfg, device)).removeprefix("torch."),
+        device=device.type,
+        micro_batches_per_step=batch_schedule.micro_batches_per_step(
+            progress.consumed_tokens,
+            micro_batch_size=training.micro_batch_size,
+            seq_len=training.seq_len,
+            dp_world_size=dims.dp_size,
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -457,8 +517,10 @@ def _train_loop(run: Run, preemption: PreemptionHandler) -> TrainResult:
     while progress.step < total:
         num_micro = run.train_step.num_micro_batches(progress.consumed_tokens)
         batches = [next(train_iter) for _ in range(num_micro)]
+        run.profiler.before_step(progress.step + 1)
         stats = run.train_step(batches, step=progress.step)
         progress.step += 1
+        run.profiler.after_step(progress.step)
         progress.consumed_tokens += stats.tokens
         window.add(stats, step=progress.step)
         replica_interval = cfg.training.replica_check_interval
@@ -472,8 +534,9 @@ def _train_loop(run: Run, preemption: PreemptionHandler) -> TrainResult:
         if last or (val_interval and progress.step % val_interval == 0):
             _validate(run, result, step=progress.step)
             window.restart_clock()  # keep validation out of tokens/s
-        saved = bool(cfg.checkpoint.interval) and (
-            last or progress.step % cfg.checkpoint.interval == 0
+        interval = cfg.checkpoint.interval
+        saved = bool(interval and progress.step % interval == 0) or (
+            last and bool(interval or cfg.checkpoint.final)
         )
         if saved:
             _save_checkpoint(run)
@@ -552,6 +615,11 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
     if run.peak_flops:
         entry["mfu"] = device_flops / elapsed / run.peak_flops
     entry.update(memory_stats(run.device))
+    if run.energy.available:  # NVML's energy counter, summed over the ranks
+        joules = run.energy.joules_since_last()
+        total = torch.tensor(joules, dtype=torch.float64, device=run.device)
+        total = _all_reduce(total, dist.group.WORLD if dims.world_size > 1 else None).item()
+        entry.update(energy_metrics(joules, total, tokens=window.tokens, seconds=elapsed))
     if run.rank == 0 and window.first_log:  # the plan beside what the first steps used
         measured = ", ".join(f"{k} {v:.2f}" for k, v in memory_stats(run.device).items())
         logger.info(
@@ -609,9 +677,10 @@ def _validate(run: Run, result: TrainResult, *, step: int) -> None:
 
 
 def _stop_on_signal(run: Run, saved: bool) -> None:
-    """Save (unless this step just did, or checkpoints are off) and raise Preempted."""
+    """Save (unless this step just did, or the run saves nothing: no interval and no final
+    checkpoint) and raise Preempted."""
     ckpt, step = run.cfg.checkpoint, run.progress.step
-    keep = bool(ckpt.interval) and ckpt.save_on_signal
+    keep = bool(ckpt.interval or ckpt.final) and ckpt.save_on_signal
     if keep and not saved:
         _save_checkpoint(run)
     run.checkpoints.wait()
@@ -642,6 +711,7 @@ def _finish(run: Run, result: TrainResult) -> None:
     """After the last step: pending saves complete, the inspect report, the validation
     summary; a non-finite validation loss is an error."""
     run.checkpoints.wait()  # an async save in flight is complete before train() returns
+    run.profiler.close()  # a range past the last step still writes what it recorded
     run.metrics.close()
     if run.dump_dir is not None:  # what the compiler did, as `graphtrain inspect` shows it
         write_report(run.dump_dir, run.run_dir / "inspect", inner=run.cfg.compile.backend)

@@ -86,10 +86,13 @@ class MoEConfig(GPTConfig):
             raise ValueError(
                 f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}"
             )
-        if self.first_k_dense > self.num_layers:
+        if self.first_k_dense >= self.num_layers:
+            # All layers dense is a dense model trained with an MoE model's overheads and names:
+            # almost surely a mistake (a dense preset is the way to train one).
             raise ValueError(
-                f"model.first_k_dense={self.first_k_dense} exceeds "
-                f"model.num_layers={self.num_layers}"
+                f"model.first_k_dense={self.first_k_dense} leaves no MoE layer in "
+                f"model.num_layers={self.num_layers}; set first_k_dense below num_layers, or "
+                "use a dense preset (tiny, debug, 125m, 1b, 8b) for a dense model"
             )
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(

@@ -156,3 +156,18 @@ def module_grads(module, x, dump: Path | None, autocast: bool = False) -> tuple:
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     grads = torch.autograd.grad(out, [x, *module.parameters()], g)
     return out.detach(), grads
+
+
+@pytest.fixture(scope="session")
+def debug_run(corpus, tmp_path_factory) -> Path:
+    """A run directory of the debug model after a few eager steps on the corpus, with its final
+    checkpoint and a profiler trace of steps 2-3 (for the tests of what reads a finished run:
+    generate, eval, the trace)."""
+    from graphtrain.config import load_config
+    from graphtrain.trainer import train
+
+    tmp = tmp_path_factory.mktemp("debug_run")
+    args = job(
+        corpus, tmp, "--training.steps=6", "--compile.enable=false", "--metrics.profile_steps=2-3"
+    )
+    return train(load_config(args)).run_dir

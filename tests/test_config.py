@@ -1,9 +1,10 @@
 import dataclasses
 import re
+import typing
 
 import pytest
 
-from graphtrain.config import JOB_PRESETS, JobConfig, describe_keys, load_config, to_toml
+from graphtrain.config import JOB_PRESETS, describe_key, describe_keys, load_config, to_toml
 from models import MODEL_PRESETS
 
 
@@ -61,7 +62,16 @@ def test_overrides_are_typed():
             "model.mtp_depth=8 needs training.seq_len > 8, got 8",
         ),
         (["--training.device=tpu"], "training.device must be one of"),
-        (["--training.steps=10"], "schedule.warmup_steps=20"),
+        (
+            ["--training.steps=30", "--schedule.warmup_steps=20"],
+            "schedule.warmup_steps=20 + decay 12 (schedule.decay_ratio=0.4) exceed "
+            "training.steps=30",
+        ),
+        (
+            ["--schedule.warmup_steps=5", "--schedule.warmup_ratio=0.2"],
+            "the command line sets both schedule.warmup_steps and schedule.warmup_ratio",
+        ),
+        (["--schedule.warmup_ratio=1.5"], "schedule.warmup_ratio must be in [0, 1], got 1.5"),
         (["steps=3"], "unexpected argument 'steps=3'"),
         (["--optim.lr=nan"], "'optim.lr' expects a finite number, got nan"),
         (
@@ -111,14 +121,71 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(["--config", str(path)]) == cfg
 
 
-def test_describe_keys_lists_every_field():
-    cfg = JobConfig()
+@pytest.mark.parametrize("preset", ["tiny", "moe-tiny"])
+def test_describe_keys_lists_every_field_with_a_description(preset):
+    cfg = load_config(["--preset", preset])
     text = describe_keys(cfg)
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if dataclasses.is_dataclass(section):
             for g in dataclasses.fields(section):
                 assert f"--{f.name}.{g.name}=" in text
+                # The description is the comment at the field's definition: every key has one.
+                help_line = describe_key(
+                    section, g.name, typing.get_type_hints(type(section))[g.name]
+                )
+                assert re.fullmatch(r"\([^)]+\) \S.*", help_line), (f.name, g.name, help_line)
+
+
+def test_help_shows_type_default_choices_and_the_comment():
+    text = describe_keys(load_config(["--preset", "debug", "--training.steps=7"]))
+    # The default shown is this job's value; the choices come from the Literal type hint.
+    assert "  --training.steps=7\n      (int) optimizer steps to train for\n" in text
+    assert (
+        '  --training.device="auto"\n      (str: auto | cuda | cpu) auto: cuda if available' in text
+    )
+    assert "(list of str)" in text
+    # A choice the type does not list is refused with the list.
+    with pytest.raises(ValueError, match=re.escape("('auto', 'flex', 'sdpa', 'causal')")):
+        load_config(["--training.attention=flash"])
+
+
+def test_toml_strings_are_refused_for_numbers_and_bools(tmp_path):
+    path = tmp_path / "job.toml"
+    for text, message in [
+        ('[training]\nsteps = "30"\n', "'training.steps' expects int, got '30'"),
+        ('[optim]\nlr = "1e-3"\n', "'optim.lr' expects float, got '1e-3'"),
+        ('[compile]\nenable = "false"\n', "'compile.enable' expects bool, got 'false'"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(["--config", str(path)])
+    # The command line's text is parsed as before.
+    cfg = load_config(["--training.steps", "30", "--optim.lr=1e-3", "--compile.enable=0"])
+    assert (cfg.training.steps, cfg.optim.lr, cfg.compile.enable) == (30, 1e-3, False)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "moe-tiny", "debug"])
+def test_short_runs_keep_the_presets_schedule_shape(preset):
+    full = load_config(["--preset", preset])
+    # The presets' own lengths keep their warm-up in steps (20 for tiny and moe-tiny).
+    assert full.warmup_steps == {"tiny": 20, "moe-tiny": 20, "debug": 2}[preset]
+    short = load_config(["--preset", preset, "--training.steps=30"])
+    assert short.warmup_steps == round(full.schedule.warmup_ratio * 30)
+    assert short.warmup_steps + short.decay_steps <= 30
+
+
+def test_warmup_steps_and_ratio_override_each_other_across_layers(tmp_path):
+    # A later layer setting one spelling replaces the other from the layers below.
+    cfg = load_config(["--preset", "tiny", "--schedule.warmup_steps=7"])
+    assert cfg.warmup_steps == 7
+    path = tmp_path / "job.toml"
+    path.write_text("[schedule]\nwarmup_steps = 9\n")
+    cfg = load_config(["--config", str(path), "--schedule.warmup_ratio=0.5"])
+    assert cfg.schedule.warmup_steps == -1 and cfg.warmup_steps == 90
+    # The resolved config writes only the spelling in effect, so it reads back.
+    path.write_text(to_toml(load_config(["--schedule.warmup_steps=7"])))
+    assert load_config(["--config", str(path)]).warmup_steps == 7
 
 
 def test_lce_mode_and_budget_are_checked_and_reach_the_passes():

@@ -251,6 +251,70 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     )
 
 
+def test_every_run_ends_with_a_checkpoint_that_exports(corpus, tmp_path, capsys):
+    """The README's flow: train without any checkpoint key, then `graphtrain export RUN_DIR`."""
+    from graphtrain.cli import main
+
+    train(load_config(job(corpus, tmp_path / "a", "--training.steps=3")))
+    run = tmp_path / "a" / "run"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000003"]
+    assert main(["export", str(run), str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    # Turned off, there is nothing to export, and the error names the key.
+    train(
+        load_config(job(corpus, tmp_path / "b", "--training.steps=3", "--checkpoint.final=false"))
+    )
+    assert not (tmp_path / "b" / "run" / "checkpoints").exists()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "b" / "run"), str(tmp_path / "hf2")]) == 2
+    assert "checkpoint.final" in capsys.readouterr().err
+
+
+def test_a_failed_start_leaves_no_run_directory(corpus, tmp_path):
+    with pytest.raises(ValueError, match="vocab"):
+        train(load_config(job(corpus, tmp_path, "--model.vocab_size=280")))
+    assert not (tmp_path / "run").exists()
+
+
+def _launch(tmp_path: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """launch.sh running this interpreter with this checkout first, and no set-up: its
+    VIRTUAL_ENV is a stand-in whose python runs this one and whose install stamp is fresh, so
+    launch.sh never installs anything into the environment the tests run in."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    (venv / ".graphtrain-installed").touch()
+    env = {
+        **os.environ,
+        "VIRTUAL_ENV": str(venv),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(REPO / "launch.sh"), *args], capture_output=True, text=True, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--training.steps=abc", "graphtrain: error: config key 'training.steps' expects int"),
+        ("--parallel.tp=3", "graphtrain: error: parallel.dp_shard=-1 takes what is left"),
+    ],
+)
+def test_launch_sh_multi_rank_config_error_is_one_line_with_exit_code_2(tmp_path, arg, message):
+    # Checked once before torchrun starts any rank: one line, no traceback.
+    run = tmp_path / "run"
+    out = _launch(tmp_path, [arg, "--training.device=cpu", f"--training.run_dir={run}"], NGPU="2")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().startswith(message), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_launch_sh_dry_run_builds_the_torchrun_command():
     env = {
         **os.environ,

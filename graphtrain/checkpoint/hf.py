@@ -76,7 +76,7 @@ def _layout(cfg: GPTConfig) -> ModuleType:
     return moe_hf if isinstance(cfg, MoEConfig) else gpt_hf
 
 
-def _read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], set[str]]:
+def read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The full (unsharded) model state of a DCP checkpoint, on the CPU, and its buffers' names."""
     if any(ckpt.glob("trainer-rank*.pt")):  # graphtrain's: every shard whole, as on resume
         read_trainer_files(ckpt)
@@ -161,7 +161,7 @@ def export_hf(
     if occupied and not overwrite:
         raise ValueError(f"{out_dir} already holds files; pass --overwrite to replace them")
     # The checkpoint is read (and found whole) before a previous export is removed.
-    state, buffers = _read_model(ckpt, cfg)
+    state, buffers = read_model(ckpt, cfg)
     if cfg.tie_embeddings:
         state.pop("output.weight")  # the same tensor as the embedding: tie_word_embeddings
     state = {k: v if k in buffers else v.to(EXPORT_DTYPES[dtype]) for k, v in state.items()}

@@ -144,10 +144,16 @@ def resolve(path: Path, which: str = "latest") -> Path:
             f"checkpoint.resume={which!r} is not a complete checkpoint folder (a folder "
             "step-NNNNNNN in a run's checkpoints/; a step-NNNNNNN.tmp was never completed)"
         )
+    if not path.is_dir():
+        raise ValueError(f"{path} does not exist: give a run directory or a checkpoint folder")
     found = complete_checkpoints(path)
     if which == "latest":
         if not found:
-            raise ValueError(f"{path}/checkpoints has no complete checkpoint")
+            raise ValueError(
+                f"{path}/checkpoints has no complete checkpoint: a run saves one when it ends "
+                "(checkpoint.final, on by default) and every checkpoint.interval steps; was "
+                "the run stopped early, or started with --checkpoint.final=false?"
+            )
         return found[-1]
     ckpt = path / "checkpoints" / which
     if ckpt not in found:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from graphtrain.data.blend import BlendedLoader
 from graphtrain.data.corpus import corpus_fingerprint, default_corpus_files, iter_default_documents
 from graphtrain.data.holdout import holdout_tokens, is_held_out, split_tail
 from graphtrain.data.loader import PackedLoader, check_loader_args, count_windows
@@ -47,7 +48,7 @@ class DataBundle:
     """
 
     tokenizer: Tokenizer | None
-    train: PackedLoader
+    train: PackedLoader | BlendedLoader
     val: PackedLoader | None
     vocab_size_needed: int
 
@@ -95,6 +96,32 @@ def _text_streams(
     return train, val
 
 
+def _streams(
+    files: list[Path] | None,
+    *,
+    val_files: list[Path] | None,
+    pretokenized: bool,
+    tokenizer: Tokenizer | None,
+    cache_dir: Path,
+    token_dtype: str,
+    seq_len: int,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train, val) token streams of `files` (None: the default corpus)."""
+    if pretokenized:
+        assert files is not None
+        train_streams = load_token_shards(files, token_dtype)
+        if val_files is not None:
+            return train_streams, load_token_shards(val_files, token_dtype)
+        total = sum(len(s) for s in train_streams)
+        num_tail = holdout_tokens(total, seq_len)
+        if total - num_tail >= seq_len + 1:
+            return split_tail(train_streams, num_tail)
+        return train_streams, []  # too little data to hold any out; warned about below
+    assert tokenizer is not None
+    train, val = _text_streams(files, val_files, tokenizer, cache_dir)
+    return [train], [val]
+
+
 def build_data(
     *,
     paths: Sequence[str] | None,
@@ -109,6 +136,7 @@ def build_data(
     val_paths: Sequence[str] | None = None,
     token_dtype: str = "uint16",
     eos_id: int | None = None,
+    weights: Sequence[float] | None = None,
 ) -> DataBundle:
     """Build the tokenizer and the train/val loaders.
 
@@ -123,7 +151,13 @@ def build_data(
     token_dtype: "uint16" or "uint32", the item type of ``.bin`` shards.
     eos_id: the document separator of token shards when no tokenizer is given; if both are None the
         shards are read as one unbroken document (a warning says so).
+    weights: one per entry of ``paths``: a blend (see blend.py), each entry a source of its own.
     """
+    if weights and (paths is None or len(weights) != len(paths)):
+        raise ValueError(
+            f"data.weights {list(weights)} needs one weight per entry of data.paths "
+            f"{list(paths or [])}"
+        )
     check_loader_args(
         seq_len=seq_len,
         micro_batch_size=micro_batch_size,
@@ -153,25 +187,24 @@ def build_data(
             "another tokenizer"
         )
 
-    train_streams: list[np.ndarray]
-    val_streams: list[np.ndarray]
-    if pretokenized:
-        assert files is not None
-        train_streams = load_token_shards(files, token_dtype)
-        if val_files is not None:
-            val_streams = load_token_shards(val_files, token_dtype)
-        else:
-            total = sum(len(s) for s in train_streams)
-            num_tail = holdout_tokens(total, seq_len)
-            if total - num_tail >= seq_len + 1:
-                train_streams, val_streams = split_tail(train_streams, num_tail)
-            else:
-                val_streams = []  # too little data to hold any out; warned about below
+    streams = functools.partial(
+        _streams,
+        val_files=val_files,
+        pretokenized=pretokenized,
+        tokenizer=tokenizer,
+        cache_dir=cache_dir,
+        token_dtype=token_dtype,
+        seq_len=seq_len,
+    )
+    if weights:
+        # A blend: each entry of paths is a source of its own, with its own hold-out.
+        per_source = [streams(expand_paths([path])) for path in paths]
+        source_streams = [train for train, _ in per_source]
+        val_streams = (
+            per_source[0][1] if val_files is not None else [v for _, val in per_source for v in val]
+        )
     else:
-        assert tokenizer is not None
-        train, val = _text_streams(files, val_files, tokenizer, cache_dir)
-        train_streams, val_streams = [train], [val]
-
+        train_streams, val_streams = streams(files)
     if tokenizer is not None:
         eos_id = tokenizer.eos_id
     elif eos_id is None:
@@ -190,7 +223,17 @@ def build_data(
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
     )
-    train_loader = make_loader(train_streams, seed=seed)
+    if weights:
+        train_loader = BlendedLoader(
+            [make_loader(t, seed=seed) for t in source_streams],
+            weights,
+            micro_batch_size=micro_batch_size,
+            eos_id=eos_id,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+        )
+    else:
+        train_loader = make_loader(train_streams, seed=seed)
     val_loader = None
     if count_windows(val_streams, seq_len) > 0:
         val_loader = make_loader(val_streams, seed=VAL_SEED)

@@ -8,6 +8,12 @@ drawn there (`progress(step)` may be called every step; it is host-only and chea
 Why: JSONL is the record a script can read without TensorBoard; TensorBoard is what people look at.
 Only rank 0 writes, so a multi-rank run has one log; other ranks' calls return at once.
 
+One row per step, also across restarts: a fresh run (resume_step None) starts both records
+afresh (a reused run directory's old metrics.jsonl is replaced, its TensorBoard events purged);
+a run resumed from the checkpoint of step S keeps the rows up to S and supersedes the later ones
+(metrics.jsonl rewritten without them, TensorBoard's purge_step = S + 1), since the steps after
+S are trained again.
+
 Values must be python numbers: the trainer converts tensors with .item() at log steps only
 (a device sync), never here. Non-finite values are written to JSONL as the strings "nan", "inf",
 "-inf", because NaN and Infinity are not valid JSON.
@@ -75,6 +81,22 @@ def format_summary(step: int, metrics: dict[str, float], total_steps: int | None
     return " | ".join(parts)
 
 
+def _rows_up_to(path: Path, step: int) -> list[str]:
+    """The lines of metrics.jsonl `path` whose step is <= `step` (none when it does not exist);
+    a line that does not parse (a write cut off by a kill) is dropped."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if row_step <= step:
+            kept.append(line + "\n")
+    return kept
+
+
 class MetricsLogger:
     """Writes metrics on rank 0; a no-op on every other rank."""
 
@@ -85,6 +107,7 @@ class MetricsLogger:
         rank: int,
         tensorboard: bool = True,
         total_steps: int | None = None,
+        resume_step: int | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -97,13 +120,21 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # Append: a resumed run continues the same file (rows may repeat steps after a restart).
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        path = self.run_dir / "metrics.jsonl"
+        kept = _rows_up_to(path, resume_step) if resume_step is not None else []
+        self._jsonl = open(path, "w", encoding="utf-8")
+        self._jsonl.writelines(kept)
+        self._jsonl.flush()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"), flush_secs=30)
+                self._writer = SummaryWriter(
+                    log_dir=str(self.run_dir / "tb"),
+                    flush_secs=30,
+                    # Events at steps >= purge_step in the older files are dropped by readers.
+                    purge_step=0 if resume_step is None else resume_step + 1,
+                )
             except ImportError as error:
                 _warn_no_tensorboard(error)
         if sys.stderr.isatty():

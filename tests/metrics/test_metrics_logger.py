@@ -39,12 +39,45 @@ def test_rank0_writes_jsonl_tensorboard_and_console(tmp_path, capsys):
     assert out[2] == "step 3/100 | val_loss 2.0000 | grad_norm inf"
 
 
-def test_appends_across_loggers(tmp_path):
-    for step in (1, 2):
-        with MetricsLogger(tmp_path, rank=0, tensorboard=False) as log:
-            log.log(step, {"loss": 1.0})
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
-    assert not (tmp_path / "tb").exists()
+def _tb_steps(tb_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_resume_supersedes_the_rows_after_the_checkpoint(tmp_path):
+    pytest.importorskip("tensorboard")
+    with MetricsLogger(tmp_path, rank=0) as log:
+        for step in range(1, 11):
+            log.log(step, {"loss": float(step)})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "lo')  # a line cut off by a kill
+    # Resumed from the checkpoint of step 5: steps 6.. are trained again.
+    with MetricsLogger(tmp_path, rank=0, resume_step=5) as log:
+        for step in range(6, 9):
+            log.log(step, {"loss": 100.0 + step})
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in rows] == [
+        *((s, float(s)) for s in range(1, 6)),
+        *((s, 100.0 + s) for s in range(6, 9)),
+    ]
+    assert _tb_steps(tmp_path / "tb", "loss") == [
+        *((s, float(s)) for s in range(1, 6)),
+        *((s, 100.0 + s) for s in range(6, 9)),
+    ]
+
+
+def test_a_fresh_run_never_appends_to_an_old_record(tmp_path):
+    pytest.importorskip("tensorboard")
+    with MetricsLogger(tmp_path, rank=0) as log:
+        log.log(1, {"loss": 1.0})
+        log.log(2, {"loss": 2.0})
+    with MetricsLogger(tmp_path, rank=0) as log:
+        log.log(1, {"loss": 5.0})
+    assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(1, 5.0)]
+    assert _tb_steps(tmp_path / "tb", "loss") == [(1, 5.0)]
 
 
 def test_other_ranks_write_nothing(tmp_path, capsys):

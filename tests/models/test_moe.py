@@ -66,7 +66,8 @@ def test_config_errors_name_values():
             "model.score_func must be one of ('softmax', 'sigmoid'), got 'tanh'",
         ),
         ({"moe_ffn_dim": 20}, "model.moe_ffn_dim=20 must be a multiple of 8"),
-        ({"first_k_dense": 3}, "model.first_k_dense=3 exceeds model.num_layers=2"),
+        ({"first_k_dense": 3}, "model.first_k_dense=3 leaves no MoE layer in model.num_layers=2"),
+        ({"first_k_dense": 2}, "model.first_k_dense=2 leaves no MoE layer in model.num_layers=2"),
         ({"z_loss_coef": -1.0}, "model.z_loss_coef must be >= 0 (0 turns it off), got -1.0"),
         ({"route_scale": 0.0}, "model.route_scale must be > 0, got 0.0"),
         ({"num_experts": 0}, "model.num_experts must be >= 1, got 0"),
@@ -128,8 +129,20 @@ def test_active_params_counts_the_weights_a_token_meets():
         share = cfg.top_k / cfg.num_experts if ".moe.experts." in name else 1
         total += p.numel() * share
     assert active_params(cfg) == total
-    # All layers dense: 6 * active_params per token is the dense model's training FLOPs.
-    dense = replace(cfg, first_k_dense=cfg.num_layers)
+    # MoE layers of one routed expert as wide as the dense FFN, no shared expert: a token meets
+    # the dense model's weights plus a router gate of dim x 1 per MoE layer, so 6 * active_params
+    # per token is the dense model's training FLOPs plus those gates'.
+    dense = replace(
+        cfg,
+        num_experts=1,
+        top_k=1,
+        num_shared_experts=0,
+        moe_ffn_dim=cfg.ffn_dim,
+        num_groups=1,
+        topk_groups=1,
+    )
+    gates = (cfg.num_layers - cfg.first_k_dense) * cfg.dim
+    assert gates > 0
     flops = training_flops(
         dim=cfg.dim,
         num_layers=cfg.num_layers,
@@ -140,7 +153,7 @@ def test_active_params_counts_the_weights_a_token_meets():
         num_tokens=100,
         num_attention_pairs=0,
     )
-    assert flops == 6 * active_params(dense) * 100
+    assert flops == 6 * (active_params(dense) - gates) * 100
 
 
 # ------------------------------------------------------------------------------------------

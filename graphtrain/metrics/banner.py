@@ -1,0 +1,99 @@
+"""The start banner: what this run is about to do, in a few lines, logged once by rank 0.
+
+What a user checks before walking away from a run: where it writes, how big the model is (for
+MoE also the weights a token meets), how many tokens a step and a micro-batch hold, the layout
+over the ranks, the precision, the graph passes that are on, and when checkpoints are saved.
+Everything comes from the resolved config and the numbers the trainer computed; the function
+returns text, so a test reads exactly what the user sees.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from graphtrain.config import JobConfig
+
+if TYPE_CHECKING:
+    from graphtrain.parallel import ParallelDims
+
+
+def _count(n: int) -> str:
+    """1234567 -> '1.23M' (K, M, B, T)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _checkpoint_plan(cfg: JobConfig) -> str:
+    c = cfg.checkpoint
+    if c.interval:
+        plan = f"every {c.interval} steps and at the end"
+    elif c.final:
+        plan = "at the end (checkpoint.interval=0)"
+    else:
+        plan = "none (checkpoint.interval=0, checkpoint.final=false)"
+    if c.interval or c.final:
+        plan += f", keep the last {c.keep_last}"
+        if c.retain_interval:
+            plan += f" and every multiple of {c.retain_interval}"
+    if c.resume:
+        plan += f"; resuming from {c.resume}"
+    return plan
+
+
+def start_banner(
+    cfg: JobConfig,
+    *,
+    run_dir: Path,
+    dims: ParallelDims,
+    num_params: int,
+    active_params: int | None,
+    param_dtype: str,
+    device: str,
+    micro_batches_per_step: int,
+) -> str:
+    """The banner's lines, e.g. "run dir      runs/tiny-...".
+
+    num_params: every parameter (unsharded); active_params: the weights one token is multiplied
+    with (MoE models; None for dense ones); micro_batches_per_step: at the first step.
+    """
+    from graphtrain.passes import resolve_passes
+
+    t = cfg.training
+    dp_size = dims.dp_replicate * dims.dp_shard
+    per_micro = t.micro_batch_size * t.seq_len
+    per_step = per_micro * micro_batches_per_step * dp_size
+    passes = [p.name for p in resolve_passes(cfg.compile.passes)] if cfg.compile.enable else None
+    layout = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}"
+    if dims.ep > 1 or dims.etp > 1:
+        layout += f" (experts: ep {dims.ep}, etp {dims.etp})"
+    params = f"{_count(num_params)} total"
+    if active_params is not None:
+        params += f", {_count(active_params)} active per token (matmul weights)"
+    if passes is None:
+        compiled = "off (eager)"
+    else:
+        compiled = f"{cfg.compile.backend}; passes on: {', '.join(passes) or 'none'}"
+    rows = [
+        ("run dir", str(run_dir)),
+        ("model", f"{cfg.preset}: {params}"),
+        (
+            "tokens",
+            f"{per_step:,} per step ({micro_batches_per_step} micro-batch"
+            f"{'es' if micro_batches_per_step != 1 else ''} x {dp_size} data-parallel "
+            f"rank{'s' if dp_size != 1 else ''} x {per_micro:,} per micro-batch: {t.micro_batch_size} x "
+            f"{t.seq_len}); {t.steps} steps, warm-up {cfg.warmup_steps}, "
+            f"decay {cfg.decay_steps} ({cfg.schedule.decay_style})",
+        ),
+        ("layout", f"{dims.world_size} rank(s) on {device}: {layout}"),
+        (
+            "precision",
+            f"compute {param_dtype}, master weights {t.master_dtype}, gradient reduction "
+            f"{t.reduce_dtype}, AdamW moments {cfg.optim.state_dtype}",
+        ),
+        ("compile", compiled),
+        ("checkpoints", _checkpoint_plan(cfg)),
+    ]
+    return "\n".join(f"{name:<12} {value}" for name, value in rows)

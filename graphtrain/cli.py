@@ -59,7 +59,7 @@ def _check(args: list[str]) -> int:
     launch.sh runs it once, so that a bad config is one line and exit code 2, not one traceback
     per rank from torchrun."""
     from graphtrain.config import load_config
-    from graphtrain.trainer import check_layout
+    from graphtrain.parallel import check_layout
 
     check_layout(load_config(args), int(os.environ.get("WORLD_SIZE", "1")))
     return 0

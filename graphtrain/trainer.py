@@ -58,10 +58,10 @@ from graphtrain.parallel import (
     GradientFinisher,
     ParallelDims,
     build_mesh,
+    check_layout,
     dp_mesh,
     init_distributed,
     parallelize_model,
-    validate_model_for_tp,
 )
 from graphtrain.parallel.divergence import check_replicas
 from graphtrain.preemption import Preempted, PreemptionHandler
@@ -224,22 +224,6 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         profiler=profiler,
         energy=EnergyMeter(device),  # a collective: every rank agrees whether NVML works
     )
-
-
-def check_layout(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """The parallel axes of `cfg` on `world_size` ranks, checked against the model (a ValueError
-    naming the numbers otherwise); also `graphtrain train --check`, before any rank starts."""
-    parallel = cfg.parallel
-    dims = ParallelDims(
-        dp_replicate=parallel.dp_replicate,
-        dp_shard=parallel.dp_shard,
-        tp=parallel.tp,
-        ep=parallel.ep,
-        etp=parallel.etp,
-        world_size=world_size,
-    )
-    validate_model_for_tp(cfg.model, dims.tp, seq_len=cfg.training.seq_len, etp=dims.etp)
-    return dims
 
 
 def _layout_and_mesh(

@@ -32,7 +32,7 @@ import fnmatch
 import torch
 
 from graphtrain.config import JobConfig
-from graphtrain.parallel import ParallelDims
+from graphtrain.parallel import ParallelDims, check_layout
 from models import MoEConfig, build_model, tp_plan
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -78,15 +78,8 @@ def _tp_divisor(name: str, plan: dict[str, str], dims: ParallelDims) -> int:
 
 def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
     """The predicted per-rank memory of job `cfg` on `world_size` ranks (no device touched)."""
-    p, t, m = cfg.parallel, cfg.training, cfg.model
-    dims = ParallelDims(
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        tp=p.tp,
-        ep=p.ep,
-        etp=p.etp,
-        world_size=world_size,
-    )
+    t, m = cfg.training, cfg.model
+    dims = check_layout(cfg, world_size)
     with torch.device("meta"):
         model = build_model(m)
     plan = tp_plan(m, dims.etp, dims.ep)

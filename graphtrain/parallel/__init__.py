@@ -33,6 +33,7 @@ from graphtrain.parallel.init import apply_reproducible_init
 from graphtrain.parallel.mesh import (
     ParallelDims,
     build_mesh,
+    check_layout,
     dp_mesh,
     expert_dp_mesh,
     fsdp_mesh,
@@ -57,6 +58,7 @@ __all__ = [
     "apply_reproducible_init",
     "apply_tp",
     "build_mesh",
+    "check_layout",
     "dp_mesh",
     "expert_dp_mesh",
     "expert_params",

@@ -208,3 +208,20 @@ def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None, etp:
     for name, value in checks:
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by parallel.tp={tp}")
+
+
+def check_layout(cfg: Any, world_size: int) -> ParallelDims:
+    """The parallel axes of job config `cfg` (graphtrain.config.JobConfig) on `world_size`
+    ranks, checked against the model (a ValueError naming the numbers otherwise): the trainer's
+    first check, `graphtrain train --check` before any rank starts, and `graphtrain plan`."""
+    parallel = cfg.parallel
+    dims = ParallelDims(
+        dp_replicate=parallel.dp_replicate,
+        dp_shard=parallel.dp_shard,
+        tp=parallel.tp,
+        ep=parallel.ep,
+        etp=parallel.etp,
+        world_size=world_size,
+    )
+    validate_model_for_tp(cfg.model, dims.tp, seq_len=cfg.training.seq_len, etp=dims.etp)
+    return dims

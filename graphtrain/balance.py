@@ -75,7 +75,9 @@ class RouterBalance:
                 functools.partial(_sum_over, group=count_group) if count_group is not None else None
             )
         self._aux: dict[str, torch.Tensor] = {}
-        self._nonfinite: dict[str, torch.Tensor] = {}  # per layer: tokens with NaN/inf logits
+        # Per layer: tokens with NaN/inf router logits since the start (a running total, so
+        # a step between two log steps is never missed; any count stops the run).
+        self._nonfinite: dict[str, torch.Tensor] = {}
         self._stats: dict[str, torch.Tensor] = {}
         self._micro_batches = 0  # since the last optimizer step
 
@@ -110,7 +112,7 @@ class RouterBalance:
         # Aux losses: summed over the layers, averaged over the step's micro-batches.
         stats.update({f"moe/{name}_loss": value for name, value in self._aux.items()})
         stats.update({f"moe/{n}/{NONFINITE}": count for n, count in self._nonfinite.items()})
-        self._stats, self._aux, self._nonfinite, self._micro_batches = stats, {}, {}, 0
+        self._stats, self._aux, self._micro_batches = stats, {}, 0
 
     def statistics(self) -> dict[str, torch.Tensor]:
         """The last optimizer step's statistics (device tensors)."""

@@ -1,4 +1,4 @@
-"""`graphtrain train | inspect | export` (also `python -m graphtrain ...`)."""
+"""`graphtrain train | inspect | export | plan | generate | eval` (also `python -m graphtrain`)."""
 
 from __future__ import annotations
 

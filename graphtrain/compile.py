@@ -267,8 +267,9 @@ def _compile_region(module: nn.Module, region_backend: GraphtrainBackend, fullgr
     module.compile(backend=region_backend, fullgraph=fullgraph)
     if not fullgraph:
         # fullgraph=True also lets Dynamo trace ops whose output shape or value depends on
-        # the data (the router's bincount); a region that may break elsewhere (expert
-        # parallel's all-to-all) keeps them in its graph too, for the passes to see.
+        # the data (the router's bincount); a region compiled with fullgraph=False (expert
+        # parallel's all-to-all and its split sizes) keeps them in its graph too, for the
+        # passes to see.
         module._compiled_call_impl = torch._dynamo.config.patch(
             capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True
         )(module._compiled_call_impl)

@@ -256,9 +256,9 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    interval: int = 0  # save every N steps (and at the end); 0: only the final checkpoint
-    # Save a checkpoint when training ends (also with interval 0), so that every run can be
-    # exported or continued; false: no final save.
+    interval: int = 0  # save every N steps; 0: none besides the final checkpoint
+    # Save a checkpoint when training ends (whatever interval says), so that every run can be
+    # exported or continued; false: none at the end (the interval's saves stay).
     final: bool = True
     keep_last: int = 2  # complete checkpoints kept (plus the retain_interval ones)
     # Also keep every checkpoint whose step is a multiple of this; 0: only the last keep_last.
@@ -286,7 +286,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     log_interval: int = 10  # optimizer steps between log lines (a host sync each)
-    val_interval: int = 100  # steps between validations; 0: validate only at the end
+    val_interval: int = 100  # steps between validations; 0: only at step 0 and at the end
     val_batches: int = 8  # held-out micro-batches per validation
     # Held-out rows (sequences of seq_len) evaluated at each validation, split over the ranks:
     # the same rows for any layout. 0: val_batches x training.micro_batch_size.

@@ -74,7 +74,9 @@ def evaluate(
     for _ in range(batches):
         td = next(loader).to(device)
         mask = build_attention_mask(td["document_ids"], attention)
-        loss = trained.model(td["input_ids"], td["labels"], td["position_ids"], mask)
+        loss = trained.model(
+            td["input_ids"], td["labels"], td["position_ids"], mask, document_ids=td["document_ids"]
+        )
         n = int(td["num_label_tokens"])
         total += float(loss) * n
         tokens += n

@@ -4,9 +4,9 @@ end the run at a step boundary with a checkpoint, instead of a traceback and los
 The first signal only sets a flag; the step in progress finishes. At the end of every step the
 ranks agree whether any of them got a signal (a signal may reach one rank first, or only one):
 one all-reduce (MAX) of a single int on a host (gloo) group, so it costs no device sync even
-under NCCL. When they agree, every rank saves a checkpoint of that step (when checkpoints are
-enabled, checkpoint.interval > 0, and checkpoint.save_on_signal is on; a run with checkpoints off
-saves nothing: it stops cleanly but was asked to keep no state on disk), rank 0 logs one line
+under NCCL. When they agree, every rank saves a checkpoint of that step (unless
+checkpoint.save_on_signal is off, or the run keeps no state on disk: checkpoint.interval = 0
+and checkpoint.final = false; it then stops cleanly without one), rank 0 logs one line
 naming it, and the trainer raises Preempted; the CLI exits with EXIT_PREEMPTED. A second signal
 to a rank stops that rank at once (the default action of the signal).
 

@@ -7,9 +7,11 @@ device, handed to graphtrain.parallel: expert parallel, tensor parallel, compile
 activation checkpointing, FSDP2, in that order; materialised and initialised), the optimizer,
 the schedules and the step (graphtrain.step.TrainStep), and resumes from a checkpoint. The loop
 pulls each step's micro-batches from the loader, hands them to the step once, and logs,
-validates and saves. It knows nothing of the graph passes, of the parallel layout's gradient
-reductions or of MoE balancing. Host synchronisation happens only at log, validation and
-checkpoint steps; in between, losses and the non-finite check stay on the device.
+validates and saves. It knows nothing of the graph passes or of the parallel layout's gradient
+reductions; MoE balancing and FP8 counters reach it only as step statistics (it stops on
+non-finite router logits as on a non-finite loss). The loop synchronises with the device only
+at log, validation and checkpoint steps; in between, losses and the non-finite checks stay on
+the device (the model's own code may sync: expert parallel reads its split sizes).
 """
 
 from __future__ import annotations
@@ -342,8 +344,8 @@ def _build_model(
             "passes": cfg.compile.passes,
             "inner": cfg.compile.backend,
             "dump_dir": dump_dir,
-            # Expert parallel's all-to-all has data-dependent sizes and runs outside the graph:
-            # an MoE block compiles as two graphs around it.
+            # Expert parallel's all-to-all has data-dependent split sizes: its regions trace them
+            # with dynamic output shapes (graphtrain.compile), one graph per block.
             "fullgraph": dims.ep == 1,
             "pass_options": pass_options(cfg),
             "cudagraph_mtp": cfg.compile.cudagraph_mtp,
@@ -507,6 +509,7 @@ def _train_loop(run: Run, preemption: PreemptionHandler) -> TrainResult:
         run.profiler.after_step(progress.step)
         progress.consumed_tokens += stats.tokens
         window.add(stats, step=progress.step)
+        run.metrics.progress(progress.step)  # the terminal's progress bar (rank 0), no sync
         replica_interval = cfg.training.replica_check_interval
         if run.dims.world_size > 1 and replica_interval and progress.step % replica_interval == 0:
             check_replicas(run.model, run.train_step.optimizer, step=progress.step)
@@ -519,9 +522,7 @@ def _train_loop(run: Run, preemption: PreemptionHandler) -> TrainResult:
             _validate(run, result, step=progress.step)
             window.restart_clock()  # keep validation out of tokens/s
         interval = cfg.checkpoint.interval
-        saved = bool(interval and progress.step % interval == 0) or (
-            last and bool(interval or cfg.checkpoint.final)
-        )
+        saved = bool(interval and progress.step % interval == 0) or (last and cfg.checkpoint.final)
         if saved:
             _save_checkpoint(run)
             window.restart_clock()
@@ -574,6 +575,7 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
     """The host syncs of a log step: the window's losses (averaged over the data-parallel
     ranks) into result.losses, a non-finite loss stops the run, and one metrics line."""
     dims, model = run.dims, run.model
+    _stop_on_nonfinite_routing(run, stats)  # before the loss check: it names the layer
     losses = _all_reduce(torch.stack(window.losses), run.dp_group) / dims.dp_size
     bad = _all_reduce(window.first_non_finite.clone(), run.dp_group, dist.ReduceOp.MIN).item()
     if bad != _NO_STEP:
@@ -615,14 +617,13 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
         names = list(stats.extra)
         values = torch.stack([stats.extra[name].float() for name in names]).tolist()
         entry.update(zip(names, values, strict=True))
-    _stop_on_nonfinite_routing(run, stats)
     run.metrics.log(run.progress.step, entry)
     window.reset()
 
 
 def _stop_on_nonfinite_routing(run: Run, stats: StepStats) -> None:
-    """Every rank stops when any rank's router saw non-finite logits in the last step (a NaN
-    weight or activation would otherwise route silently), naming the layers and counts."""
+    """Every rank stops when any rank's router has seen non-finite logits since the start (a
+    NaN weight or activation would otherwise route silently), naming the layers and counts."""
     names = [name for name in stats.extra if name.endswith(NONFINITE)]
     if not names:
         return
@@ -661,7 +662,7 @@ def _validate(run: Run, result: TrainResult, *, step: int) -> None:
 
 
 def _stop_on_signal(run: Run, saved: bool) -> None:
-    """Save (unless this step just did, or the run saves nothing: no interval and no final
+    """Save (unless this step just did, or the run saves nothing: interval 0 and no final
     checkpoint) and raise Preempted."""
     ckpt, step = run.cfg.checkpoint, run.progress.step
     keep = bool(ckpt.interval or ckpt.final) and ckpt.save_on_signal

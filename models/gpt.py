@@ -337,7 +337,9 @@ class GPT(nn.Module):
         if labels is None:
             return self.output(self.norm(h))
         loss = self.head_loss(h, labels)
-        if self.cfg.mtp_depth:
+        if self.cfg.mtp_depth and self.training:
+            # MTP is a training objective: evaluation (validation, `graphtrain eval`) reports
+            # the next-token loss alone, comparable across mtp_depth.
             loss = loss + self.mtp_loss(h, input_ids, labels, rope, attn_mask, document_ids, stats)
         return loss
 

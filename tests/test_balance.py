@@ -79,3 +79,25 @@ def test_dense_models_get_no_balance():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     dims = ParallelDims(world_size=1)
     assert install_router_balance(model, optimizer, None, dims, bias_update_rate=RATE) is None
+
+
+def test_non_finite_router_tokens_are_a_running_total_across_steps():
+    # A NaN routed at a step between two log steps must still be there at the next log step
+    # (the trainer stops on any count): the per-layer count keeps adding up over the steps.
+    model, optimizer, balance = setup()
+    (first, _), (name, router) = model.routers()
+    x, y = tokens(1)
+    for step in range(3):
+        if step == 1:  # only this step routes a NaN logit (expert 3, every token)
+            with torch.no_grad():
+                router.gate.weight[3, 5] = float("nan")
+        with balance.micro_batch(1.0):
+            model(x, y)
+        if step == 1:
+            with torch.no_grad():
+                router.gate.weight[3, 5] = 0.0
+        optimizer.step()
+        stats = balance.statistics()
+        want = 0 if step == 0 else x.numel()
+        assert stats[f"moe/{name}/nonfinite_router_tokens"].item() == want, step
+        assert stats[f"moe/{first}/nonfinite_router_tokens"].item() == 0

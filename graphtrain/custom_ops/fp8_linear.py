@@ -35,8 +35,8 @@ Numerics
 Saturation statistics
     Every cast returns [clipped, flushed-to-zero] counts; the op adds them to device-side
     counters per tensor class (activation, weight, gradient) without a host sync;
-    fp8_saturation_stats() turns them into fractions at log steps (the one call that syncs, and
-    only when its result is read).
+    fp8_saturation_stats() turns them into fractions and resets them: the trainer's FP8Saturation
+    step hook reads them once per step (device tensors; the host reads them at log steps).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -199,7 +200,7 @@ def build_data(
     if weights:
         # A blend: each entry of paths is a source of its own, with its own hold-out.
         per_source = [streams(expand_paths([path])) for path in paths]
-        source_streams = [train for train, _ in per_source]
+        train_streams = [train for train, _ in per_source]  # one stream list per source
         val_streams = (
             per_source[0][1] if val_files is not None else [v for _, val in per_source for v in val]
         )
@@ -214,6 +215,45 @@ def build_data(
             stacklevel=2,
         )
 
+    train_loader, val_loader = _loaders(
+        train_streams,
+        val_streams,
+        weights,
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        vocab_size=vocab_size,
+        eos_id=eos_id,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        seed=seed,
+    )
+
+    if tokenizer is not None:
+        vocab_size_needed = tokenizer.vocab_size
+    else:
+        vocab_size_needed = (
+            max(train_loader.max_token_id, getattr(val_loader, "max_token_id", 0)) + 1
+        )
+    return DataBundle(
+        tokenizer=tokenizer, train=train_loader, val=val_loader, vocab_size_needed=vocab_size_needed
+    )
+
+
+def _loaders(
+    train_streams: list,
+    val_streams: list,
+    weights: Sequence[float] | None,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    vocab_size: int,
+    eos_id: int | None,
+    dp_rank: int,
+    dp_world_size: int,
+    seed: int,
+) -> tuple[Any, PackedLoader | None]:
+    """The training loader (a BlendedLoader over one stream list per source when weighted) and
+    the validation loader (None, with a warning, when the held-out data has no whole row)."""
     make_loader = functools.partial(
         PackedLoader,
         seq_len=seq_len,
@@ -225,7 +265,7 @@ def build_data(
     )
     if weights:
         train_loader = BlendedLoader(
-            [make_loader(t, seed=seed) for t in source_streams],
+            [make_loader(t, seed=seed) for t in train_streams],
             weights,
             micro_batch_size=micro_batch_size,
             eos_id=eos_id,
@@ -242,15 +282,6 @@ def build_data(
             f"the validation data has {sum(len(s) for s in val_streams)} tokens, fewer than one "
             f"row of seq_len + 1 = {seq_len + 1}; there is no validation loader. Pass val_paths "
             "with more data.",
-            stacklevel=2,
+            stacklevel=3,  # the caller of build_data
         )
-
-    if tokenizer is not None:
-        vocab_size_needed = tokenizer.vocab_size
-    else:
-        vocab_size_needed = (
-            max(train_loader.max_token_id, getattr(val_loader, "max_token_id", 0)) + 1
-        )
-    return DataBundle(
-        tokenizer=tokenizer, train=train_loader, val=val_loader, vocab_size_needed=vocab_size_needed
-    )
+    return train_loader, val_loader

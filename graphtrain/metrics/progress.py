@@ -86,10 +86,6 @@ class ProgressBar:
             self.stream.flush()
             self._drawn_len = 0
 
-    def redraw(self) -> None:
-        """Draw the bar again now (after clear())."""
-        self._draw(time.monotonic())
-
     def close(self) -> None:
         """Draw the final state and end the line."""
         self._draw(time.monotonic())

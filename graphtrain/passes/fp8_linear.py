@@ -76,7 +76,6 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch.fx import Node
 
 from graphtrain.config import Fp8Config
@@ -90,8 +89,6 @@ from graphtrain.passes.registry import PassContext, register_pass
 DEFAULT_OPTIONS: dict[str, Any] = {
     f"fp8.{k}": v for k, v in dataclasses.asdict(Fp8Config()).items()
 }
-_LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
-_MATMUL_TARGETS = (operator.matmul, torch.matmul)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -187,10 +184,10 @@ def _match(node: Node) -> _Gemm | None:
     """The GEMM at `node`, a refusal (str) for a GEMM of the wrong form, or None."""
     if node.op != "call_function":
         return None
-    if node.target in _LINEAR_TARGETS:
+    if node.target in fx.LINEAR_TARGETS:
         return _Gemm(node, "linear", fx.arg(node, 0, "input"), fx.arg(node, 1, "weight"),
                      fx.arg(node, 2, "bias"))  # fmt: skip
-    if node.target in _MATMUL_TARGETS:
+    if node.target in fx.MATMUL_TARGETS:
         weight = _transposed(node.args[1], 2)
         if weight is None:
             return None  # a matmul that is not a linear (attention scores, ...): no note

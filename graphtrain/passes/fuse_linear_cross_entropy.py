@@ -79,8 +79,6 @@ from graphtrain.passes.fx import Refuse
 from graphtrain.passes.registry import PassContext, register_pass
 
 _CE_TARGETS = (F.cross_entropy,)
-_LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
-_MATMUL_TARGETS = (operator.matmul, torch.matmul)
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 _FUSED_OP = torch.ops.graphtrain.linear_cross_entropy.default
 
@@ -261,13 +259,13 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
 
     transpose = None
     weight: torch.fx.Node | str
-    if head.op == "call_function" and head.target in _LINEAR_TARGETS:
+    if head.op == "call_function" and head.target in fx.LINEAR_TARGETS:
         hidden = head.args[0] if head.args else head.kwargs.get("input")
         weight = head.args[1] if len(head.args) > 1 else head.kwargs.get("weight")
         bias = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
         if bias is not None:
             raise Refuse(f"the head {head.name} has a bias")
-    elif head.op == "call_function" and head.target in _MATMUL_TARGETS:
+    elif head.op == "call_function" and head.target in fx.MATMUL_TARGETS:
         hidden, other = head.args[0], head.args[1]
         weight = _transposed_weight(other)
         if weight is None:

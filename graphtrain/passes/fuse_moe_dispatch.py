@@ -16,7 +16,7 @@ What
     where `order` must be a permutation of the T*k slots: an argsort (torch.argsort, .argsort,
     or the indices of a sort) of a 1-D tensor of T*k elements, x being [T, D]; `order // k`
     written with //, torch.div(..., rounding_mode="floor") or floor_divide.
-    models/moe.py's GroupedExperts.forward is written exactly so.
+    models/moe.py's routed_experts is written exactly so.
 
 Why
     The plain gather's backward is a scatter-add with an fp32 atomic per element into a zeroed

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Node
@@ -100,6 +101,10 @@ def fake_mode_of(nodes: Iterable[Any]) -> Any:
 
 
 # ---- call matching -------------------------------------------------------------------------
+
+# A linear layer as Dynamo records it (F.linear, nn.Linear), and x @ W spelled as a matmul.
+LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
+MATMUL_TARGETS = (operator.matmul, torch.matmul)
 
 # call_function targets -> the method name they mean (call_method nodes use the name itself).
 FUNCTIONS: dict[Any, str] = {

@@ -23,7 +23,7 @@ def tp_plan(cfg: GPTConfig, etp: int = 1, ep: int = 1) -> dict[str, str]:
     plan = moe_tp_plan(cfg, etp, ep) if moe else dict(GPT_TP_PLAN)
     if cfg.mtp_depth:
         # The MTP block is of the kind of the trunk's last layer.
-        plan |= mtp_tp_plan(plan, moe_block=moe and cfg.num_layers > cfg.first_k_dense)
+        plan |= mtp_tp_plan(plan, moe_block=moe)
     return plan
 
 

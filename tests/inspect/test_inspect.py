@@ -70,7 +70,15 @@ def test_fused_op_once_with_location_and_options(report):
     assert site.graph == "head_loss-0"
     assert site.module_path == "output"
     assert site.source == f"{GPT_SOURCE}:{_head_loss_line()} in head_loss"
-    assert site.options == {"ignore_index": -100, "label_smoothing": 0.0, "reduction": "mean"}
+    assert site.options == {
+        "ignore_index": -100,
+        "label_smoothing": 0.0,
+        "reduction": "mean",
+        # auto: the fast mode, its fp32 weight gradient accumulated in place (the budget of a
+        # CPU run holds it)
+        "mode": "fast",
+        "fp32_accumulator": True,
+    }
 
 
 def test_moe_model_shows_its_blocks_and_the_fused_router():

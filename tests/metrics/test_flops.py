@@ -215,7 +215,7 @@ def test_mtp_flops_match_flop_counter_on_the_model(depth):
 
 def test_mtp_flops_of_moe_add_one_block_projection_and_head_per_depth():
     """An MoE model's MTP depth costs one more MoE block (the last layer's kind), eh_proj and
-    the head, by hand; an all-dense trunk gets dense MTP blocks."""
+    the head, by hand."""
     from dataclasses import replace
 
     from models import MoEConfig
@@ -228,16 +228,9 @@ def test_mtp_flops_of_moe_add_one_block_projection_and_head_per_depth():
     hd, tokens, pairs = 8, 5, 10
     attention = 2 * 16 * 2 * hd * 2 + 2 * 2 * 16 * 1 * hd  # wq, wo; wk, wv
     experts = (2 + 1) * 3 * 2 * 16 * 8 + 2 * 16 * 8  # routed top-2 + shared, router gate
-    dense_ffn = 3 * 2 * 16 * 32
     mtp = 2 * 2 * 16 * 16 + 2 * 16 * 64  # eh_proj, head
     base = model_training_flops(cfg, num_tokens=tokens, num_attention_pairs=pairs)
     got = model_training_flops(
         replace(cfg, mtp_depth=2), num_tokens=tokens, num_attention_pairs=pairs
     )
     assert got - base == 3 * 2 * (tokens * (attention + experts + mtp) + pairs * 4 * hd * 2)
-    dense = replace(cfg, first_k_dense=1)
-    base = model_training_flops(dense, num_tokens=tokens, num_attention_pairs=pairs)
-    got = model_training_flops(
-        replace(dense, mtp_depth=1), num_tokens=tokens, num_attention_pairs=pairs
-    )
-    assert got - base == 3 * (tokens * (attention + dense_ffn + mtp) + pairs * 4 * hd * 2)

@@ -81,3 +81,34 @@ def test_dcp_metadata_reads_back_through_the_allow_list(saved_run):
     theirs = FileSystemReader(str(ckpt)).read_metadata()
     assert ours.state_dict_metadata == theirs.state_dict_metadata
     assert ours.storage_data == theirs.storage_data
+
+
+class _Reduce:
+    """Pickles as the call `fn(*args)`, as a pickle from elsewhere may be written."""
+
+    def __init__(self, fn, *args) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def test_getattr_is_read_only_as_an_enum_member(tmp_path):
+    # Some Python builds (3.11.2) pickle DCP's enum members as getattr(EnumClass, "NAME"); that
+    # form is read, and any other getattr (a path to functions' globals, hence to any code) is
+    # refused naming it.
+    import io
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as Encoding
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from graphtrain.checkpoint.safe_load import _MetadataUnpickler
+
+    def load(obj):
+        return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj)), tmp_path / ".metadata").load()
+
+    member = next(iter(Encoding))  # TensorProperties.memory_format is pickled as one
+    assert load(_Reduce(getattr, Encoding, member.name)) is member
+    for cls, name in ((Encoding, "__init__"), (MetadataIndex, "__init__")):
+        with pytest.raises(UnsafeCheckpointError, match="getattr"):
+            load(_Reduce(getattr, cls, name))

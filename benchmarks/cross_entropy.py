@@ -200,6 +200,27 @@ def inputs(
     return h, w, t
 
 
+def record(title: str, body: str, note: str = "") -> None:
+    """Print and append to RESULTS.md a section "## title (date, device, torch/triton versions,
+    commit[note])" with `body` under it: every benchmark's results are stamped alike."""
+    stamp = (
+        f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()}{note}"
+    )
+    text = f"## {title} ({stamp})\n\n{body}\n"
+    print()
+    print(text)
+    if not RESULTS.exists():
+        RESULTS.write_text(
+            "# Benchmark results\n\n"
+            "Appended by benchmarks/*.py, one section per run: date, device, torch/triton "
+            "versions and git commit in the title. Compare rows only within a section.\n\n"
+        )
+    with RESULTS.open("a") as f:
+        f.write("\n" + text)
+    print(f"appended to {RESULTS}")
+
+
 def git_commit() -> str:
     root = Path(__file__).resolve().parent.parent
     try:
@@ -340,25 +361,11 @@ def main() -> None:
             raise SystemExit(f"unknown {name!r}; known: {', '.join(known)}")
 
     lines, verdicts = run_table(shapes, precisions, impls)
-    device = torch.cuda.get_device_name()
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    title = (
-        f"## cross_entropy: linear + cross-entropy fwd+bwd ({stamp}, {device}, "
-        f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()})"
-    )
-    text = "\n".join([title, "", *lines, "", *(f"- {v}" for v in verdicts), ""])
-    print()
-    print(text)
-    if not args.no_record:
-        if not RESULTS.exists():
-            RESULTS.write_text(
-                "# Benchmark results\n\n"
-                "Appended by benchmarks/*.py, one section per run: date, device, torch/triton "
-                "versions and git commit in the title. Compare rows only within a section.\n\n"
-            )
-        with RESULTS.open("a") as f:
-            f.write(text + "\n")
-        print(f"appended to {RESULTS}")
+    body = "\n".join([*lines, "", *(f"- {v}" for v in verdicts)])
+    if args.no_record:
+        print(body)
+    else:
+        record("cross_entropy: linear + cross-entropy fwd+bwd", body)
 
 
 if __name__ == "__main__":

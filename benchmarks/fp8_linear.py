@@ -29,13 +29,12 @@ The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
 from __future__ import annotations
 
 import argparse
-import datetime
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from cross_entropy import RESULTS, git_commit  # run as a script: benchmarks/ is on sys.path
+from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain.custom_ops  # noqa: F401  (registers graphtrain::fp8_linear, fp8_grouped_mm)
 
@@ -218,15 +217,10 @@ def main() -> None:
     rows = [(impl, lambda x, w, fn=fn: fn(x, w, offs)) for impl, fn in grouped_rows()]
     measure(rows, (x, w, grad), "experts 98304x1024x1024 (E=64)", lines)
     table = "\n".join(lines)
-    print(table)
-    if not args.no_record:
-        header = (
-            f"\n## fp8_linear: forward + backward incl. amax and casts "
-            f"({datetime.datetime.now():%Y-%m-%d %H:%M}, {torch.cuda.get_device_name()}, "
-            f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()})\n\n"
-        )
-        with open(RESULTS, "a") as f:
-            f.write(header + table + "\n")
+    if args.no_record:
+        print(table)
+    else:
+        record("fp8_linear: forward + backward incl. amax and casts", table)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from cross_entropy import RESULTS, git_commit  # run as a script: benchmarks/ is on sys.path
+from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
 from moe_router import HBM_BYTES_PER_S, kernel_ms
 
 from graphtrain.compile import backend as graphtrain_backend
@@ -182,15 +181,10 @@ def main() -> None:
     lines.append("")
     lines.append(f"- fuse_moe_dispatch inserted both ops: {fired}")
     table = "\n".join(lines)
-    print(table)
-    if not args.no_record:
-        header = (
-            f"\n## moe_dispatch: permute + combine, T={T}, k={k}, D={D}, x fp32, slots bf16 "
-            f"({datetime.datetime.now():%Y-%m-%d %H:%M}, {torch.cuda.get_device_name()}, "
-            f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()})\n\n"
-        )
-        with open(RESULTS, "a") as f:
-            f.write(header + table + "\n")
+    if args.no_record:
+        print(table)
+    else:
+        record(f"moe_dispatch: permute + combine, T={T}, k={k}, D={D}, x fp32, slots bf16", table)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ versions, git commit); --no-record skips that.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import tempfile
 from collections.abc import Callable
@@ -52,7 +51,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from cross_entropy import RESULTS, git_commit  # run as a script: benchmarks/ is on sys.path
+from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend
@@ -292,19 +291,11 @@ def main() -> None:
             speedups = ", ".join(f"{base[0][c] / ours[0][c]:.1f}x {c}" for c in columns)
             verdicts.append(f"{router}: graphtrain-op vs torch.compile: {speedups}; target >= 10x")
 
-    device = torch.cuda.get_device_name()
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    title = (
-        f"## moe_router: {T} tokens, {E} experts, top-{k}, fp32 logits ({stamp}, {device}, "
-        f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()})"
-    )
-    text = "\n".join([title, "", floor, "", *lines, "", *(f"- {v}" for v in verdicts), ""])
-    print()
-    print(text)
-    if not args.no_record:
-        with RESULTS.open("a") as f:
-            f.write(text + "\n")
-        print(f"appended to {RESULTS}")
+    body = "\n".join([floor, "", *lines, "", *(f"- {v}" for v in verdicts)])
+    if args.no_record:
+        print(body)
+    else:
+        record(f"moe_router: {T} tokens, {E} experts, top-{k}, fp32 logits", body)
 
 
 def cpu_smoke() -> None:

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 
 import torch
 import triton
 import triton.testing
-from cross_entropy import RESULTS, git_commit  # run as a script: benchmarks/ is on sys.path
+from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
 
 from graphtrain.compile import backend as graphtrain_backend
 from models import PRESETS, build_model
@@ -125,15 +124,10 @@ def main() -> None:
         cells = " | ".join(f"{t:.3f}" for t in times)
         lines.append(f"| {B} x {T} | {cells} | {err:.1e} |")
     table = "\n".join(lines)
-    print(table)
-    if not args.no_record:
-        header = (
-            f"\n## mtp: one MTP layer fwd+bwd, dim 2048 (1b block), bf16 "
-            f"({datetime.datetime.now():%Y-%m-%d %H:%M}, {torch.cuda.get_device_name()}, "
-            f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()})\n\n"
-        )
-        with open(RESULTS, "a") as f:
-            f.write(header + table + "\n")
+    if args.no_record:
+        print(table)
+    else:
+        record("mtp: one MTP layer fwd+bwd, dim 2048 (1b block), bf16", table)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,11 @@ The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
 from __future__ import annotations
 
 import argparse
-import datetime
 
 import torch
 import triton
 import triton.testing
-from cross_entropy import RESULTS, git_commit  # run as a script: benchmarks/ is on sys.path
+from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
 
 # Llama-3-8B
 DIM, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336
@@ -136,17 +135,11 @@ def main() -> None:
         return
     rows = measure(args.tokens, "cuda")
     text = table(rows, args.tokens)
-    print(text)
-    if not args.no_record:
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        head = (
-            f"\n## tp_overlap: chunked decomposition on one GPU, Llama-3-8B TP GEMMs ({stamp}, "
-            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-            f"{triton.__version__}, commit {git_commit()}; collectives modelled at "
-            f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s)\n\n"
-        )
-        with RESULTS.open("a") as f:
-            f.write(head + text + "\n")
+    if args.no_record:
+        print(text)
+    else:
+        note = f"; collectives modelled at {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s"
+        record("tp_overlap: chunked decomposition on one GPU, Llama-3-8B TP GEMMs", text, note)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,13 @@ What
                         torch._scaled_mm)
         torchao         torchao.float8 Float8Linear, tensorwise recipe, compiled (when torchao
                         imports and runs on this torch; otherwise the row says why)
-    and one grouped-experts row at moe-1b's shape (64 experts, x [16384 * 6, 1024] split evenly,
-    W [64, 1024, 1024] = the fused w1|w3): torch._grouped_mm in bf16 against
-    graphtrain::fp8_grouped_mm. Each row: median ms (triton.testing.do_bench), speedup over
-    bf16, SQNR (dB) of out, d x, d W against the bf16 row.
+    and the grouped experts at moe-1b's shapes (64 experts, 16384 tokens x top-6 = 98304 rows:
+    the fused w1|w3 W [64, 1024, 1024] with the rows split evenly and with a skewed routing
+    whose groups are no multiples of 16, and w2 W [64, 1024, 512]): torch._grouped_mm in bf16
+    against graphtrain::fp8_grouped_mm (on sm90 three torch._scaled_grouped_mm, the wgrad's
+    groups padded on the device; elsewhere its loop of torch._scaled_mm per expert). Each
+    row: median ms (triton.testing.do_bench), speedup over bf16, SQNR (dB) of out, d x, d W
+    against the bf16 row.
 
 Run
     python benchmarks/fp8_linear.py [--shapes 16384x4096x4096,...] [--no-record]
@@ -39,6 +42,12 @@ from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
 import graphtrain.custom_ops  # noqa: F401  (registers graphtrain::fp8_linear, fp8_grouped_mm)
 
 SHAPES = ((16384, 4096, 4096), (16384, 8192, 8192), (8192, 2048, 8192))
+# moe-1b's experts: 16384 tokens x top-6 slots, 64 experts, dim 1024, width 512 (w1|w3 fused)
+GROUPED_SHAPES = (
+    ("experts w1|w3 98304x1024x1024 (E=64, even)", 1024, 1024, False),
+    ("experts w1|w3 98304x1024x1024 (E=64, skewed)", 1024, 1024, True),
+    ("experts w2 98304x512x1024 (E=64, even)", 512, 1024, False),
+)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -118,11 +127,16 @@ def linear_inputs(M, K, N, device, dtype):
     return x, w, grad
 
 
-def grouped_inputs(tokens, E, K, N, device, dtype):
+def grouped_inputs(tokens, E, K, N, device, dtype, skewed=False):
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, K, device=device, generator=g).to(dtype).requires_grad_()
     w = (torch.randn(E, N, K, device=device, generator=g) / K**0.5).to(dtype).requires_grad_()
-    offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (tokens // E)
+    counts = torch.full((E,), tokens // E, dtype=torch.int64)
+    if skewed:  # expert e gets a share growing as e + 1/3: group sizes no multiples of 16
+        share = torch.arange(E, dtype=torch.float64) + 1 / 3
+        counts = (share / share.sum() * tokens).long()
+    counts[-1] += tokens - counts.sum()
+    offs = counts.cumsum(0).to(device=device, dtype=torch.int32)
     grad = torch.randn(tokens, N, device=device, generator=g).to(dtype)
     return x, w, offs, grad
 
@@ -181,7 +195,7 @@ def cpu_smoke() -> None:
         assert min(dbs) > 20.0, dbs
     for a, b in zip(plain, ours, strict=True):  # one recipe: equal up to fp32 rounding
         assert sqnr(a, b) > 100.0
-    x, w, offs, grad = grouped_inputs(64, 4, 32, 16, "cpu", torch.float32)
+    x, w, offs, grad = grouped_inputs(64, 4, 32, 16, "cpu", torch.float32, skewed=True)
     (_, bf16), (_, fp8) = grouped_rows()
     want = grouped_fwd_bwd(bf16, x, w, offs, grad)
     got = grouped_fwd_bwd(fp8, x, w, offs, grad)
@@ -212,10 +226,10 @@ def main() -> None:
         M, K, N = (int(d) for d in shape.split("x"))
         torch._dynamo.reset()
         measure(linear_rows(), linear_inputs(M, K, N, "cuda", torch.bfloat16), shape, lines)
-    # moe-1b experts: 16384 tokens x top-6 slots, 64 experts, dim 1024, fused w1|w3 2 x 512
-    x, w, offs, grad = grouped_inputs(16384 * 6, 64, 1024, 1024, "cuda", torch.bfloat16)
-    rows = [(impl, lambda x, w, fn=fn: fn(x, w, offs)) for impl, fn in grouped_rows()]
-    measure(rows, (x, w, grad), "experts 98304x1024x1024 (E=64)", lines)
+    for label, K, N, skewed in GROUPED_SHAPES:
+        x, w, offs, grad = grouped_inputs(16384 * 6, 64, K, N, "cuda", torch.bfloat16, skewed)
+        rows = [(impl, lambda x, w, fn=fn, offs=offs: fn(x, w, offs)) for impl, fn in grouped_rows()]  # fmt: skip
+        measure(rows, (x, w, grad), label, lines)
     table = "\n".join(lines)
     if args.no_record:
         print(table)

@@ -10,25 +10,61 @@ What
     is the result; the others are the FP8 copies the backward uses (x8_t [K, M], w8_t
     [E, K, N]) and their inverse scales.
     Backward (graphtrain::fp8_grouped_mm_backward): the output gradient is cast once (E5M2, or
-    E4M3 with e4m3_grads), then per expert e
+    E4M3 with e4m3_grads; always E4M3 on the grouped kernel, below), then per expert e
         dgrad  grad_x[rows of e] = g8[rows of e] @ w8_t[e]^T      (grad_out W_e)
         wgrad  grad_w[e] = g8_t[:, rows of e] @ x8_t[:, rows of e]^T   (grad_out^T x)
     An expert without rows gets a zero weight gradient.
 
 Scaling
     x and grad_out: per tensor (one amax over all rows, graphtrain::fp8_amax). The weight: per
-    expert (one amax per expert matrix): torch._scaled_grouped_mm on H100 (sm90) takes only
-    row-wise scales, never one scale per tensor, and a per-expert weight scale is what a
-    row-wise scale broadcast over an expert's columns can express, so the same recipe can run
-    there unchanged. Numerics as graphtrain::fp8_linear.
+    expert (one amax per expert matrix). torch._scaled_grouped_mm takes only row-wise scales,
+    and both are written as such: a per-tensor scale repeated over the rows (or, in the wgrad,
+    over each group's rows) and an expert's scale repeated over its output columns, so the
+    grouped kernel computes the same recipe as the reference loop. Numerics otherwise as
+    graphtrain::fp8_linear.
 
-Kernels and what is not built
-    torch._scaled_grouped_mm does not run on CPU (torch 2.13: no CPU kernel), so the op runs
-    each expert's GEMM with torch._scaled_mm (per-tensor scales) in a loop over the groups;
-    the loop reads offs on the host (one synchronisation per call). The CUDA registration is
-    the same loop: wiring torch._scaled_grouped_mm (row-wise scales, groups padded to 16 rows)
-    is the GPU follow-up and is unmeasured. The casts are graphtrain::fp8_cast (Triton on
-    CUDA), one per expert for the weight.
+Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
+    reference (the CPU kernel and the oracle; CUDA devices other than sm90): per expert one
+        torch._scaled_mm (per-tensor scales) in a loop over the groups; it reads offs on the
+        host (one synchronisation per call).
+    grouped (CUDA sm90, fp8_grouped_mm_cuda / fp8_grouped_mm_backward_cuda): three
+        torch._scaled_grouped_mm calls, no host synchronisation, no loop over the experts'
+        GEMMs:
+            forward  2d-3d: x8 [M, K] row-major x w8 [E, N, K] viewed [E, K, N] column-major,
+                     scale_a [M] = x's scale, scale_b [E, N] = each expert's scale
+            dgrad    2d-3d: g8 [M, N] x w8_t [E, K, N] viewed [E, N, K] column-major,
+                     scale_a [M], scale_b [E, K]
+            wgrad    2d-2d with the groups along the contraction: g8_t [N, Mp] row-major x
+                     x8_t [K, Mp] viewed [Mp, K] column-major -> [E, N, K], scale_a [E * N],
+                     scale_b [E * K] (group-major)
+        What torch._scaled_grouped_mm takes (torch 2.11 to 2.14, aten GroupedBlas.cpp and the
+        Meta kernel in torch/_meta_registrations.py): both operands float8_e4m3fn (sm90's
+        row-wise kernel has no E5M2), the first row-major, the second column-major; K and N
+        multiples of 16 (and every leading stride a multiple of 16 bytes); float32 scales,
+        contiguous; out_dtype bfloat16 only; at most 1023 groups. In the 2d-3d case groups of
+        any size, empty ones included, are fine; in the 2d-2d case (groups along K) every
+        group but the last must be a multiple of 16 (TMA's 16-byte alignment of each
+        group's start) and none may be empty (a device assert). So the wgrad pads on the
+        device: each expert's columns of g8_t and x8_t move to a group of max(16,
+        ceil16(rows)) columns, the rest zeros (which add nothing), in buffers of a static
+        width ceil16(M) + 16 E, offsets from a cumsum; rows past offs[-1] go after the last
+        group, where no group reads them.
+        What differs from the reference: the gradient is E4M3 whatever e4m3_grads says (with
+        its per-tensor scale from the current amax, values below about 2^-10 / 448 of the
+        amax flush to zero, counted in fp8/flushed/gradient, where E5M2 keeps values down to
+        2^-17 / 57344 of it);
+        each GEMM's result is rounded to bf16 before out_dtype (relative 2^-9, against the
+        FP8 operands' 2^-4); rows past offs[-1] of out and grad_x are left as the kernel
+        leaves them (undefined, as torch._grouped_mm's), zeros in the reference (the models'
+        offs always end at M). fp32 accumulation (use_fast_accum=False), as the reference.
+    Not built: the weight casts are one graphtrain::fp8_amax and one graphtrain::fp8_cast
+    per expert (Triton on CUDA; E small launches each, no sync); the cast kernel writing
+    g8_t and x8_t straight into the padded layout (it would remove the padding's traffic).
+    Unmeasured (no GPU where this was written): the padding reads g8_t and x8_t (N M + K M
+    bytes) and writes the zero-filled padded copies twice over (zeros, then the columns): at
+    moe-1b's fused w1|w3 experts (M = 98304 rows, N = K = 1024) ~0.6 GB, ~0.2 ms at 3 TB/s,
+    beside ~0.16 ms for the wgrad GEMM (2 M N K = 206 GFLOP at 1271 TFLOP/s) and ~0.5 ms for
+    the three; benchmarks/fp8_linear.py's grouped row measures the whole.
 """
 
 from __future__ import annotations
@@ -41,6 +77,9 @@ from torch import Tensor
 from graphtrain.custom_ops.fp8_linear import E4M3, E5M2, cast_pair
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch._scaled_grouped_mm: groups along K start at multiples of 16 FP8 elements (16 bytes),
+# and it takes fewer than 1024 groups.
+GROUP_ALIGN, MAX_GROUPS = 16, 1023
 
 
 def _check(x: Tensor, weight: Tensor, offs: Tensor, out_dtype: torch.dtype | None) -> None:
@@ -65,6 +104,114 @@ def _groups(offs: Tensor) -> list[tuple[int, int, int]]:
     return [(e, ends[e - 1] if e else 0, end) for e, end in enumerate(ends)]
 
 
+def _cast_operands(
+    x: Tensor, weight: Tensor, pow2_scale: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x8 [M, K], x8_t [K, M], x's scale_inv; w8 [E, N, K], w8_t [E, K, N], scale_inv [E]."""
+    x8, x8_t, sx = cast_pair(x, torch.ops.graphtrain.fp8_amax(x), E4M3, pow2_scale, "activation")
+    w8, w8_t, sw = [], [], []
+    for w in weight.unbind(0):
+        w8_e, w8_t_e, sw_e = cast_pair(
+            w, torch.ops.graphtrain.fp8_amax(w), E4M3, pow2_scale, "weight"
+        )
+        w8.append(w8_e), w8_t.append(w8_t_e), sw.append(sw_e)
+    return x8, x8_t, sx, torch.stack(w8), torch.stack(w8_t), torch.stack(sw)
+
+
+def _cast_grad(grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool):
+    """g8 [M, N], g8_t [N, M], scale_inv of the output gradient (per tensor)."""
+    amax = torch.ops.graphtrain.fp8_amax(grad_out)
+    return cast_pair(grad_out, amax, float8_dtype, pow2_scale, "gradient")
+
+
+# The two GEMM shapes of the op, each as a loop of torch._scaled_mm (reference) and as one
+# torch._scaled_grouped_mm (grouped). a8 / a8_t: FP8 rows with one scale sa (0-d); b8 / b8_t:
+# per expert (b8 [E, P, Q], sb [E]) or rows with one scale (b8_t [Q, M], sb 0-d).
+
+
+def _rows_loop(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, out_dtype):
+    """out [M, P]: out[rows of e] = a8[rows of e] @ b8[e]^T (b8 [E, P, Q])."""
+    out = a8.new_zeros(a8.shape[0], b8.shape[1], dtype=out_dtype)
+    for e, start, end in _groups(offs):
+        if end > start:  # b8[e].t(): column-major, as _scaled_mm wants its second operand
+            out[start:end] = torch._scaled_mm(a8[start:end], b8[e].t(), sa, sb[e], out_dtype=out_dtype)  # fmt: skip
+    return out
+
+
+def _rows_grouped(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, out_dtype):
+    """As _rows_loop, 2d-3d: row-wise scales sa per row of a8, sb per (expert, column)."""
+    M, (E, P, _) = a8.shape[0], b8.shape
+    scale_a = sa.expand(M).contiguous()
+    scale_b = sb[:, None].expand(E, P).contiguous()
+    out = torch._scaled_grouped_mm(
+        a8, b8.transpose(-2, -1), scale_a, scale_b, offs, out_dtype=torch.bfloat16
+    )
+    return out.to(out_dtype)
+
+
+def _experts_loop(a8_t: Tensor, sa: Tensor, b8_t: Tensor, sb: Tensor, offs: Tensor, out_dtype):
+    """out [E, P, Q]: out[e] = a8_t[:, rows of e] @ b8_t[:, rows of e]^T (a8_t [P, M], b8_t
+    [Q, M]); zero for an expert without rows."""
+    out = a8_t.new_zeros(offs.shape[0], a8_t.shape[0], b8_t.shape[0], dtype=out_dtype)
+    for e, start, end in _groups(offs):
+        if end > start:
+            # Row-major slices: a [P, m] and b^T [m, Q] column-major, as _scaled_mm wants.
+            a, b = a8_t[:, start:end].contiguous(), b8_t[:, start:end].contiguous()
+            out[e] = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)
+    return out
+
+
+def _experts_grouped(a8_t: Tensor, sa: Tensor, b8_t: Tensor, sb: Tensor, offs: Tensor, out_dtype):
+    """As _experts_loop, 2d-2d on group-padded copies: scales per (group, row) of a, per
+    (group, column) of the result."""
+    (a, b), padded_offs = pad_groups([a8_t, b8_t], offs)
+    E, P, Q = offs.shape[0], a8_t.shape[0], b8_t.shape[0]
+    scale_a = sa.expand(E * P).contiguous()
+    scale_b = sb.expand(E * Q).contiguous()
+    out = torch._scaled_grouped_mm(
+        a, b.t(), scale_a, scale_b, padded_offs, out_dtype=torch.bfloat16
+    )
+    return out.to(out_dtype)
+
+
+def pad_groups(columns: list[Tensor], offs: Tensor) -> tuple[list[Tensor], Tensor]:
+    """Each [R, M] FP8 tensor with its columns regrouped so that every expert's group has
+    max(16, ceil16(rows)) columns (its own first, then zeros), in a [R, ceil16(M) + 16 E]
+    buffer, and the padded groups' end offsets. Columns past offs[-1] go after the last group.
+    All on the device: no host synchronisation (the width is static)."""
+    M, E = columns[0].shape[1], offs.shape[0]
+    width = -(-M // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * E
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded = torch.where(counts > 0, -(-counts // GROUP_ALIGN) * GROUP_ALIGN, GROUP_ALIGN)
+    padded_offs = torch.cumsum(padded, 0, dtype=torch.int32)
+    # column i of expert e moves by (padded start - start) of e; past offs[-1], by the
+    # padding of all groups
+    shift = torch.cat([padded_offs - padded - offs + counts, padded_offs[-1:] - offs[-1:]])
+    cols = torch.arange(M, dtype=torch.int32, device=offs.device)
+    dest = (cols + shift[torch.searchsorted(offs, cols, right=True)]).long()
+    out = []
+    for t in columns:  # bytes: index_copy_ has no FP8 kernels
+        buf = torch.zeros(t.shape[0], width, dtype=torch.uint8, device=t.device)
+        out.append(buf.index_copy_(1, dest, t.view(torch.uint8)).view(t.dtype))
+    return out, padded_offs
+
+
+def _forward_impl(x, weight, offs, *, pow2_scale, out_dtype, grouped):
+    x8, x8_t, sx, w8, w8_t, sw = _cast_operands(x, weight, pow2_scale)
+    rows = _rows_grouped if grouped else _rows_loop
+    out = rows(x8, sx, w8, sw, offs, out_dtype or x.dtype)
+    return out, x8_t, sx, w8_t, sw
+
+
+def _backward_impl(grad_out, x8_t, sx, w8_t, sw, offs, *, float8_dtype, pow2_scale, x_dtype,
+              w_dtype, grouped):  # fmt: skip
+    g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale)
+    rows, experts = (_rows_grouped, _experts_grouped) if grouped else (_rows_loop, _experts_loop)
+    grad_x = rows(g8, sg, w8_t, sw, offs, x_dtype)
+    grad_w = experts(g8_t, sg, x8_t, sx, offs, w_dtype)
+    return grad_x, grad_w
+
+
 def fp8_grouped_mm_ref(
     x: Tensor,
     weight: Tensor,
@@ -73,21 +220,20 @@ def fp8_grouped_mm_ref(
     pow2_scale: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    x8, x8_t, sx = cast_pair(x, torch.ops.graphtrain.fp8_amax(x), E4M3, pow2_scale, "activation")
-    w8, w8_t, sw = [], [], []
-    for w in weight.unbind(0):
-        w8_e, w8_t_e, sw_e = cast_pair(
-            w, torch.ops.graphtrain.fp8_amax(w), E4M3, pow2_scale, "weight"
-        )
-        w8.append(w8_e), w8_t.append(w8_t_e), sw.append(sw_e)
-    out_dtype = out_dtype or x.dtype
-    out = x.new_zeros(x.shape[0], weight.shape[1], dtype=out_dtype)
-    for e, start, end in _groups(offs):
-        if end > start:
-            out[start:end] = torch._scaled_mm(
-                x8[start:end], w8[e].t(), sx, sw[e], out_dtype=out_dtype
-            )
-    return out, x8_t, sx, torch.stack(w8_t), torch.stack(sw)
+    """The forward as a loop of torch._scaled_mm over the experts (the CPU kernel)."""
+    return _forward_impl(x, weight, offs, pow2_scale=pow2_scale, out_dtype=out_dtype, grouped=False)
+
+
+def fp8_grouped_mm_cuda(
+    x: Tensor,
+    weight: Tensor,
+    offs: Tensor,
+    *,
+    pow2_scale: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward as one torch._scaled_grouped_mm (the sm90 kernel)."""
+    return _forward_impl(x, weight, offs, pow2_scale=pow2_scale, out_dtype=out_dtype, grouped=True)
 
 
 def fp8_grouped_mm_backward_ref(
@@ -103,21 +249,48 @@ def fp8_grouped_mm_backward_ref(
     x_dtype: torch.dtype,
     w_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    amax = torch.ops.graphtrain.fp8_amax(grad_out)
-    g8, g8_t, sg = cast_pair(grad_out, amax, E4M3 if e4m3_grads else E5M2, pow2_scale, "gradient")
-    E, K, N = w8_t.shape
-    grad_x = grad_out.new_zeros(grad_out.shape[0], K, dtype=x_dtype)
-    grad_w = grad_out.new_zeros(E, N, K, dtype=w_dtype)
-    for e, start, end in _groups(offs):
-        if end == start:
-            continue
-        sw = w_scale_inv[e]
-        grad_x[start:end] = torch._scaled_mm(g8[start:end], w8_t[e].t(), sg, sw, out_dtype=x_dtype)
-        # Row-major slices of the transposed copies: g8_t[:, rows] [N, m] and x8_t[:, rows]^T
-        # [m, K] column-major, as _scaled_mm wants its operands.
-        a, b = g8_t[:, start:end].contiguous(), x8_t[:, start:end].contiguous()
-        grad_w[e] = torch._scaled_mm(a, b.t(), sg, x_scale_inv, out_dtype=w_dtype)
-    return grad_x, grad_w
+    """(grad_x, grad_w) as loops of torch._scaled_mm over the experts (the CPU kernel)."""
+    return _backward_impl(
+        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, offs,
+        float8_dtype=E4M3 if e4m3_grads else E5M2, pow2_scale=pow2_scale, x_dtype=x_dtype,
+        w_dtype=w_dtype, grouped=False,
+    )  # fmt: skip
+
+
+def fp8_grouped_mm_backward_cuda(
+    grad_out: Tensor,
+    x8_t: Tensor,
+    x_scale_inv: Tensor,
+    w8_t: Tensor,
+    w_scale_inv: Tensor,
+    offs: Tensor,
+    *,
+    e4m3_grads: bool,
+    pow2_scale: bool,
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """(grad_x, grad_w) as two torch._scaled_grouped_mm (the sm90 kernel). The gradient is
+    E4M3 whatever e4m3_grads says: the kernel takes no E5M2 operand."""
+    return _backward_impl(
+        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, offs, float8_dtype=E4M3,
+        pow2_scale=pow2_scale, x_dtype=x_dtype, w_dtype=w_dtype, grouped=True,
+    )  # fmt: skip
+
+
+def grouped_kernel_runs(t: Tensor, E: int, N: int, K: int) -> bool:
+    """Whether torch._scaled_grouped_mm's row-wise FP8 kernel takes E experts [N, K] on t's
+    device: CUDA sm90 (its only CUTLASS build; other GPUs run the loop), K and N multiples
+    of 16, fewer than 1024 experts. Shapes it refuses run the loop, where torch._scaled_mm
+    needs the same multiples of 16 on CUDA."""
+    return (
+        t.is_cuda
+        and hasattr(torch, "_scaled_grouped_mm")
+        and torch.cuda.get_device_capability(t.device) == (9, 0)
+        and K % GROUP_ALIGN == 0
+        and N % GROUP_ALIGN == 0
+        and E <= MAX_GROUPS
+    )
 
 
 @torch.library.custom_op(
@@ -138,9 +311,17 @@ def fp8_grouped_mm(
     pow2_scale: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Grouped x @ weight[e]^T from FP8 operands (and the FP8 copies the backward uses)."""
+    """Grouped x @ weight[e]^T from FP8 operands (and the FP8 copies the backward uses).
+    The body is the CPU kernel (and CUDA's where the grouped kernel does not run)."""
     _check(x, weight, offs, out_dtype)
     return fp8_grouped_mm_ref(x, weight, offs, pow2_scale=pow2_scale, out_dtype=out_dtype)
+
+
+@fp8_grouped_mm.register_kernel("cuda")
+def _fp8_grouped_mm_cuda(x, weight, offs, *, e4m3_grads=False, pow2_scale=False, out_dtype=None):
+    _check(x, weight, offs, out_dtype)
+    impl = fp8_grouped_mm_cuda if grouped_kernel_runs(x, *weight.shape) else fp8_grouped_mm_ref
+    return impl(x, weight, offs, pow2_scale=pow2_scale, out_dtype=out_dtype)
 
 
 @fp8_grouped_mm.register_fake
@@ -181,6 +362,18 @@ def fp8_grouped_mm_backward(
 ) -> tuple[Tensor, Tensor]:
     """(grad_x, grad_w) of fp8_grouped_mm from its saved FP8 copies."""
     return fp8_grouped_mm_backward_ref(
+        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, offs, e4m3_grads=e4m3_grads,
+        pow2_scale=pow2_scale, x_dtype=x_dtype, w_dtype=w_dtype,
+    )  # fmt: skip
+
+
+@fp8_grouped_mm_backward.register_kernel("cuda")
+def _fp8_grouped_mm_backward_cuda(grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, offs, *,
+                                  e4m3_grads, pow2_scale, x_dtype, w_dtype):  # fmt: skip
+    E, K, N = w8_t.shape
+    grouped = grouped_kernel_runs(grad_out, E, N, K)
+    impl = fp8_grouped_mm_backward_cuda if grouped else fp8_grouped_mm_backward_ref
+    return impl(
         grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, offs, e4m3_grads=e4m3_grads,
         pow2_scale=pow2_scale, x_dtype=x_dtype, w_dtype=w_dtype,
     )  # fmt: skip

@@ -13,6 +13,8 @@ import torch
 from test_fp8_linear import dequant, rel, sqnr
 
 import graphtrain.custom_ops  # noqa: F401  (registers the ops)
+from graphtrain.custom_ops import fp8_grouped_mm as gmm
+from graphtrain.custom_ops import fp8_linear as fl
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -97,14 +99,149 @@ def test_opcheck():
     torch.library.opcheck(op.fp8_grouped_mm_backward.default, args, kwargs, test_utils=utils)
 
 
+def emulated_scaled_grouped_mm(
+    mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+    use_fast_accum=False,
+):  # fmt: skip
+    """torch._scaled_grouped_mm's row-wise FP8 semantics on CPU: the argument checks of its
+    Meta kernel, the device-side checks of its sm90 kernel (2d-2d groups along K non-empty,
+    all but the last a multiple of 16), then per group the FP8 values in fp32, an fp32
+    matmul, the scales applied as its epilogue does (scale_b * (scale_a * acc)), rounded to
+    bf16. Rows past offs[-1] are NaN (the kernel leaves them unwritten)."""
+    meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            for t in (mat_a, mat_b, scale_a, scale_b, offs)]  # fmt: skip
+    torch.ops.aten._scaled_grouped_mm.default(*meta, out_dtype=out_dtype)
+    assert bias is None and scale_result is None and not use_fast_accum
+    assert out_dtype in (None, torch.bfloat16) and len(offs) <= 1023
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    a, b = mat_a.float(), mat_b.float()
+    if b.dim() == 3:  # 2d-3d: groups of rows of a, one [K, N] matrix of b each
+        out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=torch.bfloat16)
+        for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            acc = a[start:end] @ b[g]
+            out[start:end] = (scale_b[g] * (scale_a[start:end, None] * acc)).bfloat16()
+        return out
+    P, Q = a.shape[0], b.shape[1]  # 2d-2d: groups along K, one [P, Q] result each
+    out = torch.empty(len(ends), P, Q, dtype=torch.bfloat16)
+    for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        assert end > start, f"group {g} empty: the kernel asserts"
+        assert g == len(ends) - 1 or (end - start) % 16 == 0, f"group {g} misaligned"
+        acc = a[:, start:end] @ b[start:end]
+        sa, sb = scale_a[g * P : (g + 1) * P, None], scale_b[g * Q : (g + 1) * Q]
+        out[g] = (sb * (sa * acc)).bfloat16()
+    return out
+
+
+def close_to_bf16(got, want):
+    """got within one bf16 rounding of want: the grouped path rounds each GEMM's result to
+    bf16 (relative 2^-9), and its fp32 sums run in another order than the reference's, which
+    can move a result across a bf16 rounding boundary (one bf16 step, relative 2^-7 at most);
+    results that nearly cancel differ by fp32 rounding of the sum, hence 2^-20 of the largest
+    value (seen: ~2^-28). The FP8 operands themselves carry errors of 2^-4."""
+    want = want.double()
+    err = (got.double() - want).abs()
+    return bool((err <= 2**-7 * want.abs() + 2**-20 * want.abs().max()).all())
+
+
+def _bytes(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+GROUP_CASES = [
+    ([5, 0, 37, 3, 0, 19], 0),  # uneven, empty experts, groups not multiples of 16
+    ([16, 32], 0),  # aligned already
+    ([0, 0, 7], 9),  # leading empty experts, rows past offs[-1]
+    ([1], 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts, tail", GROUP_CASES)
+def test_grouped_path_matches_reference(monkeypatch, counts, tail, dtype):
+    """The CUDA path's layouts, scales and padding on CPU, with torch._scaled_grouped_mm
+    emulated, against the reference loop (the same FP8 bytes, gradients in E4M3 in both)."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", emulated_scaled_grouped_mm)
+    x, w, offs, grad = _inputs(counts, 32, 48, seed=sum(counts) + tail)
+    x = torch.cat([x, torch.randn(tail, 32)]).to(dtype)
+    w, grad = w.to(dtype), torch.cat([grad, torch.randn(tail, 48)]).to(dtype)
+    got = gmm.fp8_grouped_mm_cuda(x, w, offs)
+    want = gmm.fp8_grouped_mm_ref(x, w, offs)
+    end = int(offs[-1])
+    assert got[0].dtype == dtype and close_to_bf16(got[0][:end], want[0][:end])
+    for g, r in zip(got[1:], want[1:], strict=True):  # FP8 copies and scales: the same
+        assert g.dtype == r.dtype and torch.equal(_bytes(g), _bytes(r))
+    _, x8_t, sx, w8_t, sw = want
+    args = (grad, x8_t, sx, w8_t, sw, offs)
+    kwargs = dict(pow2_scale=False, x_dtype=dtype, w_dtype=dtype)
+    gx, gw = gmm.fp8_grouped_mm_backward_cuda(*args, e4m3_grads=False, **kwargs)
+    wx, ww = gmm.fp8_grouped_mm_backward_ref(*args, e4m3_grads=True, **kwargs)
+    assert gx.dtype == gw.dtype == dtype
+    assert close_to_bf16(gx[:end], wx[:end]) and close_to_bf16(gw, ww)
+    for e, n in enumerate(counts):
+        assert n or torch.equal(gw[e], torch.zeros_like(gw[e]))  # empty expert: zero gradient
+    # the gradient is E4M3 whatever e4m3_grads says
+    same = gmm.fp8_grouped_mm_backward_cuda(*args, e4m3_grads=True, **kwargs)
+    assert torch.equal(same[0][:end], gx[:end]) and torch.equal(same[1], gw)
+
+
+def test_pad_groups():
+    counts = [5, 0, 37, 3]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    cols = torch.arange(1, 48).to(torch.float8_e4m3fn)[None].expand(2, -1).contiguous()
+    (padded,), padded_offs = gmm.pad_groups([cols], offs)
+    assert padded_offs.tolist() == [16, 32, 80, 96]
+    assert padded.shape == (2, 48 + 16 * 4) and padded.dtype == torch.float8_e4m3fn
+    want = torch.zeros(2, 112)
+    start = 0
+    for pstart, n in zip([0, 16, 32, 80], counts, strict=True):
+        want[:, pstart : pstart + n] = cols[:, start : start + n].float()
+        start += n
+    want[:, 96:98] = cols[:, 45:47].float()  # past offs[-1] = 45: after the last group
+    assert torch.equal(padded.float(), want)
+
+
+@pytest.mark.parametrize("counts, tail", GROUP_CASES[:3])
+def test_meta_kernel_takes_the_layouts(monkeypatch, counts, tail):
+    """torch._scaled_grouped_mm's own Meta kernel (its dtype, layout, stride and scale-shape
+    checks) on every call of the CUDA path, forward and backward, with the casts' fake
+    outputs: a layout mistake fails here, without a GPU."""
+    monkeypatch.setattr(fl, "_COUNTERS", {})  # the saturation counters of meta casts
+    M, E, K, N = sum(counts) + tail, len(counts), 64, 48
+    x = torch.empty(M, K, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(E, N, K, device="meta", dtype=torch.bfloat16)
+    offs = torch.empty(E, device="meta", dtype=torch.int32)
+    out, x8_t, sx, w8_t, sw = gmm.fp8_grouped_mm_cuda(x, w, offs, out_dtype=torch.float32)
+    assert out.shape == (M, N) and out.dtype == torch.float32
+    grad = torch.empty(M, N, device="meta", dtype=torch.float32)
+    gx, gw = gmm.fp8_grouped_mm_backward_cuda(
+        grad, x8_t, sx, w8_t, sw, offs, e4m3_grads=False, pow2_scale=False,
+        x_dtype=torch.bfloat16, w_dtype=torch.float32,
+    )  # fmt: skip
+    assert (gx.shape, gx.dtype, gw.shape, gw.dtype) == ((M, K), torch.bfloat16, (E, N, K), torch.float32)  # fmt: skip
+
+
+def test_meta_kernel_refuses_a_wrong_layout():
+    """The check above can fail: a row-major second operand is refused."""
+    a = torch.empty(32, 64, device="meta", dtype=torch.float8_e4m3fn)
+    b = torch.empty(2, 64, 48, device="meta", dtype=torch.float8_e4m3fn)
+    sa, sb = torch.empty(32, device="meta"), torch.empty(2, 48, device="meta")
+    offs = torch.empty(2, device="meta", dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="column major"):
+        torch._scaled_grouped_mm(a, b, sa, sb, offs, out_dtype=torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_matches_cpu_reference():
-    """The CUDA path (Triton casts, _scaled_mm per expert; groups of multiples of 16 rows, as
-    _scaled_mm needs on CUDA) against the CPU reference on the same inputs."""
-    x, w, offs, grad = _inputs([32, 0, 48, 16], 64, 32, seed=4)
-    want = _run(x, w, offs, grad)
+    """The registered op on the GPU (torch._scaled_grouped_mm on sm90, the loop of
+    torch._scaled_mm elsewhere) against the CPU reference on the same inputs: uneven groups,
+    an empty expert, groups not multiples of 16; bf16 as in training."""
+    x, w, offs, grad = _inputs([40, 0, 7, 81], 64, 48, seed=4)
+    x, w, grad = x.bfloat16(), w.bfloat16(), grad.bfloat16()
+    grouped = gmm.grouped_kernel_runs(x.cuda(), *w.shape)
+    want = _run(x, w, offs, grad, e4m3_grads=grouped)  # the grouped kernel's grads: E4M3
     got = _run(x.cuda(), w.cuda(), offs.cuda(), grad.cuda())
-    assert rel(got[0].cpu(), want[0]) < 1e-6
+    assert close_to_bf16(got[0].cpu(), want[0])
     for g, r in zip(got[1], want[1], strict=True):
-        assert rel(g.cpu(), r) < 1e-6
+        assert close_to_bf16(g.cpu(), r)

@@ -228,7 +228,9 @@ def main() -> None:
         measure(linear_rows(), linear_inputs(M, K, N, "cuda", torch.bfloat16), shape, lines)
     for label, K, N, skewed in GROUPED_SHAPES:
         x, w, offs, grad = grouped_inputs(16384 * 6, 64, K, N, "cuda", torch.bfloat16, skewed)
-        rows = [(impl, lambda x, w, fn=fn, offs=offs: fn(x, w, offs)) for impl, fn in grouped_rows()]  # fmt: skip
+        rows = [
+            (impl, lambda x, w, fn=fn, offs=offs: fn(x, w, offs)) for impl, fn in grouped_rows()
+        ]
         measure(rows, (x, w, grad), label, lines)
     table = "\n".join(lines)
     if args.no_record:

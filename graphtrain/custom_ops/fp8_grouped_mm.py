@@ -26,7 +26,8 @@ Scaling
 Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
     reference (the CPU kernel and the oracle; CUDA devices other than sm90): per expert one
         torch._scaled_mm (per-tensor scales) in a loop over the groups; it reads offs on the
-        host (one synchronisation per call).
+        host (one synchronisation per call). On CUDA, torch._scaled_mm needs every group's
+        rows to be a multiple of 16 (the wgrad's inner dimension); the CPU takes any.
     grouped (CUDA sm90, fp8_grouped_mm_cuda / fp8_grouped_mm_backward_cuda): three
         torch._scaled_grouped_mm calls, no host synchronisation, no loop over the experts'
         GEMMs:
@@ -77,8 +78,8 @@ from torch import Tensor
 from graphtrain.custom_ops.fp8_linear import E4M3, E5M2, cast_pair
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# torch._scaled_grouped_mm: groups along K start at multiples of 16 FP8 elements (16 bytes),
-# and it takes fewer than 1024 groups.
+# torch._scaled_grouped_mm: K and N multiples of 16, groups along K starting at multiples of 16
+# FP8 elements (16 bytes), fewer than 1024 groups.
 GROUP_ALIGN, MAX_GROUPS = 16, 1023
 
 
@@ -134,7 +135,8 @@ def _rows_loop(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, out
     out = a8.new_zeros(a8.shape[0], b8.shape[1], dtype=out_dtype)
     for e, start, end in _groups(offs):
         if end > start:  # b8[e].t(): column-major, as _scaled_mm wants its second operand
-            out[start:end] = torch._scaled_mm(a8[start:end], b8[e].t(), sa, sb[e], out_dtype=out_dtype)  # fmt: skip
+            a = a8[start:end]
+            out[start:end] = torch._scaled_mm(a, b8[e].t(), sa, sb[e], out_dtype=out_dtype)
     return out
 
 
@@ -190,7 +192,7 @@ def pad_groups(columns: list[Tensor], offs: Tensor) -> tuple[list[Tensor], Tenso
     cols = torch.arange(M, dtype=torch.int32, device=offs.device)
     dest = (cols + shift[torch.searchsorted(offs, cols, right=True)]).long()
     out = []
-    for t in columns:  # bytes: index_copy_ has no FP8 kernels
+    for t in columns:  # as bytes: index_copy_ has no FP8 kernel (torch 2.13, CPU)
         buf = torch.zeros(t.shape[0], width, dtype=torch.uint8, device=t.device)
         out.append(buf.index_copy_(1, dest, t.view(torch.uint8)).view(t.dtype))
     return out, padded_offs
@@ -204,7 +206,7 @@ def _forward_impl(x, weight, offs, *, pow2_scale, out_dtype, grouped):
 
 
 def _backward_impl(grad_out, x8_t, sx, w8_t, sw, offs, *, float8_dtype, pow2_scale, x_dtype,
-              w_dtype, grouped):  # fmt: skip
+                   w_dtype, grouped):  # fmt: skip
     g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale)
     rows, experts = (_rows_grouped, _experts_grouped) if grouped else (_rows_loop, _experts_loop)
     grad_x = rows(g8, sg, w8_t, sw, offs, x_dtype)

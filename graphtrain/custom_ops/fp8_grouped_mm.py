@@ -43,21 +43,24 @@ Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
         row-wise kernel has no E5M2), the first row-major, the second column-major; K and N
         multiples of 16 (and every leading stride a multiple of 16 bytes); float32 scales,
         contiguous; out_dtype bfloat16 only; at most 1023 groups. In the 2d-3d case groups of
-        any size, empty ones included, are fine; in the 2d-2d case (groups along K) every
-        group but the last must be a multiple of 16 (TMA's 16-byte alignment of each
-        group's start) and none may be empty (a device assert). So the wgrad pads on the
-        device: each expert's columns of g8_t and x8_t move to a group of max(16,
+        any size, empty ones included, are fine (the kernel's device-side checks look at a
+        dynamic K or N only; its first version asserted multiples of 16 on every dynamic
+        dimension: the GPU test, with groups of 40, 0, 7 and 81 rows, checks the installed
+        torch); in the 2d-2d case (groups along K) every group but the last must be a
+        multiple of 16 (TMA's 16-byte alignment of each group's start) and, in some
+        versions, none may be empty (device asserts). So the wgrad pads on the device
+        (pad_groups): each expert's columns of g8_t and x8_t move to a group of max(16,
         ceil16(rows)) columns, the rest zeros (which add nothing), in buffers of a static
         width ceil16(M) + 16 E, offsets from a cumsum; rows past offs[-1] go after the last
         group, where no group reads them.
         What differs from the reference: the gradient is E4M3 whatever e4m3_grads says (with
         its per-tensor scale from the current amax, values below about 2^-10 / 448 of the
         amax flush to zero, counted in fp8/flushed/gradient, where E5M2 keeps values down to
-        2^-17 / 57344 of it);
-        each GEMM's result is rounded to bf16 before out_dtype (relative 2^-9, against the
-        FP8 operands' 2^-4); rows past offs[-1] of out and grad_x are left as the kernel
-        leaves them (undefined, as torch._grouped_mm's), zeros in the reference (the models'
-        offs always end at M). fp32 accumulation (use_fast_accum=False), as the reference.
+        2^-17 / 57344 of it); each GEMM's result is rounded to bf16 before out_dtype
+        (relative 2^-9, against the FP8 operands' 2^-4); rows past offs[-1] of out and
+        grad_x are left as the kernel leaves them (its output is allocated uninitialised,
+        as torch._grouped_mm's), zeros in the reference (the models' offs always end at M).
+        fp32 accumulation (use_fast_accum=False), as the reference.
     Not built: the weight casts are one graphtrain::fp8_amax and one graphtrain::fp8_cast
     per expert (Triton on CUDA; E small launches each, no sync); the cast kernel writing
     g8_t and x8_t straight into the padded layout (it would remove the padding's traffic).

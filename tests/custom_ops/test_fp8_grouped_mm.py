@@ -4,6 +4,12 @@ Oracles as in test_fp8_linear.py: float64 GEMMs per expert on the same FP8-round
 (x and grad_out per tensor, each expert's weight with its own scale), tight; and
 torch._grouped_mm in fp32 by SQNR with the same dB bounds and reasons (E4M3 x E4M3 forward
 ~26 dB, E5M2 x E4M3 gradients ~22 dB, less about 1 dB of sample spread).
+
+The CUDA path (torch._scaled_grouped_mm, sm90) has no CPU kernel: its layouts, scales and
+padding run here against an exact CPU emulation of the kernel (emulated_scaled_grouped_mm)
+and are compared with the reference loop within one bf16 rounding; torch's own Meta kernel
+checks every call's dtypes, layouts, strides and scale shapes. The real kernel against the
+reference is the gpu-marked test.
 """
 
 from __future__ import annotations

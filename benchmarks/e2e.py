@@ -259,21 +259,30 @@ def torchtitan_row(
     try:
         trainer = _torchtitan_trainer(cfg, tokenizer, micro_batches=len(step_batches[0]))
     except Exception as e:  # a peer that fails on this torch is a row that says so
-        return Row(name, note=f"not run: {type(e).__name__}: {str(e).splitlines()[0]}")
+        return Row(name, note=_not_run(e))
     try:
         return _torchtitan_measure(name, cfg, trainer, step_batches, warmup)
     except Exception as e:
-        return Row(name, note=f"not run: {type(e).__name__}: {str(e).splitlines()[0]}")
+        return Row(name, note=_not_run(e))
     finally:
         trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
+def _not_run(error: BaseException) -> str:
+    """ "not run: " and the root cause's type and first line (Dynamo wraps the real error)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).strip().splitlines()
+    return f"not run: {type(error).__name__}: {lines[0] if lines else ''}".replace("|", "/")
+
+
 def _torchtitan_trainer(cfg: JobConfig, tokenizer: Path | None, *, micro_batches: int):
     """A torchtitan 0.3.0 Trainer whose Llama 3 model has cfg.model's dims (built as its own
     flavors are, torchtitan/models/llama3/__init__.py), one rank, compile on, `micro_batches`
     per step."""
+    from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -282,6 +291,26 @@ def _torchtitan_trainer(cfg: JobConfig, tokenizer: Path | None, *, micro_batches
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3.model import Llama3Model
     from torchtitan.trainer import Trainer
+
+    class ReplayedBatches(BaseDataLoader):
+        """Its Trainer builds a loader; the batches come from graphtrain's, replayed
+        (_torchtitan_measure), so this one is never iterated."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            pass
+
+        def __init__(self, config: Config, **kwargs) -> None:
+            self.config = config
+
+        def __iter__(self):
+            raise RuntimeError("the benchmark feeds torchtitan's train_step itself")
+
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            pass
 
     m, training = cfg.model, cfg.training
     model = Llama3Model.Config(
@@ -320,6 +349,7 @@ def _torchtitan_trainer(cfg: JobConfig, tokenizer: Path | None, *, micro_batches
     config = Trainer.Config(
         model_spec=spec,
         hf_assets_path=assets,
+        dataloader=ReplayedBatches.Config(),
         dump_folder=assets,
         loss=ChunkedLossWrapper.Config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=m.vocab_size)
@@ -335,7 +365,8 @@ def _torchtitan_trainer(cfg: JobConfig, tokenizer: Path | None, *, micro_batches
             steps=training.steps,
             max_norm=cfg.optim.max_norm,
         ),
-        metrics=MetricsProcessor.Config(log_freq=training.steps),
+        # It logs (a host sync) at step 1 and every log_freq steps: only in the warm-up here.
+        metrics=MetricsProcessor.Config(log_freq=training.steps + 1),
         activation_checkpoint=None,
         compile=CompileConfig(enable=True, components=["model", "loss"]),
     )

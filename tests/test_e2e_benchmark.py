@@ -38,23 +38,7 @@ def _args(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_rows_train_the_same_batches_alike(e2e, corpus, tmp_path, capsys):
-    plain, graphtrain, titan = e2e.main(_args(corpus, tmp_path))
-    assert [plain.name, graphtrain.name] == ["torch.compile (plain)", "graphtrain"]
-    for row in (plain, graphtrain):
-        assert not row.note and row.tokens_per_s > 0 and math.isfinite(row.loss)
-        assert math.isnan(row.mfu) and math.isnan(row.peak_mem_gib)  # no peak FLOPs on CPU
-    # Same model, init, batches (the trainer's loader, replayed), optimizer and learning rate,
-    # fp32 on CPU, numerics-preserving default passes: the hand-written loop and the trainer's
-    # step give the same loss after three steps of two micro-batches.
-    assert graphtrain.loss == plain.loss
-    assert titan.name == "torchtitan 0.3.0"
-    assert titan.note == "not run: torchtitan's trainer needs CUDA"
-    out = capsys.readouterr().out
-    assert "| graphtrain | " in out and "| torchtitan 0.3.0 | not run: " in out
-
-
-def test_fp8_rows_compare_the_loss_with_bf16(e2e, corpus, tmp_path, capsys):
+def test_rows_train_the_same_batches_alike_and_fp8_stays_close(e2e, corpus, tmp_path, capsys):
     # fp8.min_dim=16 lets the debug model's linears run in FP8 (the reference kernels on CPU).
     rows = e2e.main(_args(corpus, tmp_path, "--fp8", "--set=--fp8.min_dim=16"))
     assert [r.name for r in rows] == [
@@ -62,10 +46,29 @@ def test_fp8_rows_compare_the_loss_with_bf16(e2e, corpus, tmp_path, capsys):
         "graphtrain bf16",
         "graphtrain fp8",
     ]
+    for row in rows:
+        assert not row.note and row.tokens_per_s > 0 and math.isfinite(row.loss)
+        assert math.isnan(row.mfu) and math.isnan(row.peak_mem_gib)  # no peak FLOPs on CPU
     plain, bf16, fp8 = rows
+    # Same model, init, batches (the trainer's loader, replayed), optimizer and learning rate,
+    # fp32 on CPU, numerics-preserving default passes: the hand-written loop and the trainer's
+    # step give the same loss after three steps of two micro-batches.
+    assert bf16.loss == plain.loss
     assert fp8.loss != bf16.loss  # FP8 did change the GEMMs
     assert fp8.loss == pytest.approx(plain.loss, rel=e2e.FP8_LOSS_RTOL)
     assert "within 2% (FP8_LOSS_RTOL)" in capsys.readouterr().out
+
+
+def test_torchtitan_row_says_why_it_did_not_run(e2e, tmp_path):
+    args = e2e.parse_args(["--device=cpu", "--model=debug", "--seq-len=64"])
+    row = e2e.torchtitan_row("torchtitan 0.3.0", e2e.job_config(args, str(tmp_path)), [], 0, None)
+    assert row.note == "not run: torchtitan's trainer needs CUDA" and math.isnan(row.loss)
+    text = e2e.table([e2e.Row("plain", tokens_per_s=10.0, loss=1.0), row], args)
+    assert "| torchtitan 0.3.0 | not run: torchtitan's trainer needs CUDA |" in text
+    moe = e2e.job_config(
+        e2e.parse_args(["--device=cpu", "--model=moe-debug", "--seq-len=64"]), str(tmp_path)
+    )
+    assert "Llama 3 (dense)" in e2e.torchtitan_row("t", moe, [], 0, None).note
 
 
 def test_bad_arguments_are_named(e2e):

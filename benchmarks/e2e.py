@@ -13,7 +13,8 @@ replay them. bf16 autocast with fp32 master weights, AdamW, a constant learning 
   * torch.compile (plain): the models/ model built and initialised as the trainer does, every
     block and the head+loss compiled with plain Inductor, in a hand-written loop (per
     micro-batch: autocast forward and backward with the loss weighted by its share of the
-    step's labelled tokens; then clip, AdamW). Its attention inputs are the trainer's
+    step's labelled tokens; then clip, AdamW; MoE: no expert-bias updates, which the trainer
+    runs as a step hook). Its attention inputs are the trainer's
     (graphtrain.step.model_inputs): FlexAttention with the same-document causal mask on CUDA
     (SDPA with that mask as a block-diagonal one on CPU), so document masking does not differ.
   * graphtrain: the `graphtrain train` code path: build_run (loader, parallel wrappers, the

@@ -114,8 +114,8 @@ def job_config(args: argparse.Namespace, run_dir: str, *, fp8: bool = False) -> 
 
 def _fresh_device(device: torch.device) -> None:
     """The last row's model, optimizer and compiled code gone; peak memory counted anew."""
+    torch._dynamo.reset()  # its caches hold the compiled modules
     gc.collect()
-    torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -340,18 +340,20 @@ def _torchtitan_trainer(cfg: JobConfig, tokenizer: Path | None, *, micro_batches
         ),
     )
     spec = dataclasses.replace(llama3.model_registry("debugmodel"), flavor="e2e", model=model)
-    assets = tempfile.mkdtemp(prefix="e2e-torchtitan-")
+    # Its assets and dump folder beside the run directory (the benchmark's temporary one).
+    assets = Path(training.run_dir).parent / "torchtitan"
+    assets.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:  # its trainer loads one; the batches come tokenized already
-        (Path(assets) / "tokenizer.json").write_bytes(Path(tokenizer).read_bytes())
+        (assets / "tokenizer.json").write_bytes(Path(tokenizer).read_bytes())
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "29533")
     config = Trainer.Config(
         model_spec=spec,
-        hf_assets_path=assets,
+        hf_assets_path=str(assets),
         dataloader=ReplayedBatches.Config(),
-        dump_folder=assets,
+        dump_folder=str(assets),
         loss=ChunkedLossWrapper.Config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=m.vocab_size)
         ),

@@ -433,6 +433,13 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         "optim": {"lr": 3e-4},
         "schedule": {"warmup_ratio": 0.05, "min_lr": 3e-5},
     },
+    # The FP8 benchmark's dense model (models/gpt.py): one GPU, fp32 master weights.
+    "3b": {
+        "model": "3b",
+        "training": {"steps": 20000, "seq_len": 4096, "micro_batch_size": 1},
+        "optim": {"lr": 3e-4},
+        "schedule": {"warmup_ratio": 0.05, "min_lr": 3e-5},
+    },
     "8b": {
         "model": "8b",
         "training": {

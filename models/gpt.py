@@ -115,6 +115,24 @@ PRESETS: dict[str, GPTConfig] = {
         max_seq_len=4096,
         rope_theta=500000.0,
     ),
+    # The one-GPU FP8 benchmark shape (benchmarks/e2e.py --fp8): Llama-3-8B's block (dim 4096,
+    # 32 heads of 128, 8 kv heads, SwiGLU 14336) 10 times, untied vocabulary 128256.
+    # 3,231,797,248 parameters: 10 x 218,112,000 per block (attention 41,943,040, FFN
+    # 176,160,768, norms 8,192) + 2 x 525,336,576 (embedding, head) + 4,096 (final norm).
+    # fp32 master weights, gradients and AdamW moments, 16 bytes a parameter: 48.2 GiB. At
+    # 1 x 4096 tokens `graphtrain plan --preset 3b` adds 6.7 GiB of activations and 2.3 GiB of
+    # loss buffers (57.2 GiB), and autocast's bf16 weight copies kept for the backward 6.0 GiB
+    # more: about 63 GiB, inside an 80 GB H100 (micro-batch 2: about 70 GiB). 8b does not fit.
+    "3b": GPTConfig(
+        vocab_size=128256,
+        dim=4096,
+        num_layers=10,
+        num_heads=32,
+        num_kv_heads=8,
+        ffn_dim=14336,
+        max_seq_len=4096,
+        rope_theta=500000.0,
+    ),
     # Llama-3-8B shape.
     "8b": GPTConfig(
         vocab_size=128256,

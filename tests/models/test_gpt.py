@@ -64,6 +64,21 @@ def test_1b_preset_is_the_benchmark_shape():
     assert 1.5e9 < n < 1.55e9  # "dense 1.5B" of MISSION.md
 
 
+def test_3b_preset_is_the_fp8_benchmark_shape():
+    # MISSION.md's "dense ~3B (dim 4096)" for benchmarks/e2e.py --fp8, on one GPU.
+    cfg = PRESETS["3b"]
+    assert (cfg.dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_dim) == (
+        4096,
+        10,
+        32,
+        8,
+        14336,
+    )
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(cfg).parameters())
+    assert n == 3_231_797_248  # the count in the preset's comment
+
+
 def test_config_errors_name_values():
     with pytest.raises(
         ValueError, match=re.escape("model.dim=50 is not divisible by model.num_heads=4")

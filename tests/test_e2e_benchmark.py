@@ -1,0 +1,78 @@
+"""benchmarks/e2e.py's rows on CPU (debug model, a few steps): the trainer's step, the plain
+torch.compile loop and the torchtitan row run, so a change to the trainer's build or step
+breaks here rather than on the GPU. Nothing is timed or recorded."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("e2e_benchmark", BENCHMARKS / "e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "--device=cpu",
+        "--model=debug",
+        "--seq-len=32",
+        "--batch=2",
+        "--grad-accum=2",
+        "--warmup=1",
+        "--steps=2",
+        f"--set=--data.paths={corpus / 'docs.jsonl'}",
+        f"--set=--data.tokenizer={corpus / 'tokenizer.json'}",
+        f"--set=--data.cache_dir={tmp_path / 'cache'}",
+        "--set=--compile.backend=aot_eager",
+        *extra,
+    ]
+
+
+def test_rows_train_the_same_batches_alike_and_fp8_stays_close(e2e, corpus, tmp_path, capsys):
+    # fp8.min_dim=16 lets the debug model's linears run in FP8 (the reference kernels on CPU).
+    rows = e2e.main(_args(corpus, tmp_path, "--fp8", "--set=--fp8.min_dim=16"))
+    assert [r.name for r in rows] == [
+        "torch.compile (plain) bf16",
+        "graphtrain bf16",
+        "graphtrain fp8",
+    ]
+    for row in rows:
+        assert not row.note and row.tokens_per_s > 0 and math.isfinite(row.loss)
+        assert math.isnan(row.mfu) and math.isnan(row.peak_mem_gib)  # no peak FLOPs on CPU
+    plain, bf16, fp8 = rows
+    # Same model, init, batches (the trainer's loader, replayed), optimizer and learning rate,
+    # fp32 on CPU, numerics-preserving default passes: the hand-written loop and the trainer's
+    # step give the same loss after three steps of two micro-batches.
+    assert bf16.loss == plain.loss
+    assert fp8.loss != bf16.loss  # FP8 did change the GEMMs
+    assert fp8.loss == pytest.approx(plain.loss, rel=e2e.FP8_LOSS_RTOL)
+    assert "within 2% (FP8_LOSS_RTOL)" in capsys.readouterr().out
+
+
+def test_torchtitan_row_says_why_it_did_not_run(e2e, tmp_path):
+    args = e2e.parse_args(["--device=cpu", "--model=debug", "--seq-len=64"])
+    row = e2e.torchtitan_row("torchtitan 0.3.0", e2e.job_config(args, str(tmp_path)), [], 0, None)
+    assert row.note == "not run: torchtitan's trainer needs CUDA" and math.isnan(row.loss)
+    text = e2e.table([e2e.Row("plain", tokens_per_s=10.0, loss=1.0), row], args)
+    assert "| torchtitan 0.3.0 | not run: torchtitan's trainer needs CUDA |" in text
+    moe = e2e.job_config(
+        e2e.parse_args(["--device=cpu", "--model=moe-debug", "--seq-len=64"]), str(tmp_path)
+    )
+    assert "Llama 3 (dense)" in e2e.torchtitan_row("t", moe, [], 0, None).note
+
+
+def test_bad_arguments_are_named(e2e):
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--device=cpu", "--model=debug", "--force-balance"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--device=cpu", "--steps=0"])

@@ -51,10 +51,12 @@ from graphtrain.optim import (
     BatchSizeSchedule,
     FP32GradAccumulator,
     LRSchedule,
+    WorkingWeights,
     build_optimizer,
     cast_parameters_,
     global_norm,
     optimizer_state_bytes,
+    working_weight_params,
 )
 from graphtrain.parallel import (
     GradientFinisher,
@@ -189,8 +191,11 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     )
     metrics.log(progress.step, optim_state)
     attention = resolve_attention(cfg.training.attention, device)
+    autocast = _autocast(cfg, dims, device)
+    # After the resume: the copies start from the masters the run continues with.
+    weights = _working_weights(cfg, model, autocast)
     train_step = TrainStep(
-        forward=ForwardLoss(model, device, attention, _autocast(cfg, dims, device)),
+        forward=ForwardLoss(model, device, attention, autocast, weights),
         optimizer=optimizer,
         lr_schedule=lr_schedule,
         batch_schedule=batch_schedule,
@@ -378,6 +383,21 @@ def _autocast(
     if dims.dp_size > 1 or param_dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=param_dtype)
+
+
+def _working_weights(
+    cfg: JobConfig, model: torch.nn.Module, autocast: contextlib.AbstractContextManager
+) -> WorkingWeights:
+    """bf16 working copies of the fp32 master matmul weights where autocast would cast them on
+    every use (one process, or tp alone); none with FSDP2, which casts its shards itself, with
+    bf16 master weights, or with training.working_weights off."""
+    on = (
+        cfg.training.working_weights
+        and cfg.training.master_dtype == "float32"
+        and isinstance(autocast, torch.autocast)
+    )
+    dtype = autocast.fast_dtype if on else torch.float32
+    return WorkingWeights(model, working_weight_params(model) if on else [], dtype)
 
 
 def _build_optimizer(
@@ -648,7 +668,7 @@ def _validate(run: Run, result: TrainResult, *, step: int) -> None:
     rows = cfg.metrics.val_rows or cfg.metrics.val_batches * cfg.training.micro_batch_size
     model.eval()
     total = torch.zeros(2, device=run.device)  # (sum of token losses, labelled tokens)
-    with torch.no_grad():
+    with torch.no_grad(), run.train_step.forward.weights.installed():
         for batch in val.eval_batches(rows):
             loss, n = run.train_step.forward(batch).float(), batch["num_label_tokens"]
             if n:  # a batch of padding only (every rank runs it) has a 0/0 loss

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import job, torchrun_metrics
 
 from graphtrain.config import load_config
@@ -182,6 +183,47 @@ def test_moe_tiny_trains_alike_with_the_fusion_passes_on_and_off(corpus, tmp_pat
                     fused[op] = fused.get(op, 0) + n
     assert fused.get("graphtrain.moe_route.default", 0) >= 1, fused
     assert fused.get("graphtrain.linear_cross_entropy.default", 0) >= 1, fused
+
+
+def test_working_weights_train_exactly_as_autocast_and_resume_and_export_alike(corpus, tmp_path):
+    """bf16 autocast on CPU (as on a GPU) with fp32 masters, 3 micro-batches a step: with the
+    bf16 working copies refreshed once per step, the loss curve, the validation losses and the
+    exported fp32 weights are bitwise those of autocast casting on every use (the same rounding,
+    the same fp32 gradient sums: graphtrain.optim.working_weights); a resume from step 2 continues
+    the curve bitwise. Compiled (aot_eager), so the swap of working copies is traced too."""
+    from safetensors.torch import load_file
+
+    from graphtrain.cli import main
+
+    common = (
+        "--training.steps=4",
+        "--training.dtype=bfloat16",
+        "--training.micro_batch_size=2",
+        f"--schedule.batch_size={3 * 2 * 64}",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=2",
+    )
+    off = train(
+        load_config(job(corpus, tmp_path / "off", *common, "--training.working_weights=false"))
+    )
+    args = job(corpus, tmp_path / "on", *common, "--checkpoint.interval=2")
+    on = train(load_config(args))
+    assert on.losses == off.losses and on.val_losses == off.val_losses
+    assert on.losses[-1] < on.losses[0]
+    exported = []
+    for name in ("off", "on"):
+        run = tmp_path / name / "run"
+        assert main(["export", str(run), str(tmp_path / f"hf-{name}"), "--dtype", "fp32"]) == 0
+        exported.append(load_file(str(tmp_path / f"hf-{name}" / "model.safetensors")))
+    assert exported[0].keys() == exported[1].keys()
+    for key, value in exported[0].items():
+        assert value.dtype == torch.float32 and torch.equal(value, exported[1][key]), key
+
+    import shutil
+
+    shutil.rmtree(tmp_path / "on" / "run" / "checkpoints" / "step-0000004")
+    resumed = train(load_config([*args, "--checkpoint.resume=latest"]))
+    assert resumed.losses == on.losses[2:]
 
 
 def test_resume_is_bitwise_exact(corpus, tmp_path):

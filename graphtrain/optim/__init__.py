@@ -11,6 +11,7 @@ from graphtrain.optim.schedule import (
     LRSchedule,
     parse_token_count,
 )
+from graphtrain.optim.working_weights import WorkingWeights, working_weight_params
 
 __all__ = [
     "DECAY_STYLES",
@@ -18,10 +19,12 @@ __all__ = [
     "BatchSizeSchedule",
     "FP32GradAccumulator",
     "LRSchedule",
+    "WorkingWeights",
     "build_optimizer",
     "cast_parameters_",
     "clip_grad_norm_",
     "global_norm",
     "optimizer_state_bytes",
     "parse_token_count",
+    "working_weight_params",
 ]

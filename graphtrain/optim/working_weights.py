@@ -76,6 +76,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def working_weight_params(model: nn.Module) -> list[nn.Parameter]:
@@ -152,6 +153,11 @@ class WorkingWeights:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """The masters' current values, rounded, into the working copies (in place)."""
+        """The masters' current values, rounded, into the working copies (in place). DTensors
+        copy their local shards (same placements; the foreach op has no DTensor rule)."""
         if self._copies:
-            torch._foreach_copy_(self._copies, self._masters)
+            torch._foreach_copy_(_locals(self._copies), _locals(self._masters))
+
+
+def _locals(tensors: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]

@@ -1,4 +1,5 @@
-"""Optimizer, gradient clipping and schedules (learning rate, batch size)."""
+"""Optimizer, gradient clipping, schedules (learning rate, batch size), and precision: bf16
+parameters with fp32 gradient sums, bf16 working copies of fp32 master weights."""
 
 from graphtrain.optim.adamw_bf16 import AdamWBF16
 from graphtrain.optim.clip import clip_grad_norm_, global_norm

@@ -186,3 +186,33 @@ def test_no_copies_change_nothing():
         assert model.proj.weight is before
     weights.refresh()
     assert weights.copies == []
+
+
+def test_tensor_parallel_model_on_a_one_rank_mesh(one_rank_group):
+    """The debug model with its real tensor-parallel plan (DTensor masters, colwise/rowwise,
+    sequence parallel) on a one-rank tp mesh: two steps of two micro-batches with copies are
+    bitwise those of autocast on the fp32 DTensor masters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from graphtrain.parallel import apply_tp
+    from models import tp_plan
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    models = []
+    for _ in range(2):
+        model = build_model(CFG)
+        apply_tp(model, mesh["tp"], tp_plan(CFG, 1, 1))
+        model.init_weights(seed=0)
+        models.append(model)
+    plain, copied = models
+    weights = WorkingWeights(copied, working_weight_params(copied), torch.bfloat16)
+    assert weights.copies and all(isinstance(c, DTensor) for c in weights.copies)
+    plain_step = _step(plain, WorkingWeights(plain, [], torch.bfloat16), 2)
+    copied_step = _step(copied, weights, 2)
+    for step in range(2):
+        data = batches(2)
+        a, b = plain_step(data, step=step), copied_step(data, step=step)
+        assert torch.equal(a.loss, b.loss) and torch.equal(a.grad_norm, b.grad_norm)
+    for p, q in zip(plain.parameters(), copied.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor())

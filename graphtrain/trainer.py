@@ -64,6 +64,7 @@ from graphtrain.parallel import (
     build_mesh,
     check_layout,
     dp_mesh,
+    expert_params,
     init_distributed,
     parallelize_model,
 )
@@ -193,7 +194,7 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     attention = resolve_attention(cfg.training.attention, device)
     autocast = _autocast(cfg, dims, device)
     # After the resume: the copies start from the masters the run continues with.
-    weights = _working_weights(cfg, model, autocast)
+    weights = _working_weights(cfg, dims, device, model)
     train_step = TrainStep(
         forward=ForwardLoss(model, device, attention, autocast, weights),
         optimizer=optimizer,
@@ -386,18 +387,21 @@ def _autocast(
 
 
 def _working_weights(
-    cfg: JobConfig, model: torch.nn.Module, autocast: contextlib.AbstractContextManager
+    cfg: JobConfig, dims: ParallelDims, device: torch.device, model: torch.nn.Module
 ) -> WorkingWeights:
-    """bf16 working copies of the fp32 master matmul weights where autocast would cast them on
-    every use (one process, or tp alone); none with FSDP2, which casts its shards itself, with
-    bf16 master weights, or with training.working_weights off."""
-    on = (
-        cfg.training.working_weights
-        and cfg.training.master_dtype == "float32"
-        and isinstance(autocast, torch.autocast)
-    )
-    dtype = autocast.fast_dtype if on else torch.float32
-    return WorkingWeights(model, working_weight_params(model) if on else [], dtype)
+    """bf16 working copies of the fp32 master weights that would otherwise be cast on every use:
+    the matmul weights under autocast (no data parallelism), or under FSDP2 the expert-parallel
+    weights it leaves alone (the experts cast them to the activations' dtype); FSDP2 casts its
+    own shards once per all-gather. None with fp32 compute, bf16 masters, or
+    training.working_weights off."""
+    dtype = _param_dtype(cfg, device)
+    if not cfg.training.working_weights or dtype == torch.float32:
+        return WorkingWeights(model, [], dtype)
+    if cfg.training.master_dtype != "float32":  # bf16 parameters: nothing to copy
+        return WorkingWeights(model, [], dtype)
+    if dims.dp_size == 1:  # autocast computes (graphtrain.trainer._autocast)
+        return WorkingWeights(model, working_weight_params(model), dtype)
+    return WorkingWeights(model, expert_params(model), dtype)
 
 
 def _build_optimizer(

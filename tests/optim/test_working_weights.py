@@ -6,6 +6,8 @@ gradients reaching the fp32 masters summed in fp32 (against float64); DTensor ma
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,8 +47,13 @@ def test_copies_for_matmul_weights_only():
     assert len(names) < len(every)
 
 
-def _step(model: nn.Module, weights: WorkingWeights, num_micro: int) -> TrainStep:
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+def _step(
+    model: nn.Module,
+    weights: WorkingWeights,
+    num_micro: int,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> TrainStep:
+    autocast = autocast or torch.autocast("cpu", dtype=torch.bfloat16)
     return TrainStep(
         forward=ForwardLoss(model, torch.device("cpu"), "sdpa", autocast, weights),
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -216,3 +223,42 @@ def test_tensor_parallel_model_on_a_one_rank_mesh(one_rank_group):
         assert torch.equal(a.loss, b.loss) and torch.equal(a.grad_norm, b.grad_norm)
     for p, q in zip(plain.parameters(), copied.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q.full_tensor())
+
+
+def test_expert_weights_under_fsdp_on_a_one_rank_mesh(one_rank_group):
+    """moe-debug with expert parallel and FSDP2 (bf16 MixedPrecisionPolicy) on one-rank meshes:
+    FSDP2 casts its units' shards itself, and the expert weights it ignores (cast by the experts
+    on every use) get copies, as the trainer gives them: two steps of two micro-batches bitwise
+    those without copies."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphtrain.parallel import apply_ep, apply_fsdp, expert_params
+
+    cfg = MODEL_PRESETS["moe-debug"]
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "ep"))
+    models = []
+    for _ in range(2):
+        model = build_model(cfg)
+        apply_ep(model, mesh["ep"])
+        apply_fsdp(
+            model,
+            mesh["dp_shard"],
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            ignored_params=set(expert_params(model)),
+        )
+        model.init_weights(seed=0)
+        models.append(model)
+    plain, copied = models
+    weights = WorkingWeights(copied, expert_params(copied), torch.bfloat16)
+    assert len(weights.copies) == 3 * (cfg.num_layers - cfg.first_k_dense)
+    steps = [
+        _step(model, w, 2, autocast=contextlib.nullcontext())
+        for model, w in ((plain, WorkingWeights(plain, [], torch.bfloat16)), (copied, weights))
+    ]
+    for step in range(2):
+        data = batches(2)
+        a, b = (s(data, step=step) for s in steps)
+        assert torch.equal(a.loss, b.loss) and torch.equal(a.grad_norm, b.grad_norm)
+    for (name, p), q in zip(plain.named_parameters(), copied.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name

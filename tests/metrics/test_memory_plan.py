@@ -75,9 +75,10 @@ def test_plan_command_prints_a_layout_and_refuses_one_that_does_not_fit(capsys):
     assert full.items["activations per micro-batch"] < none.items["activations per micro-batch"] / 4
 
 
-def test_working_copies_on_one_rank_only():
+def test_working_copies():
     """The bf16 working copies of the matmul weights: 2 bytes each, with one rank under bf16;
-    none with data parallelism (FSDP2 casts), fp32 compute, or the key off."""
+    none with data parallelism (FSDP2 casts), fp32 compute, or the key off; under FSDP with
+    ep=2, the routed experts' weights that FSDP leaves alone, half of them per rank."""
     cfg = load_config(["--preset", "debug", "--training.dtype=bfloat16"])
     with torch.device("meta"):
         model = build_model(cfg.model)
@@ -95,3 +96,8 @@ def test_working_copies_on_one_rank_only():
             "working copies"
             not in plan_memory(load_config(["--preset", "debug", *args]), world).items
         )
+    moe = load_config(["--preset", "moe-debug", "--training.dtype=bfloat16", "--parallel.ep=2"])
+    with torch.device("meta"):
+        model = build_model(moe.model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert plan_memory(moe, 2).items["working copies"] == 2 * experts // 2

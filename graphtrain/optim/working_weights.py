@@ -2,11 +2,12 @@
 
 What
     working_weight_params(model): the parameters that get a working copy (see "Which").
-    WorkingWeights(model, masters, dtype): for each parameter of `masters` (fp32; usually
-        working_weight_params(model), none to turn the copies off) a Parameter of `dtype`
-        holding the master's value rounded to nearest (the working copy). The fp32 master stays the model's
-        Parameter everywhere outside the forward/backward: the optimizer, clipping, norms,
-        checkpoints and export see only masters.
+    WorkingWeights(model, masters, dtype): for each parameter of `masters` (fp32: those of
+        working_weight_params(model), the expert-parallel weights under FSDP, or none to turn
+        the copies off; graphtrain.trainer chooses) a Parameter of `dtype` holding the master's
+        value rounded to nearest (the working copy). The fp32 master stays the model's Parameter
+        everywhere outside the forward and backward: the optimizer, clipping, norms, replica
+        checks, checkpoints and export see only masters.
         installed() -> context manager: the modules hold the working copies; the forward, the
             backward and activation-checkpoint recomputes of a step run inside it.
         refresh(): the masters copied into the working copies (after each optimizer step).
@@ -38,17 +39,25 @@ Which parameters
 Numerics
     Bitwise the same as autocast on the fp32 masters: the copy is the same round-to-nearest cast
     autocast makes, the GEMMs see the same operands, and the fp32 .grad receives the same bf16
-    gradients added in the same order. One exception: a weight used twice in one micro-batch
-    (none in models/) has its two gradient contributions summed by autograd in bf16 before the
-    hook, where autocast summed them in fp32.
+    gradients added in the same order (tests: the train step, the trainer's loss curve, resume
+    and export, tensor parallel, expert parallel under FSDP). Two exceptions. A weight used twice
+    in one micro-batch (none in models/) has its two gradient contributions summed by autograd in
+    bf16 before the hook, where autocast summed them in fp32. With training.fp8, the FP8 casts
+    of graphtrain::fp8_linear read the bf16 copy instead of the fp32 master (as Megatron and
+    TransformerEngine cast from bf16 model weights): the amax and the E4M3 values come from
+    the weight rounded to bf16 first, a relative change below 2^-9 against E4M3's 2^-4 spacing;
+    moe-debug on CPU, 6 steps: losses within 6e-5 relative of autocast's.
 
 Layouts
-    One process, and tensor parallel without data parallelism (DTensor copies with the masters'
-    placements; GradientFinisher then reduces the masters' gradients as before). Under FSDP2
-    (dp > 1) the trainer builds none: MixedPrecisionPolicy already casts each unit's local shard
-    (1/dp of its bytes) once per all-gather, inside the copy into the all-gather buffer that it
-    makes anyway, and reduces the gradients in reduce_dtype, so the per-use cast this removes does
-    not exist there.
+    One process, and tensor parallel without data parallelism: the matmul weights above (DTensor
+    copies with the masters' placements; GradientFinisher then reduces the masters' gradients as
+    before). FSDP2 (dp > 1) casts its units' parameters itself: MixedPrecisionPolicy casts each
+    local shard (1/dp of its bytes) once per all-gather, inside the copy into the all-gather
+    buffer that it makes anyway, and reduces the gradients in reduce_dtype, so there is no
+    per-use cast to remove and no copies of them. The exception is expert parallel (ep > 1):
+    FSDP2 leaves the expert weights alone and the experts cast them to the activations' dtype on
+    every use, so they get copies (in moe-1b the routed experts are 906M of the 979M matmul
+    weights).
 
 Cost, predicted (unmeasured). P = 979M matmul weights of moe-1b (1,046M parameters less the
     embedding and head, 33.5M each), m micro-batches a step, bytes per parameter per step:
@@ -58,12 +67,14 @@ Cost, predicted (unmeasured). P = 979M matmul weights of moe-1b (1,046M paramete
         working copies:   refresh once (4 + 2), widen the first gradient (2 + 4), then
                           .grad += bf16 (2 + 4 + 4): 12 + 10(m - 1).
     moe-1b's default recipe (m = 1, no checkpointing): 12 against 12 bytes, the same 11.7 GB
-    (the 4.2 ms measured; fewer kernels, no byte saved): the cast per micro-batch becomes one per
-    step, and what remains is the refresh and the widening. With m = 4: 84 against 42 bytes, 82
-    against 41 GB, 27 ms against 14 ms a step at 3.0 TB/s; with checkpointing on, 6 bytes per
-    micro-batch more saved. The remaining 12 bytes go only with the refresh fused into the
-    optimizer kernel (2 bytes: the bf16 write next to the fp32 one) and a weight-gradient GEMM
-    that accumulates into fp32 (Megatron's gradient-accumulation fusion).
+    (the 4.2 ms measured): no byte saved, only kernels (one foreach copy a step instead of one
+    cast kernel per weight and micro-batch); the cast per micro-batch is gone, and what remains
+    is the refresh and the widening. With m = 4: 84 against 42 bytes, 82 against 41 GB, 27 ms
+    against 14 ms a step at 3.0 TB/s; with checkpointing on, 6 bytes per micro-batch more
+    saved. Under expert parallel the same arithmetic holds for the expert weights. The
+    remaining 12 bytes at m = 1 go only with the refresh fused into the optimizer kernel (2
+    bytes: the bf16 write next to the fp32 one: 8 bytes, 7.8 GB, 2.6 ms saved on moe-1b) and a
+    weight-gradient GEMM that accumulates into fp32 (Megatron's gradient-accumulation fusion).
     Memory: a bf16 copy of the P weights (2 bytes each) lives through the run; autocast's bf16
     weights saved for the backward (2 bytes each, during every forward and backward) are gone.
 """

@@ -287,7 +287,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     assert out.stderr.strip() == (
         "graphtrain: error: unknown config key 'training.stepz'; known keys here: activation_checkpoint, "
         "attention, device, dtype, fp8, master_dtype, micro_batch_size, reduce_dtype, "
-        "replica_check_interval, run_dir, seed, seq_len, steps"
+        "replica_check_interval, run_dir, seed, seq_len, steps, working_weights"
     )
 
 

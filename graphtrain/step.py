@@ -25,7 +25,8 @@ model: its forward takes `stats`, a dict it fills with detached device tensors (
 depths' "mtp/loss_1", "mtp/acceptance_1"); their loss-weighted mean over the micro-batches is
 logged under those names. From elsewhere: a step hook. A hook has
     micro_batch(weight) -> context manager   entered around each micro-batch's forward and
-                                             backward (weight: its loss weight in the step)
+                                             backward (weight: its loss weight in the step;
+                                             the model holds the working copies there)
     statistics() -> dict[str, Tensor]        detached device tensors of the step just taken,
                                              called after the optimizer step
 and their dicts are merged into StepStats.extra: graphtrain.balance.RouterBalance (MoE load,

@@ -123,6 +123,9 @@ def _into_master(master: nn.Parameter, working: nn.Parameter) -> None:
 
 
 class WorkingWeights:
+    """Working copies of `masters` in `dtype`, swapped into `model` by installed() (see the
+    module docstring)."""
+
     def __init__(self, model: nn.Module, masters: list[nn.Parameter], dtype: torch.dtype) -> None:
         for master in masters:
             if master.dtype != torch.float32:
@@ -142,11 +145,12 @@ class WorkingWeights:
 
     @property
     def copies(self) -> list[nn.Parameter]:
-        """The working copies, in the order of working_weight_params(model)."""
+        """The working copies, in the order of `masters`."""
         return self._copies
 
     @property
     def masters(self) -> list[nn.Parameter]:
+        """The fp32 master weights that have a copy (the model's own Parameters)."""
         return self._masters
 
     @contextlib.contextmanager

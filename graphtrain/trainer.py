@@ -5,7 +5,10 @@
 build_run checks the layout and the run directory, builds the data, the model (on the meta
 device, handed to graphtrain.parallel: expert parallel, tensor parallel, compile regions,
 activation checkpointing, FSDP2, in that order; materialised and initialised), the optimizer,
-the schedules and the step (graphtrain.step.TrainStep), and resumes from a checkpoint. The loop
+the schedules, resumes from a checkpoint, and builds the step (graphtrain.step.TrainStep) with
+the working copies of the fp32 master weights taken from what was loaded
+(graphtrain.optim.working_weights: the model computes with them, the checkpoints and the
+optimizer see the masters). The loop
 pulls each step's micro-batches from the loader, hands them to the step once, and logs,
 validates and saves. It knows nothing of the graph passes or of the parallel layout's gradient
 reductions; MoE balancing and FP8 counters reach it only as step statistics (it stops on

@@ -67,6 +67,12 @@ class TrainingConfig:
     # Storage (and update) dtype of the parameters: float32 keeps fp32 master weights; bfloat16
     # is pure bf16 training (half the parameter and gradient memory; see optim.fp32_grad_accum).
     master_dtype: Literal["float32", "bfloat16"] = "float32"
+    # With fp32 master weights and 16-bit compute: copies in the compute dtype, made once per
+    # optimizer step, of the weights otherwise cast on every use (the matmul weights under
+    # autocast, i.e. without data parallelism; under FSDP2, which casts its own shards, the
+    # expert-parallel weights), used by forward and backward; same numerics
+    # (graphtrain.optim.working_weights).
+    working_weights: bool = True  # false: every use casts the fp32 weight (as before)
     # Attention for packed documents: auto (flex on CUDA, sdpa on CPU), flex, sdpa, or causal
     # (ignore document boundaries).
     attention: Literal["auto", "flex", "sdpa", "causal"] = "auto"

@@ -3,15 +3,20 @@ optimizer -> statistics. A batch enters here from the loop (graphtrain.trainer) 
 an optimizer update; nothing of it goes back to the loop but a StepStats.
 
 What
-    ForwardLoss(model, device, attention, autocast)(batch, stats) -> the micro-batch's mean
-        loss: model_inputs() copies the batch to the device and builds the attention mask; the
-        model runs under autocast and fills `stats` (below). Training and validation share it.
+    ForwardLoss(model, device, attention, autocast, weights)(batch, stats) -> the micro-batch's
+        mean loss: model_inputs() copies the batch to the device and builds the attention mask;
+        the model runs under autocast and fills `stats` (below). Training and validation share
+        it. `weights` are the bf16 working copies of the fp32 master weights
+        (graphtrain.optim.WorkingWeights): whoever calls it installs them around the forward and
+        the backward (weights.installed()).
     TrainStep(...)(batches, step=...) -> StepStats: the learning rate of `step`, then each
         micro-batch's loss weighted by its share of the step's labelled tokens (the step's loss
         is the mean over all its tokens on this rank, whatever the micro-batches hold; FSDP
-        then averages the ranks), backward, fp32 accumulation for chosen parameters, the
-        layout's gradient finishing (graphtrain.parallel.GradientFinisher), clipping, the
-        optimizer step (its step pre-hooks run there: MoE expert-bias updates), zero_grad.
+        then averages the ranks), backward (with the working copies installed: their gradients
+        reach the fp32 masters' .grad as they come), fp32 accumulation for chosen parameters,
+        the layout's gradient finishing (graphtrain.parallel.GradientFinisher), clipping, the
+        optimizer step (its step pre-hooks run there: MoE expert-bias updates), the working
+        copies refreshed from the updated masters, zero_grad.
         num_micro_batches(consumed_tokens) says how many batches the loop hands it (the batch
         size schedule).
 
@@ -20,7 +25,8 @@ model: its forward takes `stats`, a dict it fills with detached device tensors (
 depths' "mtp/loss_1", "mtp/acceptance_1"); their loss-weighted mean over the micro-batches is
 logged under those names. From elsewhere: a step hook. A hook has
     micro_batch(weight) -> context manager   entered around each micro-batch's forward and
-                                             backward (weight: its loss weight in the step)
+                                             backward (weight: its loss weight in the step;
+                                             the model holds the working copies there)
     statistics() -> dict[str, Tensor]        detached device tensors of the step just taken,
                                              called after the optimizer step
 and their dicts are merged into StepStats.extra: graphtrain.balance.RouterBalance (MoE load,
@@ -42,7 +48,13 @@ from torch import nn
 
 from graphtrain.attention import build_attention_mask
 from graphtrain.metrics import model_training_flops
-from graphtrain.optim import BatchSizeSchedule, FP32GradAccumulator, LRSchedule, clip_grad_norm_
+from graphtrain.optim import (
+    BatchSizeSchedule,
+    FP32GradAccumulator,
+    LRSchedule,
+    WorkingWeights,
+    clip_grad_norm_,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +113,7 @@ class ForwardLoss:
     device: torch.device
     attention: str
     autocast: contextlib.AbstractContextManager  # reusable: torch.autocast or nullcontext
+    weights: WorkingWeights  # bf16 working copies; callers install them around forward+backward
 
     def __call__(
         self, batch: TensorDict, stats: dict[str, torch.Tensor] | None = None
@@ -138,12 +151,15 @@ class TrainStep:
         """Train on `batches` (this rank's micro-batches of the step) as optimizer step `step`
         (0-based). No host sync."""
         lr = self.lr_schedule.apply(self.optimizer, step)
-        loss, flops, model_stats = self._forward_backward(batches)
+        # Installed for every backward too: activation checkpointing recomputes the forward there.
+        with self.forward.weights.installed():
+            loss, flops, model_stats = self._forward_backward(batches)
         self.fp32_grads.finalize()
         self.finish_gradients()
         params = list(self.forward.model.parameters())
         grad_norm = clip_grad_norm_(params, self.max_norm)
         self.optimizer.step()  # step pre-hooks run first (MoE expert biases)
+        self.forward.weights.refresh()  # the one cast of the step: masters -> working copies
         self.optimizer.zero_grad(set_to_none=True)
         extra = model_stats
         for hook in self.hooks:

@@ -5,7 +5,10 @@
 build_run checks the layout and the run directory, builds the data, the model (on the meta
 device, handed to graphtrain.parallel: expert parallel, tensor parallel, compile regions,
 activation checkpointing, FSDP2, in that order; materialised and initialised), the optimizer,
-the schedules and the step (graphtrain.step.TrainStep), and resumes from a checkpoint. The loop
+the schedules, resumes from a checkpoint, and builds the step (graphtrain.step.TrainStep) with
+the working copies of the fp32 master weights taken from what was loaded
+(graphtrain.optim.working_weights: the model computes with them, the checkpoints and the
+optimizer see the masters). The loop
 pulls each step's micro-batches from the loader, hands them to the step once, and logs,
 validates and saves. It knows nothing of the graph passes or of the parallel layout's gradient
 reductions; MoE balancing and FP8 counters reach it only as step statistics (it stops on
@@ -51,10 +54,12 @@ from graphtrain.optim import (
     BatchSizeSchedule,
     FP32GradAccumulator,
     LRSchedule,
+    WorkingWeights,
     build_optimizer,
     cast_parameters_,
     global_norm,
     optimizer_state_bytes,
+    working_weight_params,
 )
 from graphtrain.parallel import (
     GradientFinisher,
@@ -62,6 +67,7 @@ from graphtrain.parallel import (
     build_mesh,
     check_layout,
     dp_mesh,
+    expert_params,
     init_distributed,
     parallelize_model,
 )
@@ -189,8 +195,11 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     )
     metrics.log(progress.step, optim_state)
     attention = resolve_attention(cfg.training.attention, device)
+    autocast = _autocast(cfg, dims, device)
+    # After the resume: the copies start from the masters the run continues with.
+    weights = _working_weights(cfg, dims, device, model)
     train_step = TrainStep(
-        forward=ForwardLoss(model, device, attention, _autocast(cfg, dims, device)),
+        forward=ForwardLoss(model, device, attention, autocast, weights),
         optimizer=optimizer,
         lr_schedule=lr_schedule,
         batch_schedule=batch_schedule,
@@ -378,6 +387,24 @@ def _autocast(
     if dims.dp_size > 1 or param_dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=param_dtype)
+
+
+def _working_weights(
+    cfg: JobConfig, dims: ParallelDims, device: torch.device, model: torch.nn.Module
+) -> WorkingWeights:
+    """bf16 working copies of the fp32 master weights that would otherwise be cast on every use:
+    the matmul weights under autocast (no data parallelism), or under FSDP2 the expert-parallel
+    weights it leaves alone (the experts cast them to the activations' dtype); FSDP2 casts its
+    own shards once per all-gather. None with fp32 compute, bf16 masters, or
+    training.working_weights off."""
+    dtype = _param_dtype(cfg, device)
+    if not cfg.training.working_weights or dtype == torch.float32:
+        return WorkingWeights(model, [], dtype)
+    if cfg.training.master_dtype != "float32":  # bf16 parameters: nothing to copy
+        return WorkingWeights(model, [], dtype)
+    if dims.dp_size == 1:  # autocast computes (graphtrain.trainer._autocast)
+        return WorkingWeights(model, working_weight_params(model), dtype)
+    return WorkingWeights(model, expert_params(model), dtype)
 
 
 def _build_optimizer(
@@ -648,7 +675,7 @@ def _validate(run: Run, result: TrainResult, *, step: int) -> None:
     rows = cfg.metrics.val_rows or cfg.metrics.val_batches * cfg.training.micro_batch_size
     model.eval()
     total = torch.zeros(2, device=run.device)  # (sum of token losses, labelled tokens)
-    with torch.no_grad():
+    with torch.no_grad(), run.train_step.forward.weights.installed():
         for batch in val.eval_batches(rows):
             loss, n = run.train_step.forward(batch).float(), batch["num_label_tokens"]
             if n:  # a batch of padding only (every rank runs it) has a 0/0 loss

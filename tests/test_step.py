@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from graphtrain.data.packing import pack_rows
-from graphtrain.optim import BatchSizeSchedule, FP32GradAccumulator, LRSchedule
+from graphtrain.optim import BatchSizeSchedule, FP32GradAccumulator, LRSchedule, WorkingWeights
 from graphtrain.step import ForwardLoss, TrainStep
 from models import MODEL_PRESETS, build_model
 
@@ -52,7 +52,13 @@ class Recorder:
 def make_step(model: nn.Module, hooks, num_micro: int) -> TrainStep:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return TrainStep(
-        forward=ForwardLoss(model, torch.device("cpu"), "sdpa", contextlib.nullcontext()),
+        forward=ForwardLoss(
+            model,
+            torch.device("cpu"),
+            "sdpa",
+            contextlib.nullcontext(),
+            WorkingWeights(model, [], torch.float32),  # fp32 compute: no copies
+        ),
         optimizer=optimizer,
         lr_schedule=LRSchedule(
             lr=1e-3, min_lr=0.0, warmup_steps=0, decay_steps=0, total_steps=10, decay_style="linear"

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import job, torchrun_metrics
 
 from graphtrain.config import load_config
@@ -184,9 +185,48 @@ def test_moe_tiny_trains_alike_with_the_fusion_passes_on_and_off(corpus, tmp_pat
     assert fused.get("graphtrain.linear_cross_entropy.default", 0) >= 1, fused
 
 
+def test_working_weights_train_and_export_exactly_as_autocast(corpus, tmp_path):
+    """bf16 autocast on CPU (as on a GPU) with fp32 masters, 3 micro-batches a step: with the
+    bf16 working copies refreshed once per step, the loss curve, the validation losses and the
+    exported fp32 weights are bitwise those of autocast casting on every use (the same rounding,
+    the same fp32 gradient sums: graphtrain.optim.working_weights). Compiled (aot_eager) with
+    activation checkpointing, so the compiled regions and the backward's recompute run on the
+    copies. (Resuming with copies: test_resume_is_bitwise_exact.)"""
+    from safetensors.torch import load_file
+
+    from graphtrain.cli import main
+
+    common = (
+        "--training.steps=4",
+        "--training.dtype=bfloat16",
+        "--training.micro_batch_size=2",
+        f"--schedule.batch_size={3 * 2 * 64}",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=2",
+        "--training.activation_checkpoint=full",  # its recompute runs on the copies too
+    )
+    off = train(
+        load_config(job(corpus, tmp_path / "off", *common, "--training.working_weights=false"))
+    )
+    on = train(load_config(job(corpus, tmp_path / "on", *common)))
+    assert on.losses == off.losses and on.val_losses == off.val_losses
+    assert on.losses[-1] < on.losses[0]
+    exported = []
+    for name in ("off", "on"):
+        run = tmp_path / name / "run"
+        assert main(["export", str(run), str(tmp_path / f"hf-{name}"), "--dtype", "fp32"]) == 0
+        exported.append(load_file(str(tmp_path / f"hf-{name}" / "model.safetensors")))
+    assert exported[0].keys() == exported[1].keys()
+    for key, value in exported[0].items():
+        assert value.dtype == torch.float32 and torch.equal(value, exported[1][key]), key
+
+
 def test_resume_is_bitwise_exact(corpus, tmp_path):
-    straight = train(load_config(job(corpus, tmp_path / "s", "--training.steps=6")))
-    args = job(corpus, tmp_path / "r", "--training.steps=6", "--checkpoint.interval=3")
+    """bf16 autocast with fp32 masters (as on a GPU): the checkpoint holds the masters, and the
+    resumed run's bf16 working copies start from them."""
+    common = ("--training.steps=6", "--training.dtype=bfloat16")
+    straight = train(load_config(job(corpus, tmp_path / "s", *common)))
+    args = job(corpus, tmp_path / "r", *common, "--checkpoint.interval=3")
     first = train(load_config(args))
     assert [p.name for p in (tmp_path / "r" / "run" / "checkpoints").iterdir()] == [
         "step-0000003",
@@ -247,7 +287,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     assert out.stderr.strip() == (
         "graphtrain: error: unknown config key 'training.stepz'; known keys here: activation_checkpoint, "
         "attention, device, dtype, fp8, master_dtype, micro_batch_size, reduce_dtype, "
-        "replica_check_interval, run_dir, seed, seq_len, steps"
+        "replica_check_interval, run_dir, seed, seq_len, steps, working_weights"
     )
 
 

@@ -9,6 +9,9 @@ one rank of the configured layout:
   over the remaining dp ranks (expert_parallel.py);
 - gradients: the same shards in the master dtype (FSDP2 reduces into them);
 - optimizer states: AdamW's two moments per element (optim.state_dtype, at most the master's size);
+- working copies: fp32 master weights under a 16-bit compute dtype, training.working_weights
+  on: the bf16 copies (graphtrain.optim.working_weights) of the matmul weights without data
+  parallelism, or of the routed experts' weights under FSDP with ep > 1, split as their masters;
 - gathered parameters: with FSDP, the largest block's full parameters in the compute dtype, twice
   (the block running and the one prefetched);
 - activations per micro-batch: per block, the tensors autograd keeps per token of the rank's
@@ -32,6 +35,7 @@ import fnmatch
 import torch
 
 from graphtrain.config import JobConfig
+from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, check_layout
 from models import MoEConfig, build_model, tp_plan
 
@@ -99,6 +103,20 @@ def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
         "gradients": int(local * master),
         "optimizer states": int(2 * local * state),
     }
+    if t.working_weights and master == 4 and compute == 2:
+        matmul = {id(p) for p in working_weight_params(model)}
+        copies = sum(
+            p.numel()
+            / _tp_divisor(name, plan, dims)
+            * compute
+            / (dims.ep if ".experts." in name else 1)
+            for name, p in model.named_parameters()
+            # The trainer's choice (graphtrain.trainer._working_weights).
+            if (dims.dp_size == 1 and id(p) in matmul)
+            or (dims.dp_size > 1 and dims.ep > 1 and ".experts." in name)
+        )
+        if copies:
+            items["working copies"] = int(copies)
     if dims.dp_shard > 1:
         items["gathered parameters"] = int(2 * max(per_block.values(), default=0) * compute)
     tokens = t.micro_batch_size * t.seq_len

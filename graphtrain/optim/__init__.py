@@ -1,4 +1,5 @@
-"""Optimizer, gradient clipping and schedules (learning rate, batch size)."""
+"""Optimizer, gradient clipping, schedules (learning rate, batch size), and precision: bf16
+parameters with fp32 gradient sums, bf16 working copies of fp32 master weights."""
 
 from graphtrain.optim.adamw_bf16 import AdamWBF16
 from graphtrain.optim.clip import clip_grad_norm_, global_norm
@@ -11,6 +12,7 @@ from graphtrain.optim.schedule import (
     LRSchedule,
     parse_token_count,
 )
+from graphtrain.optim.working_weights import WorkingWeights, working_weight_params
 
 __all__ = [
     "DECAY_STYLES",
@@ -18,10 +20,12 @@ __all__ = [
     "BatchSizeSchedule",
     "FP32GradAccumulator",
     "LRSchedule",
+    "WorkingWeights",
     "build_optimizer",
     "cast_parameters_",
     "clip_grad_norm_",
     "global_norm",
     "optimizer_state_bytes",
     "parse_token_count",
+    "working_weight_params",
 ]

@@ -73,3 +73,31 @@ def test_plan_command_prints_a_layout_and_refuses_one_that_does_not_fit(capsys):
     full = plan_memory(load_config(["--preset", "8b", "--training.activation_checkpoint=full"]), 64)
     none = plan_memory(load_config(["--preset", "8b", "--training.activation_checkpoint=none"]), 64)
     assert full.items["activations per micro-batch"] < none.items["activations per micro-batch"] / 4
+
+
+def test_working_copies():
+    """The bf16 working copies of the matmul weights: 2 bytes each, with one rank under bf16;
+    none with data parallelism (FSDP2 casts), fp32 compute, or the key off; under FSDP with
+    ep=2, the routed experts' weights that FSDP leaves alone, half of them per rank."""
+    cfg = load_config(["--preset", "debug", "--training.dtype=bfloat16"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    matmul = (
+        sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and "tok_emb" not in n)
+        - model.output.weight.numel()
+    )
+    assert plan_memory(cfg, 1).items["working copies"] == 2 * matmul
+    for args, world in (
+        (["--training.dtype=bfloat16"], 2),
+        (["--training.dtype=float32"], 1),
+        (["--training.dtype=bfloat16", "--training.working_weights=false"], 1),
+    ):
+        assert (
+            "working copies"
+            not in plan_memory(load_config(["--preset", "debug", *args]), world).items
+        )
+    moe = load_config(["--preset", "moe-debug", "--training.dtype=bfloat16", "--parallel.ep=2"])
+    with torch.device("meta"):
+        model = build_model(moe.model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert plan_memory(moe, 2).items["working copies"] == 2 * experts // 2

@@ -59,7 +59,7 @@ from tensordict import TensorDict
 from graphtrain.attention import resolve_attention
 from graphtrain.config import JOB_PRESETS, JobConfig, load_config
 from graphtrain.metrics import model_training_flops, peak_flops
-from graphtrain.optim import build_optimizer
+from graphtrain.optim import WorkingWeights, build_optimizer
 from graphtrain.step import ForwardLoss
 from graphtrain.trainer import build_run
 from models import MODEL_PRESETS, build_model
@@ -222,8 +222,10 @@ def plain_compile_row(name: str, cfg: JobConfig, step_batches: list, warmup: int
         if device.type == "cuda"
         else contextlib.nullcontext()
     )
+    # What a user writes: autocast casts the fp32 weights per use (no working copies).
+    no_copies = WorkingWeights(model, [], torch.bfloat16)
     forward = ForwardLoss(
-        model, device, resolve_attention(cfg.training.attention, device), autocast
+        model, device, resolve_attention(cfg.training.attention, device), autocast, no_copies
     )
 
     def step(i: int) -> torch.Tensor:

@@ -66,6 +66,7 @@ from graphtrain.parallel import (
     parallelize_model,
 )
 from graphtrain.parallel.divergence import check_replicas
+from graphtrain.passes.dump import write_compile_metrics
 from graphtrain.preemption import Preempted, PreemptionHandler
 from graphtrain.step import ForwardLoss, FP8Saturation, StepStats, TrainStep
 from models import build_model, tp_plan
@@ -699,6 +700,7 @@ def _finish(run: Run, result: TrainResult) -> None:
     run.profiler.close()  # a range past the last step still writes what it recorded
     run.metrics.close()
     if run.dump_dir is not None:  # what the compiler did, as `graphtrain inspect` shows it
+        write_compile_metrics(run.dump_dir)  # stage times, recompile reasons, cache hits
         write_report(run.dump_dir, run.run_dir / "inspect", inner=run.cfg.compile.backend)
     val_losses = result.val_losses
     if run.rank == 0 and len(val_losses) > 1:

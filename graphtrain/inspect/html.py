@@ -42,7 +42,7 @@ details{margin:3px 0 3px 10px}summary{cursor:pointer}
 pre{font-family:ui-monospace,monospace;font-size:12px;white-space:pre;background:#fff;
  border:1px solid #d0d7de;padding:4px;margin:4px 0;overflow:auto;max-height:70vh;
  max-width:100%;box-sizing:border-box}
-body.wrap pre{white-space:pre-wrap;overflow-wrap:anywhere}
+body.wrap pre{white-space:pre-wrap;overflow-wrap:anywhere}body.wrap pre .line{width:auto}
 .del{background:#ffebe9}.add{background:#dafbe1}.hunk{color:#6e7781;background:#f6f8fa}
 .line{display:block;min-height:1em}pre .line{width:max-content;min-width:100%}.hit{background:#fff8c5}.hidden{display:none}
 .note{font-size:13px;margin:2px 0}.muted{color:#57606a;font-size:13px}

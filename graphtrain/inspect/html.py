@@ -11,6 +11,8 @@ The search box keeps the lines (and the graphs and steps) that contain the text 
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from html import escape
 
 from graphtrain.inspect.report import CompiledGraph, GeneratedCode, Report, Step
@@ -19,6 +21,8 @@ from graphtrain.inspect.report import CompiledGraph, GeneratedCode, Report, Step
 MAX_CODE_CHARS = 150_000
 # Kernel rows shown open in the profile; the rest sit in a collapsed table.
 TOP_KERNELS = 25
+# Source lines with a smaller share of the kernel time sit in a collapsed table.
+MINOR_SHARE = 0.01
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:0;color:#1b1f24;background:#fafbfc}
@@ -48,6 +52,8 @@ body.wrap pre{white-space:pre-wrap;overflow-wrap:anywhere}body.wrap pre .line{wi
 .note{font-size:13px;margin:2px 0}.muted{color:#57606a;font-size:13px}
 .bar{display:inline-block;height:9px;background:#0969da;vertical-align:middle;margin-right:4px}
 code{overflow-wrap:anywhere}
+td.src{white-space:nowrap}td.code{font-family:ui-monospace,monospace;font-size:12px;
+ min-width:280px}td.small{font-size:11px;color:#57606a;max-width:420px}
 """
 
 _JS = """
@@ -106,18 +112,41 @@ def _step(step: Step, index: int) -> str:
     return "".join(parts)
 
 
-def _table(headers: list[str], rows: list[list[str]], numeric: tuple[int, ...] = ()) -> str:
+def _table(
+    headers: list[str], rows: list[list[str]], cells: tuple[int, ...] | dict[int, str] = ()
+) -> str:
+    """A table of already escaped cells; `cells`: the numeric columns, or {column: class}."""
+    classes = cells if isinstance(cells, dict) else dict.fromkeys(cells, "num")
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join(
         "<tr>"
         + "".join(
-            f'<td class="num">{c}</td>' if k in numeric else f"<td>{c}</td>"
+            f'<td class="{classes[k]}">{c}</td>' if k in classes else f"<td>{c}</td>"
             for k, c in enumerate(row)
         )
         + "</tr>"
         for row in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _short(source: str) -> str:
+    """A source location without the folders above the current directory (or all but the
+    last two), the full one being the cell's title."""
+    path, sep, rest = source.partition(":")
+    if not sep:
+        return source
+    cwd = os.getcwd() + os.sep
+    short = path[len(cwd) :] if path.startswith(cwd) else os.sep.join(path.split(os.sep)[-2:])
+    return f"{short}:{rest}"
+
+
+def _kernel_list(kernels: list[str], shown: int = 4) -> str:
+    counts = Counter(kernels)
+    names = [f"{k} x{n}" if n > 1 else k for k, n in counts.items()]
+    return ", ".join(names[:shown]) + (
+        f" ... ({len(names) - shown} more)" if len(names) > shown else ""
+    )
 
 
 def _s(seconds: float | None) -> str:
@@ -165,21 +194,34 @@ def _profile(report: Report) -> list[str]:
     ]
     out += [f'<p class="note brk">{escape(n)}</p>' for n in prof.notes]
     out.append("<h3>By source line</h3>")
-    rows = [
-        [
-            f'<span class="bar" style="width:{max(1, round(line.share * 120))}px"></span>'
-            f"{line.share:.1%}",
-            _ms(line.ms),
-            f"<code>{escape(line.source)}</code>",
-            f"<code>{escape(line.code)}</code>",
-            escape(", ".join(line.kernels[:6]) + (" ..." if len(line.kernels) > 6 else "")),
+
+    def line_rows(lines: list) -> list[list[str]]:
+        return [
+            [
+                f'<span class="bar" style="width:{max(1, round(line.share * 120))}px"></span>'
+                f"{line.share:.1%}",
+                _ms(line.ms),
+                f'<span title="{escape(line.source)}">{escape(_short(line.source))}</span>',
+                escape(line.code),
+                escape(_kernel_list(line.kernels)),
+            ]
+            for line in lines
         ]
-        for line in prof.lines
-    ]
-    out.append(_table(["share", "ms/step", "source", "code", "kernels"], rows, numeric=(1,)))
+
+    cells = {0: "src", 1: "num", 2: "src", 3: "code", 4: "small"}
+    headers = ["share", "ms/step", "source", "code", "kernels"]
+    major = [line for line in prof.lines if line.share >= MINOR_SHARE]
+    minor = [line for line in prof.lines if line.share < MINOR_SHARE]
+    out.append(_table(headers, line_rows(major), cells))
+    if minor:
+        out.append(
+            f"<details><summary>{len(minor)} more line(s), each under {MINOR_SHARE:.0%}</summary>"
+            + _table(headers, line_rows(minor), cells)
+            + "</details>"
+        )
     out.append("<h3>By graph</h3>")
     rows = [[escape(g), _ms(ms)] for g, ms in prof.graphs.items()]
-    out.append(_table(["graph", "kernel ms/step"], rows, numeric=(1,)))
+    out.append(_table(["graph", "kernel ms/step"], rows, cells=(1,)))
     if prof.passes:
         out.append("<h3>Fusing passes: the region's kernel time with and without the pass</h3>")
         rows = [
@@ -194,7 +236,7 @@ def _profile(report: Report) -> list[str]:
             for t in prof.passes
         ]
         headers = ["pass", "region", "before ms/step", "after ms/step", "speed-up", "what"]
-        out.append(_table(headers, rows, numeric=(2, 3, 4)))
+        out.append(_table(headers, rows, cells=(2, 3, 4)))
     out.append("<h3>By kernel</h3>")
 
     def kernel_rows(kernels: list) -> list[list[str]]:
@@ -205,18 +247,19 @@ def _profile(report: Report) -> list[str]:
                 _ms(k.ms),
                 str(k.calls),
                 escape(", ".join(k.nodes)),
-                escape("; ".join(k.sources)),
+                escape("; ".join(_short(source) for source in k.sources)),
             ]
             for k in kernels
         ]
 
     headers = ["graph", "kernel", "ms/step", "calls", "FX nodes", "source lines"]
-    out.append(_table(headers, kernel_rows(prof.kernels[:TOP_KERNELS]), numeric=(2, 3)))
+    cells = {2: "num", 3: "num", 4: "small"}
+    out.append(_table(headers, kernel_rows(prof.kernels[:TOP_KERNELS]), cells))
     if len(prof.kernels) > TOP_KERNELS:
         rest = prof.kernels[TOP_KERNELS:]
         out.append(
             f"<details><summary>{len(rest)} more kernel(s)</summary>"
-            + _table(headers, kernel_rows(rest), numeric=(2, 3))
+            + _table(headers, kernel_rows(rest), cells)
             + "</details>"
         )
     return out
@@ -262,7 +305,7 @@ def _compile_sections(report: Report) -> list[str]:
         "of which codegen",
         "total",
     ]
-    out.append(_table(headers, rows, numeric=(3, 4, 5, 6, 7, 8)))
+    out.append(_table(headers, rows, cells=(3, 4, 5, 6, 7, 8)))
     out.append(
         "<p class=\"muted\">As torch's compile metrics report them: Dynamo = the frame's compile "
         "minus the backend; AOT autograd without the Inductor time inside it; the backward's "
@@ -277,7 +320,7 @@ def _compile_sections(report: Report) -> list[str]:
         for k, v in g.cache.items()
         if v
     ]
-    out.append(_table(["counter", "count"], rows, numeric=(1,)) if rows else "<p>none</p>")
+    out.append(_table(["counter", "count"], rows, cells=(1,)) if rows else "<p>none</p>")
     out.append(
         '<p class="muted">While graphs are dumped, the post-grad hook gives Inductor no cache '
         "key (graphtrain.compile), so the FX graph cache is bypassed and every graph is "

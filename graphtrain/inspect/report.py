@@ -310,7 +310,7 @@ def _explain(reason: str | None, graph: CompiledGraph) -> str:
         )
     if reason and "training" in reason:
         parts.append("module.eval()/train() flips `training`, which Dynamo guards on")
-    return "; ".join(parts) or "torch gave no reason"
+    return "; ".join(p.strip() for p in parts) or "torch gave no reason"
 
 
 def load_report(dump_dir: str | Path, *, inner: str | None = None) -> Report:

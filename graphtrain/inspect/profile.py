@@ -3,14 +3,14 @@ and model source lines.
 
 A few forward+backward steps of the compiled model run under torch.profiler. Inductor marks
 every call of a generated module with a record "## Call CompiledFxGraph <key> ##"; inside it
-are the module's kernels: on CPU the C++ kernels' own records ("graph_<aot id>_<kernel>", with
+are the module's kernels: on CPU the C++ kernels' own records ("graph_<Inductor graph id>_<kernel>", with
 inspection_flags' cpp.enable_kernel_profile), on CUDA the Triton kernels the launches put on
 the device, and the extern kernels (aten::mm, graphtrain's custom ops...) as operator records.
 The generated code kept in the dumps names, per kernel and per extern call, a provenance handle
 ("# [Provenance debug handles] cpp_fused_mul_0:3"), and Inductor's provenance tracking gives,
 per handle, the post-grad FX nodes and their stack traces. Joining the two:
 
-    profiled call --(its kernel names, the AOT id, forward/backward)--> generated module
+    profiled call --(its kernel names, Inductor's graph id, forward/backward)--> generated module
     kernel or extern call --(handle)--> FX nodes, source lines
 
 A call's kernels are matched by name; its extern calls in the order the module's `call` makes
@@ -43,7 +43,8 @@ _CALL_PREFIX = "## Call CompiledFxGraph"
 _CPU_KERNEL = re.compile(r"^graph_(\d+)_(.+)$")  # Inductor's C++ kernel records
 _HANDLE = re.compile(r"\[Provenance debug handles\] (\S+):(\d+)")
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.", re.MULTILINE)
-_AOT_ID = re.compile(r"^# AOT ID: \['(\d+)_(forward|backward|inference)'\]", re.MULTILINE)
+# The profiler record of a C++ kernel, in its source: "graph_<compile_fx's graph id>_<kernel>"
+_CPU_RECORD = re.compile(r'"graph_(\d+)_\w+"')
 
 
 @dataclass
@@ -118,7 +119,7 @@ class _Item:
     name: str  # kernel name, or operator name ("mm", "linear_cross_entropy")
     extern: bool
     us: float
-    aot_id: str | None = None
+    graph_id: str | None = None  # C++ kernels: the Inductor graph they belong to
 
 
 def _device_us(event: Any) -> float:
@@ -164,7 +165,7 @@ class _Module:
 
     graph: str  # "block-0/forward"
     code: GeneratedCode
-    aot_id: str | None
+    graph_id: str | None  # in its C++ kernels' profiler records (None: it has none)
     kernels: dict[str, str]  # generated kernel name -> provenance key "name:handle"
     externs: list[tuple[str, str]]  # (operator name, provenance key), in call order
 
@@ -179,20 +180,23 @@ class _Module:
                 kernels[name] = key
             else:
                 externs.append((_op_name(name), key))
-        aot = _AOT_ID.search(code.code)
-        return cls(graph, code, aot.group(1) if aot else None, kernels, externs)
+        record = _CPU_RECORD.search(code.code)
+        return cls(graph, code, record.group(1) if record else None, kernels, externs)
 
     def fits(self, items: list[_Item], stage: str) -> int:
         """How well a profiled call's items match this module (-1: cannot be it)."""
         if self.code.stage != stage:
             return -1
         named = [i for i in items if not i.extern]
-        if any(i.aot_id is not None and i.aot_id != self.aot_id for i in named):
+        if any(i.graph_id is not None and i.graph_id != self.graph_id for i in named):
             return -1
         if any(i.name not in self.kernels for i in named):
             return -1
         ops = {op for op, _ in self.externs}
-        return len(named) + sum(i.name in ops for i in items if i.extern)
+        matched = len(named) + sum(i.name in ops for i in items if i.extern)
+        # Among modules that hold all its kernels (two graphs can both have a "..._0" of the
+        # same name), the one whose call makes as many kernel and extern calls as were seen.
+        return 1000 * matched - abs(len(self.kernels) + len(self.externs) - len(items))
 
 
 def _sources(module: _Module, key: str, extern: bool) -> list[tuple[str, str]]:

@@ -308,6 +308,11 @@ def _explain(reason: str | None, graph: CompiledGraph) -> str:
             "compiled under torch.no_grad() (validation or evaluation): a forward-only graph, "
             "no backward"
         )
+    if reason and "grad_mode" in reason:
+        parts.append(
+            "autograd on in one compile and off in the other (training, and validation under "
+            "no_grad): one graph for each, and no further recompile"
+        )
     if reason and "training" in reason:
         parts.append("module.eval()/train() flips `training`, which Dynamo guards on")
     return "; ".join(p.strip() for p in parts) or "torch gave no reason"

@@ -42,6 +42,7 @@ from graphtrain.checkpoint.hf import load_hf_into
 from graphtrain.config import JobConfig, pass_options, to_toml
 from graphtrain.data import build_data
 from graphtrain.inspect import write_report
+from graphtrain.inspect.capture import record_output_code
 from graphtrain.metrics import MetricsLogger, memory_stats, peak_flops, write_run_info
 from graphtrain.metrics.banner import start_banner
 from graphtrain.metrics.energy import EnergyMeter, energy_metrics
@@ -127,7 +128,11 @@ def train(cfg: JobConfig) -> TrainResult:
     torch._dynamo.reset()
     preemption = PreemptionHandler()  # SIGTERM/SIGINT: save and stop (graphtrain.preemption)
     try:
-        result = _train_loop(build_run(cfg, device, rank, world_size), preemption)
+        run = build_run(cfg, device, rank, world_size)
+        # With graph dumps, Inductor's generated code goes beside them (for the run's report).
+        record = record_output_code(run.dump_dir) if run.dump_dir else contextlib.nullcontext()
+        with record:
+            result = _train_loop(run, preemption)
         if dist.is_initialized():
             # Every rank done with its collectives before the group is torn down: destroying it
             # while a peer still talks aborts that peer (seen with gloo).

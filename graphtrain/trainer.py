@@ -67,7 +67,7 @@ from graphtrain.parallel import (
     parallelize_model,
 )
 from graphtrain.parallel.divergence import check_replicas
-from graphtrain.passes.dump import write_compile_metrics
+from graphtrain.passes.dump import start_compile_metrics, write_compile_metrics
 from graphtrain.preemption import Preempted, PreemptionHandler
 from graphtrain.step import ForwardLoss, FP8Saturation, StepStats, TrainStep
 from models import build_model, tp_plan
@@ -126,6 +126,7 @@ def train(cfg: JobConfig) -> TrainResult:
     # A job starts from a clean compiler state: code compiled for an earlier job in this process
     # (another model, other passes) must neither be reused nor count against the recompile limit.
     torch._dynamo.reset()
+    start_compile_metrics()  # the run's report reads this job's compiles only
     preemption = PreemptionHandler()  # SIGTERM/SIGINT: save and stop (graphtrain.preemption)
     try:
         run = build_run(cfg, device, rank, world_size)

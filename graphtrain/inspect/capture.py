@@ -27,7 +27,7 @@ import torch._dynamo
 import torch._logging.structured
 
 from graphtrain.compile import apply_compile, backend, inspection_flags
-from graphtrain.passes.dump import cache_counters, write_compile_metrics
+from graphtrain.passes.dump import start_compile_metrics, write_compile_metrics
 
 # Inductor logs every module it writes on this logger at DEBUG: "Output code written to: PATH".
 _INDUCTOR_GRAPH_LOGGER = "torch._inductor.graph"
@@ -161,13 +161,7 @@ def run_validation(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Non
 def _recording(dump_dir: Path, trace_dir: str | Path | None) -> Iterator[None]:
     """Everything a capture records: the trace, Inductor's output code and provenance, and at
     the end torch's compile metrics and the cache counters of this capture."""
-    try:  # private; only keeps the metrics of earlier compiles out of this report
-        from torch._dynamo.utils import clear_compilation_metrics
-
-        clear_compilation_metrics()
-    except ImportError:
-        pass
-    since = cache_counters()
+    since = start_compile_metrics()
     with inspection_flags(), structured_trace(trace_dir), record_output_code(dump_dir):
         yield
     write_compile_metrics(dump_dir, since)

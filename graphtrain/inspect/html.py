@@ -339,9 +339,10 @@ def _generated_code(code: GeneratedCode, index: int) -> str:
         )
         text = text[:MAX_CODE_CHARS]
     kernels = len({k.rpartition(":")[0] for k in code.kernels})
+    tracked = f"{kernels} kernel(s) tracked" if kernels else "no kernel provenance recorded"
     return (
         f'<details class="searchable"><summary>{escape(code.stage)}: Inductor\'s generated '
-        f"module ({len(code.code.splitlines())} lines, {kernels} kernel(s) tracked) "
+        f"module ({len(code.code.splitlines())} lines, {tracked}) "
         f'<span class="muted">{escape(code.path)}</span></summary>{cut}'
         f"<pre>{_lines(text)}</pre></details>"
     )

@@ -272,6 +272,19 @@ def cache_counters() -> dict[str, int]:
     }
 
 
+def start_compile_metrics() -> dict[str, int]:
+    """Forget the compile metrics torch kept of earlier compiles in this process (compile ids
+    restart at torch._dynamo.reset(), so they would be taken for this job's) and return the
+    cache counters now, for write_compile_metrics(since=...)."""
+    try:  # private; absent, write_compile_metrics finds no metrics either
+        from torch._dynamo.utils import clear_compilation_metrics
+
+        clear_compilation_metrics()
+    except ImportError:
+        pass
+    return cache_counters()
+
+
 def write_compile_metrics(dump_dir: Path, since: dict[str, int] | None = None) -> None:
     """compile_metrics.json under the dump root: torch's metrics of each compile this process
     kept (the most recent 64: torch._dynamo.utils.get_compilation_metrics, private, absent ->

@@ -300,7 +300,7 @@ def test_html_renders_in_headless_chromium(report, tmp_path):
             "--no-first-run",
             f"--user-data-dir={tmp_path / 'profile'}",
             f"--screenshot={png}",
-            "--window-size=1400,1000",
+            "--window-size=1366,768",  # a laptop screen
             page.as_uri(),
         ],
         check=True,

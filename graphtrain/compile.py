@@ -39,9 +39,11 @@ Tensor parallel composes: its collectives are inside the graphs, on NCCL, which 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,7 @@ import torch._dynamo
 from torch import nn
 
 from graphtrain.passes import PassContext, PassSpec, resolve_passes
-from graphtrain.passes.dump import GraphDumper
+from graphtrain.passes.dump import GraphDumper, write_compile_info
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +114,13 @@ def _run_passes(
         dumper.snapshot("captured", gm)
     for spec in passes:
         ctx = PassContext(region=region, options=options)
+        start = time.perf_counter()
         gm = spec(gm, example_inputs, ctx)
+        seconds = time.perf_counter() - start
         for note in ctx.notes:
             logger.debug("pass %s on %s: %s", spec.name, region, note)
         if dumper is not None:
-            dumper.snapshot(spec.name, gm, ctx.notes)
+            dumper.snapshot(spec.name, gm, ctx.notes, seconds=seconds)
     return gm
 
 
@@ -205,7 +209,10 @@ class GraphtrainBackend:
         if self.dump_dir is not None:
             graph_dir = self.dump_dir / f"{self.region}-{next(self._graph_ids)}"
         pre = [p for p in self.passes if p.stage == "pre_grad"]
-        dumper = GraphDumper(graph_dir) if graph_dir is not None else None
+        dumper = None
+        if graph_dir is not None:
+            dumper = GraphDumper(graph_dir)
+            write_compile_info(graph_dir)
         # The passes work out new nodes' metadata on fake tensors: without autograd, so that a
         # region compiled inside activation checkpointing (whose hooks count the tensors saved
         # for backward) sees no extra saves during the forward that compiles it.
@@ -235,6 +242,28 @@ def _aot_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], post: _P
         return boxed_nop(graph, inputs)
 
     return aot_eager(gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler)
+
+
+@contextlib.contextmanager
+def inspection_flags() -> Any:
+    """Inductor flags while `graphtrain inspect` compiles (not in training):
+    * trace.provenance_tracking_level=1: Inductor records, per generated kernel, the FX nodes
+      it computes and their stack traces (torch._inductor.debug), which inspect keeps beside the
+      generated code to attribute kernel time to source lines;
+    * cpp.enable_kernel_profile: Inductor's C++ kernels (CPU) open a profiler record named after
+      the kernel, so that `inspect --profile` sees them (Triton kernels are named in a GPU trace
+      already). A flag that this torch lacks is skipped (the attribution then says so).
+    """
+    import torch._inductor.config as inductor_config
+
+    wanted = {"trace.provenance_tracking_level": 1, "cpp.enable_kernel_profile": True}
+    patches = {}
+    for name, value in wanted.items():
+        section, _, flag = name.partition(".")
+        if hasattr(getattr(inductor_config, section, None), flag):
+            patches[name] = value
+    with inductor_config.patch(patches):
+        yield
 
 
 def backend(**options: Any) -> GraphtrainBackend:
@@ -287,9 +316,13 @@ def apply_compile(
     device_type: str = "cpu",
     fsdp: bool = False,
     activation_checkpoint: bool = False,
+    regions: Collection[str] | None = None,
 ) -> None:
     """Compile each transformer block, each MTP depth's layer and the head+loss region of
     `model` in place.
+
+    regions: compile only these ("block", "mtp_1", ..., "head_loss"), the others run eager
+    (None: all); `graphtrain inspect --profile` compiles one region again with a pass off.
 
     cudagraph_mtp: run the MTP regions as CUDA graphs where `cudagraph_fallback_reason` (given
     device_type, fsdp, activation_checkpoint and this call's inner and fullgraph) allows;
@@ -300,7 +333,7 @@ def apply_compile(
     """
     common = {"passes": passes, "inner": inner, "dump_dir": dump_dir, "pass_options": pass_options}
     block_backend = backend(**common, region="block")
-    for block in model.layers.values():
+    for block in model.layers.values() if regions is None or "block" in regions else ():
         _compile_region(block, block_backend, fullgraph)
     mtp_layers = list(model.mtp_layers.values()) if getattr(model, "mtp_layers", None) else []
     mtp_options = {}
@@ -317,10 +350,14 @@ def apply_compile(
         else:
             logger.info("compile.cudagraph_mtp: the MTP layers run without CUDA graphs: %s", reason)
     for k, mtp_layer in enumerate(mtp_layers, start=1):
+        if regions is not None and f"mtp_{k}" not in regions:
+            continue
         # A backend per depth: Dynamo keeps one compiled entry per backend, so each depth has
         # its own code (and CUDA graphs over its own parameters) instead of sharing one.
         mtp_backend = backend(**common, region=f"mtp_{k}", inductor_options=mtp_options)
         _compile_region(mtp_layer, mtp_backend, fullgraph)
+    if regions is not None and "head_loss" not in regions:
+        return
     head_backend = backend(**common, region="head_loss")
     model.head_loss = torch.compile(model.head_loss, backend=head_backend, fullgraph=fullgraph)
 

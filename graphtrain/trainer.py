@@ -45,6 +45,7 @@ from graphtrain.checkpoint.hf import load_hf_into
 from graphtrain.config import JobConfig, pass_options, to_toml
 from graphtrain.data import build_data
 from graphtrain.inspect import write_report
+from graphtrain.inspect.capture import record_output_code
 from graphtrain.metrics import MetricsLogger, memory_stats, peak_flops, write_run_info
 from graphtrain.metrics.banner import start_banner
 from graphtrain.metrics.energy import EnergyMeter, energy_metrics
@@ -72,6 +73,7 @@ from graphtrain.parallel import (
     parallelize_model,
 )
 from graphtrain.parallel.divergence import check_replicas
+from graphtrain.passes.dump import start_compile_metrics, write_compile_metrics
 from graphtrain.preemption import Preempted, PreemptionHandler
 from graphtrain.step import ForwardLoss, FP8Saturation, StepStats, TrainStep
 from models import build_model, tp_plan
@@ -130,9 +132,14 @@ def train(cfg: JobConfig) -> TrainResult:
     # A job starts from a clean compiler state: code compiled for an earlier job in this process
     # (another model, other passes) must neither be reused nor count against the recompile limit.
     torch._dynamo.reset()
+    start_compile_metrics()  # the run's report reads this job's compiles only
     preemption = PreemptionHandler()  # SIGTERM/SIGINT: save and stop (graphtrain.preemption)
     try:
-        result = _train_loop(build_run(cfg, device, rank, world_size), preemption)
+        run = build_run(cfg, device, rank, world_size)
+        # With graph dumps, Inductor's generated code goes beside them (for the run's report).
+        record = record_output_code(run.dump_dir) if run.dump_dir else contextlib.nullcontext()
+        with record:
+            result = _train_loop(run, preemption)
         if dist.is_initialized():
             # Every rank done with its collectives before the group is torn down: destroying it
             # while a peer still talks aborts that peer (seen with gloo).
@@ -726,6 +733,7 @@ def _finish(run: Run, result: TrainResult) -> None:
     run.profiler.close()  # a range past the last step still writes what it recorded
     run.metrics.close()
     if run.dump_dir is not None:  # what the compiler did, as `graphtrain inspect` shows it
+        write_compile_metrics(run.dump_dir)  # stage times, recompile reasons, cache hits
         write_report(run.dump_dir, run.run_dir / "inspect", inner=run.cfg.compile.backend)
     val_losses = result.val_losses
     if run.rank == 0 and len(val_losses) > 1:

@@ -50,12 +50,13 @@ def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
     # The graph dump shows the fusion pass replacing the loss in the head region. Each region
     # is compiled twice: for the no-grad validation at step 0 (-0), then for training (-1).
     graphs = run / "graphs"
-    assert sorted(p.name for p in graphs.iterdir()) == [
+    assert sorted(p.name for p in graphs.iterdir() if p.is_dir()) == [
         "block-0",
         "block-1",
         "head_loss-0",
         "head_loss-1",
     ]
+    assert (graphs / "compile_metrics.json").is_file()
     assert not (graphs / "block-0" / "backward").exists()
     assert (graphs / "block-1" / "backward" / "summary.json").exists()
     for graph in ("head_loss-0", "head_loss-1"):
@@ -73,7 +74,10 @@ def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
         assert fused["graphtrain.linear_cross_entropy.default"] == 1
         assert fused["torch.nn.functional.cross_entropy"] == -1
     # ... and the same report `graphtrain inspect` writes.
-    assert "fuse_linear_cross_entropy" in (run / "inspect" / "report.html").read_text()
+    page = (run / "inspect" / "report.html").read_text()
+    assert "fuse_linear_cross_entropy" in page
+    # The training graphs are recompiles of validation's forward-only ones, and say why.
+    assert page.count("GLOBAL_STATE changed: grad_mode") == 2
 
 
 def test_eager_and_graphtrain_losses_are_bitwise_equal(corpus, tmp_path):

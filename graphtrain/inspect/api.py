@@ -11,9 +11,19 @@ from typing import Any
 
 import torch
 
+from graphtrain.compile import apply_compile, inspection_flags
 from graphtrain.config import JobConfig, pass_options
-from graphtrain.inspect.capture import capture_function, capture_model
+from graphtrain.inspect.capture import capture_function, capture_model, run_once
 from graphtrain.inspect.html import render_html
+from graphtrain.inspect.profile import (
+    PassTime,
+    Profile,
+    attribute,
+    fusing_passes,
+    kernel_us,
+    region_ms,
+    run_steps,
+)
 from graphtrain.inspect.report import Report, load_report
 from graphtrain.inspect.terminal import render_summary
 
@@ -42,7 +52,7 @@ def inspect(
     write torch's structured trace (TORCH_TRACE, for tlparse) there. Resets Dynamo's caches.
     """
     with _dump_dir(dump_dir) as directory:
-        files = capture_function(
+        capture_function(
             module_or_fn,
             example_inputs,
             dump_dir=Path(directory),
@@ -51,7 +61,7 @@ def inspect(
             fullgraph=fullgraph,
             trace_dir=trace_dir,
         )
-        return load_report(directory, inner=inner, output_code=files)
+        return load_report(directory, inner=inner)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,6 +74,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _build(cfg: JobConfig, target: torch.device) -> torch.nn.Module:
+    from models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    if target.type != "meta":
+        model.to_empty(device=target)
+        model.init_weights(seed=cfg.training.seed)
+    return model
+
+
 def inspect_config(
     cfg: JobConfig,
     *,
@@ -71,28 +92,39 @@ def inspect_config(
     inner: str | None = None,
     dump_dir: str | Path | None = None,
     trace_dir: str | Path | None = None,
+    validation: bool = True,
+    profile_steps: int = 0,
+    compare_passes: bool = True,
 ) -> Report:
     """Build the configured model, compile its regions as training would (cfg.compile.passes,
     inner backend cfg.compile.backend unless given) and run one forward+backward on random
-    tokens of one micro-batch. device "meta": no weights are allocated and nothing is computed,
-    only traced (with inner="aot_eager", the default there), so that large presets can be
-    inspected on a laptop."""
-    from models import build_model
+    tokens of one micro-batch, then (validation) one forward in eval mode under no_grad as
+    validation does. device "meta": no weights are allocated and nothing is computed, only
+    traced (with inner="aot_eager", the default there), so that large presets can be inspected
+    on a laptop.
 
+    profile_steps > 0: then run that many forward+backward steps under torch.profiler and
+    attribute the kernel time (report.profile, graphtrain.inspect.profile); compare_passes:
+    also profile, for each pass that put a graphtrain kernel into a region, that region
+    compiled with the pass off (one more compile per such pass)."""
     target = resolve_device(device)
     # On meta nothing runs, so Inductor has nothing to compile for: trace with aot_eager unless
     # the caller insists on another backend (which is then an error).
     inner = inner or ("aot_eager" if target.type == "meta" else cfg.compile.backend)
     if target.type == "meta" and inner != "aot_eager":
         raise ValueError("device 'meta' needs backend 'aot_eager': Inductor cannot run on meta")
+    if profile_steps < 0:
+        raise ValueError(f"profile steps must be >= 0, got {profile_steps}")
+    if profile_steps and (target.type == "meta" or inner != "inductor"):
+        raise ValueError(
+            f"--profile measures Inductor's kernels: it needs --backend inductor and a real "
+            f"device, got backend {inner!r} on {target.type!r}"
+        )
     t = cfg.training
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    if target.type != "meta":
-        model.to_empty(device=target)
-        model.init_weights(seed=t.seed)
+    model = _build(cfg, target)
     tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1))
     tokens = tokens.to(target)
+    inputs = (tokens[:, :-1], tokens[:, 1:])
     # As the trainer runs it without FSDP: fp32 weights, autocast to a lower compute dtype
     # (which the passes see: the fused cross-entropy then casts h and W explicitly).
     dtype = t.dtype if t.dtype != "auto" else "bfloat16" if target.type == "cuda" else "float32"
@@ -102,16 +134,55 @@ def inspect_config(
         else contextlib.nullcontext()
     )
     with _dump_dir(dump_dir) as directory, autocast:
-        files = capture_model(
+        capture_model(
             model,
-            (tokens[:, :-1], tokens[:, 1:]),
+            inputs,
             dump_dir=Path(directory),
             passes=cfg.compile.passes,
             inner=inner,
             trace_dir=trace_dir,
             pass_options=pass_options(cfg),
+            validation=validation,
         )
-        return load_report(directory, inner=inner, output_code=files)
+        report = load_report(directory, inner=inner)
+        if profile_steps:
+            report.profile = _profile(cfg, model, inputs, report, profile_steps, compare_passes)
+        return report
+
+
+def _profile(
+    cfg: JobConfig,
+    model: torch.nn.Module,
+    inputs: tuple[torch.Tensor, torch.Tensor],
+    report: Report,
+    steps: int,
+    compare_passes: bool,
+) -> Profile:
+    """The profile of `model` (already compiled) and, per fusing pass, of its region compiled
+    again with that pass off, in a second model with the same weights."""
+    device = inputs[0].device
+    with inspection_flags():
+        prof, step_ms = run_steps(lambda: run_once(model, inputs), steps=steps, device=device)
+        result = attribute(prof, report, steps=steps, step_ms=step_ms, device=device)
+        for name, region in fusing_passes(report):
+            after = region_ms(result, region)
+            if not compare_passes:
+                result.passes.append(PassTime(name, region, after, None, "not measured"))
+                continue
+            without = _build(cfg, device)
+            without.load_state_dict(model.state_dict())
+            apply_compile(
+                without,
+                passes=[*cfg.compile.passes, f"-{name}"],
+                inner="inductor",
+                pass_options=pass_options(cfg),
+                regions={region},
+            )
+            prof, _ = run_steps(lambda m=without: run_once(m, inputs), steps=steps, device=device)
+            before = kernel_us(prof, device)[0] / 1e3 / steps
+            note = f"region {region!r} compiled again with '-{name}', same inputs and steps"
+            result.passes.append(PassTime(name, region, after, before, note))
+    return result
 
 
 def write_report(

@@ -1,16 +1,21 @@
-"""Running a compile for inspection: graph dumps, Inductor's output files, a TORCH_TRACE log.
+"""Running a compile for inspection: graph dumps, Inductor's output code, a TORCH_TRACE log.
 
 Nothing is trained: the compiled function runs forward once and, when its output needs a
-gradient, backward once (AOT autograd compiles the backward graph at the first backward).
+gradient, backward once (AOT autograd compiles the backward graph at the first backward); a
+model then also runs one forward under no_grad in eval mode, as validation does, so that the
+graphs the trainer compiles for validation (and the recompile that causes) are in the report.
 Graph breaks need no hook here: the backend's dumps record why Dynamo ended every graph
-(graphtrain.passes.dump.compile_reason). Inductor's generated files are matched to the graph
-stage whose post-grad dump was written last before Inductor announced the file: both run in
-one thread, one graph at a time.
+(graphtrain.passes.dump.compile_reason). Inductor's generated modules are copied into the dump
+of the graph stage whose post-grad dump was written last before Inductor announced the file
+(both run in one thread, one graph at a time), with the provenance Inductor tracked for each
+kernel, so that the report holds the code wherever it is opened. At the end torch's compile
+metrics (stage times, recompile reasons, cache hits) are written to the dump root.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -21,11 +26,27 @@ import torch
 import torch._dynamo
 import torch._logging.structured
 
-from graphtrain.compile import apply_compile, backend
+from graphtrain.compile import apply_compile, backend, inspection_flags
+from graphtrain.passes.dump import start_compile_metrics, write_compile_metrics
 
 # Inductor logs every module it writes on this logger at DEBUG: "Output code written to: PATH".
 _INDUCTOR_GRAPH_LOGGER = "torch._inductor.graph"
 _OUTPUT_CODE_PREFIX = "Output code written to: "
+
+
+def _kernel_provenance() -> dict[str, dict[str, list[str]]]:
+    """What Inductor's provenance tracking (inspection_flags) recorded for the graph it has just
+    generated: {"<kernel>:<handle>": {"nodes": [post-grad FX nodes], "stack_traces": [...]}}.
+    Private module state of torch._inductor.debug (torch 2.8+), reset per graph; where it is
+    missing the report shows the code without attribution."""
+    import torch._inductor.debug as inductor_debug
+
+    traces = getattr(inductor_debug, "_inductor_kernel_stack_trace", None) or {}
+    nodes = getattr(inductor_debug, "_inductor_triton_kernel_to_post_grad_node_info", None) or {}
+    return {
+        kernel: {"nodes": list(nodes.get(kernel, [])), "stack_traces": list(traces.get(kernel, []))}
+        for kernel in {**traces, **nodes}
+    }
 
 
 class _OutputCodeRecorder(logging.Handler):
@@ -36,7 +57,7 @@ class _OutputCodeRecorder(logging.Handler):
         self.dump_dir = dump_dir
         self.logger = logger
         self.shown_level = logger.getEffectiveLevel()
-        self.files: dict[str, list[str]] = {}
+        self.seen: set[str] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= self.shown_level and self.logger.parent is not None:
@@ -49,14 +70,22 @@ class _OutputCodeRecorder(logging.Handler):
         ]
         if not summaries:
             return
-        latest = max(summaries, key=lambda p: p.stat().st_mtime_ns).parent
-        key = f"{latest.parent.name}/{latest.name}"
-        self.files.setdefault(key, []).append(message[len(_OUTPUT_CODE_PREFIX) :])
+        path = message[len(_OUTPUT_CODE_PREFIX) :].strip()
+        if path in self.seen:  # announced at two levels by some torch versions
+            return
+        self.seen.add(path)
+        stage_dir = max(summaries, key=lambda p: p.stat().st_mtime_ns).parent
+        k = len(list(stage_dir.glob("output_code_*.py")))
+        code = Path(path).read_text() if Path(path).is_file() else ""
+        (stage_dir / f"output_code_{k}.py").write_text(code)
+        info = {"path": path, "kernels": _kernel_provenance()}
+        (stage_dir / f"output_code_{k}.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
 @contextlib.contextmanager
-def record_output_code(dump_dir: Path) -> Iterator[dict[str, list[str]]]:
-    """Yields {"<graph>/forward": [files Inductor wrote], ...}, filled while the block runs."""
+def record_output_code(dump_dir: Path) -> Iterator[None]:
+    """Copies each module Inductor writes while the block runs into its graph stage's dump
+    (output_code_<k>.py, and output_code_<k>.json: its original path and kernel provenance)."""
     logger = logging.getLogger(_INDUCTOR_GRAPH_LOGGER)
     recorder = _OutputCodeRecorder(dump_dir, logger)
     level, propagate = logger.level, logger.propagate
@@ -66,7 +95,7 @@ def record_output_code(dump_dir: Path) -> Iterator[dict[str, list[str]]]:
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
     try:
-        yield recorder.files
+        yield
     finally:
         logger.removeHandler(recorder)
         logger.setLevel(level)
@@ -118,6 +147,26 @@ def run_once(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> None:
         target.backward()
 
 
+def run_validation(model: torch.nn.Module, example_inputs: Sequence[Any]) -> None:
+    """One forward as the trainer's validation runs it: eval mode, under no_grad."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(*example_inputs)
+    finally:
+        model.train()
+
+
+@contextlib.contextmanager
+def _recording(dump_dir: Path, trace_dir: str | Path | None) -> Iterator[None]:
+    """Everything a capture records: the trace, Inductor's output code and provenance, and at
+    the end torch's compile metrics and the cache counters of this capture."""
+    since = start_compile_metrics()
+    with inspection_flags(), structured_trace(trace_dir), record_output_code(dump_dir):
+        yield
+    write_compile_metrics(dump_dir, since)
+
+
 def capture_function(
     fn: Callable[..., Any],
     example_inputs: Sequence[Any],
@@ -127,15 +176,14 @@ def capture_function(
     inner: str = "aot_eager",
     fullgraph: bool = False,
     trace_dir: str | Path | None = None,
-) -> dict[str, list[str]]:
+) -> None:
     """Compile `fn` (a function or module) with the graphtrain backend, region named after it,
-    run it once; returns Inductor's output files per graph stage. Resets Dynamo first."""
+    and run it once. Resets Dynamo first."""
     region = getattr(fn, "__name__", None) or type(fn).__name__
     be = backend(passes=passes, inner=inner, dump_dir=dump_dir, region=region)
     torch._dynamo.reset()
-    with structured_trace(trace_dir), record_output_code(dump_dir) as files:
+    with _recording(dump_dir, trace_dir):
         run_once(torch.compile(fn, backend=be, fullgraph=fullgraph), example_inputs)
-    return files
 
 
 def capture_model(
@@ -147,11 +195,14 @@ def capture_model(
     inner: str = "aot_eager",
     trace_dir: str | Path | None = None,
     pass_options: dict[str, Any] | None = None,
-) -> dict[str, list[str]]:
+    validation: bool = True,
+) -> None:
     """Compile a GPT's regions as the trainer does (graphtrain.compile.apply_compile: one per
-    block, one for head+loss) and run forward+backward once on `example_inputs`."""
+    block, one for head+loss), run forward+backward once on `example_inputs` and, with
+    `validation`, one forward as validation does (run_validation)."""
     torch._dynamo.reset()
     apply_compile(model, passes=passes, inner=inner, dump_dir=dump_dir, pass_options=pass_options)
-    with structured_trace(trace_dir), record_output_code(dump_dir) as files:
+    with _recording(dump_dir, trace_dir):
         run_once(model, example_inputs)
-    return files
+        if validation:
+            run_validation(model, example_inputs)

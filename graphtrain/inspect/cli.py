@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from graphtrain.inspect.api import inspect_config, write_report
@@ -10,18 +11,24 @@ from graphtrain.inspect.terminal import render_summary, use_color
 
 USAGE = """usage: graphtrain inspect [CONFIG.toml | RUN_DIR] [--preset NAME] [--out DIR]
                           [--backend aot_eager|inductor] [--device auto|cpu|cuda|meta]
-                          [--trace DIR] [--section.key=value ...]
+                          [--trace DIR] [--profile [STEPS]] [--section.key=value ...]
 
 Compiles the configured model's regions through the graphtrain backend without training (one
-forward and backward on random tokens) and reports every compiled graph, each pass's result
-and notes, the graphtrain custom ops inserted, graph breaks and Inductor's output files.
+forward and backward on random tokens, then one validation forward under no_grad) and reports
+every compiled graph, each pass's result and notes, the graphtrain custom ops inserted, graph
+breaks, recompiles and why, compile time per stage, cache hits, and Inductor's generated code.
 Writes DIR/report.html (one self-contained page), report.json, summary.txt and the raw graph
-dumps in DIR/graphs (default DIR: RUN_DIR/inspect, or inspect-<preset>).
-  --device meta   trace only, no weights allocated (large presets on a laptop; aot_eager)
-  --trace DIR     also write torch's structured trace there (TORCH_TRACE format, for tlparse)
+dumps in DIR/graphs. DIR: --out, else RUN_DIR/inspect (given a run directory, or a config.toml
+inside one), else training.run_dir/inspect when set, else runs/inspect-<preset>-<date>-<time>.
+  --device meta     trace only, no weights allocated (large presets on a laptop; aot_eager)
+  --trace DIR       also write torch's structured trace there (TORCH_TRACE format, for tlparse)
+  --profile [N]     then run N (default 5) steps under torch.profiler and attribute the kernel
+                    time to regions, FX nodes and source lines, and time each fusing pass's
+                    region with the pass off (Inductor, a real device)
 """
 
-_OPTIONS = ("out", "backend", "device", "trace")
+_OPTIONS = ("out", "backend", "device", "trace", "profile")
+DEFAULT_PROFILE_STEPS = 5
 
 
 def _split(args: list[str]) -> tuple[str | None, dict[str, str], list[str]]:
@@ -35,7 +42,13 @@ def _split(args: list[str]) -> tuple[str | None, dict[str, str], list[str]]:
     while i < len(args):
         key, has_value, value = args[i][2:].partition("=")
         if args[i].startswith("--") and key in _OPTIONS:
-            if not has_value:
+            if not has_value and key == "profile":
+                following = args[i + 1] if i + 1 < len(args) else ""
+                if following.isdigit():
+                    value, i = following, i + 1
+                else:
+                    value = str(DEFAULT_PROFILE_STEPS)
+            elif not has_value:
                 if i + 1 >= len(args):
                     raise ValueError(f"--{key} needs a value")
                 value, i = args[i + 1], i + 1
@@ -44,6 +57,14 @@ def _split(args: list[str]) -> tuple[str | None, dict[str, str], list[str]]:
             rest.append(args[i])
         i += 1
     return source, own, rest
+
+
+def default_out_dir(run_dir: str, preset: str) -> Path:
+    """Where the report goes without --out: inside the configured run directory, else a new
+    folder beside the training runs (never the current directory itself)."""
+    if run_dir:
+        return Path(run_dir) / "inspect"
+    return Path("runs") / f"inspect-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def main(args: list[str]) -> int:
@@ -63,21 +84,29 @@ def main(args: list[str]) -> int:
             default_out = path / "inspect"
         elif path.is_file():
             config_file = path
+            if (path.parent / "run_info.json").is_file():  # the config.toml of a run
+                default_out = path.parent / "inspect"
         else:
             raise ValueError(f"{source!r} is neither a TOML config file nor a run directory")
     elif not any(a.startswith("--preset") for a in rest):
         raise ValueError("give a config file, a run directory, or --preset NAME")
     cfg = load_config(rest, file=config_file)
-    out = Path(own.get("out") or default_out or f"inspect-{cfg.preset}")
+    out = Path(own.get("out") or default_out or default_out_dir(cfg.training.run_dir, cfg.preset))
     backend = own.get("backend")
     if backend is not None and backend not in ("aot_eager", "inductor"):
         raise ValueError(f"--backend must be aot_eager or inductor, got {backend!r}")
+    steps = own.get("profile", "0")
+    if not steps.isdigit() or ("profile" in own and int(steps) < 1):
+        raise ValueError(f"--profile takes a number of steps >= 1, got {steps!r}")
+    if "profile" in own and backend is None:
+        backend = "inductor"  # the profile attributes Inductor's kernels
     report = inspect_config(
         cfg,
         device=own.get("device", "auto"),
         inner=backend,
         dump_dir=out / "graphs",
         trace_dir=own.get("trace"),
+        profile_steps=int(steps),
     )
     page = write_report(report, out)
     sys.stdout.write(render_summary(report, color=use_color()))

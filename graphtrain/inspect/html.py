@@ -1,41 +1,64 @@
 """The Report as one self-contained HTML page: inline CSS and JS, no network resource.
 
-Sections: summary, passes (result per graph, notes, op-count diff), graphtrain custom ops,
-graph breaks, then every compiled graph with each step's side-by-side diff and full graph text.
+Sections: summary, the profile (with `--profile`: where the step goes by source line, per
+graph, per kernel, each fusing pass before/after), passes (result per graph, notes, op-count
+diff), graphtrain custom ops, graph breaks, recompiles, compile time per stage, caches, then
+every compiled graph with each step's diff, its full graph text and Inductor's generated code.
+Built for a laptop screen: one-column diffs and code in panes that scroll (or wrap, with the
+header's switch) inside the page width; long things are collapsed until opened.
 The search box keeps the lines (and the graphs and steps) that contain the text typed.
 """
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from html import escape
 
-from graphtrain.inspect.report import Report, Step
+from graphtrain.inspect.report import CompiledGraph, GeneratedCode, Report, Step
+
+# Generated modules longer than this are cut in the page (the dump keeps them whole).
+MAX_CODE_CHARS = 150_000
+# Kernel rows shown open in the profile; the rest sit in a collapsed table.
+TOP_KERNELS = 25
+# Source lines with a smaller share of the kernel time sit in a collapsed table.
+MINOR_SHARE = 0.01
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:0;color:#1b1f24;background:#fafbfc}
-header{position:sticky;top:0;background:#24292f;color:#fff;padding:8px 16px;display:flex;
- gap:16px;align-items:center;z-index:1}
-header h1{font-size:18px;margin:0}
-#search{flex:1;max-width:480px;padding:4px 8px;font-size:14px}
-main{padding:8px 16px}
-h2{font-size:16px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
-table{border-collapse:collapse;font-size:13px;margin:4px 0}
-td,th{border:1px solid #d0d7de;padding:2px 6px;vertical-align:top;text-align:left}
-th{background:#f0f3f6}
+header{position:sticky;top:0;background:#24292f;color:#fff;padding:6px 12px;display:flex;
+ flex-wrap:wrap;gap:6px 14px;align-items:center;z-index:1;font-size:13px}
+header h1{font-size:17px;margin:0}
+header a{color:#c9d1d9;text-decoration:none}header a:hover{text-decoration:underline}
+#search{flex:1;min-width:160px;max-width:360px;padding:3px 6px;font-size:13px}
+main{padding:4px 12px;max-width:100%;box-sizing:border-box}
+h2{font-size:16px;border-bottom:1px solid #d0d7de;padding-bottom:3px;margin:16px 0 6px}
+table{border-collapse:collapse;font-size:13px;margin:4px 0;max-width:100%}
+td,th{border:1px solid #d0d7de;padding:2px 6px;vertical-align:top;text-align:left;
+ overflow-wrap:break-word}
+th{background:#f0f3f6}td.num{text-align:right;font-variant-numeric:tabular-nums;
+ white-space:nowrap}
 .ok{color:#1a7f37;font-weight:600}.no{color:#9a6700;font-weight:600}.off{color:#6e7781}
+.ok,.no,.off{white-space:nowrap}
 .brk{color:#cf222e}
-details{margin:4px 0 4px 12px}summary{cursor:pointer}
+details{margin:3px 0 3px 10px}summary{cursor:pointer}
 .graph>summary{font-weight:600;font-size:15px}
-pre,.diff td{font-family:ui-monospace,monospace;font-size:12px;white-space:pre}
-pre{background:#fff;border:1px solid #d0d7de;padding:4px;overflow:auto;max-height:480px}
-.diff{width:100%;table-layout:fixed}
-.diff td{width:50%;white-space:pre-wrap;word-break:break-all;border:none;padding:0 4px}
+pre{font-family:ui-monospace,monospace;font-size:12px;white-space:pre;background:#fff;
+ border:1px solid #d0d7de;padding:4px;margin:4px 0;overflow:auto;max-height:70vh;
+ max-width:100%;box-sizing:border-box}
+body.wrap pre{white-space:pre-wrap;overflow-wrap:anywhere}body.wrap pre .line{width:auto}
 .del{background:#ffebe9}.add{background:#dafbe1}.hunk{color:#6e7781;background:#f6f8fa}
-.line{display:block}.hit{background:#fff8c5}.hidden{display:none}
-.note{font-size:13px;margin:2px 0}
+.line{display:block;min-height:1em}pre .line{width:max-content;min-width:100%}.hit{background:#fff8c5}.hidden{display:none}
+.note{font-size:13px;margin:2px 0}.muted{color:#57606a;font-size:13px}
+.bar{display:inline-block;height:9px;background:#0969da;vertical-align:middle;margin-right:4px}
+code{overflow-wrap:anywhere}
+td.src{white-space:nowrap}td.code{font-family:ui-monospace,monospace;font-size:12px;
+ min-width:280px}td.small{font-size:11px;color:#57606a;max-width:420px}
 """
 
 _JS = """
+const wrap = document.getElementById('wrap');
+wrap.addEventListener('change', () => document.body.classList.toggle('wrap', wrap.checked));
 const box = document.getElementById('search');
 box.addEventListener('input', () => {
   const q = box.value.toLowerCase();
@@ -57,39 +80,15 @@ def _lines(text: str) -> str:
     return "".join(f'<span class="line">{escape(line)}</span>' for line in text.splitlines())
 
 
-def _side_by_side(diff: str) -> str:
-    """A unified diff as two columns: removed lines left, added lines right, context both."""
-    rows, left, right = [], [], []
-
-    def flush() -> None:
-        for i in range(max(len(left), len(right))):
-            a = left[i] if i < len(left) else ""
-            b = right[i] if i < len(right) else ""
-            rows.append(
-                f'<tr class="line"><td class="{"del" if a else ""}">{escape(a)}</td>'
-                f'<td class="{"add" if b else ""}">{escape(b)}</td></tr>'
-            )
-        left.clear()
-        right.clear()
-
+def _diff(diff: str) -> str:
+    """A unified diff in one column (fits a laptop screen): removed lines red, added green."""
+    rows = []
     for line in diff.splitlines():
         if line.startswith(("---", "+++")):
             continue
-        if line.startswith("@@"):
-            flush()
-            rows.append(f'<tr class="line hunk"><td colspan="2">{escape(line)}</td></tr>')
-        elif line.startswith("-"):
-            left.append(line[1:])
-        elif line.startswith("+"):
-            right.append(line[1:])
-        else:
-            flush()
-            rows.append(
-                f'<tr class="line"><td>{escape(line[1:])}</td><td>{escape(line[1:])}</td></tr>'
-            )
-    flush()
-    cols = '<colgroup><col style="width:50%"><col style="width:50%"></colgroup>'
-    return f'<table class="diff">{cols}{"".join(rows)}</table>'
+        kind = {"@": "hunk", "-": "del", "+": "add"}.get(line[:1], "")
+        rows.append(f'<span class="line {kind}">{escape(line)}</span>')
+    return f'<pre class="diff">{"".join(rows)}</pre>'
 
 
 def _step(step: Step, index: int) -> str:
@@ -100,10 +99,12 @@ def _step(step: Step, index: int) -> str:
         parts.append(
             " &mdash; " + escape(", ".join(f"{n:+d} {op}" for op, n in step.op_diff.items()))
         )
+    if step.seconds is not None:
+        parts.append(f' <span class="muted">({step.seconds * 1e3:.1f} ms)</span>')
     parts.append("</summary>")
     parts += [f'<div class="note">{escape(n)}</div>' for n in step.notes]
     if step.diff.strip():
-        parts.append(_side_by_side(step.diff))
+        parts.append(_diff(step.diff))
     parts.append(
         f'<details class="searchable"><summary>graph</summary><pre>{_lines(step.text)}</pre>'
         "</details></details>"
@@ -111,24 +112,280 @@ def _step(step: Step, index: int) -> str:
     return "".join(parts)
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
+def _table(
+    headers: list[str], rows: list[list[str]], cells: tuple[int, ...] | dict[int, str] = ()
+) -> str:
+    """A table of already escaped cells; `cells`: the numeric columns, or {column: class}."""
+    classes = cells if isinstance(cells, dict) else dict.fromkeys(cells, "num")
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td class="{classes[k]}">{c}</td>' if k in classes else f"<td>{c}</td>"
+            for k, c in enumerate(row)
+        )
+        + "</tr>"
+        for row in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _short(source: str) -> str:
+    """A source location without the folders above the current directory (or all but the
+    last two), the full one being the cell's title."""
+    path, sep, rest = source.partition(":")
+    if not sep:
+        return source
+    cwd = os.getcwd() + os.sep
+    short = path[len(cwd) :] if path.startswith(cwd) else os.sep.join(path.split(os.sep)[-2:])
+    return f"{short}:{rest}"
+
+
+def _kernel_list(kernels: list[str], shown: int = 4) -> str:
+    counts = Counter(kernels)
+    names = [f"{k} x{n}" if n > 1 else k for k, n in counts.items()]
+    return ", ".join(names[:shown]) + (
+        f" ... ({len(names) - shown} more)" if len(names) > shown else ""
+    )
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f}"
+
+
+def _ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.3f}"
+
+
+_SECTIONS = (
+    ("profile", "Profile"),
+    ("passes", "Passes"),
+    ("custom-ops", "Custom ops"),
+    ("breaks", "Graph breaks"),
+    ("recompiles", "Recompiles"),
+    ("compile-time", "Compile time"),
+    ("caches", "Caches"),
+    ("graphs", "Graphs"),
+)
+
+
+def _header(report: Report) -> str:
+    links = " ".join(
+        f'<a href="#{key}">{title}</a>'
+        for key, title in _SECTIONS
+        if key != "profile" or report.profile is not None
+    )
+    return (
+        '<header><h1>graphtrain inspect</h1><input id="search" type="search" '
+        f'placeholder="search nodes, ops, lines..."><nav>{links}</nav>'
+        '<label><input id="wrap" type="checkbox"> wrap long lines</label></header>'
+    )
+
+
+def _profile(report: Report) -> list[str]:
+    prof = report.profile
+    share = prof.attributed_ms / prof.kernel_ms if prof.kernel_ms else 0.0
+    out = [
+        '<h2 id="profile">Profile: where the step goes</h2>',
+        f"<p>{prof.steps} forward+backward step(s) on {escape(prof.device)}: "
+        f"{prof.step_ms:.2f} ms per step (wall); {prof.region_ms:.2f} ms inside compiled "
+        f"regions' calls, of which {prof.kernel_ms:.2f} ms measured kernel time; "
+        f"{share:.0%} of that attributed to generated kernels and extern calls.</p>",
+    ]
+    out += [f'<p class="note brk">{escape(n)}</p>' for n in prof.notes]
+    out.append("<h3>By source line</h3>")
+
+    def line_rows(lines: list) -> list[list[str]]:
+        return [
+            [
+                f'<span class="bar" style="width:{max(1, round(line.share * 120))}px"></span>'
+                f"{line.share:.1%}",
+                _ms(line.ms),
+                f'<span title="{escape(line.source)}">{escape(_short(line.source))}</span>',
+                escape(line.code),
+                escape(_kernel_list(line.kernels)),
+            ]
+            for line in lines
+        ]
+
+    cells = {0: "src", 1: "num", 2: "src", 3: "code", 4: "small"}
+    headers = ["share", "ms/step", "source", "code", "kernels"]
+    major = [line for line in prof.lines if line.share >= MINOR_SHARE]
+    minor = [line for line in prof.lines if line.share < MINOR_SHARE]
+    out.append(_table(headers, line_rows(major), cells))
+    if minor:
+        out.append(
+            f"<details><summary>{len(minor)} more line(s), each under {MINOR_SHARE:.0%}</summary>"
+            + _table(headers, line_rows(minor), cells)
+            + "</details>"
+        )
+    out.append("<h3>By graph</h3>")
+    rows = [[escape(g), _ms(ms)] for g, ms in prof.graphs.items()]
+    out.append(_table(["graph", "kernel ms/step"], rows, cells=(1,)))
+    if prof.passes:
+        out.append("<h3>Fusing passes: the region's kernel time with and without the pass</h3>")
+        rows = [
+            [
+                escape(t.name),
+                escape(t.region),
+                _ms(t.before_ms),
+                _ms(t.after_ms),
+                f"{t.before_ms / t.after_ms:.2f}x" if t.before_ms and t.after_ms else "-",
+                escape(t.note),
+            ]
+            for t in prof.passes
+        ]
+        headers = ["pass", "region", "before ms/step", "after ms/step", "speed-up", "what"]
+        out.append(_table(headers, rows, cells=(2, 3, 4)))
+    out.append("<h3>By kernel</h3>")
+
+    def kernel_rows(kernels: list) -> list[list[str]]:
+        return [
+            [
+                escape(k.graph),
+                f"<code>{escape(k.kernel)}</code>",
+                _ms(k.ms),
+                str(k.calls),
+                escape(", ".join(k.nodes)),
+                escape("; ".join(_short(source) for source in k.sources)),
+            ]
+            for k in kernels
+        ]
+
+    headers = ["graph", "kernel", "ms/step", "calls", "FX nodes", "source lines"]
+    cells = {2: "num", 3: "num", 4: "small"}
+    out.append(_table(headers, kernel_rows(prof.kernels[:TOP_KERNELS]), cells))
+    if len(prof.kernels) > TOP_KERNELS:
+        rest = prof.kernels[TOP_KERNELS:]
+        out.append(
+            f"<details><summary>{len(rest)} more kernel(s)</summary>"
+            + _table(headers, kernel_rows(rest), cells)
+            + "</details>"
+        )
+    return out
+
+
+def _compile_sections(report: Report) -> list[str]:
+    out = ['<h2 id="recompiles">Recompiles</h2>']
+    rows = [[escape(r.graph), escape(r.compile_id), escape(r.reason)] for r in report.recompiles]
+    out.append(
+        _table(["graph", "compile id", "why (torch's guard failure)"], rows)
+        if rows
+        else "<p>none</p>"
+    )
+    out.append('<h2 id="compile-time">Compile time per stage (seconds)</h2>')
+    rows = []
+    for g in report.graphs:
+        t = g.times
+        grad = {True: "train", False: "no_grad", None: "?"}[g.grad_enabled]
+        if t is None:
+            rows.append([escape(g.name), escape(g.compile_id or "?"), grad] + ["-"] * 6)
+            continue
+        rows.append(
+            [
+                escape(g.name),
+                escape(g.compile_id or "?"),
+                grad,
+                _s(t.dynamo),
+                _s(t.graphtrain_passes),
+                _s(t.aot_autograd),
+                _s(t.inductor),
+                _s(t.inductor_codegen),
+                _s(t.total),
+            ]
+        )
+    headers = [
+        "graph",
+        "compile id",
+        "mode",
+        "Dynamo",
+        "graphtrain passes",
+        "AOT autograd",
+        "Inductor",
+        "of which codegen",
+        "total",
+    ]
+    out.append(_table(headers, rows, cells=(3, 4, 5, 6, 7, 8)))
+    out.append(
+        "<p class=\"muted\">As torch's compile metrics report them: Dynamo = the frame's compile "
+        "minus the backend; AOT autograd without the Inductor time inside it; the backward's "
+        "compile (at the first backward) counted in AOT autograd and Inductor. Each pass's own "
+        "time is beside it in the graphs below.</p>"
+    )
+    out.append('<h2 id="caches">Caches</h2>')
+    rows = [[escape(k), str(v)] for k, v in report.cache_counters.items()]
+    rows += [
+        [escape(f"{g.name}: {k.removesuffix('_count')}"), str(v)]
+        for g in report.graphs
+        for k, v in g.cache.items()
+        if v
+    ]
+    out.append(_table(["counter", "count"], rows, cells=(1,)) if rows else "<p>none</p>")
+    out.append(
+        '<p class="muted">While graphs are dumped, the post-grad hook gives Inductor no cache '
+        "key (graphtrain.compile), so the FX graph cache is bypassed and every graph is "
+        "compiled and dumped; a training run without dumps hits it.</p>"
+    )
+    return out
+
+
+def _generated_code(code: GeneratedCode, index: int) -> str:
+    text = code.code
+    cut = ""
+    if len(text) > MAX_CODE_CHARS:
+        cut = (
+            f'<p class="muted">cut after {MAX_CODE_CHARS} of {len(text)} characters: the dump '
+            f"(graphs/&lt;graph&gt;/{escape(code.stage)}/output_code_{index}.py) has it all</p>"
+        )
+        text = text[:MAX_CODE_CHARS]
+    kernels = len({k.rpartition(":")[0] for k in code.kernels})
+    tracked = f"{kernels} kernel(s) tracked" if kernels else "no kernel provenance recorded"
+    return (
+        f'<details class="searchable"><summary>{escape(code.stage)}: Inductor\'s generated '
+        f"module ({len(code.code.splitlines())} lines, {tracked}) "
+        f'<span class="muted">{escape(code.path)}</span></summary>{cut}'
+        f"<pre>{_lines(text)}</pre></details>"
+    )
+
+
+def _graph(report: Report, g: CompiledGraph) -> list[str]:
+    out = [
+        f'<details class="graph searchable" id="{escape(g.name)}" open><summary>{escape(g.name)}'
+        f" (region {escape(g.region)})</summary>"
+    ]
+    if g.grad_enabled is False:
+        out.append('<p class="note">compiled under no_grad: forward only, no backward graph</p>')
+    counts: dict[str, int] = {}
+    for code in g.output_code:
+        out.append(_generated_code(code, counts.get(code.stage, 0)))
+        counts[code.stage] = counts.get(code.stage, 0) + 1
+    if not g.output_code and report.inner == "aot_eager":
+        out.append(
+            '<p class="note">No generated code: aot_eager runs the aten graphs as they are.</p>'
+        )
+    for stage in g.stages:
+        out.append(f'<details class="searchable" open><summary>{escape(stage.stage)}</summary>')
+        out += [_step(step, i) for i, step in enumerate(stage.steps)]
+        out.append("</details>")
+    out.append("</details>")
+    return out
 
 
 def render_html(report: Report) -> str:
     out = [
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
         "<title>graphtrain inspect</title>",
         f"<style>{_CSS}</style></head><body>",
-        '<header><h1>graphtrain inspect</h1><input id="search" type="search" '
-        'placeholder="search nodes, ops, lines..."></header><main>',
+        _header(report),
+        "<main>",
         f"<p>{len(report.graphs)} compiled graph(s) in regions "
         f"<b>{escape(', '.join(report.regions) or '-')}</b>; inner backend "
         f"{escape(report.inner or 'unknown')}; dumps in <code>{escape(report.dump_dir)}</code></p>",
-        "<h2>Passes</h2>",
     ]
+    if report.profile is not None:
+        out += _profile(report)
+    out.append('<h2 id="passes">Passes</h2>')
     rows = []
     for p in report.passes:
         if not p.enabled:
@@ -146,7 +403,7 @@ def render_html(report: Report) -> str:
                 [escape(p.name), escape(r.graph), escape(diff), status, escape("; ".join(r.notes))]
             )
     out.append(_table(["pass", "graph", "op diff", "result", "notes"], rows))
-    out.append("<h2>graphtrain custom ops</h2>")
+    out.append('<h2 id="custom-ops">graphtrain custom ops</h2>')
     rows = [
         [
             escape(s.op),
@@ -160,30 +417,15 @@ def render_html(report: Report) -> str:
     out.append(
         _table(["op", "graph", "module", "source", "options"], rows) if rows else "<p>none</p>"
     )
-    out.append("<h2>Graph breaks</h2>")
+    out.append('<h2 id="breaks">Graph breaks</h2>')
     rows = [
         [escape(b.graph), escape(b.source or "?"), f'<span class="brk">{escape(b.reason)}</span>']
         for b in report.graph_breaks
     ]
     out.append(_table(["graph", "source", "reason"], rows) if rows else "<p>none</p>")
-    out.append("<h2>Compiled graphs</h2>")
+    out += _compile_sections(report)
+    out.append('<h2 id="graphs">Compiled graphs</h2>')
     for g in report.graphs:
-        out.append(
-            f'<details class="graph searchable" id="{escape(g.name)}" open><summary>{escape(g.name)}'
-            f" (region {escape(g.region)})</summary>"
-        )
-        if g.output_code:
-            out.append(
-                "<p>Inductor output code: "
-                + ", ".join(f"<code>{escape(f)}</code>" for f in g.output_code)
-                + "</p>"
-            )
-        elif report.inner == "aot_eager":
-            out.append("<p>No generated code: aot_eager runs the aten graphs as they are.</p>")
-        for stage in g.stages:
-            out.append(f'<details class="searchable" open><summary>{escape(stage.stage)}</summary>')
-            out += [_step(step, i) for i, step in enumerate(stage.steps)]
-            out.append("</details>")
-        out.append("</details>")
+        out += _graph(report, g)
     out.append(f"</main><script>{_JS}</script></body></html>")
     return "\n".join(out) + "\n"

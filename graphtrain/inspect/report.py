@@ -5,8 +5,10 @@ A dump directory (graphtrain.passes.dump) holds one folder per graph the backend
 `load_report(dump_dir)` turns it into a Report: the compiled graphs of every region, each pass's
 result on each graph (matched or not, its notes, op-count diff, graph before and after), the
 graphtrain custom ops in the final graphs with their module path, source line and options, and
-the graph breaks with their reasons and source lines. A registered pass that appears in no dump
-was switched off (compile.passes) and is reported as such.
+the graph breaks with their reasons and source lines, Inductor's generated code with each
+kernel's provenance, the compile time of every stage, the recompiles with torch's reason, and
+the caches' hits and misses (torch's compile metrics, compile_metrics.json in the dump). A
+registered pass that appears in no dump was switched off (compile.passes) and is reported as such.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Step:
     op_diff: dict[str, int] = field(default_factory=dict)
     diff: str = ""  # unified diff against the step before ("" for the first, or no change)
     custom_ops: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float | None = None  # how long the pass took (None for the captured graph)
 
 
 @dataclass
@@ -45,6 +48,34 @@ class GraphStages:
 
 
 @dataclass
+class GeneratedCode:
+    """One module Inductor generated for a graph stage, and what each of its kernels computes."""
+
+    stage: str  # "forward" or "backward"
+    path: str  # where Inductor wrote it (a cache directory of the machine that compiled)
+    code: str
+    # "<kernel>:<handle>" -> {"nodes": [post-grad FX nodes], "stack_traces": [...]}, from
+    # Inductor's provenance tracking; {} where this torch does not track it
+    kernels: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # FX node -> [source line, code] of the graph Inductor lowered (the dump's sources.json)
+    node_sources: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class CompileTimes:
+    """Seconds per compile stage of one graph, as torch's compile metrics report them (None:
+    not reported); the backward graph's AOT and Inductor time (compiled at the first backward)
+    included."""
+
+    dynamo: float | None  # tracing the frame, guards, bytecode (whole frame minus backend)
+    graphtrain_passes: float  # our pre-grad and post-grad passes, measured by the backend
+    aot_autograd: float | None  # AOT autograd without the Inductor time inside it
+    inductor: float | None  # lowering, code generation, C++/Triton compile
+    inductor_codegen: float | None  # of which code generation
+    total: float | None  # the frame compile plus the backward compile
+
+
+@dataclass
 class CompiledGraph:
     """One graph the backend compiled (a region, or one piece of it after a graph break)."""
 
@@ -52,7 +83,12 @@ class CompiledGraph:
     region: str
     stages: list[GraphStages]
     compile_reason: dict[str, Any] | None = None
-    output_code: list[str] = field(default_factory=list)  # Inductor's generated files
+    output_code: list[GeneratedCode] = field(default_factory=list)
+    compile_id: str | None = None  # Dynamo's, "frame/compile": "0/1" is frame 0's recompile
+    grad_enabled: bool | None = None  # False: compiled under no_grad (forward only)
+    recompile_reason: str | None = None  # torch's: the guard that failed
+    times: CompileTimes | None = None
+    cache: dict[str, int] = field(default_factory=dict)  # local cache hits/misses (metrics)
 
     def stage(self, name: str) -> GraphStages | None:
         return next((s for s in self.stages if s.stage == name), None)
@@ -101,6 +137,15 @@ class GraphBreak:
 
 
 @dataclass
+class Recompile:
+    """A graph Dynamo compiled again for a frame it had compiled before, and why."""
+
+    graph: str
+    compile_id: str
+    reason: str  # torch's guard failure, with our reading of it where we know one
+
+
+@dataclass
 class Report:
     dump_dir: str
     inner: str | None  # "inductor", "aot_eager", or None when unknown (a trainer dump)
@@ -109,6 +154,10 @@ class Report:
     pass_results: list[PassResult]
     custom_op_sites: list[CustomOpSite]
     graph_breaks: list[GraphBreak]
+    recompiles: list[Recompile] = field(default_factory=list)
+    # process-wide cache counter differences ("inductor.fxgraph_cache_hit": n, ...)
+    cache_counters: dict[str, int] = field(default_factory=dict)
+    profile: Any = None  # a graphtrain.inspect.profile.Profile, with `inspect --profile`
 
     @property
     def regions(self) -> list[str]:
@@ -148,6 +197,7 @@ def _read_steps(directory: Path) -> list[Step]:
                 op_diff=entry.get("op_diff", {}),
                 diff=(directory / diff_file).read_text() if diff_file else "",
                 custom_ops=entry.get("custom_ops", []),
+                seconds=entry.get("seconds"),
             )
         )
     return steps
@@ -190,19 +240,95 @@ def _why_off(spec: PassSpec, ran: set[str], graphs: list[CompiledGraph]) -> str:
     return f"off by default: add '+{spec.name}' to compile.passes to run it"
 
 
-def load_report(
-    dump_dir: str | Path,
-    *,
-    inner: str | None = None,
-    output_code: dict[str, list[str]] | None = None,
-) -> Report:
-    """Build a Report from the graph dumps under `dump_dir`; `output_code` maps a graph stage
-    ("head_loss-0/forward") to the files Inductor wrote for it."""
+def _output_code(directory: Path) -> list[GeneratedCode]:
+    """The modules Inductor generated for this graph's AOT stages (capture.record_output_code)."""
+    found = []
+    for stage in AOT_STAGES:
+        sources_file = directory / stage / "sources.json"
+        sources = json.loads(sources_file.read_text()) if sources_file.is_file() else {}
+        files = sorted((directory / stage).glob("output_code_*.py"), key=lambda p: int(p.stem[12:]))
+        for file in files:
+            info_file = file.with_suffix(".json")
+            info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+            found.append(
+                GeneratedCode(
+                    stage, info.get("path", ""), file.read_text(), info.get("kernels", {}), sources
+                )
+            )
+    return found
+
+
+def _seconds(record: dict[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    return None if value is None else value / 1e6 if key.endswith("_us") else value
+
+
+def _sum(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _compile_times(graph: CompiledGraph, records: list[dict[str, Any]]) -> CompileTimes:
+    """One graph's stage times from its compile's metrics records: the frame's and, with
+    Inductor, the backward's (compiled at the first backward, outside the frame's compile).
+    In the frame's record (torch 2.13) the AOT autograd timer spans the whole backend call, our
+    pre-grad passes and the forward's Inductor compile included."""
+    passes = sum(t for s in graph.stages for t in _pass_seconds(s.steps))
+    frame = next((r for r in records if r.get("entire_frame_compile_time_s") is not None), {})
+    later = [r for r in records if r is not frame]
+    whole, backend = frame.get("entire_frame_compile_time_s"), frame.get("backend_compile_time_s")
+    aot = _seconds(frame, "aot_autograd_cumulative_compile_time_us")
+    inductor = _sum([_seconds(r, "inductor_cumulative_compile_time_us") for r in records])
+    codegen = _sum([_seconds(r, "inductor_code_gen_cumulative_compile_time_us") for r in records])
+    frame_inductor = _seconds(frame, "inductor_cumulative_compile_time_us") or 0.0
+    return CompileTimes(
+        dynamo=None if whole is None or backend is None else whole - backend,
+        graphtrain_passes=passes,
+        aot_autograd=None if aot is None else max(0.0, aot - frame_inductor - passes),
+        inductor=inductor,
+        inductor_codegen=codegen,
+        total=_sum([whole, *(_seconds(r, "inductor_cumulative_compile_time_us") for r in later)]),
+    )
+
+
+def _pass_seconds(steps: list[Step]) -> list[float]:
+    return [s.seconds for s in steps if s.seconds is not None]
+
+
+def _is_recompile(compile_id: str) -> bool:
+    # "frame/attempt", attempt possibly followed by "_restart" (torch 2.13: "0/1", "0/1_1")
+    return compile_id.rpartition("/")[2].partition("_")[0] not in ("", "0")
+
+
+def _explain(reason: str | None, graph: CompiledGraph) -> str:
+    """torch's recompile reason, with what it means in a graphtrain run where we know it."""
+    parts = [reason] if reason else []
+    if graph.grad_enabled is False:
+        parts.append(
+            "compiled under torch.no_grad() (validation or evaluation): a forward-only graph, "
+            "no backward"
+        )
+    if reason and "grad_mode" in reason:
+        parts.append(
+            "autograd on in one compile and off in the other (training, and validation under "
+            "no_grad): one graph for each, and no further recompile"
+        )
+    if reason and "training" in reason:
+        parts.append("module.eval()/train() flips `training`, which Dynamo guards on")
+    return "; ".join(p.strip() for p in parts) or "torch gave no reason"
+
+
+def load_report(dump_dir: str | Path, *, inner: str | None = None) -> Report:
+    """Build a Report from the graph dumps under `dump_dir`."""
     dump_dir = Path(dump_dir)
     if not dump_dir.is_dir():
         raise FileNotFoundError(f"graph dump directory {str(dump_dir)!r} does not exist")
-    output_code = output_code or {}
-    graphs, results, sites, breaks = [], [], [], []
+    metrics_file = dump_dir / "compile_metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for record in metrics.get("compiles", []):
+        by_id.setdefault(str(record.get("compile_id")), []).append(record)
+    graphs, results, sites, breaks, recompiles = [], [], [], [], []
     for directory in _graph_dirs(dump_dir):
         name = directory.name
         region = name.rpartition("-")[0] or name
@@ -212,8 +338,31 @@ def load_report(
                 stages.append(GraphStages(stage, _read_steps(directory / stage)))
         first = json.loads((directory / "summary.json").read_text())[0]
         reason = first.get("compile_reason")
-        code = [f for stage in AOT_STAGES for f in output_code.get(f"{name}/{stage}", [])]
-        graphs.append(CompiledGraph(name, region, stages, reason, code))
+        graph = CompiledGraph(name, region, stages, reason, _output_code(directory))
+        info_file = directory / "compile.json"
+        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+        graph.compile_id, graph.grad_enabled = info.get("compile_id"), info.get("grad_enabled")
+        records = by_id.get(str(graph.compile_id), []) if graph.compile_id else []
+        graph.recompile_reason = next(
+            (r["recompile_reason"] for r in records if r.get("recompile_reason")), None
+        )
+        if records or any(_pass_seconds(s.steps) for s in stages):
+            graph.times = _compile_times(graph, records)
+        graph.cache = {
+            key: sum(r.get(key) or 0 for r in records)
+            for key in (
+                "inductor_fx_local_cache_hit_count",
+                "inductor_fx_local_cache_miss_count",
+                "aotautograd_local_cache_hit_count",
+                "aotautograd_local_cache_miss_count",
+            )
+            if any(key in r for r in records)
+        }
+        graphs.append(graph)
+        if graph.compile_id and (_is_recompile(graph.compile_id) or graph.recompile_reason):
+            recompiles.append(
+                Recompile(name, graph.compile_id, _explain(graph.recompile_reason, graph))
+            )
         for s in stages:
             label = name if s.stage == "pre_grad" else f"{name}/{s.stage}"
             results.extend(_pass_results(label, s.steps))
@@ -238,4 +387,14 @@ def load_report(
         PassInfo(p.name, p.stage, p.name in ran, p.description, _why_off(p, ran, graphs))
         for p in all_passes()
     ]
-    return Report(str(dump_dir), inner, graphs, passes, results, sites, breaks)
+    return Report(
+        str(dump_dir),
+        inner,
+        graphs,
+        passes,
+        results,
+        sites,
+        breaks,
+        recompiles,
+        metrics.get("cache_counters", {}),
+    )

@@ -43,17 +43,23 @@ def render_summary(report: Report, *, color: bool = False) -> str:
     out.append(paint("Compiled graphs", "bold"))
     rows = []
     for g in report.graphs:
+        if g.grad_enabled is False:
+            g_name = f"{g.name} (no_grad)"
+        else:
+            g_name = g.name
         pre = g.stage("pre_grad")
         ops = sum(pre.steps[-1].op_counts.values()) if pre else 0
         aot = ", ".join(s.stage for s in g.stages if s.stage != "pre_grad") or "-"
         if report.inner == "inductor":
-            code = ", ".join(g.output_code) or "(none recorded)"
+            kernels = sum(len({k.rpartition(":")[0] for k in c.kernels}) for c in g.output_code)
+            code = f"{len(g.output_code)} module(s), {kernels} kernel(s) (in the page)"
         elif report.inner == "aot_eager":
             code = "none (aot_eager runs the aten graphs)"
         else:
             code = "-"
-        rows.append([g.name, str(ops), aot, code])
-    out += _table(["graph", "ops", "AOT graphs", "generated code"], rows)
+        total = "-" if g.times is None or g.times.total is None else f"{g.times.total:.1f}"
+        rows.append([g_name, str(ops), aot, total, code])
+    out += _table(["graph", "ops", "AOT graphs", "compile s", "generated code"], rows)
 
     out.append("")
     out.append(paint("Passes", "bold"))
@@ -88,4 +94,40 @@ def render_summary(report: Report, *, color: bool = False) -> str:
         out += [paint(line, "red") for line in _table(["graph", "source", "reason"], rows)]
     else:
         out.append("(none)")
+
+    out.append("")
+    out.append(paint("Recompiles", "bold"))
+    rows = [[r.graph, r.compile_id, r.reason] for r in report.recompiles]
+    out += _table(["graph", "compile id", "why"], rows) if rows else ["(none)"]
+    if report.profile is not None:
+        out += _profile(report)
     return "\n".join(out) + "\n"
+
+
+def _profile(report: Report, top: int = 12) -> list[str]:
+    prof = report.profile
+    share = prof.attributed_ms / prof.kernel_ms if prof.kernel_ms else 0.0
+    out = [
+        "",
+        "Profile: where the step goes (by source line)",
+        f"{prof.step_ms:.2f} ms/step wall, {prof.kernel_ms:.2f} ms kernel time in compiled "
+        f"regions, {share:.0%} attributed",
+        *prof.notes,
+    ]
+    rows = [[f"{line.share:.1%}", f"{line.ms:.3f}", line.source, line.code] for line in prof.lines]
+    out += _table(["share", "ms/step", "source", "code"], rows[:top])
+    if len(rows) > top:
+        out.append(f"... {len(rows) - top} more lines in the page")
+    if prof.passes:
+        out.append("")
+        rows = [
+            [
+                t.name,
+                t.region,
+                "-" if t.before_ms is None else f"{t.before_ms:.3f}",
+                f"{t.after_ms:.3f}",
+            ]
+            for t in prof.passes
+        ]
+        out += _table(["pass", "region", "before ms/step", "after ms/step"], rows)
+    return out

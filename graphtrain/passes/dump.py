@@ -7,13 +7,25 @@ or breaks into several graphs gets region-1, region-2, ...):
         00_captured.txt            the graph as Dynamo handed it over
         01_<pass>.txt              the graph after that pass ...
         01_<pass>.diff.txt         unified diff of the code against the step before
-        summary.json               [{label, file, op_counts, op_diff, notes}, ...] in order;
+        summary.json               [{label, file, op_counts, op_diff, notes, seconds}, ...] in
+                                   order (seconds: how long that pass took);
                                    entries also carry custom_ops (every graphtrain::* node:
                                    op, node, module_path, source, options) and the first one
                                    compile_reason (why Dynamo ended this graph: a graph break
                                    with its reason and user stack, or the return)
+        sources.json               {node: [source line, code]} of the graph after the last
+                                   step (the profile joins kernels to lines through it)
+        compile.json               the compile: Dynamo's compile id ("0/1": frame 0, its
+                                   second compile, a recompile) and whether autograd was on
+                                   (off: compiled under no_grad, e.g. validation: forward only)
         forward/, backward/        the same for the AOT forward and backward graphs (aten IR),
-                                   as partitioned and after each post-grad pass
+                                   as partitioned and after each post-grad pass; with Inductor
+                                   also output_code_<k>.py (the module Inductor generated) and
+                                   kernels.json (per kernel: the FX nodes it computes and their
+                                   source lines, from Inductor's provenance tracking)
+    compile_metrics.json           torch's compile metrics per compile id (stage times, recompile
+                                   reasons, cache hits) and the cache counters: written at the
+                                   end (write_compile_metrics), not per graph
 
 `graphtrain inspect` reads these; they are plain text so `diff` and `grep` work on them too.
 """
@@ -70,16 +82,35 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
     return gm.print_readable(print_output=False)
 
 
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
+_FRAME = re.compile(
+    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)(?:\n(?P<code>.*))?'
+)
+
+
+def source_frame(stack_trace: str | None) -> tuple[str, str] | None:
+    """("file:line in fn", the line's code) of the innermost frame of a stack trace (a node's
+    meta["stack_trace"]: Python's traceback format)."""
+    frames = list(_FRAME.finditer(stack_trace or ""))
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f['file']}:{f['line']} in {f['fn']}", (f["code"] or "").strip()
 
 
 def source_line(stack_trace: str | None) -> str | None:
     """ "file:line in fn" of the innermost user frame of a node's meta["stack_trace"]."""
-    frames = _FRAME.findall(stack_trace or "")
-    if not frames:
-        return None
-    file, line, fn = frames[-1]
-    return f"{file}:{line} in {fn}"
+    frame = source_frame(stack_trace)
+    return frame[0] if frame else None
+
+
+def node_sources(gm: torch.fx.GraphModule) -> dict[str, list[str]]:
+    """{node name: [source, code]} for every node that knows where it came from."""
+    found = {}
+    for node in gm.graph.nodes:
+        frame = source_frame(node.meta.get("stack_trace"))
+        if frame is not None:
+            found[node.name] = list(frame)
+    return found
 
 
 def module_path(dynamo_name: str) -> str:
@@ -144,8 +175,15 @@ class GraphDumper:
         self._last_text: str | None = None
         self._last_counts: Counter[str] | None = None
 
-    def snapshot(self, label: str, gm: torch.fx.GraphModule, notes: Sequence[str] = ()) -> None:
-        """Record `gm` after the step `label` (a pass name, or "captured" first)."""
+    def snapshot(
+        self,
+        label: str,
+        gm: torch.fx.GraphModule,
+        notes: Sequence[str] = (),
+        seconds: float | None = None,
+    ) -> None:
+        """Record `gm` after the step `label` (a pass name, or "captured" first) and how long
+        that step took."""
         index = len(self.steps)
         stem = f"{index:02d}_{label}"
         text = graph_text(gm)
@@ -157,6 +195,8 @@ class GraphDumper:
             "op_counts": dict(counts),
             "notes": list(notes),
         }
+        if seconds is not None:
+            entry["seconds"] = seconds
         sites = custom_op_sites(gm)
         if sites:
             entry["custom_ops"] = sites
@@ -175,3 +215,92 @@ class GraphDumper:
         self.steps.append(entry)
         self._last_text, self._last_counts = text, counts
         (self.directory / "summary.json").write_text(json.dumps(self.steps, indent=1) + "\n")
+        # The graph's last word: what Inductor lowers (its kernels' provenance names these nodes).
+        sources = json.dumps(node_sources(gm), indent=0)
+        (self.directory / "sources.json").write_text(sources + "\n")
+
+
+def write_compile_info(directory: Path) -> None:
+    """compile.json of the graph being compiled now: Dynamo's compile id and the grad mode."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    info = {
+        "compile_id": str(compile_id) if compile_id is not None else None,
+        "grad_enabled": torch.is_grad_enabled(),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "compile.json").write_text(json.dumps(info) + "\n")
+
+
+# Counters torch keeps per process (torch._dynamo.utils.counters): the caches' hits and misses.
+CACHE_COUNTERS = {
+    "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+    "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
+}
+
+# CompilationMetrics fields kept per compile (torch._dynamo.utils); a field that a torch
+# version lacks is left out.
+_METRIC_FIELDS = (
+    "compile_id",
+    "co_name",
+    "co_filename",
+    "co_firstlineno",
+    "recompile_reason",
+    "entire_frame_compile_time_s",
+    "backend_compile_time_s",
+    "dynamo_cumulative_compile_time_us",
+    "aot_autograd_cumulative_compile_time_us",
+    "inductor_cumulative_compile_time_us",
+    "inductor_code_gen_cumulative_compile_time_us",
+    "inductor_fx_local_cache_hit_count",
+    "inductor_fx_local_cache_miss_count",
+    "aotautograd_local_cache_hit_count",
+    "aotautograd_local_cache_miss_count",
+    "fail_reason",
+)
+
+
+def cache_counters() -> dict[str, int]:
+    """The cache counters now ("inductor.fxgraph_cache_hit": n, ...)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        f"{group}.{name}": int(counters[group][name])
+        for group, names in CACHE_COUNTERS.items()
+        for name in names
+    }
+
+
+def start_compile_metrics() -> dict[str, int]:
+    """Forget the compile metrics torch kept of earlier compiles in this process (compile ids
+    restart at torch._dynamo.reset(), so they would be taken for this job's) and return the
+    cache counters now, for write_compile_metrics(since=...)."""
+    try:  # private; absent, write_compile_metrics finds no metrics either
+        from torch._dynamo.utils import clear_compilation_metrics
+
+        clear_compilation_metrics()
+    except ImportError:
+        pass
+    return cache_counters()
+
+
+def write_compile_metrics(dump_dir: Path, since: dict[str, int] | None = None) -> None:
+    """compile_metrics.json under the dump root: torch's metrics of each compile this process
+    kept (the most recent 64: torch._dynamo.utils.get_compilation_metrics, private, absent ->
+    an empty list) and the cache counters, as differences from `since` (cache_counters())."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        metrics = get_compilation_metrics()
+    except ImportError:
+        metrics = []
+    records = [
+        {name: _plain(getattr(m, name)) for name in _METRIC_FIELDS if hasattr(m, name)}
+        for m in metrics
+    ]
+    since = since or {}
+    caches = {k: v - since.get(k, 0) for k, v in cache_counters().items()}
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"compiles": records, "cache_counters": caches}, indent=1)
+    (dump_dir / "compile_metrics.json").write_text(text + "\n")

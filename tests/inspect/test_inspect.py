@@ -1,5 +1,6 @@
-"""graphtrain inspect: the Report on the debug GPT, pass switches, graph breaks, HTML, CLI, trace;
-and on the MoE debug model: its own block graphs and the fused router."""
+"""graphtrain inspect: the Report on the debug GPT, pass switches, graph breaks, recompiles,
+compile times, HTML, CLI, trace; on the MoE debug model: its own block graphs and the fused
+router; with Inductor: the generated code in the page and the profile's attribution."""
 
 import json
 import re
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 from graphtrain.cli import main as cli_main
-from graphtrain.config import load_config
+from graphtrain.config import load_config, to_toml
 from graphtrain.inspect import inspect, inspect_config, load_report, write_report
+from graphtrain.inspect.cli import default_out_dir
+from graphtrain.inspect.html import render_html
 from graphtrain.inspect.terminal import render_summary
 from graphtrain.passes import all_passes
 
@@ -44,7 +47,10 @@ def report(tmp_path_factory, trace_dir):
 @pytest.fixture(scope="module")
 def report_off():
     return inspect_config(
-        _config("--compile.passes=-fuse_linear_cross_entropy"), device="cpu", inner="aot_eager"
+        _config("--compile.passes=-fuse_linear_cross_entropy"),
+        device="cpu",
+        inner="aot_eager",
+        validation=False,
     )
 
 
@@ -55,19 +61,57 @@ def _head_loss_line() -> int:
 
 def test_regions_and_aot_graphs(report):
     assert report.regions == ["block", "head_loss"]
-    # Identical blocks share one compiled graph: one per region.
-    assert [g.name for g in report.graphs] == ["block-0", "head_loss-0"]
+    # Identical blocks share one compiled graph per region for training (-0), and the
+    # validation forward under no_grad compiles each region again, forward only (-1).
+    assert [g.name for g in report.graphs] == ["block-0", "block-1", "head_loss-0", "head_loss-1"]
     for g in report.graphs:
-        assert [s.stage for s in g.stages] == ["pre_grad", "forward", "backward"]
+        training = g.name.endswith("-0")
+        stages = ["pre_grad", "forward", "backward"] if training else ["pre_grad", "forward"]
+        assert [s.stage for s in g.stages] == stages
+        assert g.grad_enabled is training
         assert g.compile_reason["graph_break"] is False
         assert g.output_code == []  # aot_eager generates no code
     assert report.graph_breaks == []
 
 
+def test_recompile_reason_for_validation(report, tmp_path):
+    """The forward-only graphs of validation are explained: Dynamo's guard failure (grad mode)
+    and what it means, in the Report, the summary and the page."""
+    assert [(r.graph, r.compile_id) for r in report.recompiles] == [
+        ("block-1", "0/1"),
+        ("head_loss-1", "1/1"),
+    ]
+    for r in report.recompiles:
+        assert "GLOBAL_STATE changed: grad_mode" in r.reason, r.reason
+        assert "torch.no_grad()" in r.reason and "forward-only" in r.reason
+    assert "GLOBAL_STATE changed: grad_mode" in render_summary(report)
+    page = write_report(report, tmp_path).read_text()
+    assert 'id="recompiles"' in page and "GLOBAL_STATE changed: grad_mode" in page
+
+
+def test_compile_time_per_stage_and_caches(report):
+    for g in report.graphs:
+        t = g.times
+        assert t is not None and t.total > 0 and t.dynamo > 0 and t.aot_autograd > 0, g.name
+        # each pass's time, measured by the backend, adds up to the graph's pass time
+        steps = [s for stage in g.stages for s in stage.steps if s.seconds is not None]
+        assert len(steps) == sum(len(stage.steps) - 1 for stage in g.stages)
+        assert t.graphtrain_passes == pytest.approx(sum(s.seconds for s in steps))
+        assert t.dynamo + t.graphtrain_passes + t.aot_autograd <= t.total * 1.001
+        assert t.inductor is None  # aot_eager: no Inductor
+    assert set(report.cache_counters) >= {
+        "inductor.fxgraph_cache_hit",
+        "inductor.fxgraph_cache_miss",
+        "aot_autograd.autograd_cache_miss",
+    }
+    page = render_html(report)
+    assert 'id="compile-time"' in page and 'id="caches"' in page
+
+
 def test_fused_op_once_with_location_and_options(report):
-    assert report.custom_ops == {FUSED: 1}
-    (site,) = report.custom_op_sites
-    assert site.graph == "head_loss-0"
+    assert report.custom_ops == {FUSED: 2}  # training's graph and validation's
+    site, validation_site = report.custom_op_sites
+    assert (site.graph, validation_site.graph) == ("head_loss-0", "head_loss-1")
     assert site.module_path == "output"
     assert site.source == f"{GPT_SOURCE}:{_head_loss_line()} in head_loss"
     assert site.options == {
@@ -89,6 +133,7 @@ def test_moe_model_shows_its_blocks_and_the_fused_router():
         load_config(["--preset", "moe-debug", "--training.micro_batch_size=2"]),
         device="cpu",
         inner="aot_eager",
+        validation=False,
     )
     assert [g.name for g in report.graphs] == ["block-0", "block-1", "head_loss-0"]
     assert report.custom_ops == {
@@ -122,6 +167,7 @@ def test_pass_results_in_order_with_reasons(report):
 
 def test_pass_switched_off(report_off):
     assert report_off.custom_ops == {}
+    assert report_off.recompiles == []  # validation=False: one graph per region
     assert report_off.regions == ["block", "head_loss"]
     info = next(p for p in report_off.passes if p.name == "fuse_linear_cross_entropy")
     assert not info.enabled
@@ -186,7 +232,7 @@ def test_html_is_self_contained(report, tmp_path):
     for p in report.passes:
         assert p.name in text
     assert "script" in parser.tags and "style" in parser.tags
-    assert json.loads((tmp_path / "report.json").read_text())["custom_ops"] == {FUSED: 1}
+    assert json.loads((tmp_path / "report.json").read_text())["custom_ops"] == {FUSED: 2}
     assert "head_loss-0" in (tmp_path / "summary.txt").read_text()
 
 
@@ -211,27 +257,31 @@ def test_structured_trace_is_tlparse_format(report, trace_dir):
     assert {"aot_forward_graph", "aot_backward_graph"} <= kinds
 
 
-def test_cli_smoke(tmp_path, capsys):
-    out = tmp_path / "inspect"
-    code = cli_main(
-        [
-            "inspect",
-            "--preset",
-            "debug",
-            "--out",
-            str(out),
-            "--backend",
-            "aot_eager",
-            "--device",
-            "cpu",
-            "--training.micro_batch_size=2",
-        ]
-    )
+def test_cli_smoke_writes_into_the_run_directory(tmp_path, capsys, monkeypatch):
+    """Given a run directory and no --out, the report goes to RUN_DIR/inspect; nothing is
+    written in the current directory."""
+    run_dir = tmp_path / "runs" / "debug-1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text(to_toml(_config()))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    code = cli_main(["inspect", str(run_dir), "--backend", "aot_eager", "--device", "cpu"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "head_loss-0" in printed and FUSED in printed and "\033[" not in printed
+    out = run_dir / "inspect"
     assert (out / "report.html").is_file() and (out / "graphs" / "head_loss-0").is_dir()
+    assert f"report: {out / 'report.html'}" in printed
+    assert list(cwd.iterdir()) == []
     assert cli_main(["inspect", "--device", "tpu", "--preset", "debug"]) == 2
+    assert cli_main(["inspect", "--preset", "debug", "--profile", "x"]) == 2
+
+
+def test_default_out_dir():
+    assert default_out_dir("runs/mine", "debug") == Path("runs/mine/inspect")
+    fresh = default_out_dir("", "debug")
+    assert fresh.parent == Path("runs") and fresh.name.startswith("inspect-debug-")
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed")
@@ -250,7 +300,7 @@ def test_html_renders_in_headless_chromium(report, tmp_path):
             "--no-first-run",
             f"--user-data-dir={tmp_path / 'profile'}",
             f"--screenshot={png}",
-            "--window-size=1400,1000",
+            "--window-size=1366,768",  # a laptop screen
             page.as_uri(),
         ],
         check=True,
@@ -260,13 +310,75 @@ def test_html_renders_in_headless_chromium(report, tmp_path):
     assert png.stat().st_size > 10_000
 
 
-def test_inductor_output_code_per_graph():
-    def mlp(x, w):
-        return torch.relu(x @ w).sum()
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """The debug GPT through Inductor, profiled over 2 steps, the fused cross-entropy's region
+    compiled again without it (the slowest fixture here: ~6 Inductor compiles)."""
+    return inspect_config(
+        _config(),
+        device="cpu",
+        inner="inductor",
+        dump_dir=tmp_path_factory.mktemp("inductor"),
+        validation=False,
+        profile_steps=2,
+    )
 
-    r = inspect(mlp, torch.randn(4, 8), torch.randn(8, 3, requires_grad=True), inner="inductor")
-    (graph,) = r.graphs
-    assert len(graph.output_code) == 2  # forward and backward modules
-    for path in graph.output_code:
-        assert Path(path).is_file() and "def call(" in Path(path).read_text()
-    assert "generated code" in render_summary(r) and graph.output_code[0] in render_summary(r)
+
+@pytest.mark.slow  # six Inductor compiles of the debug GPT: ~20 s with a warm Inductor
+# cache, ~140 s cold on 2 cores shared with other work
+def test_generated_code_is_in_the_page(profiled, tmp_path):
+    for g in profiled.graphs:
+        assert [c.stage for c in g.output_code] == ["forward", "backward"]
+        for code in g.output_code:
+            assert "def call(" in code.code
+            # Inductor's provenance: every kernel and extern call names its FX nodes
+            assert code.kernels and all(k["nodes"] for k in code.kernels.values())
+    page = write_report(profiled, tmp_path).read_text()
+    (forward, _) = profiled.graphs[0].output_code
+    kernel = next(name for name in forward.kernels if name.startswith("cpp_fused"))
+    # the C++ kernel's source itself, escaped, not a path to a file of this machine
+    assert f"{kernel.rpartition(':')[0]} = async_compile.cpp_pybinding(" in page
+    assert "extern &quot;C&quot;" in page
+    assert "in the page" in render_summary(profiled)
+
+
+def _model_line(source: str) -> str:
+    file, _, rest = source.partition(":")
+    line = int(rest.split(" in ")[0])
+    return Path(file).read_text().splitlines()[line - 1].strip()
+
+
+@pytest.mark.slow  # shares the fixture above
+def test_profile_attributes_kernel_time_to_model_lines(profiled):
+    prof = profiled.profile
+    assert prof.steps == 2 and 0 < prof.kernel_ms <= prof.region_ms <= prof.step_ms
+    # every measured kernel inside the compiled calls is matched to a generated kernel or
+    # extern call, and the per-graph, per-kernel and per-line tables each add up to it
+    assert prof.attributed_ms >= 0.9 * prof.kernel_ms
+    assert sum(prof.graphs.values()) == pytest.approx(prof.kernel_ms)
+    assert sum(k.ms for k in prof.kernels) == pytest.approx(prof.attributed_ms)
+    assert sum(line.ms for line in prof.lines) == pytest.approx(prof.kernel_ms)
+    assert set(prof.graphs) == {
+        "block-0/forward",
+        "block-0/backward",
+        "head_loss-0/forward",
+        "head_loss-0/backward",
+    }
+    models = str(Path(GPT_SOURCE).parent)
+    named = [line for line in prof.lines if line.source.startswith(models)]
+    assert sum(line.ms for line in named) >= 0.9 * prof.kernel_ms
+    for line in named:  # real lines of models/, their code as it stands in the file
+        assert _model_line(line.source) == line.code, line
+    sources = {line.source.rpartition(" in ")[0] for line in named}
+    assert f"{GPT_SOURCE}:{_head_loss_line()}" in sources  # the fused cross-entropy
+    attention = next(k for k in prof.kernels if "scaled_dot_product" in k.kernel)
+    assert "scaled_dot_product_attention" in " ".join(attention.codes)
+    (fused,) = prof.passes
+    assert (fused.name, fused.region) == ("fuse_linear_cross_entropy", "head_loss")
+    assert fused.after_ms == pytest.approx(
+        prof.graphs["head_loss-0/forward"] + prof.graphs["head_loss-0/backward"]
+    )
+    assert fused.before_ms is not None and fused.before_ms > 0
+    page = render_html(profiled)
+    assert 'id="profile"' in page and "By source line" in page
+    assert "Profile: where the step goes" in render_summary(profiled)

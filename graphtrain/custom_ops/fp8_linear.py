@@ -17,15 +17,15 @@ What
     Every scale is per tensor, from the tensor's current amax (graphtrain::fp8_amax, then
     graphtrain::fp8_cast); nothing goes to the host.
 
-FP8 input (graphtrain::fp8_linear_precast, forward only)
-    fp8_linear_precast(x8 [..., K] E4M3, x_scale_inv, x_counts, weight, bias, *, pow2_scale,
+Operands in FP8 already (graphtrain::fp8_linear_precast, forward only)
+    fp8_linear_precast(x, x_scale_inv, x_counts, weight, w_scale_inv, bias, *, pow2_scale,
                        tp_group, out_dtype) -> the same five outputs
-    is fp8_linear's forward from an x already cast (amax and cast before a tensor-parallel
-    all-gather: graphtrain/passes/fp8_all_gather.py puts it in the post-grad forward graph, in
-    place of fp8_linear, whose backward is already fp8_linear_backward there). x_counts are the
-    [clipped, flushed] counts of this rank's 1/tp of x8's rows (its own cast). Given the bytes
-    and the scale fp8_linear would have made, its outputs are the same bits: both run
-    _fp8_linear_forward.
+    is fp8_linear's forward where an operand with a scale_inv is E4M3 already, cast before an
+    all-gather: x under tensor parallelism (graphtrain/passes/fp8_all_gather.py puts the op in
+    the post-grad forward graph in place of fp8_linear, whose backward is fp8_linear_backward
+    there; x_counts are the [clipped, flushed] counts of this rank's 1/tp of x's rows), the
+    weight under FSDP2 (graphtrain/parallel/fp8_all_gather.py). Given the bytes and the scale
+    fp8_linear would have made, its outputs are the same bits: both run _fp8_linear_forward.
 
 Tensor parallel
     With tp_group (a process-group name), x, weight and grad_out are the rank's shards: each
@@ -139,51 +139,61 @@ def fp8_linear_ref(
         [torch.ops.graphtrain.fp8_amax(x2), torch.ops.graphtrain.fp8_amax(weight)], tp_group
     )
     x8, x8_t, sx = cast_pair(x2, ax, E4M3, pow2_scale, "activation")
+    w8, w8_t, sw = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
     return _fp8_linear_forward(
-        x8, x8_t, sx, weight, aw, bias, x.shape[:-1], pow2_scale, out_dtype or x.dtype
+        (x8, x8_t, sx), (w8, w8_t, sw), bias, x.shape[:-1], out_dtype or x.dtype
     )
 
 
 def _fp8_linear_forward(
-    x8: Tensor,
-    x8_t: Tensor,
-    sx: Tensor,
-    weight: Tensor,
-    w_amax: Tensor,
+    x_fp8: tuple[Tensor, Tensor, Tensor],
+    w_fp8: tuple[Tensor, Tensor, Tensor],
     bias: Tensor | None,
     lead_shape: torch.Size,
-    pow2_scale: bool,
     out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The forward after x's cast: the weight's cast and the GEMM, shared by both entries."""
-    w8, w8_t, sw = cast_pair(weight, w_amax, E4M3, pow2_scale, "weight")
+    """The GEMM from both operands' (t8, t8_t, scale_inv), shared by every entry."""
+    (x8, x8_t, sx), (w8, w8_t, sw) = x_fp8, w_fp8
     out = torch._scaled_mm(x8, w8.t(), sx, sw, out_dtype=out_dtype)  # w8.t(): column-major
     if bias is not None:
         out = out + bias.to(out_dtype)
-    return out.view(*lead_shape, weight.shape[0]), x8_t, sx, w8_t, sw
+    return out.view(*lead_shape, w8.shape[0]), x8_t, sx, w8_t, sw
+
+
+def _transposed(t8: Tensor) -> Tensor:
+    """t8.T contiguous, as fp8_cast writes it."""
+    return t8.t().clone(memory_format=torch.contiguous_format)
 
 
 def fp8_linear_precast_ref(
-    x8: Tensor,
-    x_scale_inv: Tensor,
-    x_counts: Tensor,
+    x: Tensor,
+    x_scale_inv: Tensor | None,
+    x_counts: Tensor | None,
     weight: Tensor,
+    w_scale_inv: Tensor | None,
     bias: Tensor | None,
     *,
     pow2_scale: bool,
     tp_group: str | None,
     out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fp8_linear's forward from x8 = x cast with scale 1 / x_scale_inv (its reference too)."""
-    x8_2 = x8.reshape(-1, x8.shape[-1])
-    tp = 1 if tp_group is None else _group_size(tp_group)
-    record_saturation("activation", x_counts, x8.numel() // tp)  # this rank's 1/tp of x8
-    (aw,) = reduce_amax([torch.ops.graphtrain.fp8_amax(weight)], tp_group)
-    x8_t = x8_2.t().clone(memory_format=torch.contiguous_format)  # as fp8_cast writes it
-    return _fp8_linear_forward(
-        x8_2, x8_t, x_scale_inv.clone(), weight, aw, bias, x8.shape[:-1],
-        pow2_scale, out_dtype,
-    )  # fmt: skip
+    """fp8_linear's forward where x and/or the weight come in E4M3 with their 1 / scale (the
+    other is cast here, its amax max-reduced over tp_group, as fp8_linear does)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x_scale_inv is None:
+        (ax,) = reduce_amax([torch.ops.graphtrain.fp8_amax(x2)], tp_group)
+        x_fp8 = cast_pair(x2, ax, E4M3, pow2_scale, "activation")
+    else:
+        if x_counts is not None:
+            tp = 1 if tp_group is None else _group_size(tp_group)
+            record_saturation("activation", x_counts, x.numel() // tp)  # this rank's 1/tp
+        x_fp8 = (x2, _transposed(x2), x_scale_inv.clone())
+    if w_scale_inv is None:
+        (aw,) = reduce_amax([torch.ops.graphtrain.fp8_amax(weight)], tp_group)
+        w_fp8 = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
+    else:
+        w_fp8 = (weight, _transposed(weight), w_scale_inv.clone())
+    return _fp8_linear_forward(x_fp8, w_fp8, bias, x.shape[:-1], out_dtype)
 
 
 def _group_size(group_name: str) -> int:
@@ -260,52 +270,63 @@ def _fp8_linear_fake(
 
 
 def _check_precast(
-    x8: Tensor, x_scale_inv: Tensor, x_counts: Tensor, weight: Tensor, bias: Tensor | None,
-    out_dtype: torch.dtype,
+    x: Tensor, x_scale_inv: Tensor | None, weight: Tensor, w_scale_inv: Tensor | None,
+    bias: Tensor | None, out_dtype: torch.dtype,
 ) -> None:  # fmt: skip
-    _check(torch.empty(x8.shape, dtype=out_dtype, device="meta"), weight, bias, out_dtype)
-    if x8.dtype != E4M3 or x_scale_inv.shape != () or x_counts.shape != (2,):
-        raise ValueError(
-            f"fp8_linear_precast needs x8 in {E4M3}, a 0-d x_scale_inv and [2] x_counts, got "
-            f"{x8.dtype}, {tuple(x_scale_inv.shape)} and {tuple(x_counts.shape)}"
-        )
+    def plain(t: Tensor, scale_inv: Tensor | None) -> Tensor:  # what _check takes
+        return t if scale_inv is None else torch.empty(t.shape, dtype=out_dtype, device="meta")
+
+    _check(plain(x, x_scale_inv), plain(weight, w_scale_inv), bias, out_dtype)
+    for name, t, scale_inv in (("x", x, x_scale_inv), ("weight", weight, w_scale_inv)):
+        if scale_inv is not None and (t.dtype != E4M3 or scale_inv.shape != ()):
+            raise ValueError(
+                f"fp8_linear_precast: {name} with a scale_inv must be {E4M3} with a 0-d "
+                f"scale_inv, got {t.dtype} and {tuple(scale_inv.shape)}"
+            )
+    if x_scale_inv is None and w_scale_inv is None:
+        raise ValueError("fp8_linear_precast needs x or the weight in FP8 (a scale_inv)")
 
 
 @torch.library.custom_op(
     "graphtrain::fp8_linear_precast",
     mutates_args=(),
     schema=(
-        "(Tensor x8, Tensor x_scale_inv, Tensor x_counts, Tensor weight, Tensor? bias, *, "
-        "bool pow2_scale, str? tp_group, ScalarType out_dtype) "
-        "-> (Tensor out, Tensor x8_t, Tensor x_scale_inv_out, Tensor w8_t, Tensor w_scale_inv)"
+        "(Tensor x, Tensor? x_scale_inv, Tensor? x_counts, Tensor weight, Tensor? w_scale_inv, "
+        "Tensor? bias, *, bool pow2_scale, str? tp_group, ScalarType out_dtype) "
+        "-> (Tensor out, Tensor x8_t, Tensor x_scale_inv_out, Tensor w8_t, Tensor w_scale_inv_out)"
     ),
 )
 def fp8_linear_precast(
-    x8: Tensor,
-    x_scale_inv: Tensor,
-    x_counts: Tensor,
+    x: Tensor,
+    x_scale_inv: Tensor | None,
+    x_counts: Tensor | None,
     weight: Tensor,
+    w_scale_inv: Tensor | None,
     bias: Tensor | None,
     *,
     pow2_scale: bool,
     tp_group: str | None,
     out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fp8_linear's forward outputs from an x cast to E4M3 already (no autograd: it is put
-    into post-grad forward graphs, next to fp8_linear_backward)."""
-    _check_precast(x8, x_scale_inv, x_counts, weight, bias, out_dtype)
+    """fp8_linear's forward outputs where an operand is in E4M3 already (no autograd: it goes
+    into post-grad forward graphs next to fp8_linear_backward, or under an autograd-carrying
+    fp8_linear as graphtrain.parallel.fp8_all_gather's Fp8Weight runs it)."""
+    _check_precast(x, x_scale_inv, weight, w_scale_inv, bias, out_dtype)
     return fp8_linear_precast_ref(
-        x8, x_scale_inv, x_counts, weight, bias, pow2_scale=pow2_scale, tp_group=tp_group,
-        out_dtype=out_dtype,
+        x, x_scale_inv, x_counts, weight, w_scale_inv, bias, pow2_scale=pow2_scale,
+        tp_group=tp_group, out_dtype=out_dtype,
     )  # fmt: skip
 
 
 @fp8_linear_precast.register_fake
 def _fp8_linear_precast_fake(
-    x8, x_scale_inv, x_counts, weight, bias, *, pow2_scale, tp_group, out_dtype
+    x, x_scale_inv, x_counts, weight, w_scale_inv, bias, *, pow2_scale, tp_group, out_dtype
 ):
-    _check_precast(x8, x_scale_inv, x_counts, weight, bias, out_dtype)
-    x = x8.new_empty(x8.shape, dtype=out_dtype)
+    _check_precast(x, x_scale_inv, weight, w_scale_inv, bias, out_dtype)
+    if x_scale_inv is not None:
+        x = x.new_empty(x.shape, dtype=out_dtype)
+    if w_scale_inv is not None:
+        weight = weight.new_empty(weight.shape, dtype=out_dtype)
     return _fp8_linear_fake(x, weight, bias, out_dtype=out_dtype)
 
 

@@ -109,7 +109,7 @@ def _fp8_gather(gm: torch.fx.GraphModule, ag: Node, fake_mode: Any) -> str:
         weight, bias = linear.args[1], linear.args[2] if len(linear.args) > 2 else None
         out_dtype = linear.kwargs.get("out_dtype") or read.meta["val"].dtype
         new = b(torch.ops.graphtrain.fp8_linear_precast.default, source, scale_inv, counts,
-                weight, bias, pow2_scale=pow2, tp_group=group, out_dtype=out_dtype)  # fmt: skip
+                weight, None, bias, pow2_scale=pow2, tp_group=group, out_dtype=out_dtype)  # fmt: skip
         fx.copy_meta(linear, new)
         linear.replace_all_uses_with(new)
         gm.graph.erase_node(linear)

@@ -19,6 +19,7 @@ from parallel_scenarios import BATCH, SEED, SEQ
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphtrain.compile import backend
+from graphtrain.config import Fp8Config
 from graphtrain.parallel import ParallelDims, build_mesh, dp_mesh, parallelize_model
 from models import MODEL_PRESETS, build_model, tp_plan
 
@@ -39,6 +40,8 @@ def _notes(dump: Path, label: str = "overlap_tp_comm") -> dict[str, list[str]]:
 def _train(rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path) -> dict:
     torch._dynamo.reset()
     toggled = spec.get("toggle", "overlap_tp_comm")
+    fsdp_fp8 = toggled == "fp8.fsdp_all_gather_fp8"  # an option of parallelize_model, no pass
+    fp8 = {k[4:]: v for k, v in spec.get("options", {}).items() if k.startswith("fp8.")}
     device = spec.get("device", "cpu")
     dims = ParallelDims(**spec["dims"], world_size=world)
     mesh = build_mesh(dims, device)
@@ -57,7 +60,7 @@ def _train(rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path) ->
         ac_mode="none",
         compile_options={
             "inner": spec.get("inner", "aot_eager"),
-            "passes": [*spec.get("passes", []), *([] if on else [f"-{toggled}"])],
+            "passes": [*spec.get("passes", []), *([] if on or fsdp_fp8 else [f"-{toggled}"])],
             "dump_dir": dump if rank == 0 else None,
             "pass_options": {
                 "tp_overlap_chunks": spec.get("chunks", 0),
@@ -67,6 +70,7 @@ def _train(rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path) ->
         },
         param_dtype=torch.float32,
         reduce_dtype=torch.float32,
+        fp8_all_gather=Fp8Config(**fp8) if on and fsdp_fp8 else None,
     )
     model.to_empty(device=device)
     model.init_weights(SEED)
@@ -91,7 +95,16 @@ def _train(rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach().clone())
-    return {"losses": losses, "grads": grads if rank == 0 else None}
+    return {"losses": losses, "grads": grads if rank == 0 else None, "gathered": _gathered(model)}
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, list[torch.dtype]]:
+    """{parameter: dtypes FSDP2 all-gathered it in} for the first block ({} without FSDP)."""
+    block = model.layers["0"]
+    if not hasattr(block, "_get_fsdp_state"):
+        return {}
+    group = block._get_fsdp_state()._fsdp_param_group
+    return {p._param_fqn: [t.dtype for t in p.all_gather_outputs] for p in group.fsdp_params}
 
 
 def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any]:

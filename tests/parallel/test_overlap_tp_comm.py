@@ -40,6 +40,14 @@ SPECS_2 = [
         "options": {"fp8.min_dim": 16},
         "toggle": "fp8_all_gather",
     },
+    {  # FSDP2 gathering the FP8 linears' weights in FP8, off and on (no tp)
+        "name": "fp8_fsdp_dp2",
+        "model": "debug",
+        "dims": {"tp": 1, "dp_shard": 2},
+        "passes": ["+fp8_linear"],
+        "options": {"fp8.min_dim": 16},
+        "toggle": "fp8.fsdp_all_gather_fp8",
+    },
 ]
 SPECS_4 = [
     {"name": "dense_tp4", "model": "debug", "dims": {"tp": 4, "dp_shard": 1}},
@@ -182,3 +190,16 @@ def test_fp8_all_gather_equals_cast_after_gather(ranks2):
     assert sum("1 byte per element gathered instead of 2" in n for n in r["notes"]) == 1, r
     assert sum("left in high precision" in n and "not fp8_linear" in n for n in r["notes"]) == 1
     assert sorted(line.split('"')[1][:3] for line in r["gathers"]) == ["bf1", "u8["], r["gathers"]
+
+
+def test_fsdp_fp8_all_gather_bitwise(ranks2):
+    # dp_shard=2: the linears' weights (not the head, not the norms) are gathered as E4M3
+    # bytes cast with the amax max-reduced over dp; the losses and every gradient equal the
+    # run that gathers fp32 and casts after, bit for bit, over the steps (optimizer included).
+    result = ranks2[0]["fp8_fsdp_dp2"]
+    on, off = result["on"]["gathered"], result["off"]["gathered"]
+    linears = [n for n in on if n.endswith(("wq.weight", "wo.weight", "w1.weight", "w2.weight"))]
+    assert len(linears) == 4 and all(on[n] == [torch.uint8] for n in linears), on
+    assert all(on[n] == [torch.float32] for n in on if "norm" in n), on
+    assert all(dtypes == [torch.float32] for dtypes in off.values()), off
+    _assert_bitwise(result)

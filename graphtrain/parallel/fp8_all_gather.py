@@ -92,6 +92,10 @@ class Fp8ShardWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"Fp8ShardWeight({self._tensor!r})"
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Saved (DCP, torch.save) as the plain tensor: checkpoints do not depend on the option.
+        return self._tensor.__reduce_ex__(protocol)
+
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         return ["_tensor"], self._pow2_scale
 

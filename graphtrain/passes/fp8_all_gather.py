@@ -58,12 +58,11 @@ from graphtrain.passes.registry import PassContext, register_pass
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 E4M3 = torch.float8_e4m3fn
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _consumers(full: Node) -> list[tuple[Node, Node]]:
     """[(fp8_linear, the node it reads: full or a view of it)], or Refuse."""
-    views = [u for u in full.users if any(fx.is_op(u, v) for v in _VIEWS)]
+    views = [u for u in full.users if fx.is_aten_view(u)]
     pairs = [(u, full) for u in full.users if u not in views]
     pairs += [(u, view) for view in views for u in view.users]
     for reader, read in pairs:
@@ -85,15 +84,15 @@ def _fp8_gather(gm: torch.fx.GraphModule, ag: Node, fake_mode: Any) -> str:
     consumers = _consumers(full)
     options = {(c.kwargs.get("tp_group"), bool(c.kwargs.get("pow2_scale"))) for c, _ in consumers}
     if len(options) != 1 or next(iter(options))[0] != group:
-        raise Refuse(f"its fp8_linear consumers' (tp_group, pow2_scale) {sorted(options)} are "
+        raise Refuse(f"its fp8_linear consumers' (tp_group, pow2_scale) {sorted(options, key=str)} are "
                      f"not all ({group!r}, ...)")  # fmt: skip
     ((_, pow2),) = options
     batch, seq, dim = x.meta["val"].shape
     b = fx.AtenBuilder(gm.graph, ag, fake_mode)
-    amax = b(_c10d.wait_tensor.default,
-             b(_c10d.all_reduce.default, b(torch.ops.graphtrain.fp8_amax.default, x), "max", group))  # fmt: skip
-    cast = b(torch.ops.graphtrain.fp8_cast.default,
-             b(aten.view.default, x, [batch * seq, dim]), amax, E4M3, pow2, False)  # fmt: skip
+    local_amax = b(torch.ops.graphtrain.fp8_amax.default, x)
+    amax = b(_c10d.wait_tensor.default, b(_c10d.all_reduce.default, local_amax, "max", group))
+    rows = b(aten.view.default, x, [batch * seq, dim])
+    cast = b(torch.ops.graphtrain.fp8_cast.default, rows, amax, E4M3, pow2, False)
     x8, scale_inv, counts = (b(operator.getitem, cast, i) for i in (0, 2, 3))
     shard = b(aten.view.default, b(aten.view.dtype, x8, torch.uint8), [batch, seq, dim])
     gathered = b(
@@ -108,8 +107,9 @@ def _fp8_gather(gm: torch.fx.GraphModule, ag: Node, fake_mode: Any) -> str:
         source = x8_full if read is full else b(aten.view.default, x8_full, read.args[1])
         weight, bias = linear.args[1], linear.args[2] if len(linear.args) > 2 else None
         out_dtype = linear.kwargs.get("out_dtype") or read.meta["val"].dtype
-        new = b(torch.ops.graphtrain.fp8_linear_precast.default, source, scale_inv, counts,
-                weight, None, bias, pow2_scale=pow2, tp_group=group, out_dtype=out_dtype)  # fmt: skip
+        args = (source, scale_inv, counts, weight, None, bias)
+        kwargs = {"pow2_scale": pow2, "tp_group": group, "out_dtype": out_dtype}
+        new = b(torch.ops.graphtrain.fp8_linear_precast.default, *args, **kwargs)
         fx.copy_meta(linear, new)
         linear.replace_all_uses_with(new)
         gm.graph.erase_node(linear)

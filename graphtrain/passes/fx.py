@@ -376,6 +376,18 @@ def is_op(node: Any, target: Any) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target == target
 
 
+# AOT autograd writes view / _unsafe_view; Inductor's own post-grad passes turn them into reshape.
+ATEN_VIEWS = (
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+)
+
+
+def is_aten_view(node: Any) -> bool:
+    return any(is_op(node, target) for target in ATEN_VIEWS)
+
+
 def only_user(node: Node) -> Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 

@@ -59,12 +59,7 @@ _c10d = torch.ops._c10d_functional
 
 _is, _only_user = fx.is_op, fx.only_user
 
-# AOT autograd writes view / _unsafe_view; Inductor's own post-grad passes turn them into reshape.
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def _is_view(node: Any) -> bool:
-    return any(_is(node, target) for target in _VIEWS)
+_is_view = fx.is_aten_view
 
 
 def _shape(node: Node) -> list[int]:

@@ -14,6 +14,9 @@ What
         dgrad  grad_x = _scaled_mm(g8, w8_t^T)   (grad_out W)       in x's dtype
         wgrad  grad_w = _scaled_mm(g8_t, x8_t^T) (grad_out^T x)     in the weight's dtype
         grad_b = grad_out summed over rows in fp32.
+    With grad_scale_inv (and grad_counts, this rank's cast counts), grad_out arrives cast
+    already (before a tensor-parallel all-gather, graphtrain/passes/fp8_all_gather.py): the
+    same bits as the cast here, given the same global amax; no bias then.
     Every scale is per tensor, from the tensor's current amax (graphtrain::fp8_amax, then
     graphtrain::fp8_cast); nothing goes to the host.
 
@@ -209,6 +212,8 @@ def fp8_linear_backward_ref(
     w8_t: Tensor,
     w_scale_inv: Tensor,
     has_bias: bool,
+    grad_scale_inv: Tensor | None = None,
+    grad_counts: Tensor | None = None,
     *,
     e4m3_grads: bool,
     pow2_scale: bool,
@@ -217,11 +222,18 @@ def fp8_linear_backward_ref(
     w_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    (ag,) = reduce_amax([torch.ops.graphtrain.fp8_amax(g2)], tp_group)
-    g8, g8_t, sg = cast_pair(g2, ag, E4M3 if e4m3_grads else E5M2, pow2_scale, "gradient")
+    if grad_scale_inv is None:
+        (ag,) = reduce_amax([torch.ops.graphtrain.fp8_amax(g2)], tp_group)
+        g8, g8_t, sg = cast_pair(g2, ag, E4M3 if e4m3_grads else E5M2, pow2_scale, "gradient")
+    else:  # cast before a tensor-parallel all-gather: this rank's counts are 1/tp of g2's
+        tp = 1 if tp_group is None else _group_size(tp_group)
+        record_saturation("gradient", grad_counts, g2.numel() // tp)
+        g8, g8_t, sg = g2, _transposed(g2), grad_scale_inv
     grad_x = torch._scaled_mm(g8, w8_t.t(), sg, w_scale_inv, out_dtype=x_dtype)
     grad_w = torch._scaled_mm(g8_t, x8_t.t(), sg, x_scale_inv, out_dtype=w_dtype)
-    grad_b = g2.sum(0, dtype=torch.float32).to(w_dtype) if has_bias else g2.new_empty(0)
+    grad_b = (
+        g2.sum(0, dtype=torch.float32).to(w_dtype) if has_bias else g2.new_empty(0, dtype=w_dtype)
+    )
     return grad_x.view(*grad_out.shape[:-1], -1), grad_w, grad_b
 
 
@@ -330,13 +342,29 @@ def _fp8_linear_precast_fake(
     return _fp8_linear_fake(x, weight, bias, out_dtype=out_dtype)
 
 
+def _check_backward(
+    grad_out: Tensor, has_bias: bool, grad_scale_inv: Tensor | None, grad_counts: Tensor | None,
+    e4m3_grads: bool,
+) -> None:  # fmt: skip
+    if grad_scale_inv is None:
+        return
+    dtype = E4M3 if e4m3_grads else E5M2
+    if grad_out.dtype != dtype or grad_counts is None or has_bias:
+        raise ValueError(
+            f"fp8_linear_backward with grad_scale_inv needs grad_out in {dtype}, grad_counts "
+            f"and no bias (grad_b sums the unquantised gradient), got {grad_out.dtype}, "
+            f"grad_counts {grad_counts is not None}, has_bias {has_bias}"
+        )
+
+
 @torch.library.custom_op(
     "graphtrain::fp8_linear_backward",
     mutates_args=(),
     schema=(
         "(Tensor grad_out, Tensor x8_t, Tensor x_scale_inv, Tensor w8_t, Tensor w_scale_inv, "
-        "bool has_bias, *, bool e4m3_grads, bool pow2_scale, str? tp_group, "
-        "ScalarType x_dtype, ScalarType w_dtype) -> (Tensor grad_x, Tensor grad_w, Tensor grad_b)"
+        "bool has_bias, Tensor? grad_scale_inv=None, Tensor? grad_counts=None, *, "
+        "bool e4m3_grads, bool pow2_scale, str? tp_group, ScalarType x_dtype, "
+        "ScalarType w_dtype) -> (Tensor grad_x, Tensor grad_w, Tensor grad_b)"
     ),
 )
 def fp8_linear_backward(
@@ -346,6 +374,8 @@ def fp8_linear_backward(
     w8_t: Tensor,
     w_scale_inv: Tensor,
     has_bias: bool,
+    grad_scale_inv: Tensor | None = None,
+    grad_counts: Tensor | None = None,
     *,
     e4m3_grads: bool,
     pow2_scale: bool,
@@ -353,9 +383,12 @@ def fp8_linear_backward(
     x_dtype: torch.dtype,
     w_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_x, grad_w, grad_b or an empty tensor) of fp8_linear, from its saved FP8 copies."""
+    """(grad_x, grad_w, grad_b or an empty tensor) of fp8_linear, from its saved FP8 copies;
+    with grad_scale_inv, grad_out is cast already (grad_counts: this rank's cast counts)."""
+    _check_backward(grad_out, has_bias, grad_scale_inv, grad_counts, e4m3_grads)
     return fp8_linear_backward_ref(
-        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, has_bias, e4m3_grads=e4m3_grads,
+        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, has_bias, grad_scale_inv, grad_counts,
+        e4m3_grads=e4m3_grads,
         pow2_scale=pow2_scale, tp_group=tp_group, x_dtype=x_dtype, w_dtype=w_dtype,
     )  # fmt: skip
 
@@ -368,6 +401,8 @@ def _fp8_linear_backward_fake(
     w8_t,
     w_scale_inv,
     has_bias,
+    grad_scale_inv=None,
+    grad_counts=None,
     *,
     e4m3_grads,
     pow2_scale,
@@ -375,6 +410,7 @@ def _fp8_linear_backward_fake(
     x_dtype,
     w_dtype,
 ):
+    _check_backward(grad_out, has_bias, grad_scale_inv, grad_counts, e4m3_grads)
     K, N = w8_t.shape
     return (
         grad_out.new_empty((*grad_out.shape[:-1], K), dtype=x_dtype),

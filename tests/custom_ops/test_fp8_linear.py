@@ -194,6 +194,15 @@ def test_opcheck():
     kwargs.update(x_dtype=torch.float32, w_dtype=torch.float32)
     args = (grad, x8_t, sx, w8_t, sw, True)
     torch.library.opcheck(op.fp8_linear_backward.default, args, kwargs, test_utils=utils)
+    # grad_out cast already (E5M2), as before a tensor-parallel all-gather: the same results
+    g8, _, sg, counts = op.fp8_cast(grad, op.fp8_amax(grad), torch.float8_e5m2, False, False)
+    args = (g8, x8_t, sx, w8_t, sw, False, sg, counts)
+    torch.library.opcheck(op.fp8_linear_backward.default, args, kwargs, test_utils=utils)
+    plain = op.fp8_linear_backward(grad, x8_t, sx, w8_t, sw, False, **kwargs)
+    precast = op.fp8_linear_backward(*args, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(plain, precast, strict=True))
+    with pytest.raises(ValueError, match="no bias"):
+        op.fp8_linear_backward(g8, x8_t, sx, w8_t, sw, True, sg, counts, **kwargs)
     x8 = x8_t.t().contiguous()
     counts = torch.zeros(2, dtype=torch.int64)
     kwargs = dict(pow2_scale=False, tp_group=None, out_dtype=torch.float32)

@@ -170,11 +170,14 @@ def test_benchmark_cpu_smoke():
 
 def test_fp8_all_gather_bitwise(ranks2):
     # fp8_linear on every block linear: the attention's and the MLP's input gathers feed only
-    # FP8 GEMMs (q, k, v; w1, w3) and move E4M3 bytes; the losses and every gradient equal
-    # the FP8 run that gathers fp32 and casts after (same global amax, so the same bytes).
+    # FP8 GEMMs (q, k, v; w1, w3) and move E4M3 bytes, the backward's gradient gathers for
+    # wo's and w2's dgrad E5M2 bytes; the losses and every gradient equal the FP8 run that
+    # gathers fp32 and casts after (same global amax, so the same bytes).
     result = ranks2[0]["fp8_gather_tp2"]
     for forward in _block_graphs(result["notes"], "forward"):
         assert sum("cast to E4M3 before the gather" in n for n in forward) == 2, forward
+    for backward in _block_graphs(result["notes"], "backward"):  # wo's and w2's dgrad inputs
+        assert sum("cast to E5M2 before the gather" in n for n in backward) == 2, backward
     _assert_bitwise(result)
 
 

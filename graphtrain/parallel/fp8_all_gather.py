@@ -1,8 +1,8 @@
 """FSDP2 all-gather of linear weights in FP8 (fp8.fsdp_all_gather_fp8): half the bytes of bf16.
 
 What
-    apply_fp8_all_gather(model, fp8) makes the weight of every nn.Linear the [fp8] filters would
-    run in FP8 an `Fp8ShardWeight`: a tensor subclass around the high-precision weight (the
+    apply_fp8_all_gather(model, fp8, dp) makes the weight of every nn.Linear that the [fp8]
+    filters would run in FP8 an `Fp8ShardWeight`: a tensor subclass around the weight (the
     optimizer, the state dict and init see and change the wrapped tensor) that FSDP2's
     all-gather extension asks for its gather inputs (torch.distributed.fsdp, fully_shard's
     fsdp_pre_all_gather / fsdp_post_all_gather hooks):
@@ -27,7 +27,9 @@ Why
 Numerics
     The max of the shards' amaxes is the weight's amax exactly and the cast is elementwise, so
     the gathered bytes and scale are those fp8_linear computes from the gathered weight: loss
-    and gradients are bitwise those of the option off (tests/parallel/test_parallel_train.py).
+    and gradients are bitwise those of the option off (tests/parallel/test_overlap_tp_comm.py,
+    dp_shard=2). Checkpoints hold the plain high-precision tensors (Fp8ShardWeight pickles as
+    the tensor it wraps), so they load with the option on or off.
     The amax all-reduce is one small collective per weight per gather (torchao batches them
     after the optimizer step; a later optimisation).
 

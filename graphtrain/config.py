@@ -166,6 +166,9 @@ class Fp8Config:
     experts: bool = True  # the MoE experts' grouped GEMMs too
     e4m3_grads: bool = False  # gradients in E4M3 instead of E5M2
     pow2_scale: bool = False  # round scales down to powers of two
+    # FSDP2 gathers the FP8 linears' weights as E4M3 bytes cast from the shards (scale from the
+    # shard amaxes max-reduced over dp): half the bytes of a bf16 gather, same numerics; no tp
+    fsdp_all_gather_fp8: bool = False
 
     def __post_init__(self) -> None:
         _positive("fp8", self, "min_dim")
@@ -359,6 +362,13 @@ class JobConfig:
     def _check_fp8(self) -> None:
         """training.fp8 = true is compile.passes += ["+fp8_linear"]: added here, so the trainer
         and `graphtrain inspect` (which read compile.passes) both see it."""
+        if self.fp8.fsdp_all_gather_fp8 and not self.training.fp8:
+            raise ValueError("fp8.fsdp_all_gather_fp8=true needs training.fp8=true")
+        if self.fp8.fsdp_all_gather_fp8 and self.parallel.tp > 1:
+            raise ValueError(
+                f"fp8.fsdp_all_gather_fp8=true is built for FSDP without tensor parallelism, "
+                f"got parallel.tp={self.parallel.tp}: set one of them off"
+            )
         if not self.training.fp8:
             return
         if not self.compile.enable:

@@ -376,6 +376,7 @@ def _build_model(
         compile_options=compile_options,
         param_dtype=_param_dtype(cfg, device),
         reduce_dtype=_DTYPES[training.reduce_dtype],
+        fp8_all_gather=cfg.fp8 if cfg.fp8.fsdp_all_gather_fp8 else None,
     )
     model.to_empty(device=device)
     model.init_weights(seed=training.seed)

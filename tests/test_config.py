@@ -226,3 +226,8 @@ def test_fp8_switch_and_filters():
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             load_config(["--preset", "debug", "--training.fp8=true", *args])
+    with pytest.raises(ValueError, match=r"fsdp_all_gather_fp8=true needs training\.fp8=true"):
+        load_config(["--preset", "debug", "--fp8.fsdp_all_gather_fp8=true"])
+    with pytest.raises(ValueError, match=r"without tensor parallelism, got parallel\.tp=2"):
+        load_config(["--preset", "debug", "--training.fp8=true", "--fp8.fsdp_all_gather_fp8=true",
+                     "--parallel.tp=2"])  # fmt: skip

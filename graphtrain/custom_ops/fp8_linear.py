@@ -14,8 +14,21 @@ What
         dgrad  grad_x = _scaled_mm(g8, w8_t^T)   (grad_out W)       in x's dtype
         wgrad  grad_w = _scaled_mm(g8_t, x8_t^T) (grad_out^T x)     in the weight's dtype
         grad_b = grad_out summed over rows in fp32.
+    With grad_scale_inv (and grad_counts, this rank's cast counts), grad_out arrives cast
+    already (before a tensor-parallel all-gather, graphtrain/passes/fp8_all_gather.py): the
+    same bits as the cast here, given the same global amax; no bias then.
     Every scale is per tensor, from the tensor's current amax (graphtrain::fp8_amax, then
     graphtrain::fp8_cast); nothing goes to the host.
+
+Operands in FP8 already (graphtrain::fp8_linear_precast, forward only)
+    fp8_linear_precast(x, x_scale_inv, x_counts, weight, w_scale_inv, bias, *, pow2_scale,
+                       tp_group, out_dtype) -> the same five outputs
+    is fp8_linear's forward where an operand with a scale_inv is E4M3 already, cast before an
+    all-gather: x under tensor parallelism (graphtrain/passes/fp8_all_gather.py puts the op in
+    the post-grad forward graph in place of fp8_linear, whose backward is fp8_linear_backward
+    there; x_counts are the [clipped, flushed] counts of this rank's 1/tp of x's rows), the
+    weight under FSDP2 (graphtrain/parallel/fp8_all_gather.py). Given the bytes and the scale
+    fp8_linear would have made, its outputs are the same bits: both run _fp8_linear_forward.
 
 Tensor parallel
     With tp_group (a process-group name), x, weight and grad_out are the rank's shards: each
@@ -130,11 +143,66 @@ def fp8_linear_ref(
     )
     x8, x8_t, sx = cast_pair(x2, ax, E4M3, pow2_scale, "activation")
     w8, w8_t, sw = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
-    out_dtype = out_dtype or x.dtype
+    return _fp8_linear_forward(
+        (x8, x8_t, sx), (w8, w8_t, sw), bias, x.shape[:-1], out_dtype or x.dtype
+    )
+
+
+def _fp8_linear_forward(
+    x_fp8: tuple[Tensor, Tensor, Tensor],
+    w_fp8: tuple[Tensor, Tensor, Tensor],
+    bias: Tensor | None,
+    lead_shape: torch.Size,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The GEMM from both operands' (t8, t8_t, scale_inv), shared by every entry."""
+    (x8, x8_t, sx), (w8, w8_t, sw) = x_fp8, w_fp8
     out = torch._scaled_mm(x8, w8.t(), sx, sw, out_dtype=out_dtype)  # w8.t(): column-major
     if bias is not None:
         out = out + bias.to(out_dtype)
-    return out.view(*x.shape[:-1], weight.shape[0]), x8_t, sx, w8_t, sw
+    return out.view(*lead_shape, w8.shape[0]), x8_t, sx, w8_t, sw
+
+
+def _transposed(t8: Tensor) -> Tensor:
+    """t8.T contiguous, as fp8_cast writes it."""
+    return t8.t().clone(memory_format=torch.contiguous_format)
+
+
+def fp8_linear_precast_ref(
+    x: Tensor,
+    x_scale_inv: Tensor | None,
+    x_counts: Tensor | None,
+    weight: Tensor,
+    w_scale_inv: Tensor | None,
+    bias: Tensor | None,
+    *,
+    pow2_scale: bool,
+    tp_group: str | None,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fp8_linear's forward where x and/or the weight come in E4M3 with their 1 / scale (the
+    other is cast here, its amax max-reduced over tp_group, as fp8_linear does)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x_scale_inv is None:
+        (ax,) = reduce_amax([torch.ops.graphtrain.fp8_amax(x2)], tp_group)
+        x_fp8 = cast_pair(x2, ax, E4M3, pow2_scale, "activation")
+    else:
+        if x_counts is not None:
+            tp = 1 if tp_group is None else _group_size(tp_group)
+            record_saturation("activation", x_counts, x.numel() // tp)  # this rank's 1/tp
+        x_fp8 = (x2, _transposed(x2), x_scale_inv.clone())
+    if w_scale_inv is None:
+        (aw,) = reduce_amax([torch.ops.graphtrain.fp8_amax(weight)], tp_group)
+        w_fp8 = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
+    else:
+        w_fp8 = (weight, _transposed(weight), w_scale_inv.clone())
+    return _fp8_linear_forward(x_fp8, w_fp8, bias, x.shape[:-1], out_dtype)
+
+
+def _group_size(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
 
 
 def fp8_linear_backward_ref(
@@ -144,6 +212,8 @@ def fp8_linear_backward_ref(
     w8_t: Tensor,
     w_scale_inv: Tensor,
     has_bias: bool,
+    grad_scale_inv: Tensor | None = None,
+    grad_counts: Tensor | None = None,
     *,
     e4m3_grads: bool,
     pow2_scale: bool,
@@ -152,11 +222,18 @@ def fp8_linear_backward_ref(
     w_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    (ag,) = reduce_amax([torch.ops.graphtrain.fp8_amax(g2)], tp_group)
-    g8, g8_t, sg = cast_pair(g2, ag, E4M3 if e4m3_grads else E5M2, pow2_scale, "gradient")
+    if grad_scale_inv is None:
+        (ag,) = reduce_amax([torch.ops.graphtrain.fp8_amax(g2)], tp_group)
+        g8, g8_t, sg = cast_pair(g2, ag, E4M3 if e4m3_grads else E5M2, pow2_scale, "gradient")
+    else:  # cast before a tensor-parallel all-gather: this rank's counts are 1/tp of g2's
+        tp = 1 if tp_group is None else _group_size(tp_group)
+        record_saturation("gradient", grad_counts, g2.numel() // tp)
+        g8, g8_t, sg = g2, _transposed(g2), grad_scale_inv
     grad_x = torch._scaled_mm(g8, w8_t.t(), sg, w_scale_inv, out_dtype=x_dtype)
     grad_w = torch._scaled_mm(g8_t, x8_t.t(), sg, x_scale_inv, out_dtype=w_dtype)
-    grad_b = g2.sum(0, dtype=torch.float32).to(w_dtype) if has_bias else g2.new_empty(0)
+    grad_b = (
+        g2.sum(0, dtype=torch.float32).to(w_dtype) if has_bias else g2.new_empty(0, dtype=w_dtype)
+    )
     return grad_x.view(*grad_out.shape[:-1], -1), grad_w, grad_b
 
 
@@ -204,13 +281,90 @@ def _fp8_linear_fake(
     )
 
 
+def _check_precast(
+    x: Tensor, x_scale_inv: Tensor | None, weight: Tensor, w_scale_inv: Tensor | None,
+    bias: Tensor | None, out_dtype: torch.dtype,
+) -> None:  # fmt: skip
+    def plain(t: Tensor, scale_inv: Tensor | None) -> Tensor:  # what _check takes
+        return t if scale_inv is None else torch.empty(t.shape, dtype=out_dtype, device="meta")
+
+    _check(plain(x, x_scale_inv), plain(weight, w_scale_inv), bias, out_dtype)
+    for name, t, scale_inv in (("x", x, x_scale_inv), ("weight", weight, w_scale_inv)):
+        if scale_inv is not None and (t.dtype != E4M3 or scale_inv.shape != ()):
+            raise ValueError(
+                f"fp8_linear_precast: {name} with a scale_inv must be {E4M3} with a 0-d "
+                f"scale_inv, got {t.dtype} and {tuple(scale_inv.shape)}"
+            )
+    if x_scale_inv is None and w_scale_inv is None:
+        raise ValueError("fp8_linear_precast needs x or the weight in FP8 (a scale_inv)")
+
+
+@torch.library.custom_op(
+    "graphtrain::fp8_linear_precast",
+    mutates_args=(),
+    schema=(
+        "(Tensor x, Tensor? x_scale_inv, Tensor? x_counts, Tensor weight, Tensor? w_scale_inv, "
+        "Tensor? bias, *, bool pow2_scale, str? tp_group, ScalarType out_dtype) "
+        "-> (Tensor out, Tensor x8_t, Tensor x_scale_inv_out, Tensor w8_t, Tensor w_scale_inv_out)"
+    ),
+)
+def fp8_linear_precast(
+    x: Tensor,
+    x_scale_inv: Tensor | None,
+    x_counts: Tensor | None,
+    weight: Tensor,
+    w_scale_inv: Tensor | None,
+    bias: Tensor | None,
+    *,
+    pow2_scale: bool,
+    tp_group: str | None,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fp8_linear's forward outputs where an operand is in E4M3 already (no autograd: it goes
+    into post-grad forward graphs next to fp8_linear_backward, or under an autograd-carrying
+    fp8_linear as graphtrain.parallel.fp8_all_gather's Fp8Weight runs it)."""
+    _check_precast(x, x_scale_inv, weight, w_scale_inv, bias, out_dtype)
+    return fp8_linear_precast_ref(
+        x, x_scale_inv, x_counts, weight, w_scale_inv, bias, pow2_scale=pow2_scale,
+        tp_group=tp_group, out_dtype=out_dtype,
+    )  # fmt: skip
+
+
+@fp8_linear_precast.register_fake
+def _fp8_linear_precast_fake(
+    x, x_scale_inv, x_counts, weight, w_scale_inv, bias, *, pow2_scale, tp_group, out_dtype
+):
+    _check_precast(x, x_scale_inv, weight, w_scale_inv, bias, out_dtype)
+    if x_scale_inv is not None:
+        x = x.new_empty(x.shape, dtype=out_dtype)
+    if w_scale_inv is not None:
+        weight = weight.new_empty(weight.shape, dtype=out_dtype)
+    return _fp8_linear_fake(x, weight, bias, out_dtype=out_dtype)
+
+
+def _check_backward(
+    grad_out: Tensor, has_bias: bool, grad_scale_inv: Tensor | None, grad_counts: Tensor | None,
+    e4m3_grads: bool,
+) -> None:  # fmt: skip
+    if grad_scale_inv is None:
+        return
+    dtype = E4M3 if e4m3_grads else E5M2
+    if grad_out.dtype != dtype or grad_counts is None or has_bias:
+        raise ValueError(
+            f"fp8_linear_backward with grad_scale_inv needs grad_out in {dtype}, grad_counts "
+            f"and no bias (grad_b sums the unquantised gradient), got {grad_out.dtype}, "
+            f"grad_counts {grad_counts is not None}, has_bias {has_bias}"
+        )
+
+
 @torch.library.custom_op(
     "graphtrain::fp8_linear_backward",
     mutates_args=(),
     schema=(
         "(Tensor grad_out, Tensor x8_t, Tensor x_scale_inv, Tensor w8_t, Tensor w_scale_inv, "
-        "bool has_bias, *, bool e4m3_grads, bool pow2_scale, str? tp_group, "
-        "ScalarType x_dtype, ScalarType w_dtype) -> (Tensor grad_x, Tensor grad_w, Tensor grad_b)"
+        "bool has_bias, Tensor? grad_scale_inv=None, Tensor? grad_counts=None, *, "
+        "bool e4m3_grads, bool pow2_scale, str? tp_group, ScalarType x_dtype, "
+        "ScalarType w_dtype) -> (Tensor grad_x, Tensor grad_w, Tensor grad_b)"
     ),
 )
 def fp8_linear_backward(
@@ -220,6 +374,8 @@ def fp8_linear_backward(
     w8_t: Tensor,
     w_scale_inv: Tensor,
     has_bias: bool,
+    grad_scale_inv: Tensor | None = None,
+    grad_counts: Tensor | None = None,
     *,
     e4m3_grads: bool,
     pow2_scale: bool,
@@ -227,9 +383,12 @@ def fp8_linear_backward(
     x_dtype: torch.dtype,
     w_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_x, grad_w, grad_b or an empty tensor) of fp8_linear, from its saved FP8 copies."""
+    """(grad_x, grad_w, grad_b or an empty tensor) of fp8_linear, from its saved FP8 copies;
+    with grad_scale_inv, grad_out is cast already (grad_counts: this rank's cast counts)."""
+    _check_backward(grad_out, has_bias, grad_scale_inv, grad_counts, e4m3_grads)
     return fp8_linear_backward_ref(
-        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, has_bias, e4m3_grads=e4m3_grads,
+        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, has_bias, grad_scale_inv, grad_counts,
+        e4m3_grads=e4m3_grads,
         pow2_scale=pow2_scale, tp_group=tp_group, x_dtype=x_dtype, w_dtype=w_dtype,
     )  # fmt: skip
 
@@ -242,6 +401,8 @@ def _fp8_linear_backward_fake(
     w8_t,
     w_scale_inv,
     has_bias,
+    grad_scale_inv=None,
+    grad_counts=None,
     *,
     e4m3_grads,
     pow2_scale,
@@ -249,6 +410,7 @@ def _fp8_linear_backward_fake(
     x_dtype,
     w_dtype,
 ):
+    _check_backward(grad_out, has_bias, grad_scale_inv, grad_counts, e4m3_grads)
     K, N = w8_t.shape
     return (
         grad_out.new_empty((*grad_out.shape[:-1], K), dtype=x_dtype),

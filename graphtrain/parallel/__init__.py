@@ -19,14 +19,17 @@ to finish the gradients no FSDP hook reduces (expert-parallel weights, MoE layer
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+if TYPE_CHECKING:
+    from graphtrain.config import Fp8Config
 from graphtrain.parallel.activation_checkpoint import AC_MODES, apply_ac
 from graphtrain.parallel.expert_parallel import apply_ep, expert_params, reduce_expert_grads
+from graphtrain.parallel.fp8_all_gather import apply_fp8_all_gather
 from graphtrain.parallel.fsdp import apply_fsdp
 from graphtrain.parallel.gradients import GradientFinisher
 from graphtrain.parallel.init import apply_reproducible_init
@@ -54,6 +57,7 @@ __all__ = [
     "ParallelDims",
     "apply_ac",
     "apply_ep",
+    "apply_fp8_all_gather",
     "apply_fsdp",
     "apply_reproducible_init",
     "apply_tp",
@@ -82,6 +86,7 @@ def parallelize_model(
     compile_options: dict[str, Any] | None,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
+    fp8_all_gather: Fp8Config | None = None,
 ) -> GradientFinisher:
     """Apply EP -> TP -> compile -> AC -> FSDP to `model` in place; returns the call that
     finishes each step's gradients (see graphtrain.parallel.gradients).
@@ -89,7 +94,8 @@ def parallelize_model(
     `mesh` comes from build_mesh(dims, ...); None is fine for one process (nothing to shard).
     compile_options: keyword arguments of graphtrain.compile.apply_compile, None for eager.
     param_dtype/reduce_dtype: FSDP2's mixed precision; without data parallelism there is no
-    FSDP and the parameters' own dtype is used. Afterwards model.init_weights(seed) gives the
+    FSDP and the parameters' own dtype is used. fp8_all_gather: the [fp8] filters whose linears'
+    weights FSDP2 gathers in FP8 (graphtrain.parallel.fp8_all_gather), None for none. Afterwards model.init_weights(seed) gives the
     values of the unsharded model (see graphtrain.parallel.init).
     """
     if dims.tp_enabled:
@@ -110,6 +116,16 @@ def parallelize_model(
     #    FSDP's sharding of the TP shards) must see that final layout.
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], plan)
+
+    # 1b. Weights FSDP2 will gather in FP8 are wrapped before compile traces them and before
+    #     fully_shard shards them (it keeps the wrapper on the shards).
+    if fp8_all_gather is not None:
+        if dims.tp_enabled or dims.dp_shard < 2:
+            raise ValueError(
+                f"fp8.fsdp_all_gather_fp8 needs FSDP (dp_shard > 1) without tp, got "
+                f"dp_shard={dims.dp_shard}, tp={dims.tp}"
+            )
+        apply_fp8_all_gather(model, fp8_all_gather, dims.dp_shard)
 
     # 2. Compile before AC and FSDP: per-block regions, so that the checkpoint and FSDP2's
     #    all-gather/reduce-scatter hooks run around the compiled code, not inside it.

@@ -49,8 +49,10 @@ Tensor parallel
     (RowwiseParallel: x Shard(-1) made by DTensor.from_local, W Shard(1)) become the op on
     from_local's input and W.to_local(), its output wrapped back as the Partial DTensor that
     RowwiseParallel reduce-scatters. Other layouts (2-D meshes, biases) are refused.
-    Under FSDP2 the compiled block sees the gathered weight, cast once per micro-batch; casting
-    to FP8 before the all-gather is not built.
+    The gather of a column-parallel input moves FP8 bytes where all its consumers are
+    fp8_linear (the post-grad pass fp8_all_gather). Under FSDP2 the compiled block sees the
+    gathered weight, cast once per micro-batch; with fp8.fsdp_all_gather_fp8 it is gathered
+    in FP8 already (graphtrain/parallel/fp8_all_gather.py) and the op takes its bytes.
 
 Invariant and numerics (preserves_numerics=False)
     Only the matched GEMMs (and transposes left unused) change; every other node and the graph's

@@ -57,39 +57,17 @@ aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
 
-def _is(node: Any, target: Any) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target == target
+_is, _only_user = fx.is_op, fx.only_user
 
-
-# AOT autograd writes view / _unsafe_view; Inductor's own post-grad passes turn them into reshape.
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def _is_view(node: Any) -> bool:
-    return any(_is(node, target) for target in _VIEWS)
+_is_view = fx.is_aten_view
 
 
 def _shape(node: Node) -> list[int]:
     return list(node.meta["val"].shape)
 
 
-def _only_user(node: Node) -> Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-class _Builder:
-    """Inserts aten nodes before `anchor`, each with its fake value (Inductor lowers from them)."""
-
-    def __init__(self, graph: torch.fx.Graph, anchor: Node, fake_mode: Any) -> None:
-        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
-
-    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args, kwargs)
-        values = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = target(*values[0], **values[1])
-        return node
+class _Builder(fx.AtenBuilder):
+    """fx.AtenBuilder and the row reorderings between sequence and rank-major layouts."""
 
     def rank_major_to_sequence(self, blocks: list[Node], tp: int, batch: int, seq: int) -> Node:
         """[B, tp * S, W] from blocks[j] = rows j of every rank's [B * S] rows, rank-major
@@ -170,29 +148,17 @@ def _symm_mem_enabled(group: str) -> bool:
 
 
 def _match_gather(ag: Node) -> tuple[Node, Node, list[Node], list[Node]]:
-    """(wait, full, its row GEMMs, the 2-D views feeding them) of an all-gather, or Refuse."""
-    wait = _only_user(ag)
-    if not _is(wait, _c10d.wait_tensor.default):
-        raise Refuse("its result is not waited on once")
-    split, x_shape = _only_user(wait), _shape(ag.args[0])
-    if len(x_shape) != 3 or not _is(split, aten.split.Tensor) or split.args[1] != x_shape[0]:
-        raise Refuse("the gathered tensor is not split back into the ranks' [B, S, D] pieces")
-    if len(split.args) > 2 and split.args[2] != 0:
-        raise Refuse("the gathered tensor is split on another dim than the ranks'")
-    pieces = sorted(split.users, key=lambda n: n.args[1])
-    cat = _only_user(pieces[0])
-    if not _is(cat, aten.cat.default) or list(cat.args[0]) != pieces or cat.args[1:] != (1,):
-        raise Refuse("the gathered pieces are not concatenated on the sequence dim")
-    views, gemms = [], []
+    """(wait, full, its row GEMMs, the pieces gathered) of an all-gather, or Refuse."""
+    wait, pieces, cat = fx.match_sequence_gather(ag)
+    gemms = []
     for view in cat.users:
         if _is_view(view) and len(view.args[1]) == 2:
             for gemm in view.users:
                 if _is(gemm, aten.mm.default) and gemm.args[0] is view:
-                    views.append(view)
                     gemms.append(gemm)
     if not gemms:
         raise Refuse("the gathered tensor feeds no GEMM as its rows")
-    return wait, cat, gemms, [split, *pieces]
+    return wait, cat, gemms, pieces
 
 
 def _overlap_gather(

@@ -194,6 +194,45 @@ def test_opcheck():
     kwargs.update(x_dtype=torch.float32, w_dtype=torch.float32)
     args = (grad, x8_t, sx, w8_t, sw, True)
     torch.library.opcheck(op.fp8_linear_backward.default, args, kwargs, test_utils=utils)
+    # grad_out cast already (E5M2), as before a tensor-parallel all-gather: the same results
+    g8, _, sg, counts = op.fp8_cast(grad, op.fp8_amax(grad), torch.float8_e5m2, False, False)
+    args = (g8, x8_t, sx, w8_t, sw, False, sg, counts)
+    torch.library.opcheck(op.fp8_linear_backward.default, args, kwargs, test_utils=utils)
+    plain = op.fp8_linear_backward(grad, x8_t, sx, w8_t, sw, False, **kwargs)
+    precast = op.fp8_linear_backward(*args, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(plain, precast, strict=True))
+    with pytest.raises(ValueError, match="no bias"):
+        op.fp8_linear_backward(g8, x8_t, sx, w8_t, sw, True, sg, counts, **kwargs)
+    x8 = x8_t.t().contiguous()
+    counts = torch.zeros(2, dtype=torch.int64)
+    kwargs = dict(pow2_scale=False, tp_group=None, out_dtype=torch.float32)
+    args = (x8, sx, counts, w, None, b)
+    torch.library.opcheck(op.fp8_linear_precast.default, args, kwargs, test_utils=utils)
+    args = (x, None, None, w8_t.t().contiguous(), sw, b)
+    torch.library.opcheck(op.fp8_linear_precast.default, args, kwargs, test_utils=utils)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_precast_entry_is_the_same_forward(pow2):
+    # fp8_linear_precast from the bytes and scale fp8_linear made of x gives its five outputs
+    # bit for bit, and so from the weight's (what the FP8 all-gathers rely on); a wrong dtype
+    # or no FP8 operand is refused.
+    x, w, b, _ = _inputs((3, 5), 32, 16, seed=2)
+    outs = torch.ops.graphtrain.fp8_linear(x.bfloat16(), w, b, pow2_scale=pow2)
+    x8 = outs[1].t().contiguous().view(3, 5, 32)
+    counts = torch.zeros(2, dtype=torch.int64)
+    kwargs = dict(pow2_scale=pow2, tp_group=None, out_dtype=torch.bfloat16)
+    w8 = outs[3].t().contiguous()
+    precast = torch.ops.graphtrain.fp8_linear_precast
+    for args in [(x8, outs[2], counts, w, None, b), (x.bfloat16(), None, None, w8, outs[4], b)]:
+        for a, c in zip(outs, precast(*args, **kwargs), strict=True):
+            if a.dtype == torch.float8_e4m3fn:  # torch.equal has no float8 kernel on CPU
+                a, c = a.view(torch.uint8), c.view(torch.uint8)
+            assert a.dtype == c.dtype and torch.equal(a, c)
+    with pytest.raises(ValueError, match=r"x with a scale_inv must be torch\.float8_e4m3fn"):
+        precast(x8.float(), outs[2], counts, w, None, b, **kwargs)
+    with pytest.raises(ValueError, match="needs x or the weight in FP8"):
+        precast(x, None, None, w, None, b, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Rank functions for tests/parallel/test_overlap_tp_comm.py (run with parallel_dist.run_ranks).
 
-Each compiles a model (aot_eager) with the overlap_tp_comm pass switched off and on, trains it
-the same few steps in both, and returns the losses, the gradients of every step and the pass's
-notes (rank 0's graph dumps), so the test can assert bitwise equality and what was rewritten.
+Each compiles a model (aot_eager) with a post-grad pass (spec "toggle": overlap_tp_comm, or
+fp8_all_gather with "+fp8_linear" in spec "passes") switched off and on, trains it the same few
+steps in both, and returns the losses, the gradients of every step and the pass's notes (rank
+0's graph dumps), so the test can assert bitwise equality and what was rewritten.
 """
 
 from __future__ import annotations
@@ -18,25 +19,29 @@ from parallel_scenarios import BATCH, SEED, SEQ
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphtrain.compile import backend
+from graphtrain.config import Fp8Config
 from graphtrain.parallel import ParallelDims, build_mesh, dp_mesh, parallelize_model
 from models import MODEL_PRESETS, build_model, tp_plan
 
 STEPS = 2
 
 
-def _notes(dump: Path) -> dict[str, list[str]]:
-    """{"block-0/forward": [notes...], ...}: the overlap pass's notes of every AOT graph."""
+def _notes(dump: Path, label: str = "overlap_tp_comm") -> dict[str, list[str]]:
+    """{"block-0/forward": [notes...], ...}: the pass's notes of every AOT graph."""
     out: dict[str, list[str]] = {}
     for summary in sorted(dump.glob("*/*/summary.json")):
         graph = f"{summary.parent.parent.name}/{summary.parent.name}"
         for step in json.loads(summary.read_text()):
-            if step["label"] == "overlap_tp_comm":
+            if step["label"] == label:
                 out.setdefault(graph, []).extend(step["notes"])
     return out
 
 
-def _train(rank: int, world: int, spec: dict[str, Any], overlap: bool, dump: Path) -> dict:
+def _train(rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path) -> dict:
     torch._dynamo.reset()
+    toggled = spec.get("toggle", "overlap_tp_comm")
+    fsdp_fp8 = toggled == "fp8.fsdp_all_gather_fp8"  # an option of parallelize_model, no pass
+    fp8 = {k[4:]: v for k, v in spec.get("options", {}).items() if k.startswith("fp8.")}
     device = spec.get("device", "cpu")
     dims = ParallelDims(**spec["dims"], world_size=world)
     mesh = build_mesh(dims, device)
@@ -55,15 +60,17 @@ def _train(rank: int, world: int, spec: dict[str, Any], overlap: bool, dump: Pat
         ac_mode="none",
         compile_options={
             "inner": spec.get("inner", "aot_eager"),
-            "passes": [] if overlap else ["-overlap_tp_comm"],
+            "passes": [*spec.get("passes", []), *([] if on or fsdp_fp8 else [f"-{toggled}"])],
             "dump_dir": dump if rank == 0 else None,
             "pass_options": {
                 "tp_overlap_chunks": spec.get("chunks", 0),
                 "tp_overlap_variant": spec.get("variant", "auto"),
+                **spec.get("options", {}),
             },
         },
         param_dtype=torch.float32,
         reduce_dtype=torch.float32,
+        fp8_all_gather=Fp8Config(**fp8) if on and fsdp_fp8 else None,
     )
     model.to_empty(device=device)
     model.init_weights(SEED)
@@ -88,7 +95,16 @@ def _train(rank: int, world: int, spec: dict[str, Any], overlap: bool, dump: Pat
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach().clone())
-    return {"losses": losses, "grads": grads if rank == 0 else None}
+    return {"losses": losses, "grads": grads if rank == 0 else None, "gathered": _gathered(model)}
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, list[torch.dtype]]:
+    """{parameter: dtypes FSDP2 all-gathered it in} for the first block ({} without FSDP)."""
+    block = model.layers["0"]
+    if not hasattr(block, "_get_fsdp_state"):
+        return {}
+    group = block._get_fsdp_state()._fsdp_param_group
+    return {p._param_fqn: [t.dtype for t in p.all_gather_outputs] for p in group.fsdp_params}
 
 
 def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -105,9 +121,11 @@ def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any
                 else None
             )
             on = _train(rank, world, spec, True, Path(tmp) / "on")
-            out[spec["name"]] = {"off": off, "on": on, "notes": _notes(Path(tmp) / "on")}
+            notes = _notes(Path(tmp) / "on", spec.get("toggle", "overlap_tp_comm"))
+            out[spec["name"]] = {"off": off, "on": on, "notes": notes}
     if all(spec.get("device", "cpu") == "cpu" for spec in specs):
         out["refusal"] = _gather_without_gemm(rank, world)
+        out["fp8_gather"] = _fp8_gather(rank, world)
     return out
 
 
@@ -146,3 +164,47 @@ def _gather_without_gemm(rank: int, world: int) -> list[str]:
         )
         assert torch.isfinite(out)
         return [n for notes in _notes(Path(tmp)).values() for n in notes]
+
+
+def _fp8_gather(rank: int, world: int) -> dict[str, Any]:
+    """Two bf16 sequence shards gathered into fp8_linear (compiled with fp8_all_gather): x's
+    only consumer is the op, so it is gathered in FP8; y is also summed, so it stays bf16. The
+    reference gathers bf16 and casts with the global amax: the op's FP8 copy of x must be
+    those bytes."""
+    torch._dynamo.reset()
+    mesh = build_mesh(ParallelDims(tp=world, dp_shard=1, world_size=world), "cpu")["tp"]
+    group = mesh.get_group().group_name
+    fp8_linear = torch.ops.graphtrain.fp8_linear
+
+    def gathered_fp8(x: DTensor, y: DTensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        full_x = x.redistribute(placements=[Replicate()]).to_local()
+        full_y = y.redistribute(placements=[Replicate()]).to_local()
+        _, x8_t, sx, _, _ = fp8_linear(full_x, w, None, tp_group=group)
+        out_y = fp8_linear(full_y, w, None, tp_group=group)[0]
+        return x8_t, sx, out_y + full_y.sum()
+
+    g = torch.Generator().manual_seed(SEED + rank)  # each rank its own shard
+    shards = [torch.randn(2, 8, 32, generator=g).bfloat16() * (rank + 1) for _ in range(2)]
+    x, y = (DTensor.from_local(s, mesh, [Shard(1)]) for s in shards)
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+    with tempfile.TemporaryDirectory() as tmp:
+        be = backend(inner="aot_eager", dump_dir=Path(tmp), region="fp8_gather")
+        x8_t, sx, out_y = torch.compile(gathered_fp8, backend=be, fullgraph=True)(x, y, w)
+        notes = [n for ns in _notes(Path(tmp), "fp8_all_gather").values() for n in ns]
+        (graph,) = Path(tmp).glob("*/forward/*_fp8_all_gather.txt")
+        gathers = [
+            line
+            for line in graph.read_text().splitlines()
+            if "= torch.ops._c10d_functional.all_gather" in line
+        ]
+    full = x.full_tensor().reshape(-1, 32)  # gathered in bf16
+    amax = torch.ops.graphtrain.fp8_amax(full)  # the global amax
+    _, ref_t, ref_sx, _ = torch.ops.graphtrain.fp8_cast(
+        full, amax, torch.float8_e4m3fn, False, True
+    )
+    y_full = y.full_tensor()
+    ref_y = fp8_linear(y_full, w, None)[0] + y_full.sum()
+    return {
+        "x8_t": x8_t.view(torch.uint8), "ref_t": ref_t.view(torch.uint8), "sx": sx,
+        "ref_sx": ref_sx, "out_y": out_y, "ref_y": ref_y, "notes": notes, "gathers": gathers,
+    }  # fmt: skip

@@ -3,7 +3,8 @@
 The chunked variant keeps every dot product's K order and every reduce-scatter's per-element
 sum (same ranks, same order), so the losses and every gradient of every step must be bitwise
 equal to the unrewritten graphs: dense tp=2 (chunks = tp and 4), MoE with expert TP (etp=tp),
-tp=4, and the symm_mem variant. Composed with FSDP (dp2 x tp2), the pass is on by default in
+tp=4, and the symm_mem variant. The fp8_all_gather pass (FP8 bytes gathered into fp8_linear)
+is checked here too, on the same launches: bitwise against the FP8 run without it. Composed with FSDP (dp2 x tp2), the pass is on by default in
 tests/parallel/test_parallel_train.py, which follows the single process.
 """
 
@@ -31,6 +32,22 @@ SPECS_2 = [
         "variant": "symm_mem",
     },
     {"name": "moe_etp2", "model": "moe-debug", "dims": {"tp": 2, "dp_shard": 1, "etp": 2}},
+    {  # the fp8_all_gather pass off and on, FP8 linears everywhere the filters allow
+        "name": "fp8_gather_tp2",
+        "model": "debug",
+        "dims": {"tp": 2, "dp_shard": 1},
+        "passes": ["+fp8_linear"],
+        "options": {"fp8.min_dim": 16},
+        "toggle": "fp8_all_gather",
+    },
+    {  # FSDP2 gathering the FP8 linears' weights in FP8, off and on (no tp)
+        "name": "fp8_fsdp_dp2",
+        "model": "debug",
+        "dims": {"tp": 1, "dp_shard": 2},
+        "passes": ["+fp8_linear"],
+        "options": {"fp8.min_dim": 16},
+        "toggle": "fp8.fsdp_all_gather_fp8",
+    },
 ]
 SPECS_4 = [
     {"name": "dense_tp4", "model": "debug", "dims": {"tp": 4, "dp_shard": 1}},
@@ -149,3 +166,43 @@ def test_benchmark_cpu_smoke():
     from conftest import run_benchmark_smoke
 
     run_benchmark_smoke("tp_overlap.py", "tp_overlap smoke: chunked == one GEMM")
+
+
+def test_fp8_all_gather_bitwise(ranks2):
+    # fp8_linear on every block linear: the attention's and the MLP's input gathers feed only
+    # FP8 GEMMs (q, k, v; w1, w3) and move E4M3 bytes, the backward's gradient gathers for
+    # wo's and w2's dgrad E5M2 bytes; the losses and every gradient equal the FP8 run that
+    # gathers fp32 and casts after (same global amax, so the same bytes).
+    result = ranks2[0]["fp8_gather_tp2"]
+    for forward in _block_graphs(result["notes"], "forward"):
+        assert sum("cast to E4M3 before the gather" in n for n in forward) == 2, forward
+    for backward in _block_graphs(result["notes"], "backward"):  # wo's and w2's dgrad inputs
+        assert sum("cast to E5M2 before the gather" in n for n in backward) == 2, backward
+    _assert_bitwise(result)
+
+
+def test_fp8_all_gather_equals_cast_after_gather(ranks2):
+    # Per rank: the FP8 copy of the gathered bf16 activation (and its scale) equals gathering
+    # bf16 and casting with the global amax, bit for bit; the gather of a tensor that is also
+    # summed stays bf16, with a note, and its result equals the eager computation.
+    for rank in ranks2:
+        r = rank["fp8_gather"]
+        assert torch.equal(r["x8_t"], r["ref_t"]) and torch.equal(r["sx"], r["ref_sx"])
+        assert torch.equal(r["out_y"], r["ref_y"])
+    r = ranks2[0]["fp8_gather"]
+    assert sum("1 byte per element gathered instead of 2" in n for n in r["notes"]) == 1, r
+    assert sum("left in high precision" in n and "not fp8_linear" in n for n in r["notes"]) == 1
+    assert sorted(line.split('"')[1][:3] for line in r["gathers"]) == ["bf1", "u8["], r["gathers"]
+
+
+def test_fsdp_fp8_all_gather_bitwise(ranks2):
+    # dp_shard=2: the linears' weights (not the head, not the norms) are gathered as E4M3
+    # bytes cast with the amax max-reduced over dp; the losses and every gradient equal the
+    # run that gathers fp32 and casts after, bit for bit, over the steps (optimizer included).
+    result = ranks2[0]["fp8_fsdp_dp2"]
+    on, off = result["on"]["gathered"], result["off"]["gathered"]
+    linears = [n for n in on if n.endswith(("wq.weight", "wo.weight", "w1.weight", "w2.weight"))]
+    assert len(linears) == 4 and all(on[n] == [torch.uint8] for n in linears), on
+    assert all(on[n] == [torch.float32] for n in on if "norm" in n), on
+    assert all(dtypes == [torch.float32] for dtypes in off.values()), off
+    _assert_bitwise(result)

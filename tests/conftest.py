@@ -58,28 +58,40 @@ def job(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
-def torchrun_metrics(nproc: int, args: list[str]) -> list[dict]:
-    """Run `graphtrain train ARGS` on nproc CPU ranks (gloo); the lines of its metrics.jsonl."""
+def torchrun_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
+    """Run `graphtrain train ARGS` for each ARGS of `jobs`, one after the other, in the same nproc
+    CPU ranks (gloo; one torchrun launch for all: its process start and imports cost more than
+    a small job); the lines of each job's metrics.jsonl, in the order of `jobs`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
+    script = Path(__file__).resolve().parent / "train_jobs.py"
+    proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={nproc}",
-            "-m",
-            "graphtrain",
-            "train",
-            *args,
+            str(script),
+            json.dumps(jobs),
         ],
-        check=True,
         env=env,
-        timeout=300,
+        timeout=300 * len(jobs),
         capture_output=True,
+        text=True,
     )
-    run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--training.run_dir="))
-    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    metrics = []
+    for args in jobs:
+        run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--training.run_dir="))
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        metrics.append([json.loads(x) for x in lines])
+    return metrics
+
+
+def torchrun_metrics(nproc: int, args: list[str]) -> list[dict]:
+    """Run `graphtrain train ARGS` on nproc CPU ranks (gloo); the lines of its metrics.jsonl."""
+    (metrics,) = torchrun_jobs(nproc, [args])
+    return metrics
 
 
 @pytest.fixture
@@ -156,6 +168,18 @@ def module_grads(module, x, dump: Path | None, autocast: bool = False) -> tuple:
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     grads = torch.autograd.grad(out, [x, *module.parameters()], g)
     return out.detach(), grads
+
+
+@pytest.fixture(scope="session")
+def straight_six_steps(corpus, tmp_path_factory):
+    """The TrainResult of 6 steps of the debug model on the corpus with the defaults of `job`
+    (compiled): the uninterrupted run that the resume tests compare with."""
+    from graphtrain.config import load_config
+    from graphtrain.trainer import train
+
+    return train(
+        load_config(job(corpus, tmp_path_factory.mktemp("straight"), "--training.steps=6"))
+    )
 
 
 @pytest.fixture(scope="session")

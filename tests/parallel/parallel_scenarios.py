@@ -74,9 +74,11 @@ def reference(tie: bool = False, mask: bool = False, mtp: int = 0) -> dict[str, 
 
 
 def run_specs(rank: int, world_size: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Entry point for parallel_dist.run_ranks: mesh checks, then parallel_run for each spec in
-    the same processes (one spawn: process start and imports are most of the cost)."""
-    results = {"mesh": mesh_checks(world_size)}
+    """Entry point for parallel_dist.run_ranks: the AOTAutograd cache switch (before anything
+    else compiles), mesh checks, then parallel_run for each spec in the same processes (one
+    spawn: process start and imports are most of the cost)."""
+    results = {"aot_cache": aot_cache_after_compile(rank, world_size)}
+    results["mesh"] = mesh_checks(world_size)
     for spec in specs:
         # Compiled regions of the previous spec's model are dead; drop them so Dynamo's
         # per-code-object recompile count starts from zero for each model.

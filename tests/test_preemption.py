@@ -53,7 +53,7 @@ def _worker(parent: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow  # two torchrun launches (~40 s on 2 busy cores)
+@pytest.mark.slow  # two torchrun launches, the second with two jobs
 def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(corpus, tmp_path):
     """A real SIGTERM to rank 1 only of a 2-rank gloo job (FSDP over dp_shard=2) while it
     trains: both ranks stop after the same step, save it, exit 75; resuming from it gives the

@@ -7,6 +7,7 @@ gradients, eager or compiled."""
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,22 +65,23 @@ def torchrun_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
     a small job); the lines of each job's metrics.jsonl, in the order of `jobs`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = Path(__file__).resolve().parent / "train_jobs.py"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(script),
-            json.dumps(jobs),
-        ],
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={nproc}", str(script), json.dumps(jobs)]
+    # A session of its own: on a timeout the ranks go too, not only torchrun.
+    with subprocess.Popen(
+        command,
         env=env,
-        timeout=300 * len(jobs),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=300 * len(jobs))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert proc.returncode == 0, out[-3000:] + err[-5000:]
     metrics = []
     for args in jobs:
         run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--training.run_dir="))

@@ -7,6 +7,7 @@ gradients, eager or compiled."""
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -58,28 +59,41 @@ def job(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
+def torchrun_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
+    """Run `graphtrain train ARGS` for each ARGS of `jobs`, one after the other, in the same nproc
+    CPU ranks (gloo; one torchrun launch for all: its process start and imports cost more than
+    a small job); the lines of each job's metrics.jsonl, in the order of `jobs`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = Path(__file__).resolve().parent / "train_jobs.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={nproc}", str(script), json.dumps(jobs)]
+    # A session of its own: on a timeout the ranks go too, not only torchrun.
+    with subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=300 * len(jobs))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert proc.returncode == 0, out[-3000:] + err[-5000:]
+    metrics = []
+    for args in jobs:
+        run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--training.run_dir="))
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        metrics.append([json.loads(x) for x in lines])
+    return metrics
+
+
 def torchrun_metrics(nproc: int, args: list[str]) -> list[dict]:
     """Run `graphtrain train ARGS` on nproc CPU ranks (gloo); the lines of its metrics.jsonl."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "graphtrain",
-            "train",
-            *args,
-        ],
-        check=True,
-        env=env,
-        timeout=300,
-        capture_output=True,
-    )
-    run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--training.run_dir="))
-    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    (metrics,) = torchrun_jobs(nproc, [args])
+    return metrics
 
 
 @pytest.fixture
@@ -156,6 +170,18 @@ def module_grads(module, x, dump: Path | None, autocast: bool = False) -> tuple:
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     grads = torch.autograd.grad(out, [x, *module.parameters()], g)
     return out.detach(), grads
+
+
+@pytest.fixture(scope="session")
+def straight_six_steps(corpus, tmp_path_factory):
+    """The TrainResult of 6 steps of the debug model on the corpus with the defaults of `job`
+    (compiled): the uninterrupted run that the resume tests compare with."""
+    from graphtrain.config import load_config
+    from graphtrain.trainer import train
+
+    return train(
+        load_config(job(corpus, tmp_path_factory.mktemp("straight"), "--training.steps=6"))
+    )
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job, torchrun_metrics
+from conftest import job, torchrun_jobs
 
 from graphtrain.config import load_config
 from graphtrain.trainer import train
@@ -397,15 +397,30 @@ def test_launch_sh_dry_run_with_one_gpu_prints_only_the_plain_command():
     assert "torch.distributed.run" not in out
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["--parallel.dp_shard=2", "--training.micro_batch_size=2"],
-        ["--parallel.tp=2", "--training.micro_batch_size=4"],
-    ],
-    ids=["dp_shard2", "tp2"],
-)
-def test_two_processes_follow_the_single_process_curve(corpus, tmp_path, layout):
+TWO_PROCESS_LAYOUTS = {
+    "dp_shard2": ["--parallel.dp_shard=2", "--training.micro_batch_size=2"],
+    "tp2": ["--parallel.tp=2", "--training.micro_batch_size=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(corpus, tmp_path_factory):
+    """The single-process run, and the metrics of each layout of TWO_PROCESS_LAYOUTS (the two
+    in one torchrun launch): 8 steps, validation before training."""
+    tmp = tmp_path_factory.mktemp("two_processes")
+    common = [
+        "--training.steps=8",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
+    single = train(load_config(job(corpus, tmp / "one", *common, "--training.micro_batch_size=4")))
+    jobs = [job(corpus, tmp / name, *common, *args) for name, args in TWO_PROCESS_LAYOUTS.items()]
+    return single, dict(zip(TWO_PROCESS_LAYOUTS, torchrun_jobs(2, jobs), strict=True))
+
+
+@pytest.mark.parametrize("layout", list(TWO_PROCESS_LAYOUTS))
+def test_two_processes_follow_the_single_process_curve(two_process_runs, layout):
     """Same global batch (4 rows of 64 tokens), same init, same data order.
 
     Tolerance 1e-3 relative: dp_shard=2 weights each rank's tokens within the rank and then
@@ -414,16 +429,8 @@ def test_two_processes_follow_the_single_process_curve(corpus, tmp_path, layout)
 
     Validation before training (same init) evaluates the same held-out rows on any layout and
     micro-batch size: equal within 1e-5 relative (fp32 sums in another order)."""
-    common = [
-        "--training.steps=8",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-        f"--data.val_paths={corpus / 'docs.jsonl'}",
-    ]
-    single = train(
-        load_config(job(corpus, tmp_path / "one", *common, "--training.micro_batch_size=4"))
-    )
-    metrics = torchrun_metrics(2, job(corpus, tmp_path / "two", *common, *layout))
+    single, runs = two_process_runs
+    metrics = runs[layout]
     multi = [m["loss"] for m in metrics if "loss" in m]
     assert len(multi) == 8
     for a, b in zip(single.losses, multi, strict=True):

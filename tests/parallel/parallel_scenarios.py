@@ -73,15 +73,23 @@ def reference(tie: bool = False, mask: bool = False, mtp: int = 0) -> dict[str, 
     return {"params": params, "losses": _train(model, batch(mask), lambda loss: loss.item())}
 
 
-def run_specs(rank: int, world_size: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Entry point for parallel_dist.run_ranks: mesh checks, then parallel_run for each spec in
-    the same processes (one spawn: process start and imports are most of the cost)."""
-    results = {"mesh": mesh_checks(world_size)}
+def run_specs(
+    rank: int, world_size: int, specs: list[dict[str, Any]], checks: tuple = ()
+) -> dict[str, Any]:
+    """Entry point for parallel_dist.run_ranks: the AOTAutograd cache switch (before anything
+    else compiles), mesh checks, parallel_run for each spec, then each of `checks` (module-level
+    functions of rank and world size), all in the same processes (one spawn: process start and
+    imports are most of the cost). Results by spec name and check name."""
+    results = {"aot_cache": aot_cache_after_compile(rank, world_size)}
+    results["mesh"] = mesh_checks(world_size)
     for spec in specs:
         # Compiled regions of the previous spec's model are dead; drop them so Dynamo's
         # per-code-object recompile count starts from zero for each model.
         torch._dynamo.reset()
         results[spec["name"]] = parallel_run(rank, world_size, spec)
+    for check in checks:
+        torch._dynamo.reset()
+        results[check.__name__] = check(rank, world_size)
     return results
 
 
@@ -189,3 +197,65 @@ def aot_cache_after_compile(rank: int, world_size: int) -> tuple[bool, bool]:
     after = torch._functorch.config.enable_autograd_cache
     torch._functorch.config.enable_autograd_cache = before
     return before, after
+
+
+# Rank divergence: each case's layout, what rank 1 perturbs, and the name check_replicas reports.
+DIVERGENCE_CASES = [
+    ({"tp": 2}, "param", "layers.1.ffn_norm.weight (ranks 0 vs ranks 1)"),
+    (
+        {"dp_replicate": 2, "dp_shard": 1},
+        "exp_avg",
+        "layers.1.ffn_norm.weight (optimizer exp_avg) (ranks 0 vs ranks 1)",
+    ),
+]
+
+
+def replica_divergence(rank: int, world_size: int) -> list[list[str]]:
+    """For each of DIVERGENCE_CASES, the messages of the replica check (empty: passed) on a
+    clean model after one AdamW step, then with rank 1's parameter or its exp_avg one ulp off."""
+    return [_check_after_a_step(rank, world_size, dims, what) for dims, what, _ in DIVERGENCE_CASES]
+
+
+def _check_after_a_step(rank: int, world_size: int, dims: dict, perturb: str) -> list[str]:
+    from torch.distributed.tensor import DTensor
+
+    from graphtrain.parallel import ParallelDims, build_mesh, parallelize_model
+    from graphtrain.parallel.divergence import ReplicaDivergenceError, check_replicas
+    from models.gpt_plan import GPT_TP_PLAN
+
+    dims = ParallelDims(**dims, world_size=world_size)
+    mesh = build_mesh(dims, "cpu")
+    with torch.device("meta"):
+        model = build_gpt(config())
+    parallelize_model(
+        model,
+        mesh,
+        dims,
+        plan=GPT_TP_PLAN,
+        ac_mode="none",
+        compile_options=None,
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+    )
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batch(mask=False)
+    if dims.dp_size > 1:  # each replica its own rows: the gradients must be reduced to agree
+        data = {k: v[rank::world_size] for k, v in data.items()}
+    model(**data).backward()
+    optimizer.step()
+    messages = []
+    for what in ("nothing", perturb):
+        if what != "nothing" and rank == 1:
+            param = dict(model.named_parameters())["layers.1.ffn_norm.weight"]
+            target = param if what == "param" else optimizer.state[param]["exp_avg"]
+            local = target.to_local() if isinstance(target, DTensor) else target
+            with torch.no_grad():  # one ulp of one element
+                local.view(-1)[3] = torch.nextafter(local.view(-1)[3], torch.tensor(9.0))
+        try:
+            check_replicas(model, optimizer, step=7)
+            messages.append("")
+        except ReplicaDivergenceError as e:
+            messages.append(str(e))
+    return messages

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import job, torchrun_metrics
+from conftest import job, torchrun_jobs
 
 from graphtrain.config import load_config
 from graphtrain.parallel import ParallelDims, apply_ep
@@ -27,49 +28,83 @@ _COMMON = (
 _SLICED = ("--model.aux_loss_coef=0", "--model.seq_aux_loss_coef=0")
 _SPLIT = ("--parallel.tp=2", "--parallel.dp_shard=2")
 _KEYS = ("loss", "grad_norm", "moe/layers.1/load_max_over_mean")
+_DUMP = "--compile.dump_graphs=true"
+_MB = {dp: f"--training.micro_batch_size={4 // dp}" for dp in (1, 2, 4)}  # global batch: 4 rows
+
+# Every run of this file: name -> (ranks, arguments beyond _COMMON).
+RUNS = {
+    # Plain data parallelism, the references.
+    "dp1": (1, (_MB[1],)),
+    "dp1_sliced": (1, (*_SLICED, _MB[1])),
+    "dp2": (2, ("--parallel.dp_shard=2", _MB[2], _DUMP)),  # dumps: the compiled-ops test's too
+    "dp4": (4, ("--parallel.dp_shard=4", _MB[4])),
+    # The layouts.
+    "tp2": (2, (*_SLICED, "--parallel.tp=2", _MB[1])),
+    "tp2_etp2": (2, ("--parallel.tp=2", "--parallel.etp=2", _MB[1])),
+    "dp2_tp2_ep2": (4, (*_SPLIT, "--parallel.ep=2", _MB[2])),
+    "dp2_tp2_etp2": (4, (*_SPLIT, "--parallel.etp=2", _MB[2])),
+    # Saves at step 2 too, for the resume test.
+    "dp2_tp2_ep2_etp2": (
+        4,
+        (*_SPLIT, "--parallel.ep=2", "--parallel.etp=2", _MB[2], "--checkpoint.interval=2"),
+    ),
+    "hsdp_ep2": (
+        4,
+        ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2", _MB[4]),
+    ),
+    "dp2_ep2": (2, ("--parallel.dp_shard=2", "--parallel.ep=2", _MB[2], _DUMP)),
+}
+# Each layout and the reference with its data-parallel ranks (same rows per rank, same loss
+# weighting) and its aux losses.
+LAYOUTS = {
+    "tp2": "dp1_sliced",
+    "tp2_etp2": "dp1",
+    "dp2_tp2_ep2": "dp2",
+    "dp2_tp2_etp2": "dp2",
+    "dp2_tp2_ep2_etp2": "dp2",
+    "hsdp_ep2": "dp4",
+}
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
-    """Metrics of a plain data-parallel run (no tp, no ep), run once per argument list."""
-    runs: dict[tuple[str, ...], list[dict]] = {}
+def runs(corpus, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """(run directory, logged steps) of every run of RUNS, by name. The one-process runs train
+    in this process; all the runs of 2 ranks share one torchrun launch, those of 4 another
+    (process start and imports cost more than such a run)."""
+    root = tmp_path_factory.mktemp("ep")
+    args = {name: job(corpus, root / name, *_COMMON, *extra) for name, (_, extra) in RUNS.items()}
+    metrics = {}
+    for name, (nproc, _) in RUNS.items():
+        if nproc == 1:
+            train(load_config(args[name]))
+            metrics[name] = _lines(root / name / "run")
+    for nproc in (2, 4):
+        names = [name for name, (n, _) in RUNS.items() if n == nproc]
+        metrics.update(zip(names, torchrun_jobs(nproc, [args[n] for n in names]), strict=True))
+    return {
+        name: (root / name / "run", [m for m in lines if "loss" in m])
+        for name, lines in metrics.items()
+    }
 
-    def run(dp: int, *args: str) -> list[dict]:
-        if (dp, *args) not in runs:
-            path = tmp_path_factory.mktemp("reference")
-            layout = (f"--parallel.dp_shard={dp}",) if dp > 1 else ()
-            runs[(dp, *args)] = _steps(dp, job(corpus, path, *_COMMON, *layout, *args))
-        return runs[(dp, *args)]
 
-    return run
+def _lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _steps(nproc: int, args: list[str]) -> list[dict]:
-    return [m for m in torchrun_metrics(nproc, args) if "loss" in m]
+def _assert_trains_like(got: list[dict], ref: list[dict]) -> None:
+    """Tolerance: fp32 reduction order. The first step (forward, gradients, grad norm) agrees to
+    1e-5; later losses to 1e-4, because AdamW divides by the root of each parameter's second
+    moment, so in near-zero gradients (where tp's other summation order is all there is) a few
+    ulps become a visible change of the update (seen: 1.4e-5 at step 3 with tp=2, expert TP 1)."""
+    assert len(ref) == len(got) == 4
+    for key in _KEYS:
+        assert got[0][key] == pytest.approx(ref[0][key], rel=1e-5), key
+    for a, b in zip(ref, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
 
 
-@pytest.mark.parametrize(
-    ("dp", "extra", "nproc", "layout"),
-    [
-        (1, _SLICED, 2, ("--parallel.tp=2",)),
-        (1, (), 2, ("--parallel.tp=2", "--parallel.etp=2")),
-        (2, (), 4, (*_SPLIT, "--parallel.ep=2")),
-        (2, (), 4, (*_SPLIT, "--parallel.etp=2")),
-        (2, (), 4, (*_SPLIT, "--parallel.ep=2", "--parallel.etp=2")),
-        (4, (), 4, ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2")),
-    ],
-    ids=[
-        "tp2",
-        "tp2_etp2",
-        "dp2_tp2_ep2",
-        "dp2_tp2_etp2",
-        "dp2_tp2_ep2_etp2",
-        "hsdp_ep2",
-    ],
-)
-def test_tensor_and_expert_parallel_train_like_data_parallel(
-    corpus, tmp_path, reference, dp, extra, nproc, layout
-):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tensor_and_expert_parallel_train_like_data_parallel(runs, layout):
     """Each layout against plain data parallelism over the same number of data-parallel ranks
     (so the same rows per rank and the same loss weighting), same global batch of 4 rows, same
     init, 4 steps:
@@ -80,19 +115,9 @@ def test_tensor_and_expert_parallel_train_like_data_parallel(
     experts) or with both (each rank's experts split over tp); HSDP 2 x 2 with ep=2 (expert
     weights replicated over dp_replicate: their gradients summed over the replicas).
     moe-debug has every aux loss on (global_aux counts all-reduced across ranks) and the
-    expert bias. The grad norm covers every gradient, expert weights included.
-    Tolerance: fp32 reduction order. The first step (forward, gradients, grad norm) agrees to
-    1e-5; later losses to 1e-4, because AdamW divides by the root of each parameter's second
-    moment, so in near-zero gradients (where tp's other summation order is all there is) a few
-    ulps become a visible change of the update (seen: 1.4e-5 at step 3 with tp=2, expert TP 1)."""
-    mb = f"--training.micro_batch_size={4 // dp}"
-    ref = reference(dp, *extra, mb)
-    got = _steps(nproc, job(corpus, tmp_path, *_COMMON, *extra, *layout, mb))
-    assert len(ref) == len(got) == 4
-    for key in _KEYS:
-        assert got[0][key] == pytest.approx(ref[0][key], rel=1e-5), key
-    for a, b in zip(ref, got, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+    expert bias. The grad norm covers every gradient, expert weights included. Tolerances: see
+    _assert_trains_like."""
+    _assert_trains_like(runs[layout][1], runs[LAYOUTS[layout]][1])
 
 
 def _fused_op_counts(run_dir) -> dict[str, dict[str, int]]:
@@ -109,21 +134,16 @@ def _fused_op_counts(run_dir) -> dict[str, dict[str, int]]:
     return counts
 
 
-def test_expert_parallel_compiles_to_the_ops_of_data_parallel(corpus, tmp_path):
+def test_expert_parallel_compiles_to_the_ops_of_data_parallel(runs):
     """dp_shard=2 with ep=2 (experts split over the two ranks, all-to-all dispatch) against
     plain data parallelism over the same two ranks, both compiled (aot_eager) with graph dumps:
     every compiled region holds the same graphtrain ops (moe_route, moe_permute,
     moe_unpermute) and the same number of grouped GEMMs (w1|w3 fused: 2 per MoE layer), the
     all-to-alls (tokens per expert, rows out, rows back) being the only additions, all in one
-    graph per block; and the run trains like data parallelism (tolerances of
-    test_tensor_and_expert_parallel_train_like_data_parallel: first step 1e-5, losses
-    1e-4)."""
-    common = (*_COMMON, "--compile.dump_graphs=true", "--parallel.dp_shard=2")
-    common = (*common, "--training.micro_batch_size=2")
-    ref = _steps(2, job(corpus, tmp_path / "dp", *common))
-    got = _steps(2, job(corpus, tmp_path / "ep", *common, "--parallel.ep=2"))
-    want_ops = _fused_op_counts(tmp_path / "dp" / "run")
-    got_ops = _fused_op_counts(tmp_path / "ep" / "run")
+    graph per block; and the run trains like data parallelism (_assert_trains_like)."""
+    (ref_dir, ref), (got_dir, got) = runs["dp2"], runs["dp2_ep2"]
+    want_ops = _fused_op_counts(ref_dir)
+    got_ops = _fused_op_counts(got_dir)
     num_moe = MODEL_PRESETS["moe-debug"].num_layers - MODEL_PRESETS["moe-debug"].first_k_dense
     route = "graphtrain.moe_route.default"
     moe_regions = [r for r, ops in want_ops.items() if route in ops]
@@ -135,25 +155,18 @@ def test_expert_parallel_compiles_to_the_ops_of_data_parallel(corpus, tmp_path):
             assert ops["torch._grouped_mm"] == 2, ops
             ops = {**ops, "_c10d_functional.all_to_all_single": 3}
         assert got_ops[region] == ops, (region, got_ops)
-    assert len(ref) == len(got) == 4
-    for key in _KEYS:
-        assert got[0][key] == pytest.approx(ref[0][key], rel=1e-5), key
-    for a, b in zip(ref, got, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+    _assert_trains_like(got, ref)
 
 
-def test_expert_and_expert_tp_checkpoint_resumes_on_one_process(corpus, tmp_path, reference):
+def test_expert_and_expert_tp_checkpoint_resumes_on_one_process(corpus, runs):
     """Saved at step 2 of 4 by dp_shard=2 x tp=2 with ep=2 and etp=2 (expert weights and their
     AdamW moments split over ("ep", "tp")), resumed by one process with the same global batch:
     its steps 3 and 4 follow the one-process run (1e-4, as above)."""
-    split = (*_SPLIT, "--parallel.ep=2", "--parallel.etp=2", "--training.micro_batch_size=2")
-    args = job(corpus, tmp_path, *_COMMON, "--checkpoint.interval=2")
-    _steps(4, [*args, *split])
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-0000004")  # continue from step 2
-    resumed = train(
-        load_config([*args, "--training.micro_batch_size=4", "--checkpoint.resume=latest"])
-    )
-    straight = [m["loss"] for m in reference(1, "--training.micro_batch_size=4")]
+    run_dir = runs["dp2_tp2_ep2_etp2"][0]
+    shutil.rmtree(run_dir / "checkpoints" / "step-0000004")  # continue from step 2
+    args = job(corpus, run_dir.parent, *_COMMON, "--checkpoint.interval=2", _MB[1])
+    resumed = train(load_config([*args, "--checkpoint.resume=latest"]))
+    straight = [m["loss"] for m in runs["dp1"][1]]
     assert resumed.losses == pytest.approx(straight[2:], rel=1e-4)
 
 

@@ -12,7 +12,8 @@ A real bug (a wrong shard, a gradient not reduced or scaled twice, a broken tie)
 by more than 1e-3 after one step at LR 1e-2, far outside the tolerance.
 
 All 2-rank layouts run in one spawn, the 4-rank ones in another: process start and imports
-dominate the cost on 2 cores.
+dominate the cost on 2 cores. The 2-rank spawn also runs the rank-divergence check
+(graphtrain.parallel.divergence): test_a_perturbed_rank_is_named.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from parallel_dist import run_ranks
-from parallel_scenarios import aot_cache_after_compile, reference, run_specs
+from parallel_scenarios import DIVERGENCE_CASES, reference, replica_divergence, run_specs
 
 LOSS_RTOL = 1e-5
 AOT_EAGER = {"inner": "aot_eager"}
@@ -59,7 +60,7 @@ ALL = {**{s["name"]: (2, s) for s in SPECS_2}, **{s["name"]: (4, s) for s in SPE
 
 @pytest.fixture(scope="module")
 def ranks2() -> list[dict]:
-    return run_ranks(run_specs, 2, SPECS_2)
+    return run_ranks(run_specs, 2, SPECS_2, (replica_divergence,))
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ def test_tied_head_stays_tied(layout):
         assert r["tied"] == spec.get("tie", False), name
 
 
-def test_ranks_do_not_share_aot_autograd_graphs():
+def test_ranks_do_not_share_aot_autograd_graphs(ranks2, ranks4):
     """On several ranks graphtrain turns the AOTAutograd cache off: its key misses the group
     names and shard offsets in the graphs, so ranks of one host would load each other's (seen:
     ep=2 x tp=2 x etp=2 under Inductor failing on another tp group's name, and a warm cache
@@ -135,5 +136,17 @@ def test_ranks_do_not_share_aot_autograd_graphs():
     import torch._functorch.config
 
     before = torch._functorch.config.enable_autograd_cache
-    assert run_ranks(aot_cache_after_compile, 2) == [(before, False), (before, False)]
+    for results in (ranks2, ranks4):
+        assert [r["aot_cache"] for r in results] == [(before, False)] * len(results)
     assert before, "nothing to check: the cache is already off in this torch"
+
+
+def test_a_perturbed_rank_is_named(ranks2):
+    """Rank divergence: a clean 2-rank run (tp=2; dp_replicate=2) passes the replica check after
+    one AdamW step; rank 1's parameter or optimizer state perturbed by one ulp is named, with
+    the ranks, on every rank."""
+    per_rank = [r["replica_divergence"] for r in ranks2]
+    for (_, _, named), *messages in zip(DIVERGENCE_CASES, *per_rank, strict=True):
+        for clean, perturbed in messages:
+            assert clean == ""
+            assert perturbed.startswith("replicas diverged at step 7: " + named)

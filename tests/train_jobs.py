@@ -1,0 +1,45 @@
+"""`graphtrain train ARGS` for each argument list of the JSON list argv[1], one job after the
+other on the ranks of one torchrun launch (conftest.torchrun_jobs): the launch and the imports
+are most of a small job's cost, and they are paid once.
+
+Each rank imports the trainer once, then forks one process per job: every job starts from a
+fresh process state as in a launch of its own (torch's distributed caches are keyed by mesh
+shape, so a second job in the same process can meet the groups of the first: seen as "Could not
+resolve the process group"). Each job's process group lives on its own key space of
+torchrun's store (groups started again on the same keys hung: seen with gloo). The first job
+that fails ends the launch with its exit code."""
+
+import json
+import os
+import sys
+import traceback
+
+import torch.distributed as dist
+
+import graphtrain.trainer  # noqa: F401  imported once, before the forks
+from graphtrain.cli import main
+
+
+def _job(index: int, args: list[str]) -> int:
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"job{index}/", store)
+    # The trainer finds the group started and uses it (and destroys it at its end).
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    return main(["train", *args])
+
+
+if __name__ == "__main__":
+    for index, args in enumerate(json.loads(sys.argv[1])):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                code = _job(index, args)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code:
+            sys.exit(code)

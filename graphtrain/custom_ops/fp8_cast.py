@@ -12,6 +12,10 @@ What
                  counted
     amax is a 0-d float32 device tensor (graphtrain::fp8_amax, max-reduced over the tp group
     where the tensor is a shard); scale_inv = 1 / scale is what torch._scaled_mm takes.
+    Per slice: x [E, R, C] with amax [E] (fp8_amax(x, per_slice=True)) casts each x[e] with
+    its own scale: y [E, R, C], y_t [E, C, R] (y_t[e] = y[e].T), scale_inv [E], counts summed
+    over the slices; bit for bit what E calls on x[e], amax[e] give, in one launch of the
+    kernel instead of E (the MoE experts' weights, graphtrain::fp8_grouped_mm).
     Formats: E4M3 (float8_e4m3fn, max 448, 3 mantissa bits) for activations and weights, E5M2
     (max 57344, 2 mantissa bits) for gradients in the hybrid recipe.
 
@@ -29,7 +33,8 @@ Why
     from device-side counters, with no host synchronisation in the step.
 
 Kernel
-    _cast_kernel  one program per [BLOCK_R, BLOCK_C] tile: load, scale, saturate, round to the
+    _cast_kernel  one program per [BLOCK_R, BLOCK_C] tile of a slice (a 2-D x is one slice),
+                  with that slice's scale: load, scale, saturate, round to the
                   FP8 grid in fp32 arithmetic (add and subtract 2^(e - m + 23), which rounds to
                   nearest-even at the FP8 spacing, subnormals included), encode the byte with
                   integer ops, store the tile and its transpose. The byte is built by hand
@@ -60,10 +65,17 @@ FP8_DTYPES = tuple(_FORMATS)
 def _check(x: Tensor, amax: Tensor, float8_dtype: torch.dtype) -> None:
     if float8_dtype not in _FORMATS:
         raise ValueError(f"float8_dtype must be one of {FP8_DTYPES}, got {float8_dtype}")
-    if x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"fp8_cast takes a 2-D float tensor, got {x.dtype} {tuple(x.shape)}")
-    if amax.shape != () or amax.dtype != torch.float32:
-        raise ValueError(f"amax must be a 0-d float32 tensor, got {amax.dtype} {tuple(amax.shape)}")
+    if (
+        x.dim() not in (2, 3)
+        or not x.is_floating_point()
+        or amax.shape != x.shape[:-2]
+        or amax.dtype != torch.float32
+    ):
+        raise ValueError(
+            "fp8_cast takes a 2-D float tensor x with a 0-d float32 amax, or a 3-D x [E, R, C] "
+            f"with an [E] float32 amax (one scale per slice), got x {x.dtype} {tuple(x.shape)} "
+            f"and amax {amax.dtype} {tuple(amax.shape)}"
+        )
 
 
 def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tuple[Tensor, Tensor]:
@@ -79,21 +91,21 @@ def fp8_cast_ref(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fp8_max, _, _, clip = _FORMATS[float8_dtype]
     scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
-    v = x.float() * scale
+    v = x.float() * scale.reshape(*scale.shape, 1, 1)  # one scale per slice
     y = v.clamp(-fp8_max, fp8_max).to(float8_dtype)  # clamp keeps NaN; torch rounds to even
     clipped = (v.abs() > clip).sum()
     flushed = ((x != 0) & (y.view(torch.uint8) & 0x7F == 0)).sum()
     # clone, not contiguous(): a [1, C] tensor's transpose is contiguous and would alias y
-    y_t = y.t().clone(memory_format=torch.contiguous_format) if transpose else y.new_empty(0)
+    y_t = y.mT.clone(memory_format=torch.contiguous_format) if transpose else y.new_empty(0)
     return y, y_t, scale_inv, torch.stack([clipped, flushed])
 
 
 @triton.jit
 def _cast_kernel(
-    x_ptr,  # [R, C]
-    scale_ptr,  # 0-d fp32
-    y_ptr,  # [R, C] uint8 view of the FP8 output
-    yt_ptr,  # [C, R] uint8 (TRANSPOSE)
+    x_ptr,  # [E, R, C]
+    scale_ptr,  # [E] fp32
+    y_ptr,  # [E, R, C] uint8 view of the FP8 output
+    yt_ptr,  # [E, C, R] uint8 (TRANSPOSE)
     counts_ptr,  # [programs, 2] int32: clipped, flushed to zero
     R,
     C,
@@ -105,12 +117,14 @@ def _cast_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    pid_r, pid_c, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
+    start = pid_s.to(tl.int64) * R * C  # of the slice in x, y and y_t
+    x_ptr, y_ptr, yt_ptr = x_ptr + start, y_ptr + start, yt_ptr + start
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    v = x * tl.load(scale_ptr)
+    v = x * tl.load(scale_ptr + pid_s)
     clipped = tl.abs(v) > CLIP
     v = tl.where(v > FP8_MAX, FP8_MAX, tl.where(v < -FP8_MAX, -FP8_MAX, v))  # NaN stays NaN
     vbits = v.to(tl.int32, bitcast=True)
@@ -133,7 +147,7 @@ def _cast_kernel(
     if TRANSPOSE:
         # the tile transposed in registers, so that the store runs along rows of y_t
         tl.store(yt_ptr + cols[:, None] * R + rows[None, :], tl.trans(code), mask=tl.trans(mask))
-    pid = pid_r * tl.num_programs(1) + pid_c
+    pid = (pid_s * tl.num_programs(0) + pid_r) * tl.num_programs(1) + pid_c
     tl.store(counts_ptr + pid * 2, tl.sum(tl.sum((clipped & mask).to(tl.int32), 1), 0))
     tl.store(counts_ptr + pid * 2 + 1, tl.sum(tl.sum((flushed & mask).to(tl.int32), 1), 0))
 
@@ -144,13 +158,13 @@ def fp8_cast_triton(
     fp8_max, emin, mbits, clip = _FORMATS[float8_dtype]
     scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
     x = x.contiguous()
-    R, C = x.shape
-    y = torch.empty(R, C, dtype=float8_dtype, device=x.device)
-    y_t = torch.empty((C, R) if transpose else (0,), dtype=float8_dtype, device=x.device)
+    *E, R, C = x.shape  # E: [] or [num slices]
+    y = torch.empty(*E, R, C, dtype=float8_dtype, device=x.device)
+    y_t = torch.empty((*E, C, R) if transpose else (0,), dtype=float8_dtype, device=x.device)
     BLOCK_R, BLOCK_C = 64, 64
-    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
-    counts = torch.zeros(grid[0] * grid[1], 2, dtype=torch.int32, device=x.device)
-    if R and C:
+    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C), E[0] if E else 1)
+    counts = torch.zeros(grid[0] * grid[1] * grid[2], 2, dtype=torch.int32, device=x.device)
+    if x.numel():
         _cast_kernel[grid](
             x,
             scale.float().contiguous(),
@@ -195,11 +209,11 @@ def fp8_cast(
 @fp8_cast.register_fake
 def _fp8_cast_fake(x, amax, float8_dtype, pow2_scale, transpose):
     _check(x, amax, float8_dtype)
-    R, C = x.shape
+    *E, R, C = x.shape
     return (
-        x.new_empty((R, C), dtype=float8_dtype),
-        x.new_empty((C, R) if transpose else (0,), dtype=float8_dtype),
-        x.new_empty((), dtype=torch.float32),
+        x.new_empty((*E, R, C), dtype=float8_dtype),
+        x.new_empty((*E, C, R) if transpose else (0,), dtype=float8_dtype),
+        x.new_empty(E, dtype=torch.float32),
         x.new_empty((2,), dtype=torch.int64),
     )
 

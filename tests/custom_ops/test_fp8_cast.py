@@ -4,8 +4,10 @@ The oracle is torch's own conversion (round to nearest-even, after a clamp to +-
 x * scale, scale = fp8_max / max(amax, EPS). The Triton kernels (fp8_amax's and fp8_cast's)
 run under TRITON_INTERPRET=1 in a child process on fp32 inputs and must equal the references
 bit for bit: odd shapes (not multiples of the 64 x 64 tile), all-zero, subnormal inputs,
-values that round to FP8 subnormals, values beyond amax (saturation), NaN and inf. GPU tests
-(marker gpu) repeat this on CUDA in fp32 and bf16.
+values that round to FP8 subnormals, values beyond amax (saturation), NaN and inf; and the
+per-slice forms (fp8_amax(x, per_slice=True), fp8_cast of x [E, R, C] with amax [E]) on a
+stack of such slices, against the 3-D reference and against the 2-D reference slice by
+slice. GPU tests (marker gpu) repeat this on CUDA in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -67,6 +69,42 @@ def check_kernels(run_amax, run_cast) -> None:
                     assert _same(u, v), (shape, special, dtype, pow2, name)
 
 
+def check_slice_kernels(run_amax, run_cast) -> None:
+    """Per-slice amax and cast of slices with different specials (a NaN, an all-zero slice, a
+    stale amax in one slice only): bit for bit the 3-D reference, which is bit for bit the
+    2-D cast of each slice with its own amax (counts summed)."""
+    specials = ("random", "zero", "nan", "inf", "saturate")
+    for shape in SHAPES[:2]:
+        slices = [_input(shape, special, seed=i) for i, special in enumerate(specials)]
+        x = torch.stack([t for t, _ in slices])
+        factor = torch.tensor([f for _, f in slices])
+        amax = fa.fp8_amax_ref(x, per_slice=True)
+        assert _same(amax, torch.stack([fa.fp8_amax_ref(t) for t in x]))
+        assert _same(run_amax(x, True), amax), shape
+        for dtype, pow2 in ((E4M3, False), (E5M2, False), (E4M3, True)):
+            want = fc.fp8_cast_ref(x, amax * factor, dtype, pow2, True)
+            got = run_cast(x, amax * factor, dtype, pow2, True)
+            per_slice = [
+                fc.fp8_cast_ref(t, a, dtype, pow2, True)
+                for t, a in zip(x, amax * factor, strict=True)
+            ]
+            y, y_t, s_inv, counts = (torch.stack(list(ts)) for ts in zip(*per_slice, strict=True))
+            for name, u, v, w in zip(("y", "y_t", "scale_inv", "counts"), got, want,
+                                     (y, y_t, s_inv, counts.sum(0)), strict=True):  # fmt: skip
+                assert _same(u, v) and _same(v, w), (shape, dtype, pow2, name)
+
+
+def test_per_slice_reference():
+    """The 3-D reference against the 2-D reference slice by slice (CPU; kernels below)."""
+    check_slice_kernels(fa.fp8_amax_ref, fc.fp8_cast_ref)
+    x = torch.randn(3, 5, 7)
+    amax = torch.ops.graphtrain.fp8_amax(x, True)
+    y, y_t, s_inv, _ = torch.ops.graphtrain.fp8_cast(x, amax, E4M3, False, True)
+    assert y.shape == (3, 5, 7) and y_t.shape == (3, 7, 5) and s_inv.shape == (3,)
+    # each slice's largest |x| maps to fp8_max: each slice has its own scale
+    assert torch.equal(y.float().abs().amax((1, 2)), torch.full((3,), 448.0))
+
+
 def test_reference_numerics():
     """The reference itself: scale, saturation, zeros, NaN/inf, round-to-even, counts."""
     x = torch.tensor([[0.0, 1.0, -2.0, 3.0]])
@@ -117,6 +155,9 @@ def test_bad_arguments():
         torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, torch.bfloat16, False, False)
     with pytest.raises(ValueError, match="0-d float32"):
         torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax.view(1), E4M3, False, False)
+    match = r"or a 3-D x \[E, R, C\] with an \[E\] float32 amax .* \(4, 2, 3\) and amax .* \(\)"
+    with pytest.raises(ValueError, match=match):
+        torch.ops.graphtrain.fp8_cast(torch.randn(4, 2, 3), amax, E4M3, False, False)
 
 
 def test_opcheck():
@@ -124,6 +165,10 @@ def test_opcheck():
         torch.library.opcheck(
             torch.ops.graphtrain.fp8_cast.default,
             (torch.randn(5, 7), torch.tensor(2.5), E5M2, True, transpose),
+        )
+        torch.library.opcheck(
+            torch.ops.graphtrain.fp8_cast.default,
+            (torch.randn(3, 5, 7), torch.tensor([2.5, 0.0, 1.0]), E4M3, False, transpose),
         )
 
 
@@ -135,6 +180,7 @@ def test_opcheck():
 def _interpreter_checks() -> None:
     assert fc._use_triton(torch.zeros(1))
     check_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
+    check_slice_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
     print("interpreter all ok")
 
 
@@ -150,7 +196,11 @@ def test_cuda_kernels_match_reference():
     def cast_cuda(x, amax, *args):
         return [t.cpu() for t in torch.ops.graphtrain.fp8_cast(x.cuda(), amax.cuda(), *args)]
 
-    check_kernels(lambda x: torch.ops.graphtrain.fp8_amax(x.cuda()).cpu(), cast_cuda)
+    def amax_cuda(x, *args):
+        return torch.ops.graphtrain.fp8_amax(x.cuda(), *args).cpu()
+
+    check_kernels(amax_cuda, cast_cuda)
+    check_slice_kernels(amax_cuda, cast_cuda)
     x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
     amax = torch.ops.graphtrain.fp8_amax(x)
     got = torch.ops.graphtrain.fp8_cast(x, amax, E4M3, False, True)

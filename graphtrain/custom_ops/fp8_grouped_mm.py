@@ -111,15 +111,12 @@ def _groups(offs: Tensor) -> list[tuple[int, int, int]]:
 def _cast_operands(
     x: Tensor, weight: Tensor, pow2_scale: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x8 [M, K], x8_t [K, M], x's scale_inv; w8 [E, N, K], w8_t [E, K, N], scale_inv [E]."""
+    """x8 [M, K], x8_t [K, M], x's scale_inv; w8 [E, N, K], w8_t [E, K, N], scale_inv [E]
+    (each expert's weight scaled by its own amax: the per-slice amax and cast)."""
     x8, x8_t, sx = cast_pair(x, torch.ops.graphtrain.fp8_amax(x), E4M3, pow2_scale, "activation")
-    w8, w8_t, sw = [], [], []
-    for w in weight.unbind(0):
-        w8_e, w8_t_e, sw_e = cast_pair(
-            w, torch.ops.graphtrain.fp8_amax(w), E4M3, pow2_scale, "weight"
-        )
-        w8.append(w8_e), w8_t.append(w8_t_e), sw.append(sw_e)
-    return x8, x8_t, sx, torch.stack(w8), torch.stack(w8_t), torch.stack(sw)
+    aw = torch.ops.graphtrain.fp8_amax(weight, per_slice=True)
+    w8, w8_t, sw = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
+    return x8, x8_t, sx, w8, w8_t, sw
 
 
 def _cast_grad(grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool):

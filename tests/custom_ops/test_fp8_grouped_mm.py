@@ -84,6 +84,29 @@ def test_bf16_output():
     assert 25.0 < sqnr(out, want) < 40.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pow2_scale", [False, True])
+def test_batched_weight_cast_equals_per_expert(monkeypatch, dtype, pow2_scale):
+    """The weights' per-slice amax and cast (one call each) give the bytes, scales and
+    saturation counts of one fp8_amax and one fp8_cast per expert, bit for bit; an all-zero
+    expert included."""
+    x, w, _, _ = _inputs([3, 4, 2], 16, 24, seed=5)
+    w[1] = 0.0
+    x, w = x.to(dtype), w.to(dtype)
+    counters = {}
+    monkeypatch.setattr(fl, "_COUNTERS", counters)
+    *_, w8, w8_t, sw = gmm._cast_operands(x, w, pow2_scale)
+    batched = counters[w.device][1].clone()
+    counters.clear()
+    per_expert = [
+        fl.cast_pair(t, torch.ops.graphtrain.fp8_amax(t), E4M3, pow2_scale, "weight")
+        for t in w.unbind(0)
+    ]
+    for got, want in zip((w8, w8_t, sw), zip(*per_expert, strict=True), strict=True):
+        assert torch.equal(_bytes(got), _bytes(torch.stack(want)))
+    assert torch.equal(batched, counters[w.device][1])
+
+
 def test_bad_arguments():
     x, w, offs, _ = _inputs([3, 4], 8, 6, seed=0)
     with pytest.raises(ValueError, match="x \\[M, K\\] and weight \\[E, N, K\\]"):

@@ -34,8 +34,8 @@ Why
 
 Kernel
     _cast_kernel  one program per [BLOCK_R, BLOCK_C] tile of a slice (a 2-D x is one slice),
-                  with that slice's scale: load, scale, saturate, round to the
-                  FP8 grid in fp32 arithmetic (add and subtract 2^(e - m + 23), which rounds to
+                  with that slice's scale: load, scale, saturate, round to the FP8 grid in
+                  fp32 arithmetic (add and subtract 2^(e - m + 23), which rounds to
                   nearest-even at the FP8 spacing, subnormals included), encode the byte with
                   integer ops, store the tile and its transpose. The byte is built by hand
                   because Triton's interpreter converts fp32 to FP8 without round-to-even and

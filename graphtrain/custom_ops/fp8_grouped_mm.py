@@ -17,11 +17,13 @@ What
 
 Scaling
     x and grad_out: per tensor (one amax over all rows, graphtrain::fp8_amax). The weight: per
-    expert (one amax per expert matrix). torch._scaled_grouped_mm takes only row-wise scales,
-    and both are written as such: a per-tensor scale repeated over the rows (or, in the wgrad,
-    over each group's rows) and an expert's scale repeated over its output columns, so the
-    grouped kernel computes the same recipe as the reference loop. Numerics otherwise as
-    graphtrain::fp8_linear.
+    expert (one amax per expert matrix: fp8_amax(weight, per_slice=True), then one
+    graphtrain::fp8_cast of [E, N, K] with an [E] amax writes w8 and w8_t, each expert with
+    its own scale, bit for bit what a cast per expert gives). torch._scaled_grouped_mm takes
+    only row-wise scales, and both are written as such: a per-tensor scale repeated over the
+    rows (or, in the wgrad, over each group's rows) and an expert's scale repeated over its
+    output columns, so the grouped kernel computes the same recipe as the reference loop.
+    Numerics otherwise as graphtrain::fp8_linear.
 
 Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
     reference (the CPU kernel and the oracle; CUDA devices other than sm90): per expert one
@@ -61,9 +63,22 @@ Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
         grad_x are left as the kernel leaves them (its output is allocated uninitialised,
         as torch._grouped_mm's), zeros in the reference (the models' offs always end at M).
         fp32 accumulation (use_fast_accum=False), as the reference.
-    Not built: the weight casts are one graphtrain::fp8_amax and one graphtrain::fp8_cast
-    per expert (Triton on CUDA; E small launches each, no sync); the cast kernel writing
-    g8_t and x8_t straight into the padded layout (it would remove the padding's traffic).
+    Launches of the weight casts (both paths; Triton on CUDA, no sync): one per-slice
+    fp8_amax (its kernel and the partials' torch.amax) and one fp8_cast (clamp, reciprocal
+    and multiply for the scales, 3 more with pow2_scale, the reciprocal, the counts' zeros,
+    the kernel, the counts' sum), then the 2 adds of the saturation counters: 11 launches
+    (14 with pow2_scale) whatever E. Before, the same per expert plus 3 torch.stack: 11 E +
+    3 = 707 at moe-1b's E = 64 (899 with pow2_scale), with 2 E = 128 custom-op calls from
+    Python.
+    The bytes are the same (the weight read twice, w8 and w8_t written: 6 bytes an element of a bf16
+    weight, 0.4 GB for the w1|w3 [64, 1024, 1024], ~0.13 ms at 3 TB/s); the kernels do not
+    change. Prediction, unmeasured (no GPU where this was written): the weight casts of one
+    call go from host-bound, ~700 launches at ~5 us of host time each plus the Python of
+    128 op calls (~3-6 ms), to device-bound (~0.15 ms), i.e. ~3-6 ms less per expert GEMM
+    call and layer; benchmarks/fp8_linear.py's grouped rows measure the whole.
+    Not built: the cast kernel writing g8_t and x8_t straight into the padded layout (it
+    would remove the padding's traffic: the per-slice cast's map from a row to its padded
+    column would come from pad_groups' dest, and x8_t would be saved padded on both paths).
     Unmeasured (no GPU where this was written): the padding reads g8_t and x8_t (N M + K M
     bytes) and writes the zero-filled padded copies twice over (zeros, then the columns): at
     moe-1b's fused w1|w3 experts (M = 98304 rows, N = K = 1024) ~0.6 GB, ~0.2 ms at 3 TB/s,

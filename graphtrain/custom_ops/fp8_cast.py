@@ -16,6 +16,11 @@ What
     its own scale: y [E, R, C], y_t [E, C, R] (y_t[e] = y[e].T), scale_inv [E], counts summed
     over the slices; bit for bit what E calls on x[e], amax[e] give, in one launch of the
     kernel instead of E (the MoE experts' weights, graphtrain::fp8_grouped_mm).
+    Columns moved: with t_cols (int64 [R], distinct, each below t_width; 2-D x, transpose),
+    y_t is [C, t_width] with y_t[:, t_cols[r]] = y[r] and zeros in the other columns: the
+    layout torch._scaled_grouped_mm wants when the groups (of x's rows) lie along its
+    contraction, each padded to a multiple of 16 (graphtrain::fp8_grouped_mm's wgrad), written
+    by the same read of x instead of a copy afterwards.
     Formats: E4M3 (float8_e4m3fn, max 448, 3 mantissa bits) for activations and weights, E5M2
     (max 57344, 2 mantissa bits) for gradients in the hybrid recipe.
 
@@ -37,7 +42,8 @@ Kernel
                   with that slice's scale: load, scale, saturate, round to the FP8 grid in
                   fp32 arithmetic (add and subtract 2^(e - m + 23), which rounds to
                   nearest-even at the FP8 spacing, subnormals included), encode the byte with
-                  integer ops, store the tile and its transpose. The byte is built by hand
+                  integer ops, store the tile and its transpose (to the columns t_cols
+                  names, with COL_MAP: y_t is zero-filled first). The byte is built by hand
                   because Triton's interpreter converts fp32 to FP8 without round-to-even and
                   turns NaN into a number; the result equals torch's conversion bit for bit
                   (fp8_cast_ref), NaN's sign included.
@@ -62,7 +68,14 @@ _FORMATS = {
 FP8_DTYPES = tuple(_FORMATS)
 
 
-def _check(x: Tensor, amax: Tensor, float8_dtype: torch.dtype) -> None:
+def _check(
+    x: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    transpose: bool,
+    t_cols: Tensor | None,
+    t_width: int,
+) -> None:
     if float8_dtype not in _FORMATS:
         raise ValueError(f"float8_dtype must be one of {FP8_DTYPES}, got {float8_dtype}")
     if (
@@ -76,6 +89,16 @@ def _check(x: Tensor, amax: Tensor, float8_dtype: torch.dtype) -> None:
             f"with an [E] float32 amax (one scale per slice), got x {x.dtype} {tuple(x.shape)} "
             f"and amax {amax.dtype} {tuple(amax.shape)}"
         )
+    if t_cols is not None and (
+        x.dim() != 2 or not transpose or t_cols.shape != x.shape[:1] or t_cols.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"fp8_cast's t_cols needs a 2-D x, transpose and int64 [R] = [{x.shape[0]}] column "
+            f"indices, got x {tuple(x.shape)}, transpose {transpose}, t_cols {t_cols.dtype} "
+            f"{tuple(t_cols.shape)}"
+        )
+    if t_cols is None and t_width:
+        raise ValueError(f"fp8_cast's t_width {t_width} needs t_cols")
 
 
 def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tuple[Tensor, Tensor]:
@@ -86,8 +109,19 @@ def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tupl
     return scale, scale.reciprocal()
 
 
+def _y_t_shape(x: Tensor, transpose: bool, t_cols: Tensor | None, t_width: int) -> tuple:
+    *E, R, C = x.shape
+    return (0,) if not transpose else (C, t_width) if t_cols is not None else (*E, C, R)
+
+
 def fp8_cast_ref(
-    x: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, transpose: bool
+    x: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    pow2_scale: bool,
+    transpose: bool,
+    t_cols: Tensor | None = None,
+    t_width: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fp8_max, _, _, clip = _FORMATS[float8_dtype]
     scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
@@ -97,6 +131,9 @@ def fp8_cast_ref(
     flushed = ((x != 0) & (y.view(torch.uint8) & 0x7F == 0)).sum()
     # clone, not contiguous(): a [1, C] tensor's transpose is contiguous and would alias y
     y_t = y.mT.clone(memory_format=torch.contiguous_format) if transpose else y.new_empty(0)
+    if t_cols is not None:  # as bytes: index_copy_ has no FP8 kernel (torch 2.13, CPU)
+        y_t = y.new_zeros((x.shape[1], t_width), dtype=torch.uint8)
+        y_t = y_t.index_copy_(1, t_cols, y.view(torch.uint8).t()).view(float8_dtype)
     return y, y_t, scale_inv, torch.stack([clipped, flushed])
 
 
@@ -105,15 +142,18 @@ def _cast_kernel(
     x_ptr,  # [E, R, C]
     scale_ptr,  # [E] fp32
     y_ptr,  # [E, R, C] uint8 view of the FP8 output
-    yt_ptr,  # [E, C, R] uint8 (TRANSPOSE)
+    yt_ptr,  # [E, C, T_STRIDE] uint8 (TRANSPOSE)
+    tcols_ptr,  # [R] int64: column of y_t that row r of x goes to (COL_MAP)
     counts_ptr,  # [programs, 2] int32: clipped, flushed to zero
     R,
     C,
+    T_STRIDE,  # row length of y_t: R, or t_width with COL_MAP
     FP8_MAX: tl.constexpr,
     CLIP: tl.constexpr,
     EMIN: tl.constexpr,
     MBITS: tl.constexpr,
     TRANSPOSE: tl.constexpr,
+    COL_MAP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -121,7 +161,7 @@ def _cast_kernel(
     rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
-    start = pid_s.to(tl.int64) * R * C  # of the slice in x, y and y_t
+    start = pid_s.to(tl.int64) * R * C  # of the slice in x and y (COL_MAP: one slice)
     x_ptr, y_ptr, yt_ptr = x_ptr + start, y_ptr + start, yt_ptr + start
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     v = x * tl.load(scale_ptr + pid_s)
@@ -146,21 +186,32 @@ def _cast_kernel(
     tl.store(y_ptr + rows[:, None] * C + cols[None, :], code, mask=mask)
     if TRANSPOSE:
         # the tile transposed in registers, so that the store runs along rows of y_t
-        tl.store(yt_ptr + cols[:, None] * R + rows[None, :], tl.trans(code), mask=tl.trans(mask))
+        dst = tl.load(tcols_ptr + rows, mask=rows < R, other=0) if COL_MAP else rows
+        dst_ptr = yt_ptr + cols[:, None] * T_STRIDE + dst[None, :]
+        tl.store(dst_ptr, tl.trans(code), mask=tl.trans(mask))
     pid = (pid_s * tl.num_programs(0) + pid_r) * tl.num_programs(1) + pid_c
     tl.store(counts_ptr + pid * 2, tl.sum(tl.sum((clipped & mask).to(tl.int32), 1), 0))
     tl.store(counts_ptr + pid * 2 + 1, tl.sum(tl.sum((flushed & mask).to(tl.int32), 1), 0))
 
 
 def fp8_cast_triton(
-    x: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, transpose: bool
+    x: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    pow2_scale: bool,
+    transpose: bool,
+    t_cols: Tensor | None = None,
+    t_width: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fp8_max, emin, mbits, clip = _FORMATS[float8_dtype]
     scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
     x = x.contiguous()
     *E, R, C = x.shape  # E: [] or [num slices]
     y = torch.empty(*E, R, C, dtype=float8_dtype, device=x.device)
-    y_t = torch.empty((*E, C, R) if transpose else (0,), dtype=float8_dtype, device=x.device)
+    y_t_shape = _y_t_shape(x, transpose, t_cols, t_width)
+    # zeros where the kernel writes no column (as bytes: a fill for every FP8 dtype)
+    alloc = torch.zeros if t_cols is not None else torch.empty
+    y_t = alloc(y_t_shape, dtype=torch.uint8, device=x.device).view(float8_dtype)
     BLOCK_R, BLOCK_C = 64, 64
     grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C), E[0] if E else 1)
     counts = torch.zeros(grid[0] * grid[1] * grid[2], 2, dtype=torch.int32, device=x.device)
@@ -170,14 +221,17 @@ def fp8_cast_triton(
             scale.float().contiguous(),
             y.view(torch.uint8),
             y_t.view(torch.uint8),
+            t_cols if t_cols is not None else counts,  # unread without COL_MAP
             counts,
             R,
             C,
+            y_t.shape[-1] if t_cols is not None else R,
             FP8_MAX=fp8_max,
             CLIP=clip,
             EMIN=emin,
             MBITS=mbits,
             TRANSPOSE=transpose,
+            COL_MAP=t_cols is not None,
             BLOCK_R=BLOCK_R,
             BLOCK_C=BLOCK_C,
         )
@@ -193,33 +247,40 @@ def _use_triton(x: Tensor) -> bool:
     "graphtrain::fp8_cast",
     mutates_args=(),
     schema=(
-        "(Tensor x, Tensor amax, ScalarType float8_dtype, bool pow2_scale, bool transpose) "
+        "(Tensor x, Tensor amax, ScalarType float8_dtype, bool pow2_scale, bool transpose, "
+        "Tensor? t_cols=None, SymInt t_width=0) "
         "-> (Tensor y, Tensor y_t, Tensor scale_inv, Tensor counts)"
     ),
 )
 def fp8_cast(
-    x: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, transpose: bool
+    x: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    pow2_scale: bool,
+    transpose: bool,
+    t_cols: Tensor | None = None,
+    t_width: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x scaled by fp8_max / amax, saturated and rounded to float8_dtype (and transposed).
-    The body is the CPU kernel."""
-    _check(x, amax, float8_dtype)
-    return fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose)
+    """x scaled by fp8_max / amax, saturated and rounded to float8_dtype (and transposed,
+    to the columns t_cols names). The body is the CPU kernel."""
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width)
+    return fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
 
 
 @fp8_cast.register_fake
-def _fp8_cast_fake(x, amax, float8_dtype, pow2_scale, transpose):
-    _check(x, amax, float8_dtype)
-    *E, R, C = x.shape
+def _fp8_cast_fake(x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0):
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width)
+    E = x.shape[:-2]
     return (
-        x.new_empty((*E, R, C), dtype=float8_dtype),
-        x.new_empty((*E, C, R) if transpose else (0,), dtype=float8_dtype),
+        x.new_empty(x.shape, dtype=float8_dtype),
+        x.new_empty(_y_t_shape(x, transpose, t_cols, t_width), dtype=float8_dtype),
         x.new_empty(E, dtype=torch.float32),
         x.new_empty((2,), dtype=torch.int64),
     )
 
 
 @fp8_cast.register_kernel("cuda")
-def _fp8_cast_cuda(x, amax, float8_dtype, pow2_scale, transpose):
-    _check(x, amax, float8_dtype)
+def _fp8_cast_cuda(x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0):
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width)
     run = fp8_cast_triton if _use_triton(x) else fp8_cast_ref
-    return run(x, amax, float8_dtype, pow2_scale, transpose)
+    return run(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)

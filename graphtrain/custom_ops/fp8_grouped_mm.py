@@ -124,25 +124,30 @@ def _groups(offs: Tensor) -> list[tuple[int, int, int]]:
 
 
 def _cast_operands(
-    x: Tensor, weight: Tensor, pow2_scale: bool
+    x: Tensor, weight: Tensor, offs: Tensor, pow2_scale: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x8 [M, K], x8_t [K, M], x's scale_inv; w8 [E, N, K], w8_t [E, K, N], scale_inv [E]
-    (each expert's weight scaled by its own amax: the per-slice amax and cast)."""
-    x8, x8_t, sx = cast_pair(x, torch.ops.graphtrain.fp8_amax(x), E4M3, pow2_scale, "activation")
+    """x8 [M, K], x8_t [K, W] (columns in padded groups, padded_columns), x's scale_inv;
+    w8 [E, N, K], w8_t [E, K, N], scale_inv [E] (each expert's weight scaled by its own
+    amax: the per-slice amax and cast)."""
+    dest, _, width = padded_columns(offs, x.shape[0])
+    ax = torch.ops.graphtrain.fp8_amax(x)
+    x8, x8_t, sx = cast_pair(x, ax, E4M3, pow2_scale, "activation", dest, width)
     aw = torch.ops.graphtrain.fp8_amax(weight, per_slice=True)
     w8, w8_t, sw = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
     return x8, x8_t, sx, w8, w8_t, sw
 
 
-def _cast_grad(grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool):
-    """g8 [M, N], g8_t [N, M], scale_inv of the output gradient (per tensor)."""
+def _cast_grad(grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, dest, width):
+    """g8 [M, N], g8_t [N, W] (columns in padded groups), scale_inv of the output gradient
+    (per tensor)."""
     amax = torch.ops.graphtrain.fp8_amax(grad_out)
-    return cast_pair(grad_out, amax, float8_dtype, pow2_scale, "gradient")
+    return cast_pair(grad_out, amax, float8_dtype, pow2_scale, "gradient", dest, width)
 
 
 # The two GEMM shapes of the op, each as a loop of torch._scaled_mm (reference) and as one
 # torch._scaled_grouped_mm (grouped). a8 / a8_t: FP8 rows with one scale sa (0-d); b8 / b8_t:
-# per expert (b8 [E, P, Q], sb [E]) or rows with one scale (b8_t [Q, M], sb 0-d).
+# per expert (b8 [E, P, Q], sb [E]) or rows with one scale (b8_t [Q, W], sb 0-d; the
+# columns of a8_t and b8_t in padded groups).
 
 
 def _rows_loop(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, out_dtype):
@@ -166,38 +171,46 @@ def _rows_grouped(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, 
     return out.to(out_dtype)
 
 
-def _experts_loop(a8_t: Tensor, sa: Tensor, b8_t: Tensor, sb: Tensor, offs: Tensor, out_dtype):
-    """out [E, P, Q]: out[e] = a8_t[:, rows of e] @ b8_t[:, rows of e]^T (a8_t [P, M], b8_t
-    [Q, M]); zero for an expert without rows."""
+def _experts_loop(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
+    """out [E, P, Q]: out[e] = a8_t[:, rows of e] @ b8_t[:, rows of e]^T (a8_t [P, W], b8_t
+    [Q, W], expert e's rows in the columns from padded_offs[e - 1]); zero for an expert
+    without rows."""
     out = a8_t.new_zeros(offs.shape[0], a8_t.shape[0], b8_t.shape[0], dtype=out_dtype)
+    padded_starts = [0, *padded_offs.tolist()[:-1]]
     for e, start, end in _groups(offs):
         if end > start:
             # Row-major slices: a [P, m] and b^T [m, Q] column-major, as _scaled_mm wants.
-            a, b = a8_t[:, start:end].contiguous(), b8_t[:, start:end].contiguous()
+            cols = slice(padded_starts[e], padded_starts[e] + end - start)
+            a, b = a8_t[:, cols].contiguous(), b8_t[:, cols].contiguous()
             out[e] = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)
     return out
 
 
-def _experts_grouped(a8_t: Tensor, sa: Tensor, b8_t: Tensor, sb: Tensor, offs: Tensor, out_dtype):
-    """As _experts_loop, 2d-2d on group-padded copies: scales per (group, row) of a, per
+def _experts_grouped(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
+    """As _experts_loop, 2d-2d on the padded groups: scales per (group, row) of a, per
     (group, column) of the result."""
-    (a, b), padded_offs = pad_groups([a8_t, b8_t], offs)
     E, P, Q = offs.shape[0], a8_t.shape[0], b8_t.shape[0]
     scale_a = sa.expand(E * P).contiguous()
     scale_b = sb.expand(E * Q).contiguous()
     out = torch._scaled_grouped_mm(
-        a, b.t(), scale_a, scale_b, padded_offs, out_dtype=torch.bfloat16
+        a8_t, b8_t.t(), scale_a, scale_b, padded_offs, out_dtype=torch.bfloat16
     )
     return out.to(out_dtype)
 
 
-def pad_groups(columns: list[Tensor], offs: Tensor) -> tuple[list[Tensor], Tensor]:
-    """Each [R, M] FP8 tensor with its columns regrouped so that every expert's group has
-    max(16, ceil16(rows)) columns (its own first, then zeros), in a [R, ceil16(M) + 16 E]
-    buffer, and the padded groups' end offsets. Columns past offs[-1] go after the last group.
+def padded_width(M, E):
+    """Columns of the padded layout of M rows in E groups (static: no host sync)."""
+    return -(-M // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * E
+
+
+def padded_columns(offs: Tensor, M) -> tuple[Tensor, Tensor, int]:
+    """(dest, padded_offs, width): the wgrad's layout of M rows grouped by offs, in which
+    every expert's group has max(16, ceil16(rows)) columns (its own rows first, then zeros):
+    row i goes to column dest[i] (int64 [M]) of a [*, width] FP8 tensor (fp8_cast's t_cols),
+    padded_offs are the groups' end columns. Rows past offs[-1] go after the last group.
     All on the device: no host synchronisation (the width is static)."""
-    M, E = columns[0].shape[1], offs.shape[0]
-    width = -(-M // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * E
+    E = offs.shape[0]
+    width = padded_width(M, E)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     padded = torch.where(counts > 0, -(-counts // GROUP_ALIGN) * GROUP_ALIGN, GROUP_ALIGN)
     padded_offs = torch.cumsum(padded, 0, dtype=torch.int32)
@@ -206,15 +219,11 @@ def pad_groups(columns: list[Tensor], offs: Tensor) -> tuple[list[Tensor], Tenso
     shift = torch.cat([padded_offs - padded - offs + counts, padded_offs[-1:] - offs[-1:]])
     cols = torch.arange(M, dtype=torch.int32, device=offs.device)
     dest = (cols + shift[torch.searchsorted(offs, cols, right=True)]).long()
-    out = []
-    for t in columns:  # as bytes: index_copy_ has no FP8 kernel (torch 2.13, CPU)
-        buf = torch.zeros(t.shape[0], width, dtype=torch.uint8, device=t.device)
-        out.append(buf.index_copy_(1, dest, t.view(torch.uint8)).view(t.dtype))
-    return out, padded_offs
+    return dest, padded_offs, width
 
 
 def _forward_impl(x, weight, offs, *, pow2_scale, out_dtype, grouped):
-    x8, x8_t, sx, w8, w8_t, sw = _cast_operands(x, weight, pow2_scale)
+    x8, x8_t, sx, w8, w8_t, sw = _cast_operands(x, weight, offs, pow2_scale)
     rows = _rows_grouped if grouped else _rows_loop
     out = rows(x8, sx, w8, sw, offs, out_dtype or x.dtype)
     return out, x8_t, sx, w8_t, sw
@@ -222,10 +231,11 @@ def _forward_impl(x, weight, offs, *, pow2_scale, out_dtype, grouped):
 
 def _backward_impl(grad_out, x8_t, sx, w8_t, sw, offs, *, float8_dtype, pow2_scale, x_dtype,
                    w_dtype, grouped):  # fmt: skip
-    g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale)
+    dest, padded_offs, width = padded_columns(offs, grad_out.shape[0])
+    g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale, dest, width)
     rows, experts = (_rows_grouped, _experts_grouped) if grouped else (_rows_loop, _experts_loop)
     grad_x = rows(g8, sg, w8_t, sw, offs, x_dtype)
-    grad_w = experts(g8_t, sg, x8_t, sx, offs, w_dtype)
+    grad_w = experts(g8_t, sg, x8_t, sx, offs, padded_offs, w_dtype)
     return grad_x, grad_w
 
 
@@ -348,7 +358,7 @@ def _fp8_grouped_mm_fake(x, weight, offs, *, e4m3_grads=False, pow2_scale=False,
     E, N, _ = weight.shape
     return (
         x.new_empty((M, N), dtype=out_dtype or x.dtype),
-        x.new_empty((K, M), dtype=E4M3),
+        x.new_empty((K, padded_width(M, E)), dtype=E4M3),
         x.new_empty((), dtype=torch.float32),
         x.new_empty((E, K, N), dtype=E4M3),
         x.new_empty((E,), dtype=torch.float32),

@@ -7,7 +7,8 @@ bit for bit: odd shapes (not multiples of the 64 x 64 tile), all-zero, subnormal
 values that round to FP8 subnormals, values beyond amax (saturation), NaN and inf; and the
 per-slice forms (fp8_amax(x, per_slice=True), fp8_cast of x [E, R, C] with amax [E]) on a
 stack of such slices, against the 3-D reference and against the 2-D reference slice by
-slice. GPU tests (marker gpu) repeat this on CUDA in fp32 and bf16.
+slice; and the cast that writes y_t's columns where t_cols says (odd widths, zeros in the
+other columns). GPU tests (marker gpu) repeat this on CUDA in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -94,9 +95,28 @@ def check_slice_kernels(run_amax, run_cast) -> None:
                 assert _same(u, v) and _same(v, w), (shape, dtype, pow2, name)
 
 
+def check_col_map_kernel(run_cast) -> None:
+    """y_t with its columns moved (t_cols, zeros elsewhere): bit for bit the reference, which
+    is y.T in those columns; tiles of 64 rows map to scattered columns."""
+    for shape, special in (((37, 45), "random"), ((65, 70), "nan"), ((65, 3), "saturate")):
+        x, factor = _input(shape, special)
+        amax = fa.fp8_amax_ref(x) * factor
+        width = shape[0] + 21
+        t_cols = torch.randperm(width, generator=torch.Generator().manual_seed(1))[: shape[0]]
+        want = fc.fp8_cast_ref(x, amax, E4M3, False, True, t_cols, width)
+        got = run_cast(x, amax, E4M3, False, True, t_cols, width)
+        plain = fc.fp8_cast_ref(x, amax, E4M3, False, True)
+        for name, u, v in zip(("y", "y_t", "scale_inv", "counts"), got, want, strict=True):
+            assert _same(u, v), (shape, special, name)
+        assert want[1].shape == (shape[1], width) and _same(want[1][:, t_cols], plain[1])
+        others = torch.ones(width, dtype=torch.bool).index_fill_(0, t_cols, False)
+        assert not want[1].view(torch.uint8)[:, others].any()
+
+
 def test_per_slice_reference():
     """The 3-D reference against the 2-D reference slice by slice (CPU; kernels below)."""
     check_slice_kernels(fa.fp8_amax_ref, fc.fp8_cast_ref)
+    check_col_map_kernel(fc.fp8_cast_ref)
     x = torch.randn(3, 5, 7)
     amax = torch.ops.graphtrain.fp8_amax(x, True)
     y, y_t, s_inv, _ = torch.ops.graphtrain.fp8_cast(x, amax, E4M3, False, True)
@@ -158,6 +178,13 @@ def test_bad_arguments():
     match = r"or a 3-D x \[E, R, C\] with an \[E\] float32 amax .* \(4, 2, 3\) and amax .* \(\)"
     with pytest.raises(ValueError, match=match):
         torch.ops.graphtrain.fp8_cast(torch.randn(4, 2, 3), amax, E4M3, False, False)
+    cols = torch.arange(2)
+    with pytest.raises(ValueError, match=r"t_cols needs .* transpose False, t_cols torch.int64"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, False, cols, 4)
+    with pytest.raises(ValueError, match=r"int64 \[R\] = \[2\] .* t_cols torch.int32 \(2,\)"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, True, cols.int(), 4)
+    with pytest.raises(ValueError, match="t_width 4 needs t_cols"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, True, None, 4)
 
 
 def test_opcheck():
@@ -170,6 +197,9 @@ def test_opcheck():
             torch.ops.graphtrain.fp8_cast.default,
             (torch.randn(3, 5, 7), torch.tensor([2.5, 0.0, 1.0]), E4M3, False, transpose),
         )
+    cols = torch.tensor([6, 0, 3, 1, 4])
+    args = (torch.randn(5, 7), torch.tensor(2.5), E4M3, False, True, cols, 9)
+    torch.library.opcheck(torch.ops.graphtrain.fp8_cast.default, args)
 
 
 # ------------------------------------------------------------------------------------------
@@ -181,6 +211,7 @@ def _interpreter_checks() -> None:
     assert fc._use_triton(torch.zeros(1))
     check_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
     check_slice_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
+    check_col_map_kernel(fc.fp8_cast_triton)
     print("interpreter all ok")
 
 
@@ -194,6 +225,7 @@ def test_triton_kernels_under_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kernels_match_reference():
     def cast_cuda(x, amax, *args):
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]  # t_cols
         return [t.cpu() for t in torch.ops.graphtrain.fp8_cast(x.cuda(), amax.cuda(), *args)]
 
     def amax_cuda(x, *args):
@@ -201,6 +233,7 @@ def test_cuda_kernels_match_reference():
 
     check_kernels(amax_cuda, cast_cuda)
     check_slice_kernels(amax_cuda, cast_cuda)
+    check_col_map_kernel(cast_cuda)
     x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
     amax = torch.ops.graphtrain.fp8_amax(x)
     got = torch.ops.graphtrain.fp8_cast(x, amax, E4M3, False, True)

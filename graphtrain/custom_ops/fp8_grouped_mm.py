@@ -7,7 +7,8 @@ What
     out[rows of e] = x[rows of e] @ weight[e]^T, rows of e = offs[e-1]:offs[e] (offs[-1] = 0),
     i.e. torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs) (models/moe.py's experts),
     with both operands in E4M3 and fp32 accumulation; out in out_dtype (default x's). Output 0
-    is the result; the others are the FP8 copies the backward uses (x8_t [K, M], w8_t
+    is the result; the others are the FP8 copies the backward uses (x8_t [K, W], x's rows
+    as columns in the wgrad's padded groups, W = ceil16(M) + 16 E (padded_columns); w8_t
     [E, K, N]) and their inverse scales.
     Backward (graphtrain::fp8_grouped_mm_backward): the output gradient is cast once (E5M2, or
     E4M3 with e4m3_grads; always E4M3 on the grouped kernel, below), then per expert e
@@ -50,11 +51,12 @@ Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
         dimension: the GPU test, with groups of 40, 0, 7 and 81 rows, checks the installed
         torch); in the 2d-2d case (groups along K) every group but the last must be a
         multiple of 16 (TMA's 16-byte alignment of each group's start) and, in some
-        versions, none may be empty (device asserts). So the wgrad pads on the device
-        (pad_groups): each expert's columns of g8_t and x8_t move to a group of max(16,
+        versions, none may be empty (device asserts). So g8_t and x8_t are padded on the
+        device (padded_columns, both paths): each expert's rows go to a group of max(16,
         ceil16(rows)) columns, the rest zeros (which add nothing), in buffers of a static
         width ceil16(M) + 16 E, offsets from a cumsum; rows past offs[-1] go after the last
-        group, where no group reads them.
+        group, where no group reads them. The cast writes them there (fp8_cast's t_cols):
+        the same read of x or grad_out that writes x8 or g8, no copy afterwards.
         What differs from the reference: the gradient is E4M3 whatever e4m3_grads says (with
         its per-tensor scale from the current amax, values below about 2^-10 / 448 of the
         amax flush to zero, counted in fp8/flushed/gradient, where E5M2 keeps values down to
@@ -70,20 +72,23 @@ Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
     (14 with pow2_scale) whatever E. Before, the same per expert plus 3 torch.stack: 11 E +
     3 = 707 at moe-1b's E = 64 (899 with pow2_scale), with 2 E = 128 custom-op calls from
     Python.
-    The bytes are the same (the weight read twice, w8 and w8_t written: 6 bytes an element of a bf16
-    weight, 0.4 GB for the w1|w3 [64, 1024, 1024], ~0.13 ms at 3 TB/s); the kernels do not
+    The bytes are the same (the weight read twice, w8 and w8_t written: 6 bytes an element of
+    a bf16 weight, 0.4 GB for the w1|w3 [64, 1024, 1024], ~0.13 ms at 3 TB/s); the kernels do not
     change. Prediction, unmeasured (no GPU where this was written): the weight casts of one
     call go from host-bound, ~700 launches at ~5 us of host time each plus the Python of
     128 op calls (~3-6 ms), to device-bound (~0.15 ms), i.e. ~3-6 ms less per expert GEMM
     call and layer; benchmarks/fp8_linear.py's grouped rows measure the whole.
-    Not built: the cast kernel writing g8_t and x8_t straight into the padded layout (it
-    would remove the padding's traffic: the per-slice cast's map from a row to its padded
-    column would come from pad_groups' dest, and x8_t would be saved padded on both paths).
-    Unmeasured (no GPU where this was written): the padding reads g8_t and x8_t (N M + K M
-    bytes) and writes the zero-filled padded copies twice over (zeros, then the columns): at
-    moe-1b's fused w1|w3 experts (M = 98304 rows, N = K = 1024) ~0.6 GB, ~0.2 ms at 3 TB/s,
-    beside ~0.16 ms for the wgrad GEMM (2 M N K = 206 GFLOP at 1271 TFLOP/s) and ~0.5 ms for
-    the three; benchmarks/fp8_linear.py's grouped row measures the whole.
+    Bytes of the padding: a copy after the casts read g8_t and x8_t (N M + K M bytes) and
+    wrote the padded buffers twice over (zeros, then the columns), (N + K)(W + 2 M) bytes:
+    at moe-1b's fused w1|w3 experts (M = 98304 rows, N = K = 1024, W = M + 1024) ~0.6 GB.
+    The cast writing the padded layout leaves the zero fill of the buffers, (N + K) W
+    bytes ~0.2 GB, and the cast's read of t_cols (8 M bytes per 64 columns of x, ~13 MB);
+    padded_columns (about ten small launches over offs and M rows) runs twice, in the
+    forward and in the backward, once before. Prediction, unmeasured: ~0.4 GB, ~0.13 ms at
+    3 TB/s less per wgrad, beside ~0.16 ms for the wgrad GEMM (2 M N K = 206 GFLOP at 1271
+    TFLOP/s) and ~0.5 ms for the three; x8_t saved is 16 E columns (1 MB) larger.
+    benchmarks/fp8_linear.py's grouped rows measure the whole. Not built: zeroing only the
+    at most 16 E gap columns instead of the whole buffers.
 """
 
 from __future__ import annotations

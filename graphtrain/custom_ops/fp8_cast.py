@@ -1,7 +1,7 @@
 """graphtrain::fp8_cast: scaled, saturating cast to FP8 (and its transpose, in one read).
 
 What
-    fp8_cast(x [R, C], amax, float8_dtype, pow2_scale, transpose)
+    fp8_cast(x [R, C], amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0)
         -> (y [R, C], y_t [C, R] (or [0] without transpose), scale_inv, counts)
     with (scale, scale_inv) = fp8_scale(amax, float8_dtype, pow2_scale):
         scale = fp8_max / max(amax, EPS)      (optionally rounded down to a power of two)
@@ -129,11 +129,11 @@ def fp8_cast_ref(
     y = v.clamp(-fp8_max, fp8_max).to(float8_dtype)  # clamp keeps NaN; torch rounds to even
     clipped = (v.abs() > clip).sum()
     flushed = ((x != 0) & (y.view(torch.uint8) & 0x7F == 0)).sum()
-    # clone, not contiguous(): a [1, C] tensor's transpose is contiguous and would alias y
-    y_t = y.mT.clone(memory_format=torch.contiguous_format) if transpose else y.new_empty(0)
     if t_cols is not None:  # as bytes: index_copy_ has no FP8 kernel (torch 2.13, CPU)
         y_t = y.new_zeros((x.shape[1], t_width), dtype=torch.uint8)
         y_t = y_t.index_copy_(1, t_cols, y.view(torch.uint8).t()).view(float8_dtype)
+    else:  # clone, not contiguous(): a [1, C] tensor's transpose is contiguous, aliasing y
+        y_t = y.mT.clone(memory_format=torch.contiguous_format) if transpose else y.new_empty(0)
     return y, y_t, scale_inv, torch.stack([clipped, flushed])
 
 

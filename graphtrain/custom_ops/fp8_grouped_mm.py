@@ -29,8 +29,9 @@ Scaling
 Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
     reference (the CPU kernel and the oracle; CUDA devices other than sm90): per expert one
         torch._scaled_mm (per-tensor scales) in a loop over the groups; it reads offs on the
-        host (one synchronisation per call). On CUDA, torch._scaled_mm needs every group's
-        rows to be a multiple of 16 (the wgrad's inner dimension); the CPU takes any.
+        host (one synchronisation per call; the wgrad also the padded groups' offsets). On
+        CUDA, torch._scaled_mm needs every group's rows to be a multiple of 16 (the wgrad's
+        inner dimension); the CPU takes any.
     grouped (CUDA sm90, fp8_grouped_mm_cuda / fp8_grouped_mm_backward_cuda): three
         torch._scaled_grouped_mm calls, no host synchronisation, no loop over the experts'
         GEMMs:
@@ -142,7 +143,9 @@ def _cast_operands(
     return x8, x8_t, sx, w8, w8_t, sw
 
 
-def _cast_grad(grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, dest, width):
+def _cast_grad(
+    grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, dest: Tensor, width: int
+):
     """g8 [M, N], g8_t [N, W] (columns in padded groups), scale_inv of the output gradient
     (per tensor)."""
     amax = torch.ops.graphtrain.fp8_amax(grad_out)
@@ -203,12 +206,12 @@ def _experts_grouped(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
     return out.to(out_dtype)
 
 
-def padded_width(M, E):
+def padded_width(M: int, E: int) -> int:
     """Columns of the padded layout of M rows in E groups (static: no host sync)."""
     return -(-M // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * E
 
 
-def padded_columns(offs: Tensor, M) -> tuple[Tensor, Tensor, int]:
+def padded_columns(offs: Tensor, M: int) -> tuple[Tensor, Tensor, int]:
     """(dest, padded_offs, width): the wgrad's layout of M rows grouped by offs, in which
     every expert's group has max(16, ceil16(rows)) columns (its own rows first, then zeros):
     row i goes to column dest[i] (int64 [M]) of a [*, width] FP8 tensor (fp8_cast's t_cols),

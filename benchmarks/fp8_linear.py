@@ -17,9 +17,10 @@ What
     the fused w1|w3 W [64, 1024, 1024] with the rows split evenly and with a skewed routing
     whose groups are no multiples of 16, and w2 W [64, 1024, 512]): torch._grouped_mm in bf16
     against graphtrain::fp8_grouped_mm (on sm90 three torch._scaled_grouped_mm, the wgrad's
-    groups padded on the device; elsewhere its loop of torch._scaled_mm per expert). Each
-    row: median ms (triton.testing.do_bench), speedup over bf16, SQNR (dB) of out, d x, d W
-    against the bf16 row.
+    operands cast straight into groups padded on the device, the experts' weights cast in one
+    launch; elsewhere its loop of torch._scaled_mm per expert). Each row: median ms
+    (triton.testing.do_bench), speedup over bf16, SQNR (dB) of out, d x, d W against the bf16
+    row.
 
 Run
     python benchmarks/fp8_linear.py [--shapes 16384x4096x4096,...] [--no-record]

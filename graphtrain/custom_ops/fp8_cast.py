@@ -1,7 +1,7 @@
 """graphtrain::fp8_cast: scaled, saturating cast to FP8 (and its transpose, in one read).
 
 What
-    fp8_cast(x [R, C], amax, float8_dtype, pow2_scale, transpose)
+    fp8_cast(x [R, C], amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0)
         -> (y [R, C], y_t [C, R] (or [0] without transpose), scale_inv, counts)
     with (scale, scale_inv) = fp8_scale(amax, float8_dtype, pow2_scale):
         scale = fp8_max / max(amax, EPS)      (optionally rounded down to a power of two)
@@ -12,6 +12,15 @@ What
                  counted
     amax is a 0-d float32 device tensor (graphtrain::fp8_amax, max-reduced over the tp group
     where the tensor is a shard); scale_inv = 1 / scale is what torch._scaled_mm takes.
+    Per slice: x [E, R, C] with amax [E] (fp8_amax(x, per_slice=True)) casts each x[e] with
+    its own scale: y [E, R, C], y_t [E, C, R] (y_t[e] = y[e].T), scale_inv [E], counts summed
+    over the slices; bit for bit what E calls on x[e], amax[e] give, in one launch of the
+    kernel instead of E (the MoE experts' weights, graphtrain::fp8_grouped_mm).
+    Columns moved: with t_cols (int64 [R], distinct, each below t_width; 2-D x, transpose),
+    y_t is [C, t_width] with y_t[:, t_cols[r]] = y[r] and zeros in the other columns: the
+    layout torch._scaled_grouped_mm wants when the groups (of x's rows) lie along its
+    contraction, each padded to a multiple of 16 (graphtrain::fp8_grouped_mm's wgrad), written
+    by the same read of x instead of a copy afterwards.
     Formats: E4M3 (float8_e4m3fn, max 448, 3 mantissa bits) for activations and weights, E5M2
     (max 57344, 2 mantissa bits) for gradients in the hybrid recipe.
 
@@ -29,10 +38,12 @@ Why
     from device-side counters, with no host synchronisation in the step.
 
 Kernel
-    _cast_kernel  one program per [BLOCK_R, BLOCK_C] tile: load, scale, saturate, round to the
-                  FP8 grid in fp32 arithmetic (add and subtract 2^(e - m + 23), which rounds to
+    _cast_kernel  one program per [BLOCK_R, BLOCK_C] tile of a slice (a 2-D x is one slice),
+                  with that slice's scale: load, scale, saturate, round to the FP8 grid in
+                  fp32 arithmetic (add and subtract 2^(e - m + 23), which rounds to
                   nearest-even at the FP8 spacing, subnormals included), encode the byte with
-                  integer ops, store the tile and its transpose. The byte is built by hand
+                  integer ops, store the tile and its transpose (to the columns t_cols
+                  names, with COL_MAP: y_t is zero-filled first). The byte is built by hand
                   because Triton's interpreter converts fp32 to FP8 without round-to-even and
                   turns NaN into a number; the result equals torch's conversion bit for bit
                   (fp8_cast_ref), NaN's sign included.
@@ -57,13 +68,37 @@ _FORMATS = {
 FP8_DTYPES = tuple(_FORMATS)
 
 
-def _check(x: Tensor, amax: Tensor, float8_dtype: torch.dtype) -> None:
+def _check(
+    x: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    transpose: bool,
+    t_cols: Tensor | None,
+    t_width: int,
+) -> None:
     if float8_dtype not in _FORMATS:
         raise ValueError(f"float8_dtype must be one of {FP8_DTYPES}, got {float8_dtype}")
-    if x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"fp8_cast takes a 2-D float tensor, got {x.dtype} {tuple(x.shape)}")
-    if amax.shape != () or amax.dtype != torch.float32:
-        raise ValueError(f"amax must be a 0-d float32 tensor, got {amax.dtype} {tuple(amax.shape)}")
+    if (
+        x.dim() not in (2, 3)
+        or not x.is_floating_point()
+        or amax.shape != x.shape[:-2]
+        or amax.dtype != torch.float32
+    ):
+        raise ValueError(
+            "fp8_cast takes a 2-D float tensor x with a 0-d float32 amax, or a 3-D x [E, R, C] "
+            f"with an [E] float32 amax (one scale per slice), got x {x.dtype} {tuple(x.shape)} "
+            f"and amax {amax.dtype} {tuple(amax.shape)}"
+        )
+    if t_cols is not None and (
+        x.dim() != 2 or not transpose or t_cols.shape != x.shape[:1] or t_cols.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"fp8_cast's t_cols needs a 2-D x, transpose and int64 [R] = [{x.shape[0]}] column "
+            f"indices, got x {tuple(x.shape)}, transpose {transpose}, t_cols {t_cols.dtype} "
+            f"{tuple(t_cols.shape)}"
+        )
+    if t_cols is None and t_width:
+        raise ValueError(f"fp8_cast's t_width {t_width} needs t_cols")
 
 
 def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tuple[Tensor, Tensor]:
@@ -74,43 +109,62 @@ def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tupl
     return scale, scale.reciprocal()
 
 
+def _y_t_shape(x: Tensor, transpose: bool, t_cols: Tensor | None, t_width: int) -> tuple:
+    *E, R, C = x.shape
+    return (0,) if not transpose else (C, t_width) if t_cols is not None else (*E, C, R)
+
+
 def fp8_cast_ref(
-    x: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, transpose: bool
+    x: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    pow2_scale: bool,
+    transpose: bool,
+    t_cols: Tensor | None = None,
+    t_width: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fp8_max, _, _, clip = _FORMATS[float8_dtype]
     scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
-    v = x.float() * scale
+    v = x.float() * scale.reshape(*scale.shape, 1, 1)  # one scale per slice
     y = v.clamp(-fp8_max, fp8_max).to(float8_dtype)  # clamp keeps NaN; torch rounds to even
     clipped = (v.abs() > clip).sum()
     flushed = ((x != 0) & (y.view(torch.uint8) & 0x7F == 0)).sum()
-    # clone, not contiguous(): a [1, C] tensor's transpose is contiguous and would alias y
-    y_t = y.t().clone(memory_format=torch.contiguous_format) if transpose else y.new_empty(0)
+    if t_cols is not None:  # as bytes: index_copy_ has no FP8 kernel (torch 2.13, CPU)
+        y_t = y.new_zeros((x.shape[1], t_width), dtype=torch.uint8)
+        y_t = y_t.index_copy_(1, t_cols, y.view(torch.uint8).t()).view(float8_dtype)
+    else:  # clone, not contiguous(): a [1, C] tensor's transpose is contiguous, aliasing y
+        y_t = y.mT.clone(memory_format=torch.contiguous_format) if transpose else y.new_empty(0)
     return y, y_t, scale_inv, torch.stack([clipped, flushed])
 
 
 @triton.jit
 def _cast_kernel(
-    x_ptr,  # [R, C]
-    scale_ptr,  # 0-d fp32
-    y_ptr,  # [R, C] uint8 view of the FP8 output
-    yt_ptr,  # [C, R] uint8 (TRANSPOSE)
+    x_ptr,  # [E, R, C]
+    scale_ptr,  # [E] fp32
+    y_ptr,  # [E, R, C] uint8 view of the FP8 output
+    yt_ptr,  # [E, C, T_STRIDE] uint8 (TRANSPOSE)
+    tcols_ptr,  # [R] int64: column of y_t that row r of x goes to (COL_MAP)
     counts_ptr,  # [programs, 2] int32: clipped, flushed to zero
     R,
     C,
+    T_STRIDE,  # row length of y_t: R, or t_width with COL_MAP
     FP8_MAX: tl.constexpr,
     CLIP: tl.constexpr,
     EMIN: tl.constexpr,
     MBITS: tl.constexpr,
     TRANSPOSE: tl.constexpr,
+    COL_MAP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    pid_r, pid_c, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
+    start = pid_s.to(tl.int64) * R * C  # of the slice in x and y (COL_MAP: one slice)
+    x_ptr, y_ptr, yt_ptr = x_ptr + start, y_ptr + start, yt_ptr + start
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    v = x * tl.load(scale_ptr)
+    v = x * tl.load(scale_ptr + pid_s)
     clipped = tl.abs(v) > CLIP
     v = tl.where(v > FP8_MAX, FP8_MAX, tl.where(v < -FP8_MAX, -FP8_MAX, v))  # NaN stays NaN
     vbits = v.to(tl.int32, bitcast=True)
@@ -132,38 +186,52 @@ def _cast_kernel(
     tl.store(y_ptr + rows[:, None] * C + cols[None, :], code, mask=mask)
     if TRANSPOSE:
         # the tile transposed in registers, so that the store runs along rows of y_t
-        tl.store(yt_ptr + cols[:, None] * R + rows[None, :], tl.trans(code), mask=tl.trans(mask))
-    pid = pid_r * tl.num_programs(1) + pid_c
+        dst = tl.load(tcols_ptr + rows, mask=rows < R, other=0) if COL_MAP else rows
+        dst_ptr = yt_ptr + cols[:, None] * T_STRIDE + dst[None, :]
+        tl.store(dst_ptr, tl.trans(code), mask=tl.trans(mask))
+    pid = (pid_s * tl.num_programs(0) + pid_r) * tl.num_programs(1) + pid_c
     tl.store(counts_ptr + pid * 2, tl.sum(tl.sum((clipped & mask).to(tl.int32), 1), 0))
     tl.store(counts_ptr + pid * 2 + 1, tl.sum(tl.sum((flushed & mask).to(tl.int32), 1), 0))
 
 
 def fp8_cast_triton(
-    x: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, transpose: bool
+    x: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    pow2_scale: bool,
+    transpose: bool,
+    t_cols: Tensor | None = None,
+    t_width: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fp8_max, emin, mbits, clip = _FORMATS[float8_dtype]
     scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
     x = x.contiguous()
-    R, C = x.shape
-    y = torch.empty(R, C, dtype=float8_dtype, device=x.device)
-    y_t = torch.empty((C, R) if transpose else (0,), dtype=float8_dtype, device=x.device)
+    *E, R, C = x.shape  # E: [] or [num slices]
+    y = torch.empty(*E, R, C, dtype=float8_dtype, device=x.device)
+    y_t_shape = _y_t_shape(x, transpose, t_cols, t_width)
+    # zeros where the kernel writes no column (as bytes: a fill for every FP8 dtype)
+    alloc = torch.zeros if t_cols is not None else torch.empty
+    y_t = alloc(y_t_shape, dtype=torch.uint8, device=x.device).view(float8_dtype)
     BLOCK_R, BLOCK_C = 64, 64
-    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
-    counts = torch.zeros(grid[0] * grid[1], 2, dtype=torch.int32, device=x.device)
-    if R and C:
+    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C), E[0] if E else 1)
+    counts = torch.zeros(grid[0] * grid[1] * grid[2], 2, dtype=torch.int32, device=x.device)
+    if x.numel():
         _cast_kernel[grid](
             x,
             scale.float().contiguous(),
             y.view(torch.uint8),
             y_t.view(torch.uint8),
+            t_cols if t_cols is not None else counts,  # unread without COL_MAP
             counts,
             R,
             C,
+            y_t.shape[-1] if t_cols is not None else R,
             FP8_MAX=fp8_max,
             CLIP=clip,
             EMIN=emin,
             MBITS=mbits,
             TRANSPOSE=transpose,
+            COL_MAP=t_cols is not None,
             BLOCK_R=BLOCK_R,
             BLOCK_C=BLOCK_C,
         )
@@ -179,33 +247,40 @@ def _use_triton(x: Tensor) -> bool:
     "graphtrain::fp8_cast",
     mutates_args=(),
     schema=(
-        "(Tensor x, Tensor amax, ScalarType float8_dtype, bool pow2_scale, bool transpose) "
+        "(Tensor x, Tensor amax, ScalarType float8_dtype, bool pow2_scale, bool transpose, "
+        "Tensor? t_cols=None, SymInt t_width=0) "
         "-> (Tensor y, Tensor y_t, Tensor scale_inv, Tensor counts)"
     ),
 )
 def fp8_cast(
-    x: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, transpose: bool
+    x: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    pow2_scale: bool,
+    transpose: bool,
+    t_cols: Tensor | None = None,
+    t_width: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x scaled by fp8_max / amax, saturated and rounded to float8_dtype (and transposed).
-    The body is the CPU kernel."""
-    _check(x, amax, float8_dtype)
-    return fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose)
+    """x scaled by fp8_max / amax, saturated and rounded to float8_dtype (and transposed,
+    to the columns t_cols names). The body is the CPU kernel."""
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width)
+    return fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
 
 
 @fp8_cast.register_fake
-def _fp8_cast_fake(x, amax, float8_dtype, pow2_scale, transpose):
-    _check(x, amax, float8_dtype)
-    R, C = x.shape
+def _fp8_cast_fake(x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0):
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width)
+    E = x.shape[:-2]
     return (
-        x.new_empty((R, C), dtype=float8_dtype),
-        x.new_empty((C, R) if transpose else (0,), dtype=float8_dtype),
-        x.new_empty((), dtype=torch.float32),
+        x.new_empty(x.shape, dtype=float8_dtype),
+        x.new_empty(_y_t_shape(x, transpose, t_cols, t_width), dtype=float8_dtype),
+        x.new_empty(E, dtype=torch.float32),
         x.new_empty((2,), dtype=torch.int64),
     )
 
 
 @fp8_cast.register_kernel("cuda")
-def _fp8_cast_cuda(x, amax, float8_dtype, pow2_scale, transpose):
-    _check(x, amax, float8_dtype)
+def _fp8_cast_cuda(x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0):
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width)
     run = fp8_cast_triton if _use_triton(x) else fp8_cast_ref
-    return run(x, amax, float8_dtype, pow2_scale, transpose)
+    return run(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)

@@ -7,7 +7,8 @@ What
     out[rows of e] = x[rows of e] @ weight[e]^T, rows of e = offs[e-1]:offs[e] (offs[-1] = 0),
     i.e. torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs) (models/moe.py's experts),
     with both operands in E4M3 and fp32 accumulation; out in out_dtype (default x's). Output 0
-    is the result; the others are the FP8 copies the backward uses (x8_t [K, M], w8_t
+    is the result; the others are the FP8 copies the backward uses (x8_t [K, W], x's rows
+    as columns in the wgrad's padded groups, W = ceil16(M) + 16 E (padded_columns); w8_t
     [E, K, N]) and their inverse scales.
     Backward (graphtrain::fp8_grouped_mm_backward): the output gradient is cast once (E5M2, or
     E4M3 with e4m3_grads; always E4M3 on the grouped kernel, below), then per expert e
@@ -17,17 +18,20 @@ What
 
 Scaling
     x and grad_out: per tensor (one amax over all rows, graphtrain::fp8_amax). The weight: per
-    expert (one amax per expert matrix). torch._scaled_grouped_mm takes only row-wise scales,
-    and both are written as such: a per-tensor scale repeated over the rows (or, in the wgrad,
-    over each group's rows) and an expert's scale repeated over its output columns, so the
-    grouped kernel computes the same recipe as the reference loop. Numerics otherwise as
-    graphtrain::fp8_linear.
+    expert (one amax per expert matrix: fp8_amax(weight, per_slice=True), then one
+    graphtrain::fp8_cast of [E, N, K] with an [E] amax writes w8 and w8_t, each expert with
+    its own scale, bit for bit what a cast per expert gives). torch._scaled_grouped_mm takes
+    only row-wise scales, and both are written as such: a per-tensor scale repeated over the
+    rows (or, in the wgrad, over each group's rows) and an expert's scale repeated over its
+    output columns, so the grouped kernel computes the same recipe as the reference loop.
+    Numerics otherwise as graphtrain::fp8_linear.
 
 Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
     reference (the CPU kernel and the oracle; CUDA devices other than sm90): per expert one
         torch._scaled_mm (per-tensor scales) in a loop over the groups; it reads offs on the
-        host (one synchronisation per call). On CUDA, torch._scaled_mm needs every group's
-        rows to be a multiple of 16 (the wgrad's inner dimension); the CPU takes any.
+        host (one synchronisation per call; the wgrad also the padded groups' offsets). On
+        CUDA, torch._scaled_mm needs every group's rows to be a multiple of 16 (the wgrad's
+        inner dimension); the CPU takes any.
     grouped (CUDA sm90, fp8_grouped_mm_cuda / fp8_grouped_mm_backward_cuda): three
         torch._scaled_grouped_mm calls, no host synchronisation, no loop over the experts'
         GEMMs:
@@ -48,11 +52,12 @@ Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
         dimension: the GPU test, with groups of 40, 0, 7 and 81 rows, checks the installed
         torch); in the 2d-2d case (groups along K) every group but the last must be a
         multiple of 16 (TMA's 16-byte alignment of each group's start) and, in some
-        versions, none may be empty (device asserts). So the wgrad pads on the device
-        (pad_groups): each expert's columns of g8_t and x8_t move to a group of max(16,
+        versions, none may be empty (device asserts). So g8_t and x8_t are padded on the
+        device (padded_columns, both paths): each expert's rows go to a group of max(16,
         ceil16(rows)) columns, the rest zeros (which add nothing), in buffers of a static
         width ceil16(M) + 16 E, offsets from a cumsum; rows past offs[-1] go after the last
-        group, where no group reads them.
+        group, where no group reads them. The cast writes them there (fp8_cast's t_cols):
+        the same read of x or grad_out that writes x8 or g8, no copy afterwards.
         What differs from the reference: the gradient is E4M3 whatever e4m3_grads says (with
         its per-tensor scale from the current amax, values below about 2^-10 / 448 of the
         amax flush to zero, counted in fp8/flushed/gradient, where E5M2 keeps values down to
@@ -61,14 +66,30 @@ Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
         grad_x are left as the kernel leaves them (its output is allocated uninitialised,
         as torch._grouped_mm's), zeros in the reference (the models' offs always end at M).
         fp32 accumulation (use_fast_accum=False), as the reference.
-    Not built: the weight casts are one graphtrain::fp8_amax and one graphtrain::fp8_cast
-    per expert (Triton on CUDA; E small launches each, no sync); the cast kernel writing
-    g8_t and x8_t straight into the padded layout (it would remove the padding's traffic).
-    Unmeasured (no GPU where this was written): the padding reads g8_t and x8_t (N M + K M
-    bytes) and writes the zero-filled padded copies twice over (zeros, then the columns): at
-    moe-1b's fused w1|w3 experts (M = 98304 rows, N = K = 1024) ~0.6 GB, ~0.2 ms at 3 TB/s,
-    beside ~0.16 ms for the wgrad GEMM (2 M N K = 206 GFLOP at 1271 TFLOP/s) and ~0.5 ms for
-    the three; benchmarks/fp8_linear.py's grouped row measures the whole.
+    Launches of the weight casts (both paths; Triton on CUDA, no sync): one per-slice
+    fp8_amax (its kernel and the partials' torch.amax) and one fp8_cast (clamp, reciprocal
+    and multiply for the scales, 3 more with pow2_scale, the reciprocal, the counts' zeros,
+    the kernel, the counts' sum), then the 2 adds of the saturation counters: 11 launches
+    (14 with pow2_scale) whatever E. Before, the same per expert plus 3 torch.stack: 11 E +
+    3 = 707 at moe-1b's E = 64 (899 with pow2_scale), with 2 E = 128 custom-op calls from
+    Python.
+    The bytes are the same (the weight read twice, w8 and w8_t written: 6 bytes an element of
+    a bf16 weight, 0.4 GB for the w1|w3 [64, 1024, 1024], ~0.13 ms at 3 TB/s); the kernels do not
+    change. Prediction, unmeasured (no GPU where this was written): the weight casts of one
+    call go from host-bound, ~700 launches at ~5 us of host time each plus the Python of
+    128 op calls (~3-6 ms), to device-bound (~0.15 ms), i.e. ~3-6 ms less per expert GEMM
+    call and layer; benchmarks/fp8_linear.py's grouped rows measure the whole.
+    Bytes of the padding: a copy after the casts read g8_t and x8_t (N M + K M bytes) and
+    wrote the padded buffers twice over (zeros, then the columns), (N + K)(W + 2 M) bytes:
+    at moe-1b's fused w1|w3 experts (M = 98304 rows, N = K = 1024, W = M + 1024) ~0.6 GB.
+    The cast writing the padded layout leaves the zero fill of the buffers, (N + K) W
+    bytes ~0.2 GB, and the cast's read of t_cols (8 M bytes per 64 columns of x, ~13 MB);
+    padded_columns (about ten small launches over offs and M rows) runs twice, in the
+    forward and in the backward, once before. Prediction, unmeasured: ~0.4 GB, ~0.13 ms at
+    3 TB/s less per wgrad, beside ~0.16 ms for the wgrad GEMM (2 M N K = 206 GFLOP at 1271
+    TFLOP/s) and ~0.5 ms for the three; x8_t saved is 16 E columns (1 MB) larger.
+    benchmarks/fp8_linear.py's grouped rows measure the whole. Not built: zeroing only the
+    at most 16 E gap columns instead of the whole buffers.
 """
 
 from __future__ import annotations
@@ -109,28 +130,32 @@ def _groups(offs: Tensor) -> list[tuple[int, int, int]]:
 
 
 def _cast_operands(
-    x: Tensor, weight: Tensor, pow2_scale: bool
+    x: Tensor, weight: Tensor, offs: Tensor, pow2_scale: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x8 [M, K], x8_t [K, M], x's scale_inv; w8 [E, N, K], w8_t [E, K, N], scale_inv [E]."""
-    x8, x8_t, sx = cast_pair(x, torch.ops.graphtrain.fp8_amax(x), E4M3, pow2_scale, "activation")
-    w8, w8_t, sw = [], [], []
-    for w in weight.unbind(0):
-        w8_e, w8_t_e, sw_e = cast_pair(
-            w, torch.ops.graphtrain.fp8_amax(w), E4M3, pow2_scale, "weight"
-        )
-        w8.append(w8_e), w8_t.append(w8_t_e), sw.append(sw_e)
-    return x8, x8_t, sx, torch.stack(w8), torch.stack(w8_t), torch.stack(sw)
+    """x8 [M, K], x8_t [K, W] (columns in padded groups, padded_columns), x's scale_inv;
+    w8 [E, N, K], w8_t [E, K, N], scale_inv [E] (each expert's weight scaled by its own
+    amax: the per-slice amax and cast)."""
+    dest, _, width = padded_columns(offs, x.shape[0])
+    ax = torch.ops.graphtrain.fp8_amax(x)
+    x8, x8_t, sx = cast_pair(x, ax, E4M3, pow2_scale, "activation", dest, width)
+    aw = torch.ops.graphtrain.fp8_amax(weight, per_slice=True)
+    w8, w8_t, sw = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
+    return x8, x8_t, sx, w8, w8_t, sw
 
 
-def _cast_grad(grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool):
-    """g8 [M, N], g8_t [N, M], scale_inv of the output gradient (per tensor)."""
+def _cast_grad(
+    grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, dest: Tensor, width: int
+):
+    """g8 [M, N], g8_t [N, W] (columns in padded groups), scale_inv of the output gradient
+    (per tensor)."""
     amax = torch.ops.graphtrain.fp8_amax(grad_out)
-    return cast_pair(grad_out, amax, float8_dtype, pow2_scale, "gradient")
+    return cast_pair(grad_out, amax, float8_dtype, pow2_scale, "gradient", dest, width)
 
 
 # The two GEMM shapes of the op, each as a loop of torch._scaled_mm (reference) and as one
 # torch._scaled_grouped_mm (grouped). a8 / a8_t: FP8 rows with one scale sa (0-d); b8 / b8_t:
-# per expert (b8 [E, P, Q], sb [E]) or rows with one scale (b8_t [Q, M], sb 0-d).
+# per expert (b8 [E, P, Q], sb [E]) or rows with one scale (b8_t [Q, W], sb 0-d; the
+# columns of a8_t and b8_t in padded groups).
 
 
 def _rows_loop(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, out_dtype):
@@ -154,38 +179,46 @@ def _rows_grouped(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, 
     return out.to(out_dtype)
 
 
-def _experts_loop(a8_t: Tensor, sa: Tensor, b8_t: Tensor, sb: Tensor, offs: Tensor, out_dtype):
-    """out [E, P, Q]: out[e] = a8_t[:, rows of e] @ b8_t[:, rows of e]^T (a8_t [P, M], b8_t
-    [Q, M]); zero for an expert without rows."""
+def _experts_loop(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
+    """out [E, P, Q]: out[e] = a8_t[:, rows of e] @ b8_t[:, rows of e]^T (a8_t [P, W], b8_t
+    [Q, W], expert e's rows in the columns from padded_offs[e - 1]); zero for an expert
+    without rows."""
     out = a8_t.new_zeros(offs.shape[0], a8_t.shape[0], b8_t.shape[0], dtype=out_dtype)
+    padded_starts = [0, *padded_offs.tolist()[:-1]]
     for e, start, end in _groups(offs):
         if end > start:
             # Row-major slices: a [P, m] and b^T [m, Q] column-major, as _scaled_mm wants.
-            a, b = a8_t[:, start:end].contiguous(), b8_t[:, start:end].contiguous()
+            cols = slice(padded_starts[e], padded_starts[e] + end - start)
+            a, b = a8_t[:, cols].contiguous(), b8_t[:, cols].contiguous()
             out[e] = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)
     return out
 
 
-def _experts_grouped(a8_t: Tensor, sa: Tensor, b8_t: Tensor, sb: Tensor, offs: Tensor, out_dtype):
-    """As _experts_loop, 2d-2d on group-padded copies: scales per (group, row) of a, per
+def _experts_grouped(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
+    """As _experts_loop, 2d-2d on the padded groups: scales per (group, row) of a, per
     (group, column) of the result."""
-    (a, b), padded_offs = pad_groups([a8_t, b8_t], offs)
     E, P, Q = offs.shape[0], a8_t.shape[0], b8_t.shape[0]
     scale_a = sa.expand(E * P).contiguous()
     scale_b = sb.expand(E * Q).contiguous()
     out = torch._scaled_grouped_mm(
-        a, b.t(), scale_a, scale_b, padded_offs, out_dtype=torch.bfloat16
+        a8_t, b8_t.t(), scale_a, scale_b, padded_offs, out_dtype=torch.bfloat16
     )
     return out.to(out_dtype)
 
 
-def pad_groups(columns: list[Tensor], offs: Tensor) -> tuple[list[Tensor], Tensor]:
-    """Each [R, M] FP8 tensor with its columns regrouped so that every expert's group has
-    max(16, ceil16(rows)) columns (its own first, then zeros), in a [R, ceil16(M) + 16 E]
-    buffer, and the padded groups' end offsets. Columns past offs[-1] go after the last group.
+def padded_width(M: int, E: int) -> int:
+    """Columns of the padded layout of M rows in E groups (static: no host sync)."""
+    return -(-M // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * E
+
+
+def padded_columns(offs: Tensor, M: int) -> tuple[Tensor, Tensor, int]:
+    """(dest, padded_offs, width): the wgrad's layout of M rows grouped by offs, in which
+    every expert's group has max(16, ceil16(rows)) columns (its own rows first, then zeros):
+    row i goes to column dest[i] (int64 [M]) of a [*, width] FP8 tensor (fp8_cast's t_cols),
+    padded_offs are the groups' end columns. Rows past offs[-1] go after the last group.
     All on the device: no host synchronisation (the width is static)."""
-    M, E = columns[0].shape[1], offs.shape[0]
-    width = -(-M // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * E
+    E = offs.shape[0]
+    width = padded_width(M, E)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     padded = torch.where(counts > 0, -(-counts // GROUP_ALIGN) * GROUP_ALIGN, GROUP_ALIGN)
     padded_offs = torch.cumsum(padded, 0, dtype=torch.int32)
@@ -194,15 +227,11 @@ def pad_groups(columns: list[Tensor], offs: Tensor) -> tuple[list[Tensor], Tenso
     shift = torch.cat([padded_offs - padded - offs + counts, padded_offs[-1:] - offs[-1:]])
     cols = torch.arange(M, dtype=torch.int32, device=offs.device)
     dest = (cols + shift[torch.searchsorted(offs, cols, right=True)]).long()
-    out = []
-    for t in columns:  # as bytes: index_copy_ has no FP8 kernel (torch 2.13, CPU)
-        buf = torch.zeros(t.shape[0], width, dtype=torch.uint8, device=t.device)
-        out.append(buf.index_copy_(1, dest, t.view(torch.uint8)).view(t.dtype))
-    return out, padded_offs
+    return dest, padded_offs, width
 
 
 def _forward_impl(x, weight, offs, *, pow2_scale, out_dtype, grouped):
-    x8, x8_t, sx, w8, w8_t, sw = _cast_operands(x, weight, pow2_scale)
+    x8, x8_t, sx, w8, w8_t, sw = _cast_operands(x, weight, offs, pow2_scale)
     rows = _rows_grouped if grouped else _rows_loop
     out = rows(x8, sx, w8, sw, offs, out_dtype or x.dtype)
     return out, x8_t, sx, w8_t, sw
@@ -210,10 +239,11 @@ def _forward_impl(x, weight, offs, *, pow2_scale, out_dtype, grouped):
 
 def _backward_impl(grad_out, x8_t, sx, w8_t, sw, offs, *, float8_dtype, pow2_scale, x_dtype,
                    w_dtype, grouped):  # fmt: skip
-    g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale)
+    dest, padded_offs, width = padded_columns(offs, grad_out.shape[0])
+    g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale, dest, width)
     rows, experts = (_rows_grouped, _experts_grouped) if grouped else (_rows_loop, _experts_loop)
     grad_x = rows(g8, sg, w8_t, sw, offs, x_dtype)
-    grad_w = experts(g8_t, sg, x8_t, sx, offs, w_dtype)
+    grad_w = experts(g8_t, sg, x8_t, sx, offs, padded_offs, w_dtype)
     return grad_x, grad_w
 
 
@@ -336,7 +366,7 @@ def _fp8_grouped_mm_fake(x, weight, offs, *, e4m3_grads=False, pow2_scale=False,
     E, N, _ = weight.shape
     return (
         x.new_empty((M, N), dtype=out_dtype or x.dtype),
-        x.new_empty((K, M), dtype=E4M3),
+        x.new_empty((K, padded_width(M, E)), dtype=E4M3),
         x.new_empty((), dtype=torch.float32),
         x.new_empty((E, K, N), dtype=E4M3),
         x.new_empty((E,), dtype=torch.float32),

@@ -106,10 +106,19 @@ def reduce_amax(amaxes: list[Tensor], tp_group: str | None) -> list[Tensor]:
 
 
 def cast_pair(
-    t: Tensor, amax: Tensor, float8_dtype: torch.dtype, pow2: bool, tensor_class: str
+    t: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    pow2: bool,
+    tensor_class: str,
+    t_cols: Tensor | None = None,
+    t_width: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(t8, t8_t, scale_inv) of a 2-D tensor; its saturation counts go to the counters."""
-    t8, t8_t, scale_inv, counts = torch.ops.graphtrain.fp8_cast(t, amax, float8_dtype, pow2, True)
+    """(t8, t8_t, scale_inv) of a 2-D tensor (or of each slice of a 3-D one, amax [E]; or
+    t8_t with its columns moved, t_cols); its saturation counts go to the counters."""
+    t8, t8_t, scale_inv, counts = torch.ops.graphtrain.fp8_cast(
+        t, amax, float8_dtype, pow2, True, t_cols, t_width
+    )
     record_saturation(tensor_class, counts, t.numel())
     return t8, t8_t, scale_inv
 

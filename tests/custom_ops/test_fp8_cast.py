@@ -4,8 +4,11 @@ The oracle is torch's own conversion (round to nearest-even, after a clamp to +-
 x * scale, scale = fp8_max / max(amax, EPS). The Triton kernels (fp8_amax's and fp8_cast's)
 run under TRITON_INTERPRET=1 in a child process on fp32 inputs and must equal the references
 bit for bit: odd shapes (not multiples of the 64 x 64 tile), all-zero, subnormal inputs,
-values that round to FP8 subnormals, values beyond amax (saturation), NaN and inf. GPU tests
-(marker gpu) repeat this on CUDA in fp32 and bf16.
+values that round to FP8 subnormals, values beyond amax (saturation), NaN and inf; and the
+per-slice forms (fp8_amax(x, per_slice=True), fp8_cast of x [E, R, C] with amax [E]) on a
+stack of such slices, against the 3-D reference and against the 2-D reference slice by
+slice; and the cast that writes y_t's columns where t_cols says (odd widths, zeros in the
+other columns). GPU tests (marker gpu) repeat this on CUDA in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -67,6 +70,61 @@ def check_kernels(run_amax, run_cast) -> None:
                     assert _same(u, v), (shape, special, dtype, pow2, name)
 
 
+def check_slice_kernels(run_amax, run_cast) -> None:
+    """Per-slice amax and cast of slices with different specials (a NaN, an all-zero slice, a
+    stale amax in one slice only): bit for bit the 3-D reference, which is bit for bit the
+    2-D cast of each slice with its own amax (counts summed)."""
+    specials = ("random", "zero", "nan", "inf", "saturate")
+    for shape in SHAPES[:2]:
+        slices = [_input(shape, special, seed=i) for i, special in enumerate(specials)]
+        x = torch.stack([t for t, _ in slices])
+        factor = torch.tensor([f for _, f in slices])
+        amax = fa.fp8_amax_ref(x, per_slice=True)
+        assert _same(amax, torch.stack([fa.fp8_amax_ref(t) for t in x]))
+        assert _same(run_amax(x, True), amax), shape
+        for dtype, pow2 in ((E4M3, False), (E5M2, False), (E4M3, True)):
+            want = fc.fp8_cast_ref(x, amax * factor, dtype, pow2, True)
+            got = run_cast(x, amax * factor, dtype, pow2, True)
+            per_slice = [
+                fc.fp8_cast_ref(t, a, dtype, pow2, True)
+                for t, a in zip(x, amax * factor, strict=True)
+            ]
+            y, y_t, s_inv, counts = (torch.stack(list(ts)) for ts in zip(*per_slice, strict=True))
+            for name, u, v, w in zip(("y", "y_t", "scale_inv", "counts"), got, want,
+                                     (y, y_t, s_inv, counts.sum(0)), strict=True):  # fmt: skip
+                assert _same(u, v) and _same(v, w), (shape, dtype, pow2, name)
+
+
+def check_col_map_kernel(run_cast) -> None:
+    """y_t with its columns moved (t_cols, zeros elsewhere): bit for bit the reference, which
+    is y.T in those columns; tiles of 64 rows map to scattered columns."""
+    for shape, special in (((37, 45), "random"), ((65, 70), "nan"), ((65, 3), "saturate")):
+        x, factor = _input(shape, special)
+        amax = fa.fp8_amax_ref(x) * factor
+        width = shape[0] + 21
+        t_cols = torch.randperm(width, generator=torch.Generator().manual_seed(1))[: shape[0]]
+        want = fc.fp8_cast_ref(x, amax, E4M3, False, True, t_cols, width)
+        got = run_cast(x, amax, E4M3, False, True, t_cols, width)
+        plain = fc.fp8_cast_ref(x, amax, E4M3, False, True)
+        for name, u, v in zip(("y", "y_t", "scale_inv", "counts"), got, want, strict=True):
+            assert _same(u, v), (shape, special, name)
+        assert want[1].shape == (shape[1], width) and _same(want[1][:, t_cols], plain[1])
+        others = torch.ones(width, dtype=torch.bool).index_fill_(0, t_cols, False)
+        assert not want[1].view(torch.uint8)[:, others].any()
+
+
+def test_per_slice_reference():
+    """The 3-D reference against the 2-D reference slice by slice (CPU; kernels below)."""
+    check_slice_kernels(fa.fp8_amax_ref, fc.fp8_cast_ref)
+    check_col_map_kernel(fc.fp8_cast_ref)
+    x = torch.randn(3, 5, 7)
+    amax = torch.ops.graphtrain.fp8_amax(x, True)
+    y, y_t, s_inv, _ = torch.ops.graphtrain.fp8_cast(x, amax, E4M3, False, True)
+    assert y.shape == (3, 5, 7) and y_t.shape == (3, 7, 5) and s_inv.shape == (3,)
+    # each slice's largest |x| maps to fp8_max: each slice has its own scale
+    assert torch.equal(y.float().abs().amax((1, 2)), torch.full((3,), 448.0))
+
+
 def test_reference_numerics():
     """The reference itself: scale, saturation, zeros, NaN/inf, round-to-even, counts."""
     x = torch.tensor([[0.0, 1.0, -2.0, 3.0]])
@@ -117,6 +175,16 @@ def test_bad_arguments():
         torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, torch.bfloat16, False, False)
     with pytest.raises(ValueError, match="0-d float32"):
         torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax.view(1), E4M3, False, False)
+    match = r"or a 3-D x \[E, R, C\] with an \[E\] float32 amax .* \(4, 2, 3\) and amax .* \(\)"
+    with pytest.raises(ValueError, match=match):
+        torch.ops.graphtrain.fp8_cast(torch.randn(4, 2, 3), amax, E4M3, False, False)
+    cols = torch.arange(2)
+    with pytest.raises(ValueError, match=r"t_cols needs .* transpose False, t_cols torch.int64"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, False, cols, 4)
+    with pytest.raises(ValueError, match=r"int64 \[R\] = \[2\] .* t_cols torch.int32 \(2,\)"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, True, cols.int(), 4)
+    with pytest.raises(ValueError, match="t_width 4 needs t_cols"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, True, None, 4)
 
 
 def test_opcheck():
@@ -125,6 +193,13 @@ def test_opcheck():
             torch.ops.graphtrain.fp8_cast.default,
             (torch.randn(5, 7), torch.tensor(2.5), E5M2, True, transpose),
         )
+        torch.library.opcheck(
+            torch.ops.graphtrain.fp8_cast.default,
+            (torch.randn(3, 5, 7), torch.tensor([2.5, 0.0, 1.0]), E4M3, False, transpose),
+        )
+    cols = torch.tensor([6, 0, 3, 1, 4])
+    args = (torch.randn(5, 7), torch.tensor(2.5), E4M3, False, True, cols, 9)
+    torch.library.opcheck(torch.ops.graphtrain.fp8_cast.default, args)
 
 
 # ------------------------------------------------------------------------------------------
@@ -135,6 +210,8 @@ def test_opcheck():
 def _interpreter_checks() -> None:
     assert fc._use_triton(torch.zeros(1))
     check_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
+    check_slice_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
+    check_col_map_kernel(fc.fp8_cast_triton)
     print("interpreter all ok")
 
 
@@ -148,9 +225,15 @@ def test_triton_kernels_under_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kernels_match_reference():
     def cast_cuda(x, amax, *args):
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]  # t_cols
         return [t.cpu() for t in torch.ops.graphtrain.fp8_cast(x.cuda(), amax.cuda(), *args)]
 
-    check_kernels(lambda x: torch.ops.graphtrain.fp8_amax(x.cuda()).cpu(), cast_cuda)
+    def amax_cuda(x, *args):
+        return torch.ops.graphtrain.fp8_amax(x.cuda(), *args).cpu()
+
+    check_kernels(amax_cuda, cast_cuda)
+    check_slice_kernels(amax_cuda, cast_cuda)
+    check_col_map_kernel(cast_cuda)
     x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
     amax = torch.ops.graphtrain.fp8_amax(x)
     got = torch.ops.graphtrain.fp8_cast(x, amax, E4M3, False, True)

@@ -84,6 +84,29 @@ def test_bf16_output():
     assert 25.0 < sqnr(out, want) < 40.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pow2_scale", [False, True])
+def test_batched_weight_cast_equals_per_expert(monkeypatch, dtype, pow2_scale):
+    """The weights' per-slice amax and cast (one call each) give the bytes, scales and
+    saturation counts of one fp8_amax and one fp8_cast per expert, bit for bit; an all-zero
+    expert included."""
+    x, w, offs, _ = _inputs([3, 4, 2], 16, 24, seed=5)
+    w[1] = 0.0
+    x, w = x.to(dtype), w.to(dtype)
+    counters = {}
+    monkeypatch.setattr(fl, "_COUNTERS", counters)
+    *_, w8, w8_t, sw = gmm._cast_operands(x, w, offs, pow2_scale)
+    batched = counters[w.device][1].clone()
+    counters.clear()
+    per_expert = [
+        fl.cast_pair(t, torch.ops.graphtrain.fp8_amax(t), E4M3, pow2_scale, "weight")
+        for t in w.unbind(0)
+    ]
+    for got, want in zip((w8, w8_t, sw), zip(*per_expert, strict=True), strict=True):
+        assert torch.equal(_bytes(got), _bytes(torch.stack(want)))
+    assert torch.equal(batched, counters[w.device][1])
+
+
 def test_bad_arguments():
     x, w, offs, _ = _inputs([3, 4], 8, 6, seed=0)
     with pytest.raises(ValueError, match="x \\[M, K\\] and weight \\[E, N, K\\]"):
@@ -191,20 +214,26 @@ def test_grouped_path_matches_reference(monkeypatch, counts, tail, dtype):
     assert torch.equal(same[0][:end], gx[:end]) and torch.equal(same[1], gw)
 
 
-def test_pad_groups():
+def test_padded_columns():
+    """The wgrad's layout, as the cast writes it: each expert's rows of x (columns of x8_t)
+    at the start of a group of max(16, ceil16(rows)) columns, zeros after them; rows past
+    offs[-1] after the last group."""
     counts = [5, 0, 37, 3]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    cols = torch.arange(1, 48).to(torch.float8_e4m3fn)[None].expand(2, -1).contiguous()
-    (padded,), padded_offs = gmm.pad_groups([cols], offs)
-    assert padded_offs.tolist() == [16, 32, 80, 96]
-    assert padded.shape == (2, 48 + 16 * 4) and padded.dtype == torch.float8_e4m3fn
+    x = torch.arange(1, 48).float()[:, None].expand(-1, 2).contiguous()  # row i: i + 1
+    dest, padded_offs, width = gmm.padded_columns(offs, 47)
+    assert padded_offs.tolist() == [16, 32, 80, 96] and width == 48 + 16 * 4
+    _, padded, _, _ = torch.ops.graphtrain.fp8_cast(
+        x, torch.tensor(448.0), torch.float8_e4m3fn, False, True, dest, width
+    )
+    assert padded.shape == (2, 112) and padded.dtype == torch.float8_e4m3fn
     want = torch.zeros(2, 112)
     start = 0
     for pstart, n in zip([0, 16, 32, 80], counts, strict=True):
-        want[:, pstart : pstart + n] = cols[:, start : start + n].float()
+        want[:, pstart : pstart + n] = x[start : start + n].t()
         start += n
-    want[:, 96:98] = cols[:, 45:47].float()  # past offs[-1] = 45: after the last group
-    assert torch.equal(padded.float(), want)
+    want[:, 96:98] = x[45:47].t()  # past offs[-1] = 45: after the last group
+    assert torch.equal(padded.float(), want.to(torch.float8_e4m3fn).float())  # scale 1
 
 
 @pytest.mark.parametrize("counts, tail", GROUP_CASES[:3])

@@ -37,7 +37,9 @@ def _notes(dump: Path, label: str = "overlap_tp_comm") -> dict[str, list[str]]:
     return out
 
 
-def _train(rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path) -> dict:
+def _train(
+    rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path, extra: tuple = ()
+) -> dict:
     torch._dynamo.reset()
     toggled = spec.get("toggle", "overlap_tp_comm")
     fsdp_fp8 = toggled == "fp8.fsdp_all_gather_fp8"  # an option of parallelize_model, no pass
@@ -60,7 +62,11 @@ def _train(rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path) ->
         ac_mode="none",
         compile_options={
             "inner": spec.get("inner", "aot_eager"),
-            "passes": [*spec.get("passes", []), *([] if on or fsdp_fp8 else [f"-{toggled}"])],
+            "passes": [
+                *spec.get("passes", []),
+                *([] if on or fsdp_fp8 else [f"-{toggled}"]),
+                *extra,
+            ],
             "dump_dir": dump if rank == 0 else None,
             "pass_options": {
                 "tp_overlap_chunks": spec.get("chunks", 0),
@@ -123,6 +129,11 @@ def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any
             on = _train(rank, world, spec, True, Path(tmp) / "on")
             notes = _notes(Path(tmp) / "on", spec.get("toggle", "overlap_tp_comm"))
             out[spec["name"]] = {"off": off, "on": on, "notes": notes}
+            if "also" in spec:  # a third run: the on run with these passes switched too
+                out[spec["name"]]["also"] = _train(
+                    rank, world, spec, True, Path(tmp) / "also", tuple(spec["also"])
+                )
+                out[spec["name"]]["overlap_notes"] = _notes(Path(tmp) / "on")
     if all(spec.get("device", "cpu") == "cpu" for spec in specs):
         out["refusal"] = _gather_without_gemm(rank, world)
         out["fp8_gather"] = _fp8_gather(rank, world)

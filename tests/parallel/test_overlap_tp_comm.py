@@ -39,6 +39,7 @@ SPECS_2 = [
         "passes": ["+fp8_linear"],
         "options": {"fp8.min_dim": 16},
         "toggle": "fp8_all_gather",
+        "also": ["-overlap_tp_comm"],  # the FP8 gathers unchunked
     },
     {  # FSDP2 gathering the FP8 linears' weights in FP8, off and on (no tp)
         "name": "fp8_fsdp_dp2",
@@ -179,6 +180,25 @@ def test_fp8_all_gather_bitwise(ranks2):
     for backward in _block_graphs(result["notes"], "backward"):  # wo's and w2's dgrad inputs
         assert sum("cast to E5M2 before the gather" in n for n in backward) == 2, backward
     _assert_bitwise(result)
+    _assert_bitwise({"off": result["also"], "on": result["on"]})
+
+
+def test_fp8_gather_chunked(ranks2):
+    # overlap_tp_comm after fp8_all_gather: the forward's two FP8 gathers (q, k, v; w1, w3)
+    # chunked into tp blocks, each block's FP8 GEMMs run as it arrives; the row-parallel
+    # fp8_linear outputs (wo, w2) are not GEMM rows the scatter can split, and the backward's
+    # FP8 gradient gathers feed fp8_linear_backward (dgrad and wgrad in one op): left alone.
+    # Bitwise against the unchunked FP8 gathers (`also`: overlap_tp_comm off), over the steps.
+    result = ranks2[0]["fp8_gather_tp2"]
+    for forward in _block_graphs(result["overlap_notes"], "forward"):
+        chunked = [n for n in forward if n.startswith("fp8 all_gather") and "chunked into 2" in n]
+        assert len(chunked) == 2, forward
+        assert sum("made by fp8_linear" in n for n in forward) == 2, forward
+    for backward in _block_graphs(result["overlap_notes"], "backward"):
+        gathers = [n for n in backward if n.startswith("all_gather")]
+        assert len(gathers) == 2 and all("read by fp8_linear_backward" in n for n in gathers)
+        assert sum("made by fp8_linear_backward" in n for n in backward) == 2, backward
+    _assert_bitwise({"off": result["also"], "on": result["on"]})
 
 
 def test_fp8_all_gather_equals_cast_after_gather(ranks2):

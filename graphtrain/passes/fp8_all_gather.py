@@ -32,8 +32,9 @@ Refusals (left alone with a note)
     values, so the gather stays; consumers whose op or options differ from each other or
     whose group is not the gather's; a backward with a bias (its gradient sums the
     unquantised rows); a gather not in the [B, S, D] sequence layout (fx.match_sequence_gather).
-    The chunked overlap (overlap_tp_comm, which runs after this pass) does not chunk an FP8
-    gather: its consumer is one fp8_linear_precast, not row GEMMs; it notes that and leaves it.
+    overlap_tp_comm, which runs after this pass, chunks the forward's FP8 gathers into row
+    blocks, each block's GEMMs running as it arrives; it leaves the backward's alone (with a
+    note: fp8_linear_backward's wgrad sums over all rows in the same op as its dgrad).
 
 Invariant and numerics (preserves_numerics=True: bitwise)
     The max of the shards' amaxes is the gathered tensor's amax exactly, the cast is

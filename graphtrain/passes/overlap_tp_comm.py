@@ -27,16 +27,37 @@ What
     Options (PassContext.options): "tp_overlap_chunks" (0: the tp size), "tp_overlap_variant"
     ("auto": symm_mem where the group has it, else chunked; or "chunked", "symm_mem").
 
+FP8 gathers (written by fp8_all_gather, which runs first)
+    x's shard cast to E4M3 with the tp-global amax, gathered as uint8 and read by
+    graphtrain::fp8_linear_precast (q, k, v; w1, w3) is chunked too: each row block of the
+    shard is cast (elementwise, the one scale: the same bytes) and its gather started; as
+    block j arrives its GEMMs run, block 0 through fp8_linear_precast (it casts the weight once,
+    all-reducing its amax, and returns the weight's FP8 copy and scale), the later blocks as
+    the same torch._scaled_mm on that copy. The outputs the backward saves are assembled
+    whole: x8_t is the transpose of the blocks put back in sequence order (one copy shared by
+    the consumers, where the unchunked ops made one each), x_scale_inv the cast's, w8_t and
+    w_scale_inv block 0's op's. Saturation counts: the weight's once (block 0's op), the
+    activation's from this rank's block 0 only (its counts over its element count: a sample
+    of 1/chunks of the rows, where the unchunked op counted the rank's shard). The symm_mem
+    variant has no FP8 form here yet (torch's symm_mem.fused_all_gather_scaled_matmul needs
+    the weights cast before it, outside the op that records their statistics): chunked.
+
 Refusals (left alone with a note)
     a gather whose result has no row-wise GEMM consumer; a scatter whose input is not one
     GEMM's output used only by it (the backward's sum of several dgrads); rows that do not
     split into `chunks` blocks; shapes other than the [B, S, ...] sequence sharding above.
+    FP8: a scatter of fp8_linear's output (wo, w2) or of fp8_linear_backward's dgrads (the op
+    casts all rows with one amax); the backward's FP8 gradient gather (fp8_linear_backward
+    runs its dgrad and its wgrad, a sum over all rows, in one op); an FP8 gather read by
+    anything but fp8_linear_precast's x, or with a bias.
 
 Invariant and numerics (preserves_numerics=True up to the GEMM's row blocking)
     Every output element is the same dot product over the same K values, and every
     reduce-scatter sums the same per-rank values; a GEMM over fewer rows may pick another
     kernel tile but not another K order on the CPU BLAS we test (the tests assert bitwise
-    equality at tp=2 and state their tolerance elsewhere).
+    equality at tp=2 and state their tolerance elsewhere). FP8 gathers likewise: the bytes
+    and the scale are the unchunked cast's, and each output row is the same _scaled_mm row
+    (tests/parallel/test_overlap_tp_comm.py: bitwise against the unchunked FP8 gather).
 """
 
 from __future__ import annotations
@@ -49,12 +70,17 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from graphtrain.custom_ops import fp8_linear  # noqa: F401  (registers the FP8 ops)
 from graphtrain.passes import fx
 from graphtrain.passes.fx import Refuse
 from graphtrain.passes.registry import PassContext, register_pass
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
+_FP8_CAST = torch.ops.graphtrain.fp8_cast.default
+_PRECAST = torch.ops.graphtrain.fp8_linear_precast.default
+_FP8_LINEAR = torch.ops.graphtrain.fp8_linear.default
+_FP8_BACKWARD = torch.ops.graphtrain.fp8_linear_backward.default
 
 
 _is, _only_user = fx.is_op, fx.only_user
@@ -105,11 +131,11 @@ def _position(node: Node) -> int:
 
 
 def _hoist(node: Node, before: Node) -> None:
-    """Move `node` (a transpose of graph inputs or earlier values) before `before`, with whatever
-    of its own inputs comes later too; anything else computed later is a refusal."""
-    if _position(node) < _position(before):
+    """Move `node` (a transpose or view of graph inputs or earlier values) before `before`, with
+    whatever of its own inputs comes later too; anything else computed later is a refusal."""
+    if not isinstance(node, Node) or _position(node) < _position(before):
         return
-    if node.op != "call_function" or node.target not in (aten.t.default, aten.permute.default):
+    if not (_is(node, aten.t.default) or _is(node, aten.permute.default) or _is_view(node)):
         raise Refuse(f"the GEMM operand {node.name} is computed after the collective")
     for arg in node.all_input_nodes:
         _hoist(arg, before)
@@ -165,6 +191,8 @@ def _overlap_gather(
     gm: torch.fx.GraphModule, ag: Node, chunks: int, fake_mode: Any, symm_mem: bool
 ) -> str:
     x, tp, group = ag.args
+    if x.meta["val"].dtype == torch.uint8:  # FP8 bytes (fp8_all_gather)
+        return _overlap_fp8_gather(gm, ag, chunks, fake_mode, symm_mem)
     wait, full, gemms, pieces = _match_gather(ag)
     batch, seq, dim = _shape(x)
     block = 0 if symm_mem else _row_block(batch * seq, chunks)
@@ -217,6 +245,107 @@ def _overlap_gather(
 
 
 # --------------------------------------------------------------------------------------------
+# FP8 gather -> fp8_linear_precast
+
+
+def _match_fp8_gather(ag: Node) -> tuple[Node, Node, list[Node], list[Node]]:
+    """(the shard's fp8_cast, the gathered E4M3 [B, T, D], its fp8_linear_precast consumers,
+    the nodes of the gather to erase) of an all-gather written by fp8_all_gather, or Refuse."""
+    wait, pieces, cat = fx.match_sequence_gather(ag)
+    as_fp8 = _only_user(cat)
+    u8 = ag.args[0].args[0] if _is_view(ag.args[0]) else None
+    getitem = u8.args[0] if _is(u8, aten.view.dtype) else None
+    cast = getitem.args[0] if _is(getitem, operator.getitem) else None
+    if not _is(as_fp8, aten.view.dtype) or not _is(cast, _FP8_CAST) or cast.args[4]:
+        raise Refuse("its uint8 bytes are not one fp8_cast of the shard viewed back as FP8")
+    views = [u for u in as_fp8.users if _is_view(u)]
+    reads = [(u, as_fp8) for u in as_fp8.users if u not in views]
+    reads += [(u, view) for view in views for u in view.users]
+    for reader, read in reads:
+        if not _is(reader, _PRECAST):
+            raise Refuse(f"the gathered FP8 tensor is read by {reader.name}, not by the forward "
+                         "fp8_linear_precast (the backward's fp8_linear_backward runs its dgrad "
+                         "and its wgrad over all rows in one op)")  # fmt: skip
+        weight_scale_inv, bias = reader.args[4:6]
+        if reader.args[0] is not read or read in reader.args[1:] or weight_scale_inv is not None:
+            raise Refuse(f"{reader.name} reads the gathered tensor otherwise than as its x")
+        if bias is not None:
+            raise Refuse(f"{reader.name} has a bias")
+    if not reads:
+        raise Refuse("the gathered FP8 tensor has no user")
+    erased = [*dict.fromkeys(r for _, r in reads if r is not as_fp8), as_fp8, cat]
+    erased += [*reversed(pieces), wait, ag, ag.args[0], u8, *cast.users, cast]
+    return cast, as_fp8, [r for r, _ in reads], erased
+
+
+def _overlap_fp8_gather(
+    gm: torch.fx.GraphModule, ag: Node, chunks: int, fake_mode: Any, symm_mem: bool
+) -> str:
+    """The E4M3 shard cast and gathered in `chunks` row blocks; each block's forward GEMMs run
+    as it arrives: the first through fp8_linear_precast (which casts the weight, records its
+    saturation counts and returns the weight's FP8 copy the backward saves), the later ones as
+    the same torch._scaled_mm on that copy."""
+    _, tp, group = ag.args
+    cast, as_fp8, linears, erased = _match_fp8_gather(ag)
+    rows, amax, dtype, pow2, _ = cast.args
+    batch, seq, dim = _shape(ag.args[0])
+    block = _row_block(batch * seq, chunks)
+    for linear in linears:  # the weights (views of parameters) move up to the first block
+        _hoist(linear.args[3], as_fp8)
+    b = _Builder(gm.graph, as_fp8, fake_mode)
+    started = []
+    for j in range(chunks):  # the cast is elementwise with one scale: the same bytes per block
+        part = b(_FP8_CAST, b(aten.slice.Tensor, rows, 0, j * block, (j + 1) * block),
+                 amax, dtype, pow2, False)  # fmt: skip
+        if j == 0:  # every block's scale is the same value; block 0's counts: the sample
+            scale_inv, counts = b(operator.getitem, part, 2), b(operator.getitem, part, 3)
+        u8 = b(aten.view.dtype, b(operator.getitem, part, 0), torch.uint8)
+        started.append(b(_c10d.all_gather_into_tensor.default, u8, tp, group))
+    arrived, parts = [], {linear: [] for linear in linears}
+    weights = {}  # each linear's (w8_t, w_scale_inv, E4M3 weight as _scaled_mm's operand)
+    for j, handle in enumerate(started):
+        arrived.append(b(_c10d.wait_tensor.default, handle))
+        x8 = b(aten.view.dtype, arrived[-1], dtype)  # [tp * block, D], rank-major
+        for linear in linears:
+            if j == 0:
+                first = b(_PRECAST, x8, scale_inv, counts, *linear.args[3:], **linear.kwargs)
+                fx.copy_meta(linear, first)
+                w8_t = b(operator.getitem, first, 3)
+                w8 = None
+                if chunks > 1:  # [N, D] row-major from the saved [D, N]: one copy per weight
+                    w8 = b(aten.clone.default, b(aten.t.default, w8_t),
+                           memory_format=torch.contiguous_format)  # fmt: skip
+                    w8 = b(aten.t.default, w8)
+                weights[linear] = (w8_t, b(operator.getitem, first, 4), w8)
+                parts[linear].append(b(operator.getitem, first, 0))
+                continue
+            _, w_scale_inv, w8 = weights[linear]
+            out_dtype = linear.kwargs["out_dtype"]
+            gemm = b(aten._scaled_mm.default, x8, w8, scale_inv, w_scale_inv, out_dtype=out_dtype)
+            parts[linear].append(gemm)
+    # The backward's FP8 copy of x (x8_t [D, B * T]), one for all the consumers.
+    x8_full = b(aten.view.dtype, b.rank_major_to_sequence(arrived, tp, batch, seq), dtype)
+    x8_t = b(aten.t.default, b(aten.view.default, x8_full, [batch * seq * tp, dim]))
+    x8_t = b(aten.clone.default, x8_t, memory_format=torch.contiguous_format)
+    for linear in linears:
+        w8_t, w_scale_inv, _ = weights[linear]
+        out = b.rank_major_to_sequence(parts[linear], tp, batch, seq)
+        outputs = {0: out, 1: x8_t, 2: b(aten.clone.default, scale_inv), 3: w8_t, 4: w_scale_inv}
+        for user in list(linear.users):
+            assert _is(user, operator.getitem), user
+            new = outputs[user.args[1]]
+            if user.args[1] == 0:
+                new = b(aten.view.default, new, _shape(user))
+            user.replace_all_uses_with(new)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(linear)
+    _erase_chain(gm, erased)
+    names = ", ".join(linear.name for linear in linears)
+    fused = " (symm_mem has no FP8 variant wired here: chunked)" if symm_mem else ""
+    return f"fp8 all_gather {ag.name} -> fp8_linear_precast ({names}): chunked into {chunks}{fused}"
+
+
+# --------------------------------------------------------------------------------------------
 # GEMM -> scatter
 
 
@@ -229,6 +358,10 @@ def _gemm_terms(y: Node, between: list[Node]) -> Any:
     if _is(y, aten.add.Tensor) and len(y.args) == 2 and not y.kwargs:
         return ("add", _gemm_terms(y.args[0], between), _gemm_terms(y.args[1], between))
     gemm = y.args[0] if _is_view(y) else None
+    op = gemm.args[0] if _is(gemm, operator.getitem) else None
+    if _is(op, _FP8_LINEAR) or _is(op, _FP8_BACKWARD):
+        raise Refuse(f"the scattered tensor is made by {op.name}, whose one op casts all its "
+                     "rows with one amax before its GEMM: not split into row blocks")  # fmt: skip
     if not _is(gemm, aten.mm.default) or len(gemm.users) != 1:
         raise Refuse("the scattered tensor is not made of GEMM outputs and their sums")
     rows = gemm.args[0]

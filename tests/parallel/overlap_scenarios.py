@@ -3,7 +3,8 @@
 Each compiles a model (aot_eager) with a post-grad pass (spec "toggle": overlap_tp_comm, or
 fp8_all_gather with "+fp8_linear" in spec "passes") switched off and on, trains it the same few
 steps in both, and returns the losses, the gradients of every step and the pass's notes (rank
-0's graph dumps), so the test can assert bitwise equality and what was rewritten.
+0's graph dumps; overlap_tp_comm's too), so the test can assert bitwise equality and what was
+rewritten. A spec's "also" (passes) adds a third run: the on run with those switched too.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def _notes(dump: Path, label: str = "overlap_tp_comm") -> dict[str, list[str]]:
     return out
 
 
-def _train(rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path) -> dict:
+def _train(
+    rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path, extra: tuple = ()
+) -> dict:
     torch._dynamo.reset()
     toggled = spec.get("toggle", "overlap_tp_comm")
     fsdp_fp8 = toggled == "fp8.fsdp_all_gather_fp8"  # an option of parallelize_model, no pass
@@ -60,7 +63,11 @@ def _train(rank: int, world: int, spec: dict[str, Any], on: bool, dump: Path) ->
         ac_mode="none",
         compile_options={
             "inner": spec.get("inner", "aot_eager"),
-            "passes": [*spec.get("passes", []), *([] if on or fsdp_fp8 else [f"-{toggled}"])],
+            "passes": [
+                *spec.get("passes", []),
+                *([] if on or fsdp_fp8 else [f"-{toggled}"]),
+                *extra,
+            ],
             "dump_dir": dump if rank == 0 else None,
             "pass_options": {
                 "tp_overlap_chunks": spec.get("chunks", 0),
@@ -122,7 +129,12 @@ def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any
             )
             on = _train(rank, world, spec, True, Path(tmp) / "on")
             notes = _notes(Path(tmp) / "on", spec.get("toggle", "overlap_tp_comm"))
-            out[spec["name"]] = {"off": off, "on": on, "notes": notes}
+            overlap_notes = _notes(Path(tmp) / "on")  # the same unless another pass is toggled
+            out[spec["name"]] = {"off": off, "on": on, "notes": notes, "overlap": overlap_notes}
+            if "also" in spec:  # a third run: the on run with these passes switched too
+                out[spec["name"]]["also"] = _train(
+                    rank, world, spec, True, Path(tmp) / "also", tuple(spec["also"])
+                )
     if all(spec.get("device", "cpu") == "cpu" for spec in specs):
         out["refusal"] = _gather_without_gemm(rank, world)
         out["fp8_gather"] = _fp8_gather(rank, world)
@@ -191,6 +203,7 @@ def _fp8_gather(rank: int, world: int) -> dict[str, Any]:
         be = backend(inner="aot_eager", dump_dir=Path(tmp), region="fp8_gather")
         x8_t, sx, out_y = torch.compile(gathered_fp8, backend=be, fullgraph=True)(x, y, w)
         notes = [n for ns in _notes(Path(tmp), "fp8_all_gather").values() for n in ns]
+        chunked = [n for ns in _notes(Path(tmp)).values() for n in ns if "chunked into" in n]
         (graph,) = Path(tmp).glob("*/forward/*_fp8_all_gather.txt")
         gathers = [
             line
@@ -207,4 +220,5 @@ def _fp8_gather(rank: int, world: int) -> dict[str, Any]:
     return {
         "x8_t": x8_t.view(torch.uint8), "ref_t": ref_t.view(torch.uint8), "sx": sx,
         "ref_sx": ref_sx, "out_y": out_y, "ref_y": ref_y, "notes": notes, "gathers": gathers,
+        "chunked": chunked,
     }  # fmt: skip

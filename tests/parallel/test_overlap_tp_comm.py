@@ -4,8 +4,10 @@ The chunked variant keeps every dot product's K order and every reduce-scatter's
 sum (same ranks, same order), so the losses and every gradient of every step must be bitwise
 equal to the unrewritten graphs: dense tp=2 (chunks = tp and 4), MoE with expert TP (etp=tp),
 tp=4, and the symm_mem variant. The fp8_all_gather pass (FP8 bytes gathered into fp8_linear)
-is checked here too, on the same launches: bitwise against the FP8 run without it. Composed with FSDP (dp2 x tp2), the pass is on by default in
-tests/parallel/test_parallel_train.py, which follows the single process.
+is checked here too, on the same launches: bitwise against the FP8 run without it, and its FP8
+gathers chunked by this pass bitwise against them unchunked. Composed with FSDP (dp2 x tp2),
+the pass is on by default in tests/parallel/test_parallel_train.py, which follows the single
+process.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ SPECS_2 = [
         "passes": ["+fp8_linear"],
         "options": {"fp8.min_dim": 16},
         "toggle": "fp8_all_gather",
+        "also": ["-overlap_tp_comm"],  # the FP8 gathers unchunked
     },
     {  # FSDP2 gathering the FP8 linears' weights in FP8, off and on (no tp)
         "name": "fp8_fsdp_dp2",
@@ -181,6 +184,24 @@ def test_fp8_all_gather_bitwise(ranks2):
     _assert_bitwise(result)
 
 
+def test_fp8_gather_chunked(ranks2):
+    # overlap_tp_comm after fp8_all_gather: the forward's two FP8 gathers (q, k, v; w1, w3)
+    # chunked into tp blocks, each block's FP8 GEMMs run as it arrives; the row-parallel
+    # fp8_linear outputs (wo, w2) are not GEMM rows the scatter can split, and the backward's
+    # FP8 gradient gathers feed fp8_linear_backward (dgrad and wgrad in one op): left alone.
+    # Bitwise against the unchunked FP8 gathers (`also`: overlap_tp_comm off), over the steps.
+    result = ranks2[0]["fp8_gather_tp2"]
+    for forward in _block_graphs(result["overlap"], "forward"):
+        chunked = [n for n in forward if n.startswith("fp8 all_gather") and "chunked into 2" in n]
+        assert len(chunked) == 2, forward
+        assert sum("made by fp8_linear" in n for n in forward) == 2, forward
+    for backward in _block_graphs(result["overlap"], "backward"):
+        gathers = [n for n in backward if n.startswith("all_gather")]
+        assert len(gathers) == 2 and all("read by fp8_linear_backward" in n for n in gathers)
+        assert sum("made by fp8_linear_backward" in n for n in backward) == 2, backward
+    _assert_bitwise({"off": result["also"], "on": result["on"]})
+
+
 def test_fp8_all_gather_equals_cast_after_gather(ranks2):
     # Per rank: the FP8 copy of the gathered bf16 activation (and its scale) equals gathering
     # bf16 and casting with the global amax, bit for bit; the gather of a tensor that is also
@@ -193,6 +214,9 @@ def test_fp8_all_gather_equals_cast_after_gather(ranks2):
     assert sum("1 byte per element gathered instead of 2" in n for n in r["notes"]) == 1, r
     assert sum("left in high precision" in n and "not fp8_linear" in n for n in r["notes"]) == 1
     assert sorted(line.split('"')[1][:3] for line in r["gathers"]) == ["bf1", "u8["], r["gathers"]
+    # x's FP8 gather is chunked (overlap_tp_comm, on by default): x8_t above is assembled from
+    # the blocks (B = 2: the rank-major rows permuted back to sequence order).
+    assert len(r["chunked"]) == 1 and r["chunked"][0].startswith("fp8 all_gather"), r
 
 
 def test_fsdp_fp8_all_gather_bitwise(ranks2):

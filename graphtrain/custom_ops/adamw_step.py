@@ -121,50 +121,58 @@ def adamw_step_ref(
 
 @triton.jit
 def _load_f32(ptr, offs, mask, BF16: tl.constexpr):
-    """fp32 values at ptr[offs]; bf16 ones widened from their bits (exact)."""
+    """fp32 values at ptr[offs] (ptr to float32, or to int16 holding bf16 bits: widened, exact)."""
     if BF16:
-        bits = tl.load(ptr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0)
-        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return tl.load(ptr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
+        bits = tl.load(ptr + offs, mask=mask, other=0)
+        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
 def _store_bf16(ptr, offs, x, mask):
-    """x rounded to nearest-even into bf16 at ptr[offs]; NaN stays NaN."""
+    """x rounded to nearest-even into the bf16 bits at ptr[offs] (ptr to int16); NaN stays NaN."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rounded = tl.where(x != x, 0x7FC0, rounded)
-    tl.store(ptr.to(tl.pointer_type(tl.int16)) + offs, rounded.to(tl.int16), mask=mask)
+    tl.store(ptr + offs, rounded.to(tl.int16), mask=mask)
 
 
 @triton.jit
-def _adamw_step_kernel(
-    addr_ptr,  # [num_tensors, 5] int64: param, grad, exp_avg, exp_avg_sq, copy
-    numel_ptr,  # [num_tensors] int64
-    blocks_ptr,  # [num_blocks, 2] int32: tensor index, block index within it
-    lr,
+def _address(row, i, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    """Address i of a table row as a pointer to `dtype`; declared a multiple of 16 bytes when
+    ALIGNED (an address read from memory carries no alignment the compiler could see, and
+    without one it does not vectorise)."""
+    ptr = tl.load(row + i).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _update(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    c_ptr,
+    offs,
+    mask,
     beta1,
     beta2,
     eps,
-    decay,  # 1 - lr * weight_decay
-    step_size,  # lr / (1 - beta1 ** step)
-    bias2_sqrt,  # sqrt(1 - beta2 ** step)
+    decay,
+    step_size,
+    bias2_sqrt,
     BF16_STATE: tl.constexpr,
     HAS_COPY: tl.constexpr,
-    BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tensor = tl.load(blocks_ptr + 2 * pid)
-    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = addr_ptr + 5 * tensor.to(tl.int64)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < tl.load(numel_ptr + tensor)
-    p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    """The update of the elements offs[mask] (see _adamw_step_kernel)."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-    m = _load_f32(tl.load(row + 2), offs, mask, BF16_STATE)
-    v = _load_f32(tl.load(row + 3), offs, mask, BF16_STATE)
+    m = _load_f32(m_ptr, offs, mask, BF16_STATE)
+    v = _load_f32(v_ptr, offs, mask, BF16_STATE)
     # torch's order: decay, lerp (weight < 0.5 form), mul + addcmul, denom, addcdiv.
     p = p * decay
     m = m + (1.0 - beta1) * (g - m)
@@ -174,13 +182,52 @@ def _adamw_step_kernel(
     p = p - step_size * tl.div_rn(m, denom)
     tl.store(p_ptr + offs, p, mask=mask)
     if BF16_STATE:
-        _store_bf16(tl.load(row + 2), offs, m, mask)
-        _store_bf16(tl.load(row + 3), offs, v, mask)
+        _store_bf16(m_ptr, offs, m, mask)
+        _store_bf16(v_ptr, offs, v, mask)
     else:
-        tl.store(tl.load(row + 2).to(tl.pointer_type(tl.float32)) + offs, m, mask=mask)
-        tl.store(tl.load(row + 3).to(tl.pointer_type(tl.float32)) + offs, v, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
     if HAS_COPY:
-        _store_bf16(tl.load(row + 4), offs, p, mask)
+        _store_bf16(c_ptr, offs, p, mask)
+
+
+@triton.jit
+def _adamw_step_kernel(
+    addr_ptr,  # [num_tensors, 5] int64: param, grad, exp_avg, exp_avg_sq, copy
+    numel_ptr,  # [num_tensors] int64
+    blocks_ptr,  # [num_blocks, 2] int32: tensor index, block index within it
+    beta1,
+    beta2,
+    eps,
+    decay,  # 1 - lr * weight_decay
+    step_size,  # lr / (1 - beta1 ** step)
+    bias2_sqrt,  # sqrt(1 - beta2 ** step)
+    BF16_STATE: tl.constexpr,
+    HAS_COPY: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes: vector loads and stores
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tensor = tl.load(blocks_ptr + 2 * pid)
+    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
+    row = addr_ptr + 5 * tensor.to(tl.int64)
+    numel = tl.load(numel_ptr + tensor)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    state: tl.constexpr = tl.int16 if BF16_STATE else tl.float32  # bf16 as its bits
+    ptrs = (
+        _address(row, 0, tl.float32, ALIGNED),
+        _address(row, 1, tl.float32, ALIGNED),
+        _address(row, 2, state, ALIGNED),
+        _address(row, 3, state, ALIGNED),
+        _address(row, 4, tl.int16, ALIGNED),
+    )
+    hyper = (beta1, beta2, eps, decay, step_size, bias2_sqrt)
+    if (block + 1) * BLOCK <= numel:
+        # A full block: a constant mask, which the compiler sees through (vector accesses).
+        full = tl.full((BLOCK,), True, tl.int1)
+        _update(*ptrs, offs, full, *hyper, BF16_STATE, HAS_COPY)
+    else:
+        _update(*ptrs, offs, offs < numel, *hyper, BF16_STATE, HAS_COPY)
 
 
 def _block_table(params: list[Tensor]) -> Tensor:
@@ -237,7 +284,6 @@ def adamw_step_triton(
         addrs,
         numels,
         blocks,
-        lr,
         beta1,
         beta2,
         eps,
@@ -246,6 +292,7 @@ def adamw_step_triton(
         math.sqrt(1 - beta2**step),
         BF16_STATE=exp_avgs[0].dtype == torch.bfloat16,
         HAS_COPY=bool(copies),
+        ALIGNED=all(a % 16 == 0 for row in rows for a in row),
         BLOCK=_BLOCK,
     )
 

@@ -75,11 +75,12 @@ Cost, predicted (unmeasured). P = 979M matmul weights of moe-1b (1,046M paramete
     is the refresh and the widening. With m = 4: 84 against 42 bytes, 82 against 41 GB, 27 ms
     against 14 ms a step at 3.0 TB/s; with checkpointing on, 6 bytes per micro-batch more
     saved. Under expert parallel the same arithmetic holds for the expert weights. At m = 1
-    the 12 bytes shrink only with two kernel changes: the refresh fused into the optimizer
-    kernel (the bf16 write next to the fp32 one: 2 bytes instead of 6; done, see refresh_in:
-    8 bytes, 7.8 GB) and a weight-gradient
-    GEMM that writes fp32 into .grad (Megatron's gradient-accumulation fusion: 2 bytes more
-    written instead of the widening's 6); together 8 bytes, 7.8 GB, 2.6 ms a step on moe-1b.
+    the 12 bytes shrink only with two kernel changes. The refresh fused into the optimizer
+    kernel (the bf16 write next to the fp32 one: 2 bytes instead of 6) is done: refresh_in,
+    graphtrain.optim.adamw_copies, taken on CUDA by default; 8 bytes, 7.8 GB, 2.6 ms against
+    3.9 ms a step on moe-1b at 3.0 TB/s (predicted, unmeasured). A weight-gradient GEMM that
+    writes fp32 into .grad (Megatron's gradient-accumulation fusion: 2 bytes more written
+    instead of the widening's 6) would leave 4 bytes, 3.9 GB, 1.3 ms.
     Memory: a bf16 copy of the P weights (2 bytes each) lives through the run; autocast's bf16
     weights saved for the backward (2 bytes each, during every forward and backward) are gone.
 """

@@ -16,9 +16,8 @@ Why
     step by a foreach copy that reads the master again (4 bytes) and writes the copy (2 bytes).
     Writing the copy from the value the step just computed saves the re-read: per weight, torch's
     fused AdamW + refresh move 4+4+4+4 read + 4+4+4 written + 4 read + 2 written = 34 bytes; this
-    kernel moves 32 (16 read, 16 written with the copy's 2). The same kernel with bf16 moments
-    moves 12 + 4 read + 4 + 4 + 2 written = 26 against AdamWBF16 + refresh's per-parameter
-    elementwise ops (several fp32 temporaries each).
+    kernel moves 30 (16 read, 14 written with the copy's 2). With bf16 moments it moves 12 read
+    + 10 written = 22 (graphtrain.optim.adamw_copies has the comparison).
 
 Kernel
     _adamw_step_kernel  one program per BLOCK elements of one tensor. The tensors' addresses are
@@ -28,15 +27,20 @@ Kernel
                         multi_tensor_apply does with its chunk lists). The address table is built
                         on the host each call (gradients are new tensors every step) and copied
                         from pinned memory without a synchronisation; the block table depends only
-                        on the sizes and is cached.
+                        on the sizes and is cached. A full block runs with a constant mask and,
+                        when every address is 16-byte aligned (checked on the host), pointers
+                        declared so: 16-byte vector accesses (addresses read from memory carry
+                        no alignment the compiler could use); the last block of a tensor is
+                        masked.
     bf16 values are read and written as their 16 bits (widened by a shift; rounded to
     nearest-even with integer adds): the same bits as torch's .to(torch.bfloat16) on the GPU, and
     under TRITON_INTERPRET=1, whose own fp32 -> bf16 conversion truncates.
 
 Numerics
-    fp32 arithmetic in torch's order of operations; tests compare several steps with a float64
-    AdamW on odd sizes within a few fp32 roundings (graphtrain/tests/custom_ops/test_adamw_step.py
-    states the bound), and the copies bitwise with the fp32 result rounded by torch. The CPU
+    fp32 arithmetic in torch's order of operations (on the GPU Triton may contract a multiply
+    and an add into one rounding: not bitwise torch's fused kernel, within the bound); tests compare several steps with a float64
+    AdamW on odd sizes within a few fp32 roundings (tests/custom_ops/test_adamw_step.py states
+    the bound), and the copies bitwise with the fp32 result rounded by torch. The CPU
     kernel is adamw_step_ref (torch's foreach ops: the reference).
 """
 

@@ -149,6 +149,17 @@ def test_op_on_cpu_is_the_reference():
         assert all(torch.equal(u, v) for u, v in zip(x, y, strict=True))
 
 
+def test_opcheck():
+    params, exp_avgs, exp_avg_sqs, grads = _inputs(3)
+    copies = [p.to(torch.bfloat16) for p in params]
+    kw = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1, step=1.0)
+    torch.library.opcheck(
+        torch.ops.graphtrain.adamw_step.default,
+        (params, grads[0], exp_avgs, exp_avg_sqs, copies),
+        kw,
+    )
+
+
 def test_bad_arguments():
     p = [torch.zeros(3)]
     kw = dict(lr=LR, beta1=0.9, beta2=0.95, eps=EPS, weight_decay=0.0, step=1.0)

@@ -277,6 +277,13 @@ def test_kernel_compiles_for_h100_with_vector_accesses(bf16_state):
     assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx  # correctly rounded, as torch
 
 
+def test_benchmark_smoke():
+    """benchmarks/adamw_step.py runs its rows on CPU (moe-tiny) and every row writes its copies."""
+    from conftest import run_benchmark_smoke
+
+    run_benchmark_smoke("adamw_step.py", "cpu smoke: every row steps and writes its copies")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kernel():

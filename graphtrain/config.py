@@ -218,7 +218,10 @@ class OptimConfig:
     weight_decay: float = 0.1  # decoupled weight decay, except for the no_decay parameters
     # Parameters (fnmatch on dotted names) without weight decay.
     no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias", "tok_embeddings.*"])
-    implementation: Literal["auto", "fused", "foreach"] = "auto"  # torch's AdamW kernels
+    # AdamW kernel: torch's "fused" or "foreach", or "graphtrain" (fp32 masters: the step also
+    # writes the bf16 working copies, graphtrain.optim.adamw_copies); "auto": graphtrain on CUDA
+    # with working copies, else fused where supported, else foreach.
+    implementation: Literal["auto", "fused", "foreach", "graphtrain"] = "auto"  # AdamW kernel
     max_norm: float = 1.0  # gradient clipping by the global norm; <= 0 disables clipping
     # dtype of the AdamW moments: float32, or bfloat16 (half the memory; fp32 math, rounded to
     # nearest on store; see graphtrain.optim.adamw_bf16).

@@ -8,7 +8,7 @@ activation checkpointing, FSDP2, in that order; materialised and initialised), t
 the schedules, resumes from a checkpoint, and builds the step (graphtrain.step.TrainStep) with
 the working copies of the fp32 master weights taken from what was loaded
 (graphtrain.optim.working_weights: the model computes with them, the checkpoints and the
-optimizer see the masters). The loop
+optimizer see the masters; an AdamWCopies optimizer writes them in its step). The loop
 pulls each step's micro-batches from the loader, hands them to the step once, and logs,
 validates and saves. It knows nothing of the graph passes or of the parallel layout's gradient
 reductions; MoE balancing and FP8 counters reach it only as step statistics (it stops on
@@ -52,6 +52,7 @@ from graphtrain.metrics.energy import EnergyMeter, energy_metrics
 from graphtrain.metrics.memory_plan import MemoryPlan, plan_memory
 from graphtrain.metrics.profiling import StepProfiler
 from graphtrain.optim import (
+    AdamWCopies,
     BatchSizeSchedule,
     FP32GradAccumulator,
     LRSchedule,
@@ -174,7 +175,9 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     )
     data, batch_schedule = _build_data(cfg, dims, mesh)
     model, finish_gradients, dump_dir = _build_model(cfg, dims, mesh, device, run_dir, rank)
-    optimizer, fp32_grads, lr_schedule, optim_state = _build_optimizer(cfg, model, rank)
+    optimizer, fp32_grads, lr_schedule, optim_state = _build_optimizer(
+        cfg, model, rank, working_copies=bool(_working_masters(cfg, dims, device, model))
+    )
     balance = install_router_balance(
         model, optimizer, mesh, dims, bias_update_rate=getattr(cfg.model, "bias_update_rate", 0.0)
     )
@@ -204,7 +207,11 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     attention = resolve_attention(cfg.training.attention, device)
     autocast = _autocast(cfg, dims, device)
     # After the resume: the copies start from the masters the run continues with.
-    weights = _working_weights(cfg, dims, device, model)
+    weights = WorkingWeights(
+        model, _working_masters(cfg, dims, device, model), _param_dtype(cfg, device)
+    )
+    if isinstance(optimizer, AdamWCopies):
+        weights.refresh_in(optimizer)  # its step writes the copies
     train_step = TrainStep(
         forward=ForwardLoss(model, device, attention, autocast, weights),
         optimizer=optimizer,
@@ -397,29 +404,29 @@ def _autocast(
     return torch.autocast(device.type, dtype=param_dtype)
 
 
-def _working_weights(
+def _working_masters(
     cfg: JobConfig, dims: ParallelDims, device: torch.device, model: torch.nn.Module
-) -> WorkingWeights:
-    """bf16 working copies of the fp32 master weights that would otherwise be cast on every use:
-    the matmul weights under autocast (no data parallelism), or under FSDP2 the expert-parallel
-    weights it leaves alone (the experts cast them to the activations' dtype); FSDP2 casts its
-    own shards once per all-gather. None with fp32 compute, bf16 masters, or
+) -> list[torch.nn.Parameter]:
+    """The fp32 master weights that get bf16 working copies, as they would otherwise be cast on
+    every use: the matmul weights under autocast (no data parallelism), or under FSDP2 the
+    expert-parallel weights it leaves alone (the experts cast them to the activations' dtype);
+    FSDP2 casts its own shards once per all-gather. None with fp32 compute, bf16 masters, or
     training.working_weights off."""
-    dtype = _param_dtype(cfg, device)
-    if not cfg.training.working_weights or dtype == torch.float32:
-        return WorkingWeights(model, [], dtype)
+    if not cfg.training.working_weights or _param_dtype(cfg, device) == torch.float32:
+        return []
     if cfg.training.master_dtype != "float32":  # bf16 parameters: nothing to copy
-        return WorkingWeights(model, [], dtype)
+        return []
     if dims.dp_size == 1:  # autocast computes (graphtrain.trainer._autocast)
-        return WorkingWeights(model, working_weight_params(model), dtype)
-    return WorkingWeights(model, expert_params(model), dtype)
+        return working_weight_params(model)
+    return expert_params(model)
 
 
 def _build_optimizer(
-    cfg: JobConfig, model: torch.nn.Module, rank: int
+    cfg: JobConfig, model: torch.nn.Module, rank: int, *, working_copies: bool
 ) -> tuple[torch.optim.Optimizer, FP32GradAccumulator, LRSchedule, dict[str, int]]:
-    """The optimizer, the fp32 gradient accumulator, the learning-rate schedule, and what the
-    optimizer's moments cost on this rank (logged once)."""
+    """The optimizer (`working_copies`: the run will have them; see build_optimizer), the fp32
+    gradient accumulator, the learning-rate schedule, and what the optimizer's moments cost on
+    this rank (logged once)."""
     optim = cfg.optim
     optimizer = build_optimizer(
         model,
@@ -430,6 +437,7 @@ def _build_optimizer(
         no_decay_patterns=optim.no_decay,
         implementation=optim.implementation,
         state_dtype=optim.state_dtype,
+        working_copies=working_copies,
     )
     fp32_grads = FP32GradAccumulator(model, optim.fp32_grad_accum)
     optim_state = optimizer_state_bytes(

@@ -227,10 +227,14 @@ def test_working_weights_train_and_export_exactly_as_autocast(corpus, tmp_path):
 
 def test_resume_is_bitwise_exact(corpus, tmp_path):
     """bf16 autocast with fp32 masters (as on a GPU): the checkpoint holds the masters, and the
-    resumed run's bf16 working copies start from them."""
+    resumed run's bf16 working copies start from them. The resumed run switches from torch's
+    foreach AdamW to AdamWCopies (whose step writes the copies; on CPU with torch's foreach
+    ops): the optimizer state resumes across the switch, bitwise."""
     common = ("--training.steps=6", "--training.dtype=bfloat16")
-    straight = train(load_config(job(corpus, tmp_path / "s", *common)))
-    args = job(corpus, tmp_path / "r", *common, "--checkpoint.interval=3")
+    torch_adamw = "--optim.implementation=foreach"
+    straight = train(load_config(job(corpus, tmp_path / "s", *common, torch_adamw)))
+    base = job(corpus, tmp_path / "r", *common, "--checkpoint.interval=3")
+    args = [*base, torch_adamw]
     first = train(load_config(args))
     assert [p.name for p in (tmp_path / "r" / "run" / "checkpoints").iterdir()] == [
         "step-0000003",
@@ -242,7 +246,9 @@ def test_resume_is_bitwise_exact(corpus, tmp_path):
     shutil.rmtree(tmp_path / "r" / "run" / "checkpoints" / "step-0000006")
     with pytest.raises(ValueError, match="already holds checkpoints"):
         train(load_config(args))  # a fresh start must not overwrite the saved run
-    resumed = train(load_config([*args, "--checkpoint.resume=latest"]))
+    resumed = train(
+        load_config([*base, "--optim.implementation=graphtrain", "--checkpoint.resume=latest"])
+    )
     assert first.losses == straight.losses
     assert resumed.losses == straight.losses[3:]
 

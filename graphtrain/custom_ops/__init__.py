@@ -5,6 +5,7 @@ Importing this package registers the ops under torch.ops.graphtrain.
 
 import graphtrain.custom_ops.linear_cross_entropy  # noqa: F401  (graphtrain::linear_cross_entropy)
 from graphtrain.custom_ops import (
+    adamw_step,  # noqa: F401  (graphtrain::adamw_step)
     fp8_amax,  # noqa: F401  (graphtrain::fp8_amax)
     fp8_cast,  # noqa: F401  (graphtrain::fp8_cast)
     fp8_grouped_mm,  # noqa: F401  (graphtrain::fp8_grouped_mm, fp8_grouped_mm_backward)

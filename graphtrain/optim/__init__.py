@@ -2,6 +2,7 @@
 parameters with fp32 gradient sums, bf16 working copies of fp32 master weights."""
 
 from graphtrain.optim.adamw_bf16 import AdamWBF16
+from graphtrain.optim.adamw_copies import AdamWCopies
 from graphtrain.optim.clip import clip_grad_norm_, global_norm
 from graphtrain.optim.memory import optimizer_state_bytes
 from graphtrain.optim.optimizer import build_optimizer
@@ -17,6 +18,7 @@ from graphtrain.optim.working_weights import WorkingWeights, working_weight_para
 __all__ = [
     "DECAY_STYLES",
     "AdamWBF16",
+    "AdamWCopies",
     "BatchSizeSchedule",
     "FP32GradAccumulator",
     "LRSchedule",

@@ -1,11 +1,16 @@
 """AdamW construction with weight-decay parameter groups.
 
 What: `build_optimizer` splits a model's trainable parameters into a "decay" group and a "no decay"
-group and returns a `torch.optim.AdamW` (or, with bf16 moment states, AdamWBF16) over them, using the fused or foreach implementation.
+group and returns a `torch.optim.AdamW` (fused or foreach), AdamWBF16 (bf16 moment states), or
+AdamWCopies (graphtrain's kernel, whose step also writes the bf16 working copies) over them.
 
 Why: weight decay on norms, biases and (usually) embeddings hurts LLM training, so those are excluded
 by name patterns and by shape (every parameter with fewer than 2 dimensions). The fused kernel is the
-fastest AdamW on CUDA and on CPU (torch >= 2.4); foreach is the portable fallback.
+fastest of torch's AdamW kernels on CUDA and on CPU (torch >= 2.4); foreach is the portable
+fallback. With working copies of fp32 masters (graphtrain.optim.working_weights) on CUDA, "auto"
+takes AdamWCopies: it moves fewer bytes and launches fewer kernels than the fused step followed
+by the copies' refresh (graphtrain.optim.adamw_copies), with fp32 or bf16 moments. On CPU the torch
+optimizer and the foreach refresh stay (the reference).
 
 DTensor parameters (FSDP2 / tensor parallel) work with both implementations: AdamW is elementwise,
 so DTensor runs it shard by shard on the local tensors (checked on CPU with gloo, torch 2.13).
@@ -20,8 +25,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from graphtrain.optim.adamw_bf16 import AdamWBF16
+from graphtrain.optim.adamw_copies import AdamWCopies
 
-_IMPLEMENTATIONS = ("auto", "fused", "foreach")
+_IMPLEMENTATIONS = ("auto", "fused", "foreach", "graphtrain")
 
 
 def _fused_supported_device_types() -> set[str]:
@@ -42,14 +48,23 @@ def _is_no_decay(names: list[str], param: torch.Tensor, patterns: list[str]) -> 
     return any(fnmatch.fnmatchcase(name, pat) for name in names for pat in patterns)
 
 
-def _choose_implementation(params: list[torch.Tensor], implementation: str) -> str:
-    """Resolve "auto" to "fused" where every parameter's device and dtype allow it, else "foreach"."""
+def _choose_implementation(
+    params: list[torch.Tensor], implementation: str, working_copies: bool
+) -> str:
+    """Resolve "auto": "graphtrain" with working copies and every parameter an fp32 CUDA tensor,
+    else "fused" where every parameter's device and dtype allow it, else "foreach"."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
             f"unknown optimizer implementation {implementation!r}; expected one of {_IMPLEMENTATIONS}"
         )
     if implementation != "auto":
         return implementation
+    if (
+        working_copies
+        and params
+        and all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params)
+    ):
+        return "graphtrain"
     supported = _fused_supported_device_types()
     # For a DTensor, .device is the device of its local shard, which is what the kernel sees.
     if params and all(p.device.type in supported and p.is_floating_point() for p in params):
@@ -67,6 +82,7 @@ def build_optimizer(
     no_decay_patterns: list[str],
     implementation: str = "auto",
     state_dtype: str = "float32",
+    working_copies: bool = False,
 ) -> torch.optim.Optimizer:
     """Build AdamW with two parameter groups: decayed and not decayed.
 
@@ -76,10 +92,12 @@ def build_optimizer(
     ("*norm*", "*bias", "tok_embeddings.*"). Tied parameters appear once. Frozen parameters
     (requires_grad False) are left out. Empty groups are dropped.
 
-    `implementation`: "fused", "foreach", or "auto" (fused when every parameter is a floating
-    tensor on a device type with a fused kernel, else foreach). Any other value is a ValueError.
-    `state_dtype`: "float32" (torch's AdamW) or "bfloat16" (AdamWBF16: bf16 moments, fp32 math;
-    `implementation` does not apply to it).
+    `implementation`: "fused", "foreach", "graphtrain" (AdamWCopies; fp32 parameters), or "auto"
+    (graphtrain when `working_copies` (the trainer will attach bf16 working copies) and every
+    parameter is an fp32 CUDA tensor, else fused when every parameter is a floating tensor on a
+    device type with a fused kernel, else foreach). Any other value is a ValueError.
+    `state_dtype`: "float32" or "bfloat16" (bf16 moments, fp32 math): AdamWCopies takes either;
+    torch's AdamW has no bf16 moments, so "fused" and "foreach" become AdamWBF16 there.
     """
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
@@ -113,11 +131,20 @@ def build_optimizer(
             if chosen:
                 groups.append({"params": chosen, "weight_decay": wd})
 
+    if state_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"optimizer state_dtype must be float32 or bfloat16, got {state_dtype!r}")
+    chosen = _choose_implementation(decay + no_decay, implementation, working_copies)
+    if chosen == "graphtrain":
+        return AdamWCopies(
+            groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            state_dtype=getattr(torch, state_dtype),
+        )
     if state_dtype == "bfloat16":
         return AdamWBF16(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if state_dtype != "float32":
-        raise ValueError(f"optimizer state_dtype must be float32 or bfloat16, got {state_dtype!r}")
-    chosen = _choose_implementation(decay + no_decay, implementation)
     return torch.optim.AdamW(
         groups,
         lr=lr,

@@ -11,6 +11,9 @@ What
         installed() -> context manager: the modules hold the working copies; the forward, the
             backward and activation-checkpoint recomputes of a step run inside it.
         refresh(): the masters copied into the working copies (after each optimizer step).
+        refresh_in(optimizer): hands the refresh to an optimizer whose step writes the copies
+            itself (graphtrain.optim.adamw_copies, on CUDA by default); refresh() then does
+            nothing.
         Gradients: a post-accumulate-grad hook on each working copy adds its micro-batch
         gradient (bf16, as the GEMM wrote it) into the master's fp32 .grad the moment autograd
         has it, and drops it: the first micro-batch's is widened, the later ones are added with
@@ -72,10 +75,12 @@ Cost, predicted (unmeasured). P = 979M matmul weights of moe-1b (1,046M paramete
     is the refresh and the widening. With m = 4: 84 against 42 bytes, 82 against 41 GB, 27 ms
     against 14 ms a step at 3.0 TB/s; with checkpointing on, 6 bytes per micro-batch more
     saved. Under expert parallel the same arithmetic holds for the expert weights. At m = 1
-    the 12 bytes shrink only with two kernel changes: the refresh fused into the optimizer
-    kernel (the bf16 write next to the fp32 one: 2 bytes instead of 6) and a weight-gradient
-    GEMM that writes fp32 into .grad (Megatron's gradient-accumulation fusion: 2 bytes more
-    written instead of the widening's 6); together 8 bytes, 7.8 GB, 2.6 ms a step on moe-1b.
+    the 12 bytes shrink only with two kernel changes. The refresh fused into the optimizer
+    kernel (the bf16 write next to the fp32 one: 2 bytes instead of 6) is done: refresh_in,
+    graphtrain.optim.adamw_copies, taken on CUDA by default; 8 bytes, 7.8 GB, 2.6 ms against
+    3.9 ms a step on moe-1b at 3.0 TB/s (predicted, unmeasured). A weight-gradient GEMM that
+    writes fp32 into .grad (Megatron's gradient-accumulation fusion: 2 bytes more written
+    instead of the widening's 6) would leave 4 bytes, 3.9 GB, 1.3 ms.
     Memory: a bf16 copy of the P weights (2 bytes each) lives through the run; autocast's bf16
     weights saved for the backward (2 bytes each, during every forward and backward) are gone.
 """
@@ -85,10 +90,14 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from graphtrain.optim.adamw_copies import AdamWCopies
 
 
 def working_weight_params(model: nn.Module) -> list[nn.Parameter]:
@@ -131,6 +140,7 @@ class WorkingWeights:
             if master.dtype != torch.float32:
                 raise ValueError(f"working copies need fp32 master weights, got {master.dtype}")
         self._masters = masters
+        self._refreshed_by_optimizer = False
         self._copies = [nn.Parameter(m.detach().to(dtype), requires_grad=True) for m in masters]
         for master, copy in zip(masters, self._copies, strict=True):
             copy.register_post_accumulate_grad_hook(functools.partial(_into_master, master))
@@ -171,8 +181,15 @@ class WorkingWeights:
     def refresh(self) -> None:
         """The masters' current values, rounded, into the working copies (in place). DTensors
         copy their local shards (same placements; the foreach op has no DTensor rule)."""
-        if self._copies:
+        if self._copies and not self._refreshed_by_optimizer:
             torch._foreach_copy_(_locals(self._copies), _locals(self._masters))
+
+    def refresh_in(self, optimizer: AdamWCopies) -> None:
+        """From now on `optimizer.step()` writes the copies in its pass over the masters (a
+        master it skips, having no gradient, is unchanged: its copy stays right); refresh()
+        does nothing."""
+        optimizer.attach_working_copies(self._masters, self._copies)
+        self._refreshed_by_optimizer = True
 
 
 def _locals(tensors: list[nn.Parameter]) -> list[torch.Tensor]:

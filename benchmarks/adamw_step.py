@@ -1,0 +1,135 @@
+"""Benchmark: the optimizer step with bf16 working copies, torch's AdamW + refresh against
+AdamWCopies (graphtrain::adamw_step).
+
+What
+    The parameters of a model preset (default moe-1b: 1,046M, 979M of them with working copies,
+    graphtrain.optim.working_weight_params), fp32 masters with random gradients, on one CUDA
+    GPU; the trainer's two weight-decay groups (build_optimizer). Rows:
+        torch fused + refresh     torch.optim.AdamW(fused=True).step(), then the foreach copy
+                                  of the masters into the copies (WorkingWeights.refresh)
+        graphtrain                AdamWCopies.step() writing the copies in its pass
+        AdamWBF16 + refresh       bf16 moments: AdamWBF16.step(), then the refresh
+        graphtrain bf16 moments   AdamWCopies(state_dtype=bf16)
+    reporting the median wall time of a step (triton.testing.do_bench), the bytes the row must
+    move (param, grad, moments read; param, moments, copy written; with a separate refresh the
+    masters read again; AdamWBF16's temporaries not counted) and their time at the 3.0 TB/s
+    HBM copy rate of an H100, and each row's largest difference from the first row of its
+    moment dtype after one step (params; copies must be the params rounded).
+    Prediction for moe-1b (unmeasured; graphtrain.optim.adamw_copies): 35.2 against 31.2 GB,
+    11.7 against 10.4 ms at 3.0 TB/s.
+
+Run
+    python benchmarks/adamw_step.py                 # moe-1b, all rows
+    python benchmarks/adamw_step.py --model 1b
+    python benchmarks/adamw_step.py --cpu-smoke     # no GPU: moe-tiny on CPU, rows agree
+The table is printed and appended to benchmarks/RESULTS.md; --no-record skips that.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
+
+from graphtrain.optim import WorkingWeights, build_optimizer, working_weight_params
+from models import MODEL_PRESETS, build_model
+
+HBM_BYTES_PER_S = 3.0e12  # MISSION.md: H100 HBM copy rate
+HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+NO_DECAY = ["*norm*", "*bias", "tok_embeddings.*"]
+ROWS = {  # name: (optimizer implementation, moments dtype)
+    "torch fused + refresh": ("fused", "float32"),
+    "graphtrain": ("graphtrain", "float32"),
+    "AdamWBF16 + refresh": ("fused", "bfloat16"),
+    "graphtrain bf16 moments": ("graphtrain", "bfloat16"),
+}
+
+
+def setup(preset: str, device: torch.device, implementation: str, state_dtype: str):
+    """The preset's parameters (seeded), gradients, optimizer and working copies."""
+    with torch.device("meta"):
+        model = build_model(MODEL_PRESETS[preset])
+    model.to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
+            p.grad = torch.randn(p.shape, generator=gen, device=device) * 1e-3
+    opt = build_optimizer(
+        model,
+        **HYPER,
+        no_decay_patterns=NO_DECAY,
+        implementation=implementation,
+        state_dtype=state_dtype,
+    )
+    weights = WorkingWeights(model, working_weight_params(model), torch.bfloat16)
+    if implementation == "graphtrain":
+        weights.refresh_in(opt)
+    return model, opt, weights
+
+
+def bytes_moved(model, weights, state_dtype: str, refresh: bool) -> int:
+    """At least, per step: param, grad, moments read; param, moments written; the copies
+    written, and with a separate refresh the masters read again."""
+    state = 4 if state_dtype == "float32" else 2
+    n = sum(p.numel() for p in model.parameters())
+    copies = sum(c.numel() for c in weights.copies)
+    return n * (4 + 4 + 2 * state + 4 + 2 * state) + (2 + 4 * refresh) * copies
+
+
+def run(preset: str, device: torch.device, timed: bool) -> str:
+    lines = [
+        f"{preset}: optimizer step with bf16 working copies",
+        "",
+        "| row | ms (median) | GB moved, at least | their ms at 3.0 TB/s | max param diff |",
+        "|---|---|---|---|---|",
+    ]
+    first: dict[str, list[torch.Tensor]] = {}
+    for name, (implementation, state_dtype) in ROWS.items():
+        if device.type == "cpu" and implementation == "fused" and state_dtype == "float32":
+            implementation = "foreach"  # the reference path on CPU
+        model, opt, weights = setup(preset, device, implementation, state_dtype)
+
+        def step(opt=opt, weights=weights):
+            opt.step()
+            weights.refresh()  # nothing to do when the step wrote the copies
+
+        step()
+        params = [p.detach().clone() for p in model.parameters()]
+        for copy, master in zip(weights.copies, weights.masters, strict=True):
+            assert torch.equal(copy, master.detach().to(torch.bfloat16)), name
+        ref = first.setdefault(state_dtype, params)
+        diff = max((a - b).abs().max().item() for a, b in zip(params, ref, strict=True))
+        ms = triton.testing.do_bench(step) if timed else float("nan")
+        moved = bytes_moved(model, weights, state_dtype, implementation != "graphtrain")
+        lines.append(
+            f"| {name} | {ms:.2f} | {moved / 1e9:.1f} | {moved / HBM_BYTES_PER_S * 1e3:.2f} "
+            f"| {diff:.1e} |"
+        )
+        del model, opt, weights, params
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="moe-1b", choices=list(MODEL_PRESETS))
+    parser.add_argument("--cpu-smoke", action="store_true", help="moe-tiny on CPU, untimed")
+    parser.add_argument("--no-record", action="store_true", help="print only")
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        print(run("moe-tiny", torch.device("cpu"), timed=False))
+        print("cpu smoke: every row steps and writes its copies")
+        return
+    body = run(args.model, torch.device("cuda"), timed=True)
+    if args.no_record:
+        print(body)
+    else:
+        record(f"AdamW step with working copies, {args.model}", body)
+
+
+if __name__ == "__main__":
+    main()

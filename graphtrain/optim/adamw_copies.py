@@ -1,0 +1,173 @@
+"""AdamW whose step also writes the bf16 working copies of the fp32 masters (graphtrain::adamw_step).
+
+What
+    AdamWCopies(groups, lr=, betas=, eps=, weight_decay=, state_dtype=): torch.optim.AdamW's
+    update (amsgrad and maximize refused), with fp32 or bf16 moments (bf16: the maths of
+    graphtrain.optim.adamw_bf16). attach_working_copies(masters, copies) (called by
+    WorkingWeights.refresh_in) makes each step write every attached master's new value, rounded,
+    into its copy, in the same pass; the foreach refresh after the step is then not needed.
+    Each step is one graphtrain::adamw_step launch per (param group, step count, with or without
+    copies): four or so for the trainer's decay / no-decay and plain / DTensor groups.
+
+Why
+    Bytes per weight with a copy: torch's fused AdamW reads param, grad and both moments (16)
+    and writes param and moments (12), then the refresh reads the param again (4) and writes
+    the copy (2): 34 bytes in two passes. This step: 16 read, 12 + 2 written, 30 bytes in one
+    pass (the master is not read again). The weights without a copy (norms, the embedding, the
+    head) move torch's 28. It launches one kernel per bucket where torch's fused step launches
+    one per chunk of tensors and the foreach refresh more on top, and its full blocks use
+    16-byte accesses like torch's (tests/custom_ops/test_adamw_step.py compiles it for sm_90).
+    So it moves fewer bytes with no more launches, and "auto" takes it on CUDA when working
+    copies are on (graphtrain.optim.optimizer). moe-1b (1,046M parameters, 979M with copies),
+    predicted, unmeasured: 31.2 GB against 35.2 GB a step, 10.4 against 11.7 ms at 3.0 TB/s.
+    The remaining risk, also unmeasured, is a Triton elementwise kernel reaching a lower share
+    of the bandwidth than torch's multi_tensor_apply; the host builds an address table per
+    step (a loop over the parameters, no device sync). With bf16 moments: 12 read + 10
+    written = 22 bytes in one pass, where AdamWBF16 runs about fifteen elementwise kernels per
+    parameter (about 100 bytes) and the refresh.
+
+    The gradient stays fp32 in .grad. Reading the bf16 micro-batch gradient directly (one
+    micro-batch a step) would save the widening's 6 bytes (2 read + 4 written) and 2 of the
+    step's 4-byte read: 8 of the 36 bytes a weight then costs (widening + step). It is not
+    done: clipping's norm, GradientFinisher's reductions, the replica and non-finite checks all
+    read the masters' fp32 .grad, and each would need a second path for a bf16 gradient held
+    elsewhere (and with more micro-batches the fp32 sum is needed anyway).
+
+State dict
+    torch.optim.AdamW's: per parameter "step" (a float32 tensor), "exp_avg", "exp_avg_sq"; the
+    param groups carry AdamW's keys (fused True: a torch AdamW resuming from it runs fused).
+    Checkpoints resume across the switch both ways; loading keeps "step" on the host (reading it
+    costs no device sync) and the moments in state_dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from graphtrain.custom_ops.adamw_step import adamw_step, adamw_step_ref
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: updating it updates the DTensor), else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class AdamWCopies(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        state_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"AdamWCopies: state_dtype must be float32 or bfloat16, got {state_dtype}"
+            )
+        # torch.optim.AdamW's group keys, so that its load_state_dict reads ours unchanged.
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": False,
+            "maximize": False,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": True,
+            "decoupled_weight_decay": True,
+        }
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(
+                        f"AdamWCopies needs fp32 parameters (master weights), got {p.dtype}; use "
+                        "optim.implementation = 'fused' or 'foreach' for other dtypes"
+                    )
+        self.state_dtype = state_dtype
+        self._copies: dict[int, torch.Tensor] = {}
+
+    def attach_working_copies(
+        self, masters: list[torch.Tensor], copies: list[torch.Tensor]
+    ) -> None:
+        """From now on each step writes masters[i]'s new value, rounded, into copies[i]."""
+        mine = {id(p) for group in self.param_groups for p in group["params"]}
+        for master, copy in zip(masters, copies, strict=True):
+            if id(master) not in mine:
+                raise ValueError(
+                    "attach_working_copies: a master is not among the optimizer's params"
+                )
+            self._copies[id(master)] = _local(copy)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for s in self.state.values():
+            if "step" in s:  # a fused torch AdamW keeps it on the device: one sync, here only
+                s["step"] = s["step"].to("cpu", torch.float32)
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in s:
+                    s[k] = s[k].to(self.state_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag):
+                    raise ValueError(
+                        f"AdamWCopies does not implement {flag}=True; use torch.optim.AdamW"
+                    )
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                if lr.device.type != "cpu":
+                    raise ValueError(
+                        f"AdamWCopies takes lr as a float or a CPU tensor, got a tensor on {lr.device}"
+                    )
+                lr = lr.item()  # a CPU tensor: no device sync
+            # One launch per (step count, with copies or not, contiguous or not).
+            buckets: dict[tuple[float, bool, bool], list[list[torch.Tensor]]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("AdamWCopies does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    # A float32 CPU scalar, as torch's non-fused AdamW keeps it.
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                state["step"] += 1
+                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                copy = self._copies.get(id(p))
+                contiguous = all(t.is_contiguous() for t in tensors)
+                key = (state["step"].item(), copy is not None, contiguous)
+                lists = buckets.setdefault(key, [[], [], [], [], []])
+                for i, t in enumerate([*tensors, *([copy] if copy is not None else [])]):
+                    lists[i].append(t)
+            beta1, beta2 = group["betas"]
+            for (step, _, contiguous), lists in buckets.items():
+                # A strided shard (none in today's layouts) takes torch's foreach ops.
+                kernel = adamw_step if contiguous else adamw_step_ref
+                kernel(
+                    *lists,
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=step,
+                )
+        return loss

@@ -219,8 +219,8 @@ class OptimConfig:
     # Parameters (fnmatch on dotted names) without weight decay.
     no_decay: list[str] = field(default_factory=lambda: ["*norm*", "*bias", "tok_embeddings.*"])
     # AdamW kernel: torch's "fused" or "foreach", or "graphtrain" (fp32 masters: the step also
-    # writes the bf16 working copies, graphtrain.optim.adamw_copies); "auto": graphtrain on CUDA
-    # with working copies, else fused where supported, else foreach.
+    # writes the bf16 working copies, graphtrain.optim.adamw_copies; opt-in until measured on a
+    # GPU); "auto": fused where supported, else foreach.
     implementation: Literal["auto", "fused", "foreach", "graphtrain"] = "auto"  # AdamW kernel
     max_norm: float = 1.0  # gradient clipping by the global norm; <= 0 disables clipping
     # dtype of the AdamW moments: float32, or bfloat16 (half the memory; fp32 math, rounded to

@@ -175,9 +175,7 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     )
     data, batch_schedule = _build_data(cfg, dims, mesh)
     model, finish_gradients, dump_dir = _build_model(cfg, dims, mesh, device, run_dir, rank)
-    optimizer, fp32_grads, lr_schedule, optim_state = _build_optimizer(
-        cfg, model, rank, working_copies=bool(_working_masters(cfg, dims, device, model))
-    )
+    optimizer, fp32_grads, lr_schedule, optim_state = _build_optimizer(cfg, model, rank)
     balance = install_router_balance(
         model, optimizer, mesh, dims, bias_update_rate=getattr(cfg.model, "bias_update_rate", 0.0)
     )
@@ -422,10 +420,9 @@ def _working_masters(
 
 
 def _build_optimizer(
-    cfg: JobConfig, model: torch.nn.Module, rank: int, *, working_copies: bool
+    cfg: JobConfig, model: torch.nn.Module, rank: int
 ) -> tuple[torch.optim.Optimizer, FP32GradAccumulator, LRSchedule, dict[str, int]]:
-    """The optimizer (`working_copies`: the run will have them; see build_optimizer), the fp32
-    gradient accumulator, the learning-rate schedule, and what the optimizer's moments cost on
+    """The optimizer, the fp32 gradient accumulator, the learning-rate schedule, and what the optimizer's moments cost on
     this rank (logged once)."""
     optim = cfg.optim
     optimizer = build_optimizer(
@@ -437,7 +434,6 @@ def _build_optimizer(
         no_decay_patterns=optim.no_decay,
         implementation=optim.implementation,
         state_dtype=optim.state_dtype,
-        working_copies=working_copies,
     )
     fp32_grads = FP32GradAccumulator(model, optim.fp32_grad_accum)
     optim_state = optimizer_state_bytes(

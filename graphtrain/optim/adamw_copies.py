@@ -17,8 +17,9 @@ Why
     head) move torch's 28. It launches one kernel per bucket where torch's fused step launches
     one per chunk of tensors and the foreach refresh more on top, and its full blocks use
     16-byte accesses like torch's (tests/custom_ops/test_adamw_step.py compiles it for sm_90).
-    So it moves fewer bytes with no more launches, and "auto" takes it on CUDA when working
-    copies are on (graphtrain.optim.optimizer). moe-1b (1,046M parameters, 979M with copies),
+    So it moves fewer bytes with no more launches. It is opt-in (optim.implementation =
+    "graphtrain") until benchmarks/adamw_step.py has measured it against torch's fused step on a
+    GPU; "auto" keeps torch's. moe-1b (1,046M parameters, 979M with copies),
     predicted, unmeasured: 31.2 GB against 35.2 GB a step, 10.4 against 11.7 ms at 3.0 TB/s.
     The remaining risk, also unmeasured, is a Triton elementwise kernel reaching a lower share
     of the bandwidth than torch's multi_tensor_apply; the host builds an address table per

@@ -7,10 +7,10 @@ AdamWCopies (graphtrain's kernel, whose step also writes the bf16 working copies
 Why: weight decay on norms, biases and (usually) embeddings hurts LLM training, so those are excluded
 by name patterns and by shape (every parameter with fewer than 2 dimensions). The fused kernel is the
 fastest of torch's AdamW kernels on CUDA and on CPU (torch >= 2.4); foreach is the portable
-fallback. With working copies of fp32 masters (graphtrain.optim.working_weights) on CUDA, "auto"
-takes AdamWCopies: it moves fewer bytes and launches fewer kernels than the fused step followed
-by the copies' refresh (graphtrain.optim.adamw_copies), with fp32 or bf16 moments. On CPU the torch
-optimizer and the foreach refresh stay (the reference).
+fallback. "graphtrain" (opt-in) takes AdamWCopies: with working copies of fp32 masters
+(graphtrain.optim.working_weights) it should move fewer bytes than the fused step followed by the
+copies' refresh (graphtrain.optim.adamw_copies; predicted, not yet measured on a GPU, so "auto"
+does not choose it).
 
 DTensor parameters (FSDP2 / tensor parallel) work with both implementations: AdamW is elementwise,
 so DTensor runs it shard by shard on the local tensors (checked on CPU with gloo, torch 2.13).
@@ -48,23 +48,15 @@ def _is_no_decay(names: list[str], param: torch.Tensor, patterns: list[str]) -> 
     return any(fnmatch.fnmatchcase(name, pat) for name in names for pat in patterns)
 
 
-def _choose_implementation(
-    params: list[torch.Tensor], implementation: str, working_copies: bool
-) -> str:
-    """Resolve "auto": "graphtrain" with working copies and every parameter an fp32 CUDA tensor,
-    else "fused" where every parameter's device and dtype allow it, else "foreach"."""
+def _choose_implementation(params: list[torch.Tensor], implementation: str) -> str:
+    """Resolve "auto" to "fused" where every parameter's device and dtype allow it, else
+    "foreach"."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
             f"unknown optimizer implementation {implementation!r}; expected one of {_IMPLEMENTATIONS}"
         )
     if implementation != "auto":
         return implementation
-    if (
-        working_copies
-        and params
-        and all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params)
-    ):
-        return "graphtrain"
     supported = _fused_supported_device_types()
     # For a DTensor, .device is the device of its local shard, which is what the kernel sees.
     if params and all(p.device.type in supported and p.is_floating_point() for p in params):
@@ -82,7 +74,6 @@ def build_optimizer(
     no_decay_patterns: list[str],
     implementation: str = "auto",
     state_dtype: str = "float32",
-    working_copies: bool = False,
 ) -> torch.optim.Optimizer:
     """Build AdamW with two parameter groups: decayed and not decayed.
 
@@ -93,9 +84,8 @@ def build_optimizer(
     (requires_grad False) are left out. Empty groups are dropped.
 
     `implementation`: "fused", "foreach", "graphtrain" (AdamWCopies; fp32 parameters), or "auto"
-    (graphtrain when `working_copies` (the trainer will attach bf16 working copies) and every
-    parameter is an fp32 CUDA tensor, else fused when every parameter is a floating tensor on a
-    device type with a fused kernel, else foreach). Any other value is a ValueError.
+    (fused when every parameter is a floating tensor on a device type with a fused kernel, else
+    foreach). Any other value is a ValueError.
     `state_dtype`: "float32" or "bfloat16" (bf16 moments, fp32 math): AdamWCopies takes either;
     torch's AdamW has no bf16 moments, so "fused" and "foreach" become AdamWBF16 there.
     """
@@ -133,7 +123,7 @@ def build_optimizer(
 
     if state_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"optimizer state_dtype must be float32 or bfloat16, got {state_dtype!r}")
-    chosen = _choose_implementation(decay + no_decay, implementation, working_copies)
+    chosen = _choose_implementation(decay + no_decay, implementation)
     if chosen == "graphtrain":
         return AdamWCopies(
             groups,

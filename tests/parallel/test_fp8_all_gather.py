@@ -39,8 +39,9 @@ def test_fp8_weight_runs_fp8_linear_on_its_bytes():
         results.append((out, xr.grad, wr.grad))
     for a, b in zip(*results, strict=True):
         assert type(b) is torch.Tensor and torch.equal(a, b)
-    fp8_w = Fp8Weight(w8_t.t().contiguous(), sw, torch.float32)
-    dequantized = w8_t.t().float() * sw
+    w8 = w8_t.t().contiguous()  # the layout FSDP2 hands over; the reference dequantizes it alike
+    fp8_w = Fp8Weight(w8, sw, torch.float32)
+    dequantized = w8.float() * sw
     assert torch.equal(F.linear(x, fp8_w), F.linear(x, dequantized))
 
 

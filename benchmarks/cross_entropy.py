@@ -52,6 +52,7 @@ import contextlib
 import datetime
 import inspect
 import json
+import os
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -222,6 +223,11 @@ def record(title: str, body: str, note: str = "") -> None:
 
 
 def git_commit() -> str:
+    """The commit a result is stamped with: $GRAPHTRAIN_COMMIT when set (a copy of the
+    repository whose git HEAD is stale, e.g. one synced onto a GPU machine, is told its commit
+    by hand), else git's short HEAD, "+dirty" with uncommitted changes."""
+    if os.environ.get("GRAPHTRAIN_COMMIT"):
+        return os.environ["GRAPHTRAIN_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(

@@ -144,7 +144,7 @@ stages() {
         ;;
     loss)
         # cross_entropy.py, fast / low-memory modes against eager, torch.compile, Liger, CCE,
-        # torch-lce: 2 shapes x 9 rows per precision, each row do_bench 50 + 300 ms plus one
+        # torch-lce: 2 shapes x 10 rows per precision, each row do_bench 50 + 300 ms plus one
         # memory pass (~1 s a row, ~20 s); the compiled rows (torch.compile, graphtrain-pass)
         # compile once per shape, ~30 s each: ~2-3 min per precision. One item per precision,
         # so each records its own section even if the other runs over.

@@ -20,7 +20,8 @@
 # liger-kernel and cut-cross-entropy (cross_entropy.py), torchao (fp8_linear.py), torchtitan
 # 0.3.0 (e2e.py, dense models). Download them where the network is, as Python 3.12 manylinux
 # x86_64 wheels without resolving (the dependency lists below are the wheels' Requires-Dist,
-# less what torch brings: filelock, fsspec, typing-extensions, numpy), into .whl/ (git-ignored):
+# less what torch brings, filelock, fsspec and typing-extensions, and numpy), into .whl/
+# (git-ignored; about 28 MB):
 #
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
@@ -36,16 +37,17 @@
 # and, only where `preflight` reports them missing, graphtrain's own requirements that its
 # trainer imports (about 60 MB more): numpy tokenizers pyarrow.
 #
-#   tensordict:        cloudpickle, pyvers (numpy from torch's environment)
+#   tensordict:        cloudpickle, pyvers, numpy
 #   liger-kernel, cut-cross-entropy, torchao: torch and triton only
 #   torchtitan:        torchdata (requests, urllib3), spmd_types, tyro (docstring-parser,
 #                      typeguard), einops, torch_checkpointing, datasets (dill, multiprocess,
 #                      xxhash, pandas, huggingface-hub, httpx, requests, tqdm, pyyaml, packaging,
 #                      pyarrow: a graphtrain dependency) and their own; torchtitan's trainer
-#                      imports datasets at import time. wandb, tensorboard and pillow are not
-#                      needed for the benchmark's step.
+#                      imports datasets at import time. wandb, tensorboard and pillow are left
+#                      out: the modules e2e.py imports load without them (a need at run time
+#                      would show as the torchtitan row's "not run: why").
 #
-# (about 28 MB). Bring .whl/ along with the repository; each stage installs whatever *.whl it
+# Bring .whl/ along with the repository; each stage installs whatever *.whl it
 # finds in $GRAPHTRAIN_WHEELS (default .whl) with
 #   python -m pip install --no-index --no-deps --target "$TMPDIR/graphtrain-wheels" .whl/*.whl
 # and puts that directory on PYTHONPATH, so nothing is installed into the machine's environment.

@@ -22,7 +22,7 @@ What
         graphtrain-fast-bf16acc  mode="fast", fp32_accumulator=False (bf16 weights only)
         graphtrain-pass       the plain code compiled with graphtrain's backend (Inductor); the
                               fuse_linear_cross_entropy pass inserts the op in the mode it picks
-    Peers are imported when their row runs; a missing one is skipped with the reason printed.
+    Peers are imported when their row runs; a missing or failing one is a row saying why.
     Reported: the median fwd+bwd time (triton.testing.do_bench) and the extra peak memory:
     max_memory_allocated during one fwd+bwd minus what was allocated before it (the inputs),
     so the gradients (W.grad is 0.98 GiB at V=128256, H=4096 in bf16, 1.96 GiB in fp32) are
@@ -52,6 +52,7 @@ import contextlib
 import datetime
 import inspect
 import json
+import os
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -80,6 +81,7 @@ IMPLS = (
     "graphtrain-fast-bf16acc",
     "graphtrain-pass",
 )
+PEERS = ("liger", "liger-fp32-accum", "cut-cross-entropy", "torch-lce")  # not graphtrain's rows
 RESULTS = Path(__file__).with_name("RESULTS.md")
 GIB = 1 << 30
 
@@ -222,6 +224,11 @@ def record(title: str, body: str, note: str = "") -> None:
 
 
 def git_commit() -> str:
+    """The commit a result is stamped with: $GRAPHTRAIN_COMMIT when set (a copy of the
+    repository whose git HEAD is stale, e.g. one synced onto a GPU machine, is told its commit
+    by hand), else git's short HEAD, "+dirty" with uncommitted changes."""
+    if os.environ.get("GRAPHTRAIN_COMMIT"):
+        return os.environ["GRAPHTRAIN_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
@@ -283,6 +290,10 @@ def run_table(shapes: list, precisions: list[str], impls: list[str]) -> tuple[li
                         results[impl] = measure(fn, h, w, t, precision)
                     except torch.cuda.OutOfMemoryError:
                         note = "out of memory"
+                    except Exception as e:  # a peer that fails on this torch/triton says so
+                        if impl not in PEERS:
+                            raise
+                        note = f"not run: {type(e).__name__}: {e}".splitlines()[0].replace("|", "/")
                     h.grad = w.grad = None
                     torch.cuda.empty_cache()
                 row = f"| {N}, {H}, {V} | {precision} | {impl} |"

@@ -731,6 +731,33 @@ def test_benchmark_cpu_smoke():
     run_benchmark_smoke("cross_entropy.py", "cpu smoke done")
 
 
+def test_benchmark_record_stamps_graphtrain_commit(tmp_path, monkeypatch):
+    """The benchmarks' record() stamps $GRAPHTRAIN_COMMIT, not git's HEAD, when it is set (a copy
+    of the repository on a GPU machine may report a stale HEAD); git's HEAD when it is not."""
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "cross_entropy_benchmark", root / "benchmarks" / "cross_entropy.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "no GPU")
+    monkeypatch.setenv("GRAPHTRAIN_COMMIT", "0123abc")
+    bench.record("a title", "| a row |")
+    section = (tmp_path / "RESULTS.md").read_text().split("\n## ")[1]
+    assert section.startswith("a title (") and "no GPU" in section
+    assert "commit 0123abc)" in section and "| a row |" in section
+
+    monkeypatch.delenv("GRAPHTRAIN_COMMIT")
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True)
+    head = git.stdout.decode().strip() if git.returncode == 0 else "no-commit"
+    assert bench.git_commit().removesuffix("+dirty") == head
+
+
 # ------------------------------------------------------------------------------------------
 # GPU (skipped on CPU): bf16 by SNR, fp32 tightly, CUDA-graph capture
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# One stage of the pending GPU work on one H100 (or H200), each stage planned to end well inside
+# 10 minutes (every item runs under its own time cap; the caps of a stage add up to <= 510 s, so
+# that with the wheel install, the preflight and the kill grace it ends before 10 minutes).
+#
+#   GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]
+#
+# STAGE: preflight | tests | loss | fp8 | kernels | e2e-dense | e2e-moe | e2e-fp8 | profile
+# (see `stages` below and "Running the GPU benchmarks" in benchmarks/RESULTS.md). LOG_DIR
+# (default ./gpu-logs) gets one log per item, the sections this stage appended to
+# benchmarks/RESULTS.md (results-STAGE.md) and a summary of every item's exit code. A failing
+# item never stops the stage: all items run, and the stage exits non-zero if any failed.
+#
+# GRAPHTRAIN_COMMIT: the commit the results are stamped with (benchmarks/cross_entropy.py's
+# git_commit()); set it by hand where the repository copy's git HEAD is stale.
+#
+# Wheels. The GPU machine is expected to have torch, triton and safetensors. graphtrain itself
+# needs tensordict (graphtrain.step, the data loader: the tests and e2e stages); the peers are
+# optional, and every benchmark prints a "not run: why" row where one is missing or fails:
+# liger-kernel and cut-cross-entropy (cross_entropy.py), torchao (fp8_linear.py), torchtitan
+# 0.3.0 (e2e.py, dense models). Download them where the network is, as Python 3.12 manylinux
+# x86_64 wheels without resolving (the dependency lists below are the wheels' Requires-Dist,
+# less what torch brings, filelock, fsspec and typing-extensions, and numpy), into .whl/
+# (git-ignored; about 28 MB):
+#
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl \
+#     tensordict==0.15.3 cloudpickle pyvers==0.2.3 \
+#     liger-kernel==0.8.5 cut-cross-entropy==25.1.1 torchao==0.18.0 \
+#     torchtitan==0.3.0 torchdata==0.11.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser \
+#     typeguard einops torch_checkpointing==0.1.1 datasets==4.7.0 dill==0.4.0 \
+#     multiprocess==0.70.18 xxhash pandas python-dateutil pytz tzdata six huggingface-hub \
+#     hf-xet httpx httpcore anyio h11 sniffio requests urllib3 idna certifi \
+#     charset-normalizer tqdm pyyaml packaging
+#
+# and, only where `preflight` reports them missing, graphtrain's own requirements that its
+# trainer imports (about 60 MB more): numpy tokenizers pyarrow.
+#
+#   tensordict:        cloudpickle, pyvers, numpy
+#   liger-kernel, cut-cross-entropy, torchao: torch and triton only
+#   torchtitan:        torchdata (requests, urllib3), spmd_types, tyro (docstring-parser,
+#                      typeguard), einops, torch_checkpointing, datasets (dill, multiprocess,
+#                      xxhash, pandas, huggingface-hub, httpx, requests, tqdm, pyyaml, packaging,
+#                      pyarrow: a graphtrain dependency) and their own; torchtitan's trainer
+#                      imports datasets at import time. wandb, tensorboard and pillow are left
+#                      out: the modules e2e.py imports load without them (a need at run time
+#                      would show as the torchtitan row's "not run: why").
+#
+# Bring .whl/ along with the repository; each stage installs whatever *.whl it
+# finds in $GRAPHTRAIN_WHEELS (default .whl) with
+#   python -m pip install --no-index --no-deps --target "$TMPDIR/graphtrain-wheels" .whl/*.whl
+# and puts that directory on PYTHONPATH, so nothing is installed into the machine's environment.
+# `preflight` (seconds) prints what imports and what does not.
+
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+
+stage=${1:-}
+log_dir=${2:-./gpu-logs}
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+python=${PYTHON:-python}
+wheels=${GRAPHTRAIN_WHEELS:-$root/.whl}
+
+usage() {
+    echo "usage: GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]" >&2
+    echo "STAGE: preflight tests loss fp8 kernels e2e-dense e2e-moe e2e-fp8 profile" >&2
+    exit 2
+}
+
+case $stage in
+preflight | tests | loss | fp8 | kernels | e2e-dense | e2e-moe | e2e-fp8 | profile) ;;
+*) usage ;;
+esac
+mkdir -p "$log_dir" || exit 2
+log_dir=$(cd "$log_dir" && pwd)
+cd "$root" || exit 2
+names=()
+codes=()
+
+# item NAME CAP_SECONDS COMMAND...: run COMMAND with its output in LOG_DIR/NAME.log (and on the
+# terminal), killed after CAP_SECONDS; its exit code is kept for the summary (124: over the cap).
+item() {
+    local name=$1 cap=$2
+    shift 2
+    echo "=== $name (cap ${cap} s): $*" | tee -a "$log_dir/summary.txt"
+    local start=$SECONDS
+    timeout --signal=INT --kill-after=10 "$cap" "$@" 2>&1 | tee "$log_dir/$name.log"
+    local code=$?
+    echo "=== $name: exit $code after $((SECONDS - start)) s" | tee -a "$log_dir/summary.txt"
+    names+=("$name")
+    codes+=("$code")
+}
+
+bench() {  # bench NAME CAP SCRIPT ARGS...: a benchmark script of this directory
+    local name=$1 cap=$2 script=$3
+    shift 3
+    item "$name" "$cap" "$python" "benchmarks/$script" "$@"
+}
+
+install_wheels() {
+    shopt -s nullglob
+    local found=("$wheels"/*.whl)
+    shopt -u nullglob
+    if ((${#found[@]})); then
+        local target="${TMPDIR:-/tmp}/graphtrain-wheels"
+        "$python" -m pip install -q --no-index --no-deps --target "$target" "${found[@]}" \
+            >"$log_dir/install.log" 2>&1 || echo "wheel install failed: see $log_dir/install.log"
+        export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+        echo "installed ${#found[@]} wheels from $wheels into $target"
+    else
+        echo "no wheels in $wheels: the peers' rows will say 'not run'"
+    fi
+    export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+preflight() {
+    "$python" - <<'EOF'
+import importlib, os
+import torch, triton
+print(f"torch {torch.__version__}, triton {triton.__version__}, "
+      f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+print(f"GRAPHTRAIN_COMMIT={os.environ.get('GRAPHTRAIN_COMMIT') or '(unset: git HEAD, may be stale)'}")
+for name in ("tensordict", "safetensors", "tokenizers", "numpy", "pyarrow", "tensorboard",
+             "graphtrain.step", "liger_kernel.transformers", "cut_cross_entropy",
+             "torchao.float8", "torchtitan.trainer"):
+    try:
+        importlib.import_module(name)
+        print(f"  {name}: ok")
+    except Exception as e:
+        print(f"  {name}: MISSING ({type(e).__name__}: {e})")
+EOF
+}
+
+# Time estimates (H100, no Inductor cache on a fresh machine; compile dominates the small ones).
+# The numbers are estimates, not measurements: the first run of each stage checks them.
+stages() {
+    case $stage in
+    preflight) ;;
+    tests)
+        # Every GPU-marked test (about 40 cases, small shapes; the TRITON kernels compile once
+        # each) plus collecting the whole suite (~30 s): ~2-4 min. A test file that fails to
+        # import on the GPU machine is reported without stopping the others.
+        item tests 510 "$python" -m pytest -m gpu -q -rs --durations=25 \
+            --continue-on-collection-errors tests
+        ;;
+    loss)
+        # cross_entropy.py, fast / low-memory modes against eager, torch.compile, Liger, CCE,
+        # torch-lce: 2 shapes x 10 rows per precision, each row do_bench 50 + 300 ms plus one
+        # memory pass (~1 s a row, ~20 s); the compiled rows (torch.compile, graphtrain-pass)
+        # compile once per shape, ~30 s each: ~2-3 min per precision. One item per precision,
+        # so each records its own section even if the other runs over.
+        bench cross_entropy-bf16 255 cross_entropy.py --precision bf16
+        bench cross_entropy-fp32-master 255 cross_entropy.py --precision fp32-master
+        ;;
+    fp8)
+        # fp8_linear.py: 3 linear shapes x 4 rows (bf16, fp8 compiled, graphtrain, torchao) and
+        # 3 grouped rows x 2 (bf16 _grouped_mm, fp8_grouped_mm: even, skewed, w2). ~9 Inductor
+        # compiles of ~15-20 s and about 20 do_bench calls of < 1 s: ~3-4 min.
+        bench fp8_linear 280 fp8_linear.py
+        # mtp.py: 3 token counts x 4 rows (eager, torch.compile, reduce-overhead, graphtrain);
+        # the 9 compiled rows of one block at ~15 s each, CUDA-graph capture included: ~2-3 min.
+        bench mtp 230 mtp.py
+        ;;
+    kernels)
+        # adamw_step.py: moe-1b's 1,046M parameters, 4 rows of one optimizer step (~12 ms,
+        # predicted) timed by do_bench; building the model and its 17 GB of fp32 state: ~1 min.
+        bench adamw_step 110 adamw_step.py
+        # tp_overlap.py: plain bf16 GEMMs of Llama-3-8B at 8192 tokens for tp = 2, 4, 8,
+        # one and chunked, no compile: ~30 GEMM timings of < 1 s: < 1 min.
+        bench tp_overlap 80 tp_overlap.py
+        # moe_router.py: 3 routers x 4 rows, forward and forward+backward, the compiled rows
+        # ~20 s each (6 compiles x 2 modes): ~3 min (the 2026-11-22 runs took about as long).
+        bench moe_router 190 moe_router.py
+        # moe_dispatch.py: one shape, 3 rows, 2 compiles + profiler passes: ~1-2 min.
+        bench moe_dispatch 130 moe_dispatch.py
+        ;;
+    e2e-dense)
+        # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, torchtitan 0.3.0; 25 steps
+        # of 8192 tokens (~0.15 s each at the 2026-11-22 rate of ~55k tokens/s) per row, so the
+        # time is the three builds and compiles (plain ~15 s, graphtrain ~10-30 s, torchtitan
+        # with CUDA graphs ~1-2 min) and the default corpus's tokenisation: ~4-5 min.
+        bench e2e-1b 510 e2e.py --model 1b
+        ;;
+    e2e-moe)
+        # e2e.py moe-1b with random balanced routing, batch 4 (16384 tokens a step, ~0.1 s):
+        # plain (warm-up ~40 s) and graphtrain (~15-30 s), torchtitan not run (dense only):
+        # ~2 min. Then --fp8 (graphtrain bf16, graphtrain fp8, plain bf16) at the default
+        # fp8.min_dim = 4096, which refuses every moe-1b GEMM (predicted ~1.0x): ~2.5 min.
+        bench e2e-moe-1b 255 e2e.py --model moe-1b --batch 4 --force-balance
+        bench e2e-moe-1b-fp8 255 e2e.py --fp8 --model moe-1b --batch 4 --force-balance
+        ;;
+    e2e-fp8)
+        # e2e.py --fp8 3b, batch 1 (4096 tokens, 70.7 TFLOP a step: ~0.2 s at 45% MFU, plus the
+        # 3.2B-parameter AdamW step): graphtrain bf16, graphtrain fp8, plain bf16, ~63 GiB each
+        # (one at a time); 10 layers of 4096 to compile per row, ~1 min, and three 3.2B-model
+        # builds: ~4-6 min. The steps are cut to 10 + 3 to stay inside the cap.
+        bench e2e-3b-fp8 510 e2e.py --fp8 --model 3b --batch 1 --steps 10 --warmup 3
+        ;;
+    profile)
+        # `graphtrain inspect --profile`: the preset's regions compiled with the default passes,
+        # 5 steps under torch.profiler, kernel time attributed to regions, FX nodes and source
+        # lines (summary.txt, report.html in the --out directory), then each fusing pass's
+        # regions re-timed with that pass off. 1b: one compile + ~3 passes re-compiled, ~3 min;
+        # moe-1b (force_balance as in e2e): router, dispatch and loss passes, ~4 min.
+        item profile-1b 230 "$python" -m graphtrain inspect --preset 1b --device cuda \
+            --profile 5 --out "$log_dir/inspect-1b"
+        item profile-moe-1b 280 "$python" -m graphtrain inspect --preset moe-1b --device cuda \
+            --profile 5 --out "$log_dir/inspect-moe-1b" --model.force_balance=true
+        ;;
+    esac
+}
+
+install_wheels
+preflight 2>&1 | tee "$log_dir/preflight.log"
+results=benchmarks/RESULTS.md
+before=$(wc -c <"$results" 2>/dev/null || echo 0)
+stages
+tail -c +$((before + 1)) "$results" >"$log_dir/results-$stage.md" 2>/dev/null
+
+failed=0
+echo "=== stage $stage: exit codes" | tee -a "$log_dir/summary.txt"
+for i in "${!names[@]}"; do
+    echo "  ${names[$i]}: ${codes[$i]}" | tee -a "$log_dir/summary.txt"
+    [ "${codes[$i]}" = 0 ] || failed=1
+done
+echo "logs in $log_dir; sections appended to $results: $log_dir/results-$stage.md"
+exit $failed

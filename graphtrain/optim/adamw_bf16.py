@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (a view: updating it updates the DTensor), else the tensor."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -52,7 +52,7 @@ class AdamWBF16(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         """Bytes of the moment states this rank holds (0 before the first step)."""
         return sum(
-            _local(s[k]).numel() * _local(s[k]).element_size()
+            local_shard(s[k]).numel() * local_shard(s[k]).element_size()
             for s in self.state.values()
             for k in ("exp_avg", "exp_avg_sq")
             if k in s
@@ -85,8 +85,11 @@ class AdamWBF16(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["step"] += 1
                 step = state["step"].item()  # a CPU tensor: no device sync
-                param, grad = _local(p), _local(p.grad).float()
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                param, grad = local_shard(p), local_shard(p.grad).float()
+                exp_avg, exp_avg_sq = (
+                    local_shard(state["exp_avg"]),
+                    local_shard(state["exp_avg_sq"]),
+                )
                 m, v = exp_avg.float(), exp_avg_sq.float()
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

@@ -47,14 +47,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from graphtrain.custom_ops.adamw_step import adamw_step, adamw_step_ref
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view: updating it updates the DTensor), else the tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from graphtrain.optim.adamw_bf16 import local_shard
 
 
 class AdamWCopies(torch.optim.Optimizer):
@@ -107,7 +102,7 @@ class AdamWCopies(torch.optim.Optimizer):
                 raise ValueError(
                     "attach_working_copies: a master is not among the optimizer's params"
                 )
-            self._copies[id(master)] = _local(copy)
+            self._copies[id(master)] = local_shard(copy)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -151,7 +146,9 @@ class AdamWCopies(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["step"] += 1
-                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                tensors = [
+                    local_shard(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+                ]
                 copy = self._copies.get(id(p))
                 contiguous = all(t.is_contiguous() for t in tensors)
                 key = (state["step"].item(), copy is not None, contiguous)

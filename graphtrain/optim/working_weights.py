@@ -94,7 +94,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from graphtrain.optim.adamw_bf16 import local_shard
 
 if TYPE_CHECKING:
     from graphtrain.optim.adamw_copies import AdamWCopies
@@ -193,4 +194,4 @@ class WorkingWeights:
 
 
 def _locals(tensors: list[nn.Parameter]) -> list[torch.Tensor]:
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return [local_shard(t) for t in tensors]

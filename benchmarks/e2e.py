@@ -59,7 +59,7 @@ from tensordict import TensorDict
 from graphtrain.attention import resolve_attention
 from graphtrain.config import JOB_PRESETS, JobConfig, load_config
 from graphtrain.metrics import model_training_flops, peak_flops
-from graphtrain.optim import WorkingWeights, build_optimizer
+from graphtrain.optim import WorkingWeights, optimizer_from_config
 from graphtrain.step import ForwardLoss
 from graphtrain.trainer import build_run
 from models import MODEL_PRESETS, build_model
@@ -206,16 +206,7 @@ def plain_compile_row(name: str, cfg: JobConfig, step_batches: list, warmup: int
     model.init_weights(seed=cfg.training.seed)
     model.train()
     optim = cfg.optim
-    optimizer = build_optimizer(
-        model,
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        no_decay_patterns=optim.no_decay,
-        implementation=optim.implementation,
-        state_dtype=optim.state_dtype,
-    )
+    optimizer = optimizer_from_config(model, optim)
     # bf16 autocast over fp32 parameters on CUDA, fp32 on CPU: training.dtype=auto's choice.
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)

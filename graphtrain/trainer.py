@@ -57,9 +57,9 @@ from graphtrain.optim import (
     FP32GradAccumulator,
     LRSchedule,
     WorkingWeights,
-    build_optimizer,
     cast_parameters_,
     global_norm,
+    optimizer_from_config,
     optimizer_state_bytes,
     working_weight_params,
 )
@@ -422,19 +422,10 @@ def _working_masters(
 def _build_optimizer(
     cfg: JobConfig, model: torch.nn.Module, rank: int
 ) -> tuple[torch.optim.Optimizer, FP32GradAccumulator, LRSchedule, dict[str, int]]:
-    """The optimizer, the fp32 gradient accumulator, the learning-rate schedule, and what the optimizer's moments cost on
-    this rank (logged once)."""
+    """The optimizer, the fp32 gradient accumulator, the learning-rate schedule, and what the
+    optimizer's moments cost on this rank (logged once)."""
     optim = cfg.optim
-    optimizer = build_optimizer(
-        model,
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        no_decay_patterns=optim.no_decay,
-        implementation=optim.implementation,
-        state_dtype=optim.state_dtype,
-    )
+    optimizer = optimizer_from_config(model, optim)
     fp32_grads = FP32GradAccumulator(model, optim.fp32_grad_accum)
     optim_state = optimizer_state_bytes(
         model,

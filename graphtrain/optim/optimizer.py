@@ -19,6 +19,7 @@ so DTensor runs it shard by shard on the local tensors (checked on CPU with gloo
 from __future__ import annotations
 
 import fnmatch
+from typing import Any
 
 import torch
 from torch import nn
@@ -143,4 +144,18 @@ def build_optimizer(
         weight_decay=weight_decay,
         fused=chosen == "fused",
         foreach=chosen == "foreach",
+    )
+
+
+def optimizer_from_config(model: nn.Module, optim: Any) -> torch.optim.Optimizer:
+    """build_optimizer with the keys of the config's `optim` section (graphtrain.config.OptimConfig)."""
+    return build_optimizer(
+        model,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        no_decay_patterns=optim.no_decay,
+        implementation=optim.implementation,
+        state_dtype=optim.state_dtype,
     )

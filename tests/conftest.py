@@ -63,8 +63,13 @@ def torchrun_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
     """Run `graphtrain train ARGS` for each ARGS of `jobs`, one after the other, in the same nproc
     CPU ranks (gloo; one torchrun launch for all: its process start and imports cost more than
     a small job); the lines of each job's metrics.jsonl, in the order of `jobs`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = Path(__file__).resolve().parent / "train_jobs.py"
+    # The script's folder comes first on its sys.path, and its tests/models folder would be
+    # taken for the `models` package where graphtrain is installed in editable mode: the
+    # repository root before it.
+    root = str(script.parent.parent)
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={nproc}", str(script), json.dumps(jobs)]
     # A session of its own: on a timeout the ranks go too, not only torchrun.

@@ -141,6 +141,13 @@ def _short(source: str) -> str:
     return f"{short}:{rest}"
 
 
+def _source_cell(source: str | None) -> str:
+    """A table cell's source location: short, the full one as its title."""
+    if not source:
+        return "?"
+    return f'<span title="{escape(source)}">{escape(_short(source))}</span>'
+
+
 def _kernel_list(kernels: list[str], shown: int = 4) -> str:
     counts = Counter(kernels)
     names = [f"{k} x{n}" if n > 1 else k for k, n in counts.items()]
@@ -201,7 +208,7 @@ def _profile(report: Report) -> list[str]:
                 f'<span class="bar" style="width:{max(1, round(line.share * 120))}px"></span>'
                 f"{line.share:.1%}",
                 _ms(line.ms),
-                f'<span title="{escape(line.source)}">{escape(_short(line.source))}</span>',
+                _source_cell(line.source),
                 escape(line.code),
                 escape(_kernel_list(line.kernels)),
             ]
@@ -409,7 +416,7 @@ def render_html(report: Report) -> str:
             escape(s.op),
             escape(s.graph),
             escape(s.module_path or "(root)"),
-            escape(s.source or "?"),
+            _source_cell(s.source),
             escape(", ".join(f"{k}={v!r}" for k, v in s.options.items())),
         ]
         for s in report.custom_op_sites
@@ -419,7 +426,7 @@ def render_html(report: Report) -> str:
     )
     out.append('<h2 id="breaks">Graph breaks</h2>')
     rows = [
-        [escape(b.graph), escape(b.source or "?"), f'<span class="brk">{escape(b.reason)}</span>']
+        [escape(b.graph), _source_cell(b.source), f'<span class="brk">{escape(b.reason)}</span>']
         for b in report.graph_breaks
     ]
     out.append(_table(["graph", "source", "reason"], rows) if rows else "<p>none</p>")

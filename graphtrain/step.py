@@ -84,7 +84,7 @@ class FP8Saturation:
         return contextlib.nullcontext()
 
     def statistics(self) -> dict[str, torch.Tensor]:
-        from graphtrain.custom_ops.fp8_linear import fp8_saturation_stats
+        from graphtrain.custom_ops.fp8_cast import fp8_saturation_stats
 
         return fp8_saturation_stats()
 

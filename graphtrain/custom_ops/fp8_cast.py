@@ -1,8 +1,8 @@
 """graphtrain::fp8_cast: scaled, saturating cast to FP8 (and its transpose, in one read).
 
 What
-    fp8_cast(x [R, C], amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0)
-        -> (y [R, C], y_t [C, R] (or [0] without transpose), scale_inv, counts)
+    fp8_cast(x [R, C], amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0, *,
+             record=None) -> (y [R, C], y_t [C, R] (or [0] without transpose), scale_inv, counts)
     with (scale, scale_inv) = fp8_scale(amax, float8_dtype, pow2_scale):
         scale = fp8_max / max(amax, EPS)      (optionally rounded down to a power of two)
         y = saturate(x * scale) rounded to nearest-even in float8_dtype, y_t = y.T
@@ -34,8 +34,10 @@ Numerics
 Why
     _scaled_mm wants its first operand row-major and its second column-major, so every GEMM of
     a linear's forward and backward needs the other layout of one operand: the kernel writes
-    both from one read of x. The counts feed the saturation statistics (fp8_saturation_stats)
-    from device-side counters, with no host synchronisation in the step.
+    both from one read of x. The counts feed the saturation statistics: with record (the
+    tensor class, "activation", "weight" or "gradient") the cast adds them to device-side
+    counters (record_saturation), which fp8_saturation_stats turns into fractions, with no
+    host synchronisation in the step.
 
 Kernel
     _cast_kernel  one program per [BLOCK_R, BLOCK_C] tile of a slice (a 2-D x is one slice),
@@ -67,6 +69,38 @@ _FORMATS = {
 }
 FP8_DTYPES = tuple(_FORMATS)
 
+TENSOR_CLASSES = ("activation", "weight", "gradient")
+_COUNTERS: dict[torch.device, Tensor] = {}  # [class, (clipped, flushed, total)] int64
+
+
+def record_saturation(tensor_class: str, counts: Tensor, numel: int) -> None:
+    """Add one cast's [clipped, flushed] counts to the device counters of its class."""
+    device = counts.device
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(len(TENSOR_CLASSES), 3, dtype=torch.int64, device=device)
+    row = _COUNTERS[device][TENSOR_CLASSES.index(tensor_class)]
+    row[:2] += counts
+    row[2] += numel
+
+
+def fp8_saturation_stats(reset: bool = True) -> dict[str, Tensor]:
+    """Fraction of values clipped at the FP8 maximum and of nonzero values flushed to zero,
+    per tensor class, since the last reset: {"fp8/clipped/activation": 0-d float64 tensor, ...,
+    "fp8/flushed/gradient": ...}, summed over devices, on the device (no host sync until
+    the caller reads them). {} when no FP8 op ran."""
+    if not _COUNTERS:
+        return {}
+    total = sum(c.to(next(iter(_COUNTERS))) for c in _COUNTERS.values())
+    stats = {}
+    for i, name in enumerate(TENSOR_CLASSES):
+        n = total[i, 2].clamp_min(1).double()
+        stats[f"fp8/clipped/{name}"] = total[i, 0] / n
+        stats[f"fp8/flushed/{name}"] = total[i, 1] / n
+    if reset:
+        for c in _COUNTERS.values():
+            c.zero_()
+    return stats
+
 
 def _check(
     x: Tensor,
@@ -75,7 +109,10 @@ def _check(
     transpose: bool,
     t_cols: Tensor | None,
     t_width: int,
+    record: str | None = None,
 ) -> None:
+    if record is not None and record not in TENSOR_CLASSES:
+        raise ValueError(f"fp8_cast's record must be one of {TENSOR_CLASSES}, got {record!r}")
     if float8_dtype not in _FORMATS:
         raise ValueError(f"float8_dtype must be one of {FP8_DTYPES}, got {float8_dtype}")
     if (
@@ -248,7 +285,7 @@ def _use_triton(x: Tensor) -> bool:
     mutates_args=(),
     schema=(
         "(Tensor x, Tensor amax, ScalarType float8_dtype, bool pow2_scale, bool transpose, "
-        "Tensor? t_cols=None, SymInt t_width=0) "
+        "Tensor? t_cols=None, SymInt t_width=0, *, str? record=None) "
         "-> (Tensor y, Tensor y_t, Tensor scale_inv, Tensor counts)"
     ),
 )
@@ -260,16 +297,22 @@ def fp8_cast(
     transpose: bool,
     t_cols: Tensor | None = None,
     t_width: int = 0,
+    *,
+    record: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x scaled by fp8_max / amax, saturated and rounded to float8_dtype (and transposed,
-    to the columns t_cols names). The body is the CPU kernel."""
-    _check(x, amax, float8_dtype, transpose, t_cols, t_width)
-    return fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
+    to the columns t_cols names); with record (a tensor class), its counts are added to the
+    saturation counters. The body is the CPU kernel."""
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
+    out = fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
+    return _recorded(out, x, record)
 
 
 @fp8_cast.register_fake
-def _fp8_cast_fake(x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0):
-    _check(x, amax, float8_dtype, transpose, t_cols, t_width)
+def _fp8_cast_fake(
+    x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0, *, record=None
+):
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
     E = x.shape[:-2]
     return (
         x.new_empty(x.shape, dtype=float8_dtype),
@@ -280,7 +323,15 @@ def _fp8_cast_fake(x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_
 
 
 @fp8_cast.register_kernel("cuda")
-def _fp8_cast_cuda(x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0):
-    _check(x, amax, float8_dtype, transpose, t_cols, t_width)
+def _fp8_cast_cuda(
+    x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0, *, record=None
+):
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
     run = fp8_cast_triton if _use_triton(x) else fp8_cast_ref
-    return run(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
+    return _recorded(run(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width), x, record)
+
+
+def _recorded(out: tuple[Tensor, ...], x: Tensor, record: str | None) -> tuple[Tensor, ...]:
+    if record is not None:
+        record_saturation(record, out[3], x.numel())
+    return out

@@ -46,10 +46,11 @@ Numerics
     Gaussian data (tests/custom_ops/test_fp8_linear.py).
 
 Saturation statistics
-    Every cast returns [clipped, flushed-to-zero] counts; the op adds them to device-side
-    counters per tensor class (activation, weight, gradient) without a host sync;
-    fp8_saturation_stats() turns them into fractions and resets them: the trainer's FP8Saturation
-    step hook reads them once per step (device tensors; the host reads them at log steps).
+    Every cast returns [clipped, flushed-to-zero] counts and adds them to device-side counters
+    per tensor class (activation, weight, gradient; graphtrain/custom_ops/fp8_cast.py) without
+    a host sync; fp8_saturation_stats() there turns them into fractions and resets them: the
+    trainer's FP8Saturation step hook reads them once per step (device tensors; the host reads
+    them at log steps).
 """
 
 from __future__ import annotations
@@ -59,41 +60,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from graphtrain.custom_ops import fp8_amax, fp8_cast  # noqa: F401  (register their ops)
+from graphtrain.custom_ops import fp8_amax  # noqa: F401  (registers its op)
+from graphtrain.custom_ops.fp8_cast import record_saturation
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TENSOR_CLASSES = ("activation", "weight", "gradient")
-_COUNTERS: dict[torch.device, Tensor] = {}  # [class, (clipped, flushed, total)] int64
-
-
-def record_saturation(tensor_class: str, counts: Tensor, numel: int) -> None:
-    """Add one cast's [clipped, flushed] counts to the device counters of its class."""
-    device = counts.device
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(len(TENSOR_CLASSES), 3, dtype=torch.int64, device=device)
-    row = _COUNTERS[device][TENSOR_CLASSES.index(tensor_class)]
-    row[:2] += counts
-    row[2] += numel
-
-
-def fp8_saturation_stats(reset: bool = True) -> dict[str, Tensor]:
-    """Fraction of values clipped at the FP8 maximum and of nonzero values flushed to zero,
-    per tensor class, since the last reset: {"fp8/clipped/activation": 0-d float64 tensor, ...,
-    "fp8/flushed/gradient": ...}, summed over devices, on the device (no host sync until
-    the caller reads them). {} when no FP8 op ran."""
-    if not _COUNTERS:
-        return {}
-    total = sum(c.to(next(iter(_COUNTERS))) for c in _COUNTERS.values())
-    stats = {}
-    for i, name in enumerate(TENSOR_CLASSES):
-        n = total[i, 2].clamp_min(1).double()
-        stats[f"fp8/clipped/{name}"] = total[i, 0] / n
-        stats[f"fp8/flushed/{name}"] = total[i, 1] / n
-    if reset:
-        for c in _COUNTERS.values():
-            c.zero_()
-    return stats
 
 
 def reduce_amax(amaxes: list[Tensor], tp_group: str | None) -> list[Tensor]:
@@ -115,11 +86,10 @@ def cast_pair(
     t_width: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(t8, t8_t, scale_inv) of a 2-D tensor (or of each slice of a 3-D one, amax [E]; or
-    t8_t with its columns moved, t_cols); its saturation counts go to the counters."""
-    t8, t8_t, scale_inv, counts = torch.ops.graphtrain.fp8_cast(
-        t, amax, float8_dtype, pow2, True, t_cols, t_width
+    t8_t with its columns moved, t_cols); the cast adds its saturation counts to the counters."""
+    t8, t8_t, scale_inv, _ = torch.ops.graphtrain.fp8_cast(
+        t, amax, float8_dtype, pow2, True, t_cols, t_width, record=tensor_class
     )
-    record_saturation(tensor_class, counts, t.numel())
     return t8, t8_t, scale_inv
 
 

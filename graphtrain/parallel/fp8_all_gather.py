@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from graphtrain.config import Fp8Config
-from graphtrain.custom_ops import fp8_linear as _fp8_linear_ops  # registers the ops
+from graphtrain.custom_ops import fp8_linear  # noqa: F401  (registers the ops)
 
 E4M3 = torch.float8_e4m3fn
 aten = torch.ops.aten
@@ -120,10 +120,9 @@ class Fp8ShardWeight(torch.Tensor):
         shard = self._tensor.reshape(-1, self._tensor.shape[-1])
         amax = torch.ops.graphtrain.fp8_amax(shard)
         dist.all_reduce(amax, dist.ReduceOp.MAX, group=mesh.get_group())
-        w8, _, scale_inv, counts = torch.ops.graphtrain.fp8_cast(
-            shard, amax, E4M3, self._pow2_scale, False
+        w8, _, scale_inv, _ = torch.ops.graphtrain.fp8_cast(
+            shard, amax, E4M3, self._pow2_scale, False, record="weight"
         )
-        _fp8_linear_ops.record_saturation("weight", counts, shard.numel())
         return (w8.view(torch.uint8),), (scale_inv,)
 
     def fsdp_post_all_gather(

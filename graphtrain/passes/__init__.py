@@ -4,6 +4,7 @@ import graphtrain.passes.fuse_linear_cross_entropy  # noqa: F401  (registers the
 from graphtrain.passes import (  # noqa: F401  (each registers its pass)
     canonicalize,
     fp8_all_gather,
+    fp8_cast_once,
     fp8_linear,
     fuse_moe_dispatch,
     fuse_moe_router,

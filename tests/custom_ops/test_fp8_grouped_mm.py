@@ -19,6 +19,7 @@ import torch
 from test_fp8_linear import dequant, rel, sqnr
 
 import graphtrain.custom_ops  # noqa: F401  (registers the ops)
+from graphtrain.custom_ops import fp8_cast as fc
 from graphtrain.custom_ops import fp8_grouped_mm as gmm
 from graphtrain.custom_ops import fp8_linear as fl
 
@@ -94,7 +95,7 @@ def test_batched_weight_cast_equals_per_expert(monkeypatch, dtype, pow2_scale):
     w[1] = 0.0
     x, w = x.to(dtype), w.to(dtype)
     counters = {}
-    monkeypatch.setattr(fl, "_COUNTERS", counters)
+    monkeypatch.setattr(fc, "_COUNTERS", counters)
     *_, w8, w8_t, sw = gmm._cast_operands(x, w, offs, pow2_scale)
     batched = counters[w.device][1].clone()
     counters.clear()
@@ -241,7 +242,7 @@ def test_meta_kernel_takes_the_layouts(monkeypatch, counts, tail):
     """torch._scaled_grouped_mm's own Meta kernel (its dtype, layout, stride and scale-shape
     checks) on every call of the CUDA path, forward and backward, with the casts' fake
     outputs: a layout mistake fails here, without a GPU."""
-    monkeypatch.setattr(fl, "_COUNTERS", {})  # the saturation counters of meta casts
+    monkeypatch.setattr(fc, "_COUNTERS", {})  # the saturation counters of meta casts
     M, E, K, N = sum(counts) + tail, len(counts), 64, 48
     x = torch.empty(M, K, device="meta", dtype=torch.bfloat16)
     w = torch.empty(E, N, K, device="meta", dtype=torch.bfloat16)

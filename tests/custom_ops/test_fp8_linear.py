@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import graphtrain.custom_ops  # noqa: F401  (registers the ops)
-from graphtrain.custom_ops import fp8_linear as fl
+from graphtrain.custom_ops import fp8_cast as fc
 from graphtrain.custom_ops.fp8_amax import fp8_amax_ref
 from graphtrain.custom_ops.fp8_cast import fp8_cast_ref
 
@@ -134,19 +134,19 @@ def test_nonfinite_inputs_give_nan():
 
 def test_saturation_stats():
     """Counters per tensor class: a value 1e6 times the rest flushes the rest to zero in E4M3."""
-    fl.fp8_saturation_stats(reset=True)
+    fc.fp8_saturation_stats(reset=True)
     x, w, b, grad = _inputs((8,), 32, 16, seed=0)
     x[0, 0] = 1e6
     _run(x, w, b, grad)
-    stats = fl.fp8_saturation_stats()
+    stats = fc.fp8_saturation_stats()
     # below half the smallest E4M3 subnormal (2^-9) after scaling by 448 / 1e6: rounds to 0
     expected = (x.abs() * (448.0 / 1e6) <= 2.0**-10).sum() / x.numel()
     assert stats["fp8/flushed/activation"].item() == pytest.approx(expected.item(), rel=1e-12)
     assert expected > 0.9
     assert stats["fp8/flushed/weight"].item() < 0.01
-    assert all(stats[f"fp8/clipped/{c}"].item() == 0 for c in fl.TENSOR_CLASSES)
+    assert all(stats[f"fp8/clipped/{c}"].item() == 0 for c in fc.TENSOR_CLASSES)
     assert stats["fp8/flushed/gradient"].item() < 0.01
-    after = fl.fp8_saturation_stats()
+    after = fc.fp8_saturation_stats()
     assert after["fp8/flushed/activation"].item() == 0  # reset
 
 

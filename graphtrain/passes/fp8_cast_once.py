@@ -1,0 +1,236 @@
+"""Pass fp8_cast_once: fp8_linear taken apart in the post-grad graph, so that each activation is
+cast once for all the linears that read it and its amax is computed by the kernel that makes it.
+
+What
+    graphtrain::fp8_linear computes the amax of x and of the weight, casts both (fp8_cast writes
+    each operand and its transpose from one read) and runs torch._scaled_mm; its backward,
+    graphtrain::fp8_linear_backward, does the same for the output gradient before its dgrad and
+    wgrad GEMMs. In the post-grad forward graph this pass rewrites every group of fp8_linear
+    nodes that read the same x (the same node, or reshapes of it with the same last dim: q, k,
+    v; w1, w3) and have the same pow2_scale and tp_group to
+        ax  = amax(abs(x [M, K])) in aten ops                 once for the group
+        aw  = amax(abs(W)) in aten ops                        once per weight
+        (tp_group: ax and every aw max-reduced over the group in one functional all_reduce)
+        x8, x8_t, sx = fp8_cast(x, ax, E4M3, transpose)        once for the group
+        w8, w8_t, sw = fp8_cast(W, aw, E4M3, transpose)        once per weight
+        out = _scaled_mm(x8, w8.t(), sx, sw, out_dtype) (+ bias), viewed as the op's output
+    and hands the op's other outputs (x8_t, sx, w8_t, sw: what the backward saves) over from
+    the casts. In the backward graph each fp8_linear_backward without a bias becomes
+        ag = amax(abs(grad_out [M, N])) in aten ops (tp_group: max-reduced)
+        g8, g8_t, sg = fp8_cast(grad_out, ag, E5M2 (E4M3 with e4m3_grads), transpose)
+        grad_x = _scaled_mm(g8, w8_t.t(), sg, sw, x_dtype); grad_w = _scaled_mm(g8_t, x8_t.t(),
+        sg, sx, w_dtype)
+    Each fp8_cast records its saturation counts (record=...), once per cast, as the op did.
+
+Why
+    Two reads of each activation disappear:
+      - the amax, an aten reduction now, is fused by Inductor into the kernel that produces the
+        tensor where that is a kernel of its own (the SwiGLU product, the RMSNorm output, the
+        residual gradient, the SwiGLU and RoPE backward): that kernel writes the tensor and a
+        partial max in the same pass (seen in Inductor's Triton code for sm_90: the
+        SwiGLU's product and its amax are one reduction kernel that stores the product; the
+        RMSNorm's kernel stores a max per row). The op's own amax kernel reads the tensor
+        again: 2 bytes per bf16 element.
+      - sibling linears share x's cast: fp8_linear casts its x whatever the others do, so w1
+        and w3 read and write it twice (6 bytes per element each time), q, k and v three times.
+    Predicted, 3b preset (dim 4096, ffn 14336, wq, wo, w1, w2, w3 in FP8, 4096 tokens a
+    micro-batch, 3.0 TB/s): 620 MB less traffic per layer (w1/w3's shared cast 101 MB; the
+    amax reads of the producer-fused inputs 184 MB forward and 335 MB backward), 0.21 ms a
+    layer, 2.1 ms of a ~94 ms FP8 step (~2%). Unmeasured (no GPU where it was written):
+    `benchmarks/e2e.py --fp8 --model 3b`, with and without this pass, measures it.
+
+Refusals (left as the op, with a note)
+    an empty x or gradient; an fp8_linear_backward with a bias (grad_b sums the unquantised gradient inside the op) or with
+    its gradient cast already (fp8_all_gather's rewrite); fp8_linear_precast nodes (their
+    operand was cast before a gather) are not this pass's.
+
+Invariant and numerics (preserves_numerics=True: bitwise)
+    A maximum is exact in any order, so the aten amax equals graphtrain::fp8_amax; the casts and
+    the _scaled_mm calls are the op's own with the same arguments (the ops' reference code in
+    graphtrain/custom_ops/fp8_linear.py), so the outputs and gradients are the same bits
+    (tests/passes/test_fp8_cast_once.py: a model compiled with and without this pass).
+    Runs after fp8_all_gather (5) and overlap_tp_comm (10), which rewrite the gathered
+    fp8_linear inputs themselves.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+from graphtrain.custom_ops import fp8_linear  # noqa: F401  (registers the ops)
+from graphtrain.passes import fx
+from graphtrain.passes.fx import Refuse
+from graphtrain.passes.registry import PassContext, register_pass
+
+aten, prims = torch.ops.aten, torch.ops.prims
+_c10d = torch.ops._c10d_functional
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_FORWARD = torch.ops.graphtrain.fp8_linear.default
+_BACKWARD = torch.ops.graphtrain.fp8_linear_backward.default
+_CAST = torch.ops.graphtrain.fp8_cast.default
+
+
+def _root(x: Node) -> Node:
+    """x through reshapes (the same elements in the same order)."""
+    while fx.is_aten_view(x):
+        x = x.args[0]
+    return x
+
+
+def _rows(b: fx.AtenBuilder, t: Node) -> Node:
+    """t as [M, last dim] (copied first where it is not contiguous, as the op's reshape does:
+    Inductor then computes the amax in that copy's kernel), or Refuse."""
+    value = t.meta["val"]
+    if value.numel() == 0:
+        raise Refuse(f"{t.name} is empty")
+    if not value.is_contiguous():
+        t = b(aten.clone.default, t, memory_format=torch.contiguous_format)
+    return b(aten.view.default, t, [value.numel() // value.shape[-1], value.shape[-1]])
+
+
+# float dtype -> (the integer type of its bits, mask of all bits but the sign)
+_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFFFFFF),
+}
+
+
+def _amaxes(b: fx.AtenBuilder, tensors: list[Node], tp_group: str | None) -> list[Node]:
+    """max |t| of each as a 0-d float32 node in aten ops (Inductor fuses them into the producers),
+    max-reduced over tp_group in one all_reduce.
+
+    The max is taken over the bits of t with the sign cleared: non-negative floats order as
+    their bits do, and every NaN's bits lie above inf's, so the result is max |t| (NaN if any
+    element is NaN) exactly as graphtrain::fp8_amax computes it. Through the bits, because a
+    reduction over the values fused into the kernel that makes t (bf16) would see them before
+    their rounding to bf16 (Inductor elides that rounding inside a kernel) and could differ
+    from the max of the stored tensor by a rounding; a bitcast needs the rounded value."""
+    amaxes = []
+    for t in tensors:
+        dtype = t.meta["val"].dtype
+        bits, mask = _BITS[dtype]
+        magnitude = b(aten.bitwise_and.Scalar, b(aten.view.dtype, t, bits), mask)
+        amax = b(aten.view.dtype, b(aten.amax.default, magnitude, []), dtype)
+        amaxes.append(b(prims.convert_element_type.default, amax, torch.float32))
+    if tp_group is None:
+        return amaxes
+    reduced = b(_c10d.all_reduce.default, b(aten.stack.default, amaxes), "max", tp_group)
+    reduced = b(_c10d.wait_tensor.default, reduced)
+    return [b(aten.select.int, reduced, 0, i) for i in range(len(amaxes))]
+
+
+def _cast(b: fx.AtenBuilder, t: Node, amax: Node, dtype: torch.dtype, pow2: bool,
+          tensor_class: str) -> tuple[Node, Node, Node]:  # fmt: skip
+    """(t8, t8_t, scale_inv) of the 2-D t, its counts recorded under tensor_class."""
+    cast = b(_CAST, t, amax, dtype, pow2, True, record=tensor_class)
+    return tuple(b(operator.getitem, cast, i) for i in range(3))
+
+
+def _hand_over(gm: torch.fx.GraphModule, op: Node, outputs: Sequence[Node | None]) -> None:
+    """The op's output i (its getitem users) becomes outputs[i]; then the op goes."""
+    for user in list(op.users):
+        if user.target is not operator.getitem or outputs[user.args[1]] is None:
+            raise AssertionError(f"{op.name}'s output {user.name} has no replacement")
+        user.replace_all_uses_with(outputs[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(op)
+
+
+def _forward_group(gm: torch.fx.GraphModule, linears: list[Node], fake_mode: Any) -> str:
+    first = linears[0]
+    pow2, group = bool(first.kwargs.get("pow2_scale")), first.kwargs.get("tp_group")
+    weights = list(dict.fromkeys(linear.args[1] for linear in linears))
+    before_first = set()
+    for node in gm.graph.nodes:
+        if node is first:
+            break
+        before_first.add(node)
+    late = [w.name for w in weights if w not in before_first]
+    if late:
+        raise Refuse(f"weight(s) {late} are made after {first.name}, where the casts go")
+    b = fx.AtenBuilder(gm.graph, first, fake_mode)
+    x2 = _rows(b, first.args[0])
+    note = (f"{', '.join(n.name for n in linears)}: one cast of {first.args[0].name} for "
+            f"{len(linears)} linear(s), its amax in the graph (fused into its producer where "
+            "that is a kernel)")  # fmt: skip
+    ax, *aws = _amaxes(b, [x2, *weights], group)
+    x8, x8_t, sx = _cast(b, x2, ax, E4M3, pow2, "activation")
+    cast_w = {w: _cast(b, w, aw, E4M3, pow2, "weight") for w, aw in zip(weights, aws, strict=True)}
+    for linear in linears:
+        b.anchor = linear
+        w8, w8_t, sw = cast_w[linear.args[1]]
+        out_val = linear.meta["val"][0]
+        out = b(aten._scaled_mm.default, x8, b(aten.permute.default, w8, [1, 0]), sx, sw,
+                out_dtype=out_val.dtype)  # fmt: skip
+        bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+        if bias is not None:
+            out = b(aten.add.Tensor, out,
+                    b(prims.convert_element_type.default, bias, out_val.dtype))  # fmt: skip
+        out = b(aten.view.default, out, list(out_val.shape))
+        _hand_over(gm, linear, (out, x8_t, sx, w8_t, sw))
+    return note
+
+
+def _backward(gm: torch.fx.GraphModule, op: Node, fake_mode: Any) -> str:
+    grad_out, x8_t, sx, w8_t, sw, has_bias, *precast = op.args
+    if has_bias:
+        raise Refuse("it has a bias (grad_b sums the unquantised gradient)")
+    if any(a is not None for a in precast) or op.kwargs.get("grad_scale_inv") is not None:
+        raise Refuse("its gradient arrives cast already (before a tensor-parallel all-gather)")
+    kw = op.kwargs
+    b = fx.AtenBuilder(gm.graph, op, fake_mode)
+    g2 = _rows(b, grad_out)
+    (ag,) = _amaxes(b, [g2], kw.get("tp_group"))
+    dtype = E4M3 if kw["e4m3_grads"] else E5M2
+    g8, g8_t, sg = _cast(b, g2, ag, dtype, bool(kw["pow2_scale"]), "gradient")
+    grad_x = b(aten._scaled_mm.default, g8, b(aten.permute.default, w8_t, [1, 0]), sg, sw,
+               out_dtype=kw["x_dtype"])  # fmt: skip
+    grad_x = b(aten.view.default, grad_x, list(op.meta["val"][0].shape))
+    grad_w = b(aten._scaled_mm.default, g8_t, b(aten.permute.default, x8_t, [1, 0]), sg, sx,
+               out_dtype=kw["w_dtype"])  # fmt: skip
+    note = f"{op.name}: gradient {grad_out.name}'s amax and cast in the graph"
+    _hand_over(gm, op, (grad_x, grad_w, None))
+    return note
+
+
+def _groups(gm: torch.fx.GraphModule) -> list[list[Node]]:
+    """fp8_linear nodes by (x's root, x's numel and last dim, pow2_scale, tp_group), in order."""
+    groups: dict[tuple, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if fx.is_op(node, _FORWARD):
+            x = node.args[0].meta["val"]
+            key = (_root(node.args[0]), x.numel(), x.shape[-1],
+                   bool(node.kwargs.get("pow2_scale")), node.kwargs.get("tp_group"))  # fmt: skip
+            groups.setdefault(key, []).append(node)
+    return list(groups.values())
+
+
+@register_pass(
+    "fp8_cast_once", stage="post_grad", order=15, default_on=True, preserves_numerics=True
+)
+def fp8_cast_once_pass(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
+) -> torch.fx.GraphModule:
+    """Cast each FP8 linear input once for all its readers, with its amax in the graph."""
+    # Order 15: after fp8_all_gather (5) and overlap_tp_comm (10), which take gathered inputs.
+    changed = False
+    for linears in _groups(gm):
+        try:
+            ctx.note(_forward_group(gm, linears, linears[0].args[0].meta["val"].fake_mode))
+            changed = True
+        except Refuse as why:
+            ctx.note(f"kept {', '.join(n.name for n in linears)}: {why}")
+    for op in [n for n in gm.graph.nodes if fx.is_op(n, _BACKWARD)]:
+        try:
+            ctx.note(_backward(gm, op, op.meta["val"][0].fake_mode))
+            changed = True
+        except Refuse as why:
+            ctx.note(f"kept {op.name}: {why}")
+    return fx.finish(gm, changed)

@@ -19,6 +19,9 @@ What
     same bits as the cast here, given the same global amax; no bias then.
     Every scale is per tensor, from the tensor's current amax (graphtrain::fp8_amax, then
     graphtrain::fp8_cast); nothing goes to the host.
+    Compiled, the post-grad pass fp8_cast_once (graphtrain/passes/fp8_cast_once.py) takes the
+    op and its backward apart into these same casts and _scaled_mm calls, so that an input
+    shared by several linears is cast once and each amax is fused into its producer.
 
 Operands in FP8 already (graphtrain::fp8_linear_precast, forward only)
     fp8_linear_precast(x, x_scale_inv, x_counts, weight, w_scale_inv, bias, *, pow2_scale,

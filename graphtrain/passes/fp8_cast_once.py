@@ -136,8 +136,7 @@ def _cast(b: fx.AtenBuilder, t: Node, amax: Node, dtype: torch.dtype, pow2: bool
 def _hand_over(gm: torch.fx.GraphModule, op: Node, outputs: Sequence[Node | None]) -> None:
     """The op's output i (its getitem users) becomes outputs[i]; then the op goes."""
     for user in list(op.users):
-        if user.target is not operator.getitem or outputs[user.args[1]] is None:
-            raise AssertionError(f"{op.name}'s output {user.name} has no replacement")
+        assert user.target is operator.getitem and outputs[user.args[1]] is not None, user
         user.replace_all_uses_with(outputs[user.args[1]])
         gm.graph.erase_node(user)
     gm.graph.erase_node(op)
@@ -184,6 +183,8 @@ def _backward(gm: torch.fx.GraphModule, op: Node, fake_mode: Any) -> str:
         raise Refuse("it has a bias (grad_b sums the unquantised gradient)")
     if any(a is not None for a in precast) or op.kwargs.get("grad_scale_inv") is not None:
         raise Refuse("its gradient arrives cast already (before a tensor-parallel all-gather)")
+    if any(user.args[1] == 2 for user in op.users):
+        raise Refuse("its grad_b output is read")
     kw = op.kwargs
     b = fx.AtenBuilder(gm.graph, op, fake_mode)
     g2 = _rows(b, grad_out)

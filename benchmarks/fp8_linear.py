@@ -13,6 +13,14 @@ What
                         torch._scaled_mm)
         torchao         torchao.float8 Float8Linear, tensorwise recipe, compiled (when torchao
                         imports and runs on this torch; otherwise the row says why)
+    then two kinds of rows that say where the FP8 speed-up is bounded:
+        GEMMs only      the three GEMMs alone, bf16 torch.mm against torch._scaled_mm on
+                        operands cast beforehand, with their TFLOP/s: the rate that decides
+                        whether the targets can be met at all (benchmarks/RESULTS.md, FP8)
+        rmsnorm + linear   x = rms_norm(x0) feeding the linear, compiled: bf16, and graphtrain's
+                        fp8_linear pass with the post-grad pass fp8_cast_once off and on (on, the
+                        amax of x is computed by the RMSNorm's own kernel; predicted saving
+                        2 bytes per element of x, ~0.045 ms at the first shape)
     and the grouped experts at moe-1b's shapes (64 experts, 16384 tokens x top-6 = 98304 rows:
     the fused w1|w3 W [64, 1024, 1024] with the rows split evenly and with a skewed routing
     whose groups are no multiples of 16, and w2 W [64, 1024, 512]): torch._grouped_mm in bf16
@@ -41,6 +49,7 @@ import triton.testing
 from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain.custom_ops  # noqa: F401  (registers graphtrain::fp8_linear, fp8_grouped_mm)
+from graphtrain.compile import backend
 
 SHAPES = ((16384, 4096, 4096), (16384, 8192, 8192), (8192, 2048, 8192))
 # moe-1b's experts: 16384 tokens x top-6 slots, 64 experts, dim 1024, width 512 (w1|w3 fused)
@@ -152,6 +161,65 @@ def linear_rows():
     ]
 
 
+def gemm_rows(x, w, grad):
+    """[(impl, fn)] of the three GEMMs alone (forward, dgrad, wgrad), on tensors prepared here:
+    bf16 torch.mm, and torch._scaled_mm on E4M3 x, W and E5M2 d out in the layouts it takes."""
+    x, w = x.detach(), w.detach()
+
+    def bf16():
+        return x @ w.t(), grad @ w, grad.t() @ x
+
+    def fp8_operand(t, dtype):
+        t8, scale_inv = _cast(t, dtype)
+        return t8, t8.t().contiguous(), scale_inv
+
+    (x8, x8_t, sx), (w8, w8_t, sw), (g8, g8_t, sg) = (
+        fp8_operand(x, E4M3),
+        fp8_operand(w, E4M3),
+        fp8_operand(grad, E5M2),
+    )
+
+    def fp8():
+        return (
+            torch._scaled_mm(x8, w8.t(), sx, sw, out_dtype=torch.bfloat16),
+            torch._scaled_mm(g8, w8_t.t(), sg, sw, out_dtype=torch.bfloat16),
+            torch._scaled_mm(g8_t, x8_t.t(), sg, sx, out_dtype=torch.bfloat16),
+        )
+
+    return [("bf16 3 GEMMs only (torch.mm)", bf16), ("fp8 3 GEMMs only (torch._scaled_mm)", fp8)]
+
+
+def measure_gemms(x, w, grad, label, results):
+    """Time gemm_rows; the rate is 3 x 2MKN FLOP over the median time."""
+    M, K, N = x.shape[0], x.shape[1], w.shape[0]
+    base = None
+    for impl, fn in gemm_rows(x, w, grad):
+        ms = triton.testing.do_bench(fn, return_mode="median")
+        base = base or ms
+        tflops = 3 * 2 * M * K * N / ms / 1e9
+        results.append(f"| {label} | {impl} | {ms:.3f} | {base / ms:.2f}x | {tflops:.0f} TFLOP/s |")
+
+
+def rms_norm_linear(x, w):
+    return F.linear(F.rms_norm(x, x.shape[-1:]), w)
+
+
+def producer_rows(min_dim: int = 4096):
+    """[(impl, fn)] of rms_norm + linear: bf16 compiled, then the fp8_linear pass through
+    graphtrain's backend with fp8_cast_once off and on (min_dim: the pass's fp8.min_dim)."""
+
+    def fp8(cast_once: bool):
+        passes = ["+fp8_linear", "+fp8_cast_once" if cast_once else "-fp8_cast_once"]
+        gt = backend(passes=passes, pass_options={"fp8.min_dim": min_dim})
+        return torch.compile(rms_norm_linear, backend=gt)
+
+    return [
+        ("bf16 rmsnorm + linear (compiled)", torch.compile(rms_norm_linear)),
+        ("graphtrain pass fp8, fp8_cast_once off", fp8(False)),
+        ("graphtrain pass fp8, fp8_cast_once on", fp8(True)),
+    ]
+
+
 def measure(rows, args, label, results):
     """Time each row's forward + backward; SQNR of its outputs against the first row's."""
     want = fwd_bwd(rows[0][1], *args)
@@ -203,9 +271,20 @@ def cpu_smoke() -> None:
     want = grouped_fwd_bwd(bf16, x, w, offs, grad)
     got = grouped_fwd_bwd(fp8, x, w, offs, grad)
     assert min(sqnr(g, t) for g, t in zip(got, want, strict=True)) > 20.0
+    x, w, grad = linear_inputs(64, 32, 48, "cpu", torch.float32)
+    (_, bf16), (_, fp8) = gemm_rows(x, w, grad)
+    assert min(sqnr(g, t) for g, t in zip(fp8(), bf16(), strict=True)) > 20.0
+    (_, norm), (_, off), (_, on) = producer_rows(min_dim=16)
+    want = fwd_bwd(norm, x, w, grad)
+    got_off, got_on = fwd_bwd(off, x, w, grad), fwd_bwd(on, x, w, grad)
+    assert min(sqnr(g, t) for g, t in zip(got_on, want, strict=True)) > 20.0
+    assert all(torch.equal(a, b) for a, b in zip(got_on, got_off, strict=True))  # fp32: bitwise
     peer = torchao_fp8()
     print(f"torchao row: {peer if isinstance(peer, str) else 'importable'}")
-    print("cpu smoke: fp8 rows agree with fp32 by SQNR, graphtrain equals the plain recipe")
+    print(
+        "cpu smoke: fp8 rows agree with fp32 by SQNR, graphtrain equals the plain recipe, "
+        "fp8_cast_once on equals off"
+    )
 
 
 def main() -> None:
@@ -222,13 +301,17 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_linear.py needs a CUDA GPU (or --cpu-smoke)")
     lines = [
-        "| shape | impl | fwd+bwd ms | vs first row | SQNR dB out / dx / dW vs first row |",
+        "| shape | impl | fwd+bwd ms | vs first row of its kind | SQNR dB out / dx / dW vs that row "
+        "(GEMM rows: their rate) |",
         "|---|---|---:|---:|---|",
     ]
     for shape in args.shapes.split(","):
         M, K, N = (int(d) for d in shape.split("x"))
         torch._dynamo.reset()
-        measure(linear_rows(), linear_inputs(M, K, N, "cuda", torch.bfloat16), shape, lines)
+        inputs = linear_inputs(M, K, N, "cuda", torch.bfloat16)
+        measure(linear_rows(), inputs, shape, lines)
+        measure_gemms(*inputs, shape, lines)
+        measure(producer_rows(), inputs, shape, lines)
     for label, K, N, skewed in GROUPED_SHAPES:
         x, w, offs, grad = grouped_inputs(16384 * 6, 64, K, N, "cuda", torch.bfloat16, skewed)
         rows = [

@@ -5,7 +5,7 @@
 #
 #   GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]
 #
-# STAGE: preflight | tests | loss | fp8 | kernels | e2e-dense | e2e-moe | e2e-fp8 | profile |
+# STAGE: preflight | tests | loss | fp8 | mtp | kernels | e2e-dense | e2e-moe | e2e-fp8 | profile |
 #        profile-fp8
 # (see `stages` below and "Running the GPU benchmarks" in benchmarks/RESULTS.md). LOG_DIR
 # (default ./gpu-logs) gets one log per item, the sections this stage appended to
@@ -65,12 +65,12 @@ wheels=${GRAPHTRAIN_WHEELS:-$root/.whl}
 
 usage() {
     echo "usage: GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]" >&2
-    echo "STAGE: preflight tests loss fp8 kernels e2e-dense e2e-moe e2e-fp8 profile profile-fp8" >&2
+    echo "STAGE: preflight tests loss fp8 mtp kernels e2e-dense e2e-moe e2e-fp8 profile profile-fp8" >&2
     exit 2
 }
 
 case $stage in
-preflight | tests | loss | fp8 | kernels | e2e-dense | e2e-moe | e2e-fp8 | profile | profile-fp8) ;;
+preflight | tests | loss | fp8 | mtp | kernels | e2e-dense | e2e-moe | e2e-fp8 | profile | profile-fp8) ;;
 *) usage ;;
 esac
 mkdir -p "$log_dir" || exit 2
@@ -155,10 +155,13 @@ stages() {
         bench cross_entropy-fp32-master 255 cross_entropy.py --precision fp32-master
         ;;
     fp8)
-        # fp8_linear.py: 3 linear shapes x 4 rows (bf16, fp8 compiled, graphtrain, torchao) and
-        # 3 grouped rows x 2 (bf16 _grouped_mm, fp8_grouped_mm: even, skewed, w2). ~9 Inductor
-        # compiles of ~15-20 s and about 20 do_bench calls of < 1 s: ~3-4 min.
-        bench fp8_linear 280 fp8_linear.py
+        # fp8_linear.py: 3 linear shapes x (4 rows: bf16, fp8 compiled, graphtrain, torchao;
+        # 2 GEMM-only rows; 3 rmsnorm + linear rows) and 3 grouped rows x 2 (bf16 _grouped_mm,
+        # fp8_grouped_mm: even, skewed, w2). ~18 Inductor compiles of ~15-20 s and about 35
+        # do_bench calls of < 1 s: ~6-7 min.
+        bench fp8_linear 480 fp8_linear.py
+        ;;
+    mtp)
         # mtp.py: 3 token counts x 4 rows (eager, torch.compile, reduce-overhead, graphtrain);
         # the 9 compiled rows of one block at ~15 s each, CUDA-graph capture included: ~2-3 min.
         bench mtp 230 mtp.py

@@ -12,8 +12,8 @@ What
             backward and activation-checkpoint recomputes of a step run inside it.
         refresh(): the masters copied into the working copies (after each optimizer step).
         refresh_in(optimizer): hands the refresh to an optimizer whose step writes the copies
-            itself (graphtrain.optim.adamw_copies, on CUDA by default); refresh() then does
-            nothing.
+            itself (graphtrain.optim.adamw_copies, optim.implementation = "graphtrain");
+            refresh() then does nothing.
         Gradients: a post-accumulate-grad hook on each working copy adds its micro-batch
         gradient (bf16, as the GEMM wrote it) into the master's fp32 .grad the moment autograd
         has it, and drops it: the first micro-batch's is widened, the later ones are added with
@@ -76,9 +76,10 @@ Cost, predicted (unmeasured). P = 979M matmul weights of moe-1b (1,046M paramete
     against 14 ms a step at 3.0 TB/s; with checkpointing on, 6 bytes per micro-batch more
     saved. Under expert parallel the same arithmetic holds for the expert weights. At m = 1
     the 12 bytes shrink only with two kernel changes. The refresh fused into the optimizer
-    kernel (the bf16 write next to the fp32 one: 2 bytes instead of 6) is done: refresh_in,
-    graphtrain.optim.adamw_copies, taken on CUDA by default; 8 bytes, 7.8 GB, 2.6 ms against
-    3.9 ms a step on moe-1b at 3.0 TB/s (predicted, unmeasured). A weight-gradient GEMM that
+    kernel (the bf16 write next to the fp32 one: 2 bytes instead of 6) is built: refresh_in,
+    graphtrain.optim.adamw_copies, with optim.implementation = "graphtrain" (opt-in until
+    measured); 8 bytes, 7.8 GB, 2.6 ms against 3.9 ms a step on moe-1b at 3.0 TB/s (predicted,
+    unmeasured). A weight-gradient GEMM that
     writes fp32 into .grad (Megatron's gradient-accumulation fusion: 2 bytes more written
     instead of the widening's 6) would leave 4 bytes, 3.9 GB, 1.3 ms.
     Memory: a bf16 copy of the P weights (2 bytes each) lives through the run; autocast's bf16

@@ -269,7 +269,7 @@ def call(node: Any) -> Call | None:
         args = (*node.args, *cells["args_as_value"].cell_contents)
         kwargs = {**cells["kwargs_as_value"].cell_contents, **node.kwargs}
         return Call(node, name, args, kwargs, False)
-    if is_dtensor_from_local(target):
+    if _is_dtensor_from_local(target):
         return Call(node, "from_local", node.args, node.kwargs, False)
     if target in INPLACE_FUNCTIONS:
         return Call(node, INPLACE_FUNCTIONS[target], node.args, node.kwargs, True)
@@ -280,7 +280,7 @@ def call(node: Any) -> Call | None:
     return None if name is None else Call(node, name, node.args, node.kwargs, False)
 
 
-def is_dtensor_from_local(target: Any) -> bool:
+def _is_dtensor_from_local(target: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed

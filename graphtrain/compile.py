@@ -68,14 +68,14 @@ torch._dynamo.config.fail_on_recompile_limit_hit = True
 def _allow_fp32_grouped_mm_under_compile() -> None:
     """Let torch.compile trace fp32 torch._grouped_mm (every CPU run of the MoE model).
 
-    torch 2.13's fake-tensor (meta) kernel of aten._grouped_mm accepts bf16 only, although the
-    CPU kernel and CUDA's fallback compute fp32 (pytorch PR 162059 enabled fp32 and left
+    torch's fake-tensor (meta) kernel of aten._grouped_mm (2.11 to 2.14) accepts bf16 only,
+    although the CPU kernel and CUDA's fallback compute fp32 (pytorch PR 162059 enabled fp32 and left
     "better compile support" for later): compiling fails with "Expected inputs of BF16 type".
     This registers a fake kernel that returns, for fp32, the output layout torch's own meta code
     gives, and defers to torch's kernel for every other dtype. Registered only while torch still
     rejects fp32, so it disappears by itself once torch is fixed.
     """
-    try:  # private helpers; where they are missing, so is the fix's need (checked on 2.13)
+    try:  # private helpers; where they are missing, so is the fix's need (checked on 2.11-2.14)
         from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
     except ImportError:
         return
@@ -91,12 +91,9 @@ def _allow_fp32_grouped_mm_under_compile() -> None:
             return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
         return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
 
-    try:
-        torch.library.register_fake("aten::_grouped_mm")(_grouped_mm_fake)
-    except RuntimeError:
-        # Builds where the op already has a Meta kernel (seen: torch 2.11+cu130) refuse a fake
-        # one; fp32 grouped GEMMs then stay uncompilable there (CUDA runs bf16 anyway).
-        return
+    # The op has a Meta kernel, next to which torch 2.11 refuses a fake kernel unless
+    # allow_override=True (the default from 2.13 on); fake tensors then take this one first.
+    torch.library.register_fake("aten::_grouped_mm", allow_override=True)(_grouped_mm_fake)
 
 
 _allow_fp32_grouped_mm_under_compile()

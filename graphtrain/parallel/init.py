@@ -1,5 +1,6 @@
 """Seeded init of a parallelized model that gives every parameter the values of the unsharded
-model's init with the same seed, whatever the layout (tp, FSDP, HSDP, or any mix).
+fp32 model's init with the same seed (rounded to the parameter's dtype), whatever the layout
+(tp, FSDP, HSDP, or any mix) and whatever the storage dtype (training.master_dtype).
 
 Why not let DTensor's random ops do it: on CPU, DTensor has no RNG tracker ("random operators
 may not have complete support on cpu") and each rank runs the op on its shard with the global
@@ -17,9 +18,16 @@ a plain full-size tensor instead, so the same random draws happen in the same or
 same tensor shapes, as in one process; then it copies this rank's slice into the shard and drops
 the full tensor. The values are never communicated: each rank cuts its own slice.
 
+Low-precision parameters (bf16/fp16, training.master_dtype) take the same detour through an fp32
+full-size tensor: torch's random kernels draw other streams for them than for fp32, differing
+between versions too (torch 2.11's CPU bf16 normal_ shares no value with its fp32 one; 2.13's
+matches it for small tensors only), so a bf16 run would start from other weights than the fp32
+run of the same seed. Drawn in fp32 and rounded once, it starts from the fp32 run's weights.
+
 Cost: at most one full-size tensor at a time on top of the shards (the largest parameter: the
-embedding or one block's largest matrix), whatever the number of blocks; every rank still draws
-all the random numbers of the full model (time, not memory).
+embedding or one block's largest matrix, in fp32 where the parameter is low-precision), whatever
+the number of blocks; every rank still draws all the random numbers of the full model (time,
+not memory).
 """
 
 from __future__ import annotations
@@ -58,26 +66,41 @@ _RANDOM_INPLACE = {
 _NN_INIT = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
 
 
-def _full_like(param: DTensor) -> torch.Tensor:
-    """A plain tensor of the parameter's global shape, on its device (the only large allocation)."""
-    return torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+def _low_precision(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.element_size() < 4
 
 
-def _on_full(fn: Callable[..., Any], param: DTensor, *args: Any, **kwargs: Any) -> DTensor:
-    """fn applied to a full-size tensor; this rank's slice of the result copied into `param`."""
+def _drawn_elsewhere(t: torch.Tensor) -> bool:
+    """Whether init draws t's values on a full-size fp32-or-wider tensor (module docstring)."""
+    return isinstance(t, DTensor) or _low_precision(t)
+
+
+def _full_like(param: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of the parameter's global shape, on its device, in fp32 where the parameter
+    is low-precision (the only large allocation)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    dtype = torch.float32 if _low_precision(param) else param.dtype
+    return torch.empty(param.shape, dtype=dtype, device=local.device)
+
+
+def _on_full(fn: Callable[..., Any], param: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """fn applied to a full-size tensor; this rank's slice of the result copied (rounded to its
+    dtype) into `param`."""
     full = _full_like(param)
     fn(full, *args, **kwargs)
-    local = param.to_local()
+    local, values = param, full
+    if isinstance(param, DTensor):
+        local, values = param.to_local(), _local_slice(full, param)
     if not local.is_meta:
         with torch.no_grad():
-            local.copy_(_local_slice(full, param))
+            local.copy_(values)
     return param
 
 
 def _full_size_nn_init(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if isinstance(tensor, DTensor):
+        if _drawn_elsewhere(tensor):
             return _on_full(fn, tensor, *args, **kwargs)
         return fn(tensor, *args, **kwargs)
 
@@ -85,12 +108,13 @@ def _full_size_nn_init(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _FullSizeDraws(TorchFunctionMode):
-    """Random in-place Tensor methods on a DTensor run on a full tensor, of which this rank keeps
-    its slice (on CPU, DTensor would give every shard the same numbers)."""
+    """Random in-place Tensor methods on a DTensor or a low-precision tensor run on a full fp32
+    tensor, of which this rank keeps its slice (on CPU, DTensor would give every shard the same
+    numbers)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _RANDOM_INPLACE and args and isinstance(args[0], DTensor):
+        if func in _RANDOM_INPLACE and args and _drawn_elsewhere(args[0]):
             return _on_full(func, args[0], *args[1:], **kwargs)
         return func(*args, **kwargs)
 
@@ -109,7 +133,7 @@ def _init_full_then_shard(init: Callable[..., Any], *args: Any, **kwargs: Any) -
 
 def apply_reproducible_init(model: nn.Module) -> None:
     """Wrap model.init_weights (in place) so that after parallelization it gives the same values
-    as on the unsharded model. Call after every step that turns parameters into DTensors."""
+    as on the unsharded fp32 model. Call after every step that turns parameters into DTensors."""
     if getattr(model, "_reproducible_init", False):
         return
     # An instance attribute shadows the class method; the original stays reachable as

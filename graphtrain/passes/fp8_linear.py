@@ -114,7 +114,7 @@ class _TensorParallel:
     replaced: list[Node]  # erased; the last one's users take the result
     fake_mode: Any
     x_local: Node | None = None  # row-parallel: the local tensor x was made from
-    mesh: Node | None = None  # row-parallel: the mesh to wrap the Partial output on
+    mesh: Any = None  # row-parallel: the mesh to wrap the Partial output on (fx.emit_from_local)
 
 
 def _is_dtensor(v: Any) -> bool:
@@ -139,47 +139,30 @@ def _tensor_parallel(gemm: _Gemm) -> None:
         chain, node = [gemm.node], gemm.node
         while len(node.users) == 1:
             (user,) = node.users
-            if user.op != "call_method" or user.target not in ("redistribute", "to_local"):
+            c = fx.is_call(user, "redistribute", "to_local")
+            if c is None or c.input is not node:
                 break
             chain.append(user)
-            if user.target == "to_local" and not (user.args[1:] or user.kwargs):
+            if c.name == "to_local" and not (c.args[1:] or c.kwargs):
                 gemm.tp = _TensorParallel(group, chain, fx.val(user).fake_mode)
                 return
-            if user.target == "to_local" or tuple(fx.val(user).placements) != tuple(out.placements):
+            if c.name == "to_local" or tuple(fx.val(user).placements) != tuple(out.placements):
                 break
             node = user
         raise Refuse(
             "the column-parallel output does not reach .to_local() through no-op redistributes"
         )
     if group is not None and layout == ((Shard(x.ndim - 1),), (Shard(1),)):
-        src = gemm.x
-        if not (src.op == "call_function" and getattr(src.target, "__name__", "") == "from_local"):
+        src = fx.is_call(gemm.x, "from_local")
+        if src is None:
             raise Refuse("the row-parallel input is not made by DTensor.from_local in this graph")
-        local, mesh = src.args[0], src.args[1]
+        local, mesh = src.input, src.arg(1, "device_mesh")
         gemm.tp = _TensorParallel(group, [gemm.node], fx.val(local).fake_mode, local, mesh)
         return
     raise Refuse(
         f"tensor-parallel layout x {list(x.placements)}, weight {list(w.placements)} on a "
         f"{w.device_mesh.ndim}-D mesh: not column- or row-parallel on one tp axis"
     )
-
-
-def _transposed(node: Any, dims: int) -> Node | None:
-    """W when `node` is a transpose of the last two dims of a `dims`-D W (W.t(), W.T,
-    W.transpose(-2, -1), torch.t(W), ...)."""
-    if not isinstance(node, Node) or not node.args or not isinstance(node.args[0], Node):
-        return None
-    base, v = node.args[0], fx.val(node.args[0])
-    if not isinstance(v, torch.Tensor) or v.dim() != dims:
-        return None
-    if (node.target == "t" or node.target is torch.t) and len(node.args) == 1:
-        return base
-    if node.target is getattr and node.args[1] in ("T", "mT"):
-        return base
-    if node.target in ("transpose", torch.transpose) and len(node.args) == 3:
-        if {d % dims for d in node.args[1:] if isinstance(d, int)} == {dims - 2, dims - 1}:
-            return base
-    return None
 
 
 def _match(node: Node) -> _Gemm | None:
@@ -190,14 +173,14 @@ def _match(node: Node) -> _Gemm | None:
         return _Gemm(node, "linear", fx.arg(node, 0, "input"), fx.arg(node, 1, "weight"),
                      fx.arg(node, 2, "bias"))  # fmt: skip
     if node.target in fx.MATMUL_TARGETS:
-        weight = _transposed(node.args[1], 2)
+        weight = fx.transpose_of(node.args[1], 2)
         if weight is None:
             return None  # a matmul that is not a linear (attention scores, ...): no note
         return _Gemm(node, "matmul", node.args[0], weight, transpose=node.args[1])
     if node.target is torch._grouped_mm:
         if len(node.args) > 3 or set(node.kwargs) - {"offs"}:
             raise Refuse(f"the grouped GEMM {node.name} has a bias or an out_dtype")
-        weight = _transposed(node.args[1], 3)
+        weight = fx.transpose_of(node.args[1], 3)
         if weight is None:
             raise Refuse(f"the weight of the grouped GEMM {node.name} is not W.transpose(-2, -1)")
         return _Gemm(node, "grouped", node.args[0], weight, transpose=node.args[1],
@@ -277,8 +260,7 @@ def _rewrite(gm: torch.fx.GraphModule, gemm: _Gemm, opts: dict[str, Any]) -> Nod
             # made, for RowwiseParallel's reduce-scatter after it
             from torch.distributed.tensor import Partial
 
-            wrap = gemm.x.target
-            out = graph.call_function(wrap, (out, tp.mesh, (Partial(),)), {"run_check": False})
+            out = fx.emit_from_local(graph, out, tp.mesh, (Partial(),))
             out.meta["example_value"] = out_val
     for new in (call, *out.all_input_nodes[:1], out):
         fx.copy_meta(node, new)

@@ -136,35 +136,10 @@ def _is_reshape(node: torch.fx.Node) -> bool:
     return fx.is_call(node, "reshape", "contiguous") is not None
 
 
-def _transposed_weight(node: torch.fx.Node) -> torch.fx.Node | None:
-    """W when `node` is W.t() / W.T / W.transpose(0, 1) / torch.t(W) of a 2-D W."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    base = node.args[0] if node.args else None
-    if not isinstance(base, torch.fx.Node):
-        return None
-    base_val = fx.val(base)
-    if base_val is None or base_val.dim() != 2:
-        return None
-    if node.op == "call_method" and node.target == "t" and len(node.args) == 1:
-        return base
-    if node.op == "call_function" and node.target is torch.t and len(node.args) == 1:
-        return base
-    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
-        return base
-    transpose = (node.op == "call_method" and node.target == "transpose") or (
-        node.op == "call_function" and node.target is torch.transpose
-    )
-    if transpose and len(node.args) == 3 and all(isinstance(d, int) for d in node.args[1:]):
-        if {node.args[1] % 2, node.args[2] % 2} == {0, 1}:  # (0, 1), (1, 0), (-1, -2), ...
-            return base
-    return None
-
-
 def _is_tp_gather(node: torch.fx.Node) -> bool:
     """.to_local() or .redistribute(...) of a DTensor: how a tensor-parallel head hands the
     logits to a plain loss (checked in _tp_head)."""
-    return node.op == "call_method" and node.target in ("to_local", "redistribute")
+    return fx.is_call(node, "to_local", "redistribute") is not None
 
 
 def _tp_size(group_name: str | None) -> int:
@@ -201,7 +176,7 @@ def _tp_head(
     if weight.shape[0] % mesh.size():
         raise Refuse(f"the vocab {weight.shape[0]} does not split evenly over tp={mesh.size()}")
     gathers = [n for n in chain if _is_tp_gather(n)]
-    redistribute = [n for n in gathers if n.target == "redistribute"]
+    redistribute = [n for n in gathers if fx.is_call(n, "redistribute")]
     if len(gathers) != 2 or len(redistribute) != 1:
         raise Refuse("the logits do not reach the loss through one redistribute and one to_local")
     gathered = fx.val(redistribute[0])
@@ -267,7 +242,7 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
             raise Refuse(f"the head {head.name} has a bias")
     elif head.op == "call_function" and head.target in fx.MATMUL_TARGETS:
         hidden, other = head.args[0], head.args[1]
-        weight = _transposed_weight(other)
+        weight = fx.transpose_of(other, 2)
         if weight is None:
             raise Refuse(
                 f"the matmul {head.name} does not multiply by a transposed 2-D weight (h @ W.t())"

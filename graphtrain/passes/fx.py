@@ -11,7 +11,11 @@ Call matching
     underscore removed), its arguments as the method receives them (input first) and an
     `inplace` flag; `is_call(node, *names)` tests the name. The canonicalize pass has already
     brought reshapes to one spelling and casts to x.to(dtype) (it runs first); the tables here
-    still read the remaining variety (operators, function/method twins, in-place forms).
+    still read the remaining variety (operators, function/method twins, in-place forms), and
+    DTensor's to_local / redistribute / from_local in both ways Dynamo records them (torch
+    2.11's closures, `DYNAMO_DTENSOR_CLOSURES`); `emit_from_local` writes a from_local.
+    `transpose_of` finds W under W.t(), W.T, W.mT, W.transpose(...) (torch 2.14 records W.T and
+    W.mT as aten calls, earlier versions as getattr).
 New nodes
     `emit` inserts a call and records its example_value by running it on the fake values, and
     copies the provenance (`META_KEYS`, what the dumps and `graphtrain inspect` show) from the
@@ -31,7 +35,7 @@ Refusals
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,6 +219,18 @@ DTYPE_METHODS = {
 }
 
 
+# torch 2.11's Dynamo records x.to_local(...), x.redistribute(...) and DTensor.from_local(x, ...)
+# as a call_function of a closure it makes on the fly, named as below, whose free variables
+# args_as_value / kwargs_as_value hold every argument but x (the mesh and placements too); from
+# torch 2.13 on they are call_method nodes and a call of DTensor.from_local, with the arguments
+# on the node (the mesh a graph input). `call` reads both as the same Call.
+DYNAMO_DTENSOR_CLOSURES = {
+    "prim_to_local": "to_local",
+    "prim_redistribute": "redistribute",
+    "prim from_local": "from_local",
+}
+
+
 @dataclass(frozen=True)
 class Call:
     node: Node
@@ -247,6 +263,14 @@ def call(node: Any) -> Call | None:
     if node.op != "call_function":
         return None
     target = node.target
+    name = DYNAMO_DTENSOR_CLOSURES.get(getattr(target, "__name__", ""))
+    if name is not None and getattr(target, "__closure__", None):
+        cells = dict(zip(target.__code__.co_freevars, target.__closure__, strict=True))
+        args = (*node.args, *cells["args_as_value"].cell_contents)
+        kwargs = {**cells["kwargs_as_value"].cell_contents, **node.kwargs}
+        return Call(node, name, args, kwargs, False)
+    if _is_dtensor_from_local(target):
+        return Call(node, "from_local", node.args, node.kwargs, False)
     if target in INPLACE_FUNCTIONS:
         return Call(node, INPLACE_FUNCTIONS[target], node.args, node.kwargs, True)
     try:
@@ -254,6 +278,59 @@ def call(node: Any) -> Call | None:
     except TypeError:  # unhashable target
         return None
     return None if name is None else Call(node, name, node.args, node.kwargs, False)
+
+
+def _is_dtensor_from_local(target: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return target is DTensor.from_local
+
+
+def emit_from_local(graph: torch.fx.Graph, x: Node, mesh: Any, placements: tuple) -> Node:
+    """A new node DTensor.from_local(x, mesh, placements, run_check=False), mesh as the
+    from_local Call that made x's DTensor has it: a node (torch 2.13+), or on torch 2.11 the
+    DeviceMesh itself, then held by the target as Dynamo does there (an FX graph has no
+    spelling for a mesh constant)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(mesh, Node):
+        return graph.call_function(DTensor.from_local, (x, mesh, placements), {"run_check": False})
+
+    def from_local(t: torch.Tensor) -> DTensor:
+        return DTensor.from_local(t, mesh, placements, run_check=False)
+
+    return graph.call_function(from_local, (x,))
+
+
+# W.T and W.mT: getattr nodes up to torch 2.13; from 2.14 on Dynamo records calls of these ops.
+_TRANSPOSE_ATTRIBUTES = {torch.ops.aten.numpy_T: "T", torch.ops.aten.mT: "mT"}
+
+
+def transpose_of(node: Any, dims: int) -> Node | None:
+    """W when `node` transposes the last two dims of a `dims`-D W, in any spelling: W.t(),
+    torch.t(W), W.transpose(a, b), torch.transpose(W, a, b), W.mT, and W.T of a 2-D W (W.T
+    and W.mT as either torch version records them, `_TRANSPOSE_ATTRIBUTES`)."""
+    if not isinstance(node, Node) or node.op not in ("call_method", "call_function"):
+        return None
+    if not node.args or not isinstance(node.args[0], Node):
+        return None
+    base, v = node.args[0], val(node.args[0])
+    if not isinstance(v, torch.Tensor) or v.dim() != dims:
+        return None
+    target, args = node.target, node.args
+    attribute = _TRANSPOSE_ATTRIBUTES.get(target) if isinstance(target, Hashable) else None
+    if target is getattr and len(args) == 2:
+        attribute = args[1]
+    if attribute is not None:
+        return base if attribute == "mT" or (attribute == "T" and dims == 2) else None
+    if target in ("t", torch.t) and len(args) == 1:
+        return base
+    if target in ("transpose", torch.transpose) and len(args) == 3:
+        if {d % dims for d in args[1:] if isinstance(d, int)} == {dims - 2, dims - 1}:
+            return base
+    return None
 
 
 def is_call(node: Any, *names: str) -> Call | None:

@@ -358,7 +358,10 @@ def _gemm_terms(y: Node, between: list[Node]) -> Any:
     if _is(y, aten.add.Tensor) and len(y.args) == 2 and not y.kwargs:
         return ("add", _gemm_terms(y.args[0], between), _gemm_terms(y.args[1], between))
     gemm = y.args[0] if _is_view(y) else None
-    op = gemm.args[0] if _is(gemm, operator.getitem) else None
+    # An FP8 op's output reaches the sum through a view (torch 2.13+ writes one after each
+    # output of a custom op) or directly (torch 2.11).
+    made_by = y if gemm is None else gemm
+    op = made_by.args[0] if _is(made_by, operator.getitem) else None
     if _is(op, _FP8_LINEAR) or _is(op, _FP8_BACKWARD):
         raise Refuse(f"the scattered tensor is made by {op.name}, whose one op casts all its "
                      "rows with one amax before its GEMM: not split into row blocks")  # fmt: skip

@@ -213,22 +213,40 @@ def _train(model, td, steps=3):
 
 def test_compiled_equals_eager_bitwise_over_three_steps(tmp_path):
     """D=2, packed rows, stats on: backend graphtrain (aot_eager, numerics-preserving passes)
-    gives the eager losses and per-depth stats bit for bit; each depth is a region of its own."""
+    gives the losses and per-depth stats of the same regions compiled without graphtrain's
+    passes bit for bit over three steps, and eager's bit for bit at the first step; each depth
+    is a region of its own.
+
+    Eager only to float32 rounding after an optimizer step: the trunk's and each depth's hidden
+    state feed two regions (the next depth and the head), and autograd adds the gradient
+    contributions of their uses in another order when a region is one node (the uses inside
+    it summed in its graph) than op by op, so the weights may differ in the last bit (torch
+    2.11: mtp/loss_1 one ulp off at the second step; torch 2.13: gradients off by ~1e-11 that
+    happen to round alike). The region's own forward and backward are bitwise eager's."""
     from graphtrain.compile import apply_compile
     from graphtrain.passes import all_passes
 
-    torch._dynamo.reset()
-    switches = [("+" if p.preserves_numerics else "-") + p.name for p in all_passes()]
     cfg = dataclasses.replace(DENSE, mtp_depth=2)
     td = packed_rows(DOCS)
     eager = _train(build(cfg), td)
-    model = build(cfg)
-    apply_compile(model, passes=switches, inner="aot_eager", dump_dir=tmp_path)
-    compiled = _train(model, td)
-    for (a, sa), (b, sb) in zip(eager, compiled, strict=True):
+    runs = []
+    for keep in (False, True):
+        torch._dynamo.reset()
+        switches = [("+" if keep and p.preserves_numerics else "-") + p.name for p in all_passes()]
+        model = build(cfg)
+        apply_compile(model, passes=switches, inner="aot_eager", dump_dir=tmp_path / str(keep))
+        runs.append(_train(model, td))
+    plain, compiled = runs
+    for (a, sa), (b, sb) in zip(plain, compiled, strict=True):
         assert torch.equal(a, b), (a.item(), b.item())
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert (tmp_path / "mtp_1-0").is_dir() and (tmp_path / "mtp_2-0").is_dir()
+    for step, ((a, sa), (b, sb)) in enumerate(zip(eager, compiled, strict=True)):
+        rtol = 0 if step == 0 else 1e-5
+        torch.testing.assert_close(b, a, rtol=rtol, atol=0)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            torch.testing.assert_close(sb[k], sa[k], rtol=rtol, atol=0, msg=f"{k} at step {step}")
+    assert (tmp_path / "True/mtp_1-0").is_dir() and (tmp_path / "True/mtp_2-0").is_dir()
     torch._dynamo.reset()
 
 

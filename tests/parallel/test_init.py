@@ -1,6 +1,7 @@
 """Init that scales: every rank of a GPT of 24 tiny blocks (FSDP over 4 ranks, and FSDP x tp)
 gets bitwise its slice of the single-process init, while at most one full-size tensor (the
-largest parameter, far less than the model) exists at a time on top of its shards.
+largest parameter, far less than the model) exists at a time on top of its shards. A bf16 model
+starts from the fp32 model's init, rounded.
 
 The ranks are simulated one after the other on a fake process group: init communicates nothing
 (each rank cuts its own slice), so this checks exactly what a real rank computes, in seconds."""
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
 import graphtrain.parallel.init as init_module
-from graphtrain.parallel import ParallelDims, build_mesh, parallelize_model
+from graphtrain.optim import cast_parameters_
+from graphtrain.parallel import ParallelDims, apply_reproducible_init, build_mesh, parallelize_model
 from models.gpt import PRESETS, build_gpt
 from models.gpt_plan import GPT_TP_PLAN
 
@@ -80,3 +82,21 @@ def test_each_rank_gets_its_slice_with_one_full_tensor_at_a_time(layout, monkeyp
             assert torch.equal(p.to_local(), mine.to_local()), (rank, name)
         # Before: every parameter full at once (sum(sizes): 24 blocks and the rest).
         assert peak == max(sizes.values()) < sum(sizes.values()) / 10
+
+
+def test_bf16_parameters_start_from_the_fp32_init_rounded():
+    """torch draws other random streams for bf16 tensors than for fp32 ones (different again
+    between torch versions): init draws in fp32 and rounds once, bitwise the fp32 init."""
+    models = []
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.device("meta"):
+            model = build_gpt(PRESETS["debug"])
+        cast_parameters_(model, dtype)
+        apply_reproducible_init(model)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=5)
+        models.append(model)
+    fp32, bf16 = (dict(m.named_parameters()) for m in models)
+    for name, p in bf16.items():
+        assert p.dtype == torch.bfloat16, name
+        assert torch.equal(p, fp32[name].to(torch.bfloat16)), name

@@ -136,11 +136,15 @@ def test_moe_expert_tp_pairs(ranks2):
     # moe-debug: a dense first block (4 pairs each way), then MoE blocks whose attention pairs
     # are rewritten; their expert layer gathers the sequence for the router and the grouped
     # GEMMs (no row GEMM of the gathered tensor) and scatters a combine: left alone, noted.
+    # The backward's gather of the output gradient also feeds the shared expert's dgrad as its
+    # rows: torch 2.11's AOT graph reads it through one view and the pass chunks it (3 pairs);
+    # 2.13+ write two views there, which the pass does not look through (left alone, noted).
     for kind in ("forward", "backward"):
         graphs = _block_graphs(ranks2[0]["moe_etp2"]["notes"], kind)
-        assert sorted(_rewritten(g) for g in graphs) == [2, 4], graphs
-        moe = next(g for g in graphs if _rewritten(g) == 2)
-        assert any("left alone" in n for n in moe), moe
+        counts = sorted(_rewritten(g) for g in graphs)
+        assert counts == [2, 4] or (kind == "backward" and counts == [3, 4]), graphs
+        moe = next(g for g in graphs if _rewritten(g) < 4)
+        assert _rewritten(moe) == 3 or any("left alone" in n for n in moe), moe
 
 
 def test_gather_without_gemm_is_noted(ranks2):

@@ -1,6 +1,6 @@
 """Graph passes: the registry, and one module per pass (imported here so each registers itself)."""
 
-import graphtrain.passes.fuse_linear_cross_entropy  # noqa: F401  (registers the pass)
+import graphtrain.passes.linear_cross_entropy  # noqa: F401  (registers the pass)
 from graphtrain.passes import (  # noqa: F401  (each registers its pass)
     canonicalize,
     fp8_all_gather,

@@ -1,68 +1,29 @@
 """Pass fuse_linear_cross_entropy: cross_entropy(linear(h, W)) -> graphtrain::linear_cross_entropy.
 
 What
-    In the Dynamo graph (pre-grad, torch IR) it finds a cross_entropy whose input is the output
-    of a bias-free linear head, reached through the reshapes and upcasts people write:
-        head       F.linear(h, W) / torch._C._nn.linear (what an nn.Linear head becomes with
-                   inlined nn modules) / h @ W.t(), h @ W.T, torch.matmul(h, W.t()) / a
-                   call_module nn.Linear (graphs traced without module inlining)
-        in between .float(), .to(torch.float32), .view(-1, V), .reshape(-1, V), .flatten(0, 1),
-                   torch.flatten, torch.reshape, .contiguous() (read as canonicalize spells
-                   them: torch.reshape and .to(torch.float32))
-        the loss   F.cross_entropy(logits, target, ignore_index=..., label_smoothing=...,
-                   reduction=...), keywords or positions, nn.CrossEntropyLoss (inlined)
-    and replaces the chain with graphtrain.linear_cross_entropy(h.reshape(-1, H), W, target).
-
-Why
-    The fused op never holds the [N, V] logits and brings its own backward (gradients computed
-    in the forward). Matching before autograd is easiest: cross_entropy is still one node.
-
-Mode (compile.lce_mode through ctx.options["lce_mode"], default "auto")
-    "fast" (three GEMMs) or "low_memory" (four); auto takes fast unless its extra bytes
-    (linear_cross_entropy.fast_mode_extra_bytes) exceed ctx.options["lce_memory_budget"]
-    (0: a quarter of the free device memory at compile time; on CPU a quarter of the available
-    system memory). For a 16-bit weight fast mode first tries an fp32 grad_weight buffer, then
-    16-bit accumulation. Under autocast fast mode receives the fp32 weight itself (its fp32
-    gradient is accumulated in place of autocast's cast). The note names the mode and why.
-
-Top-1 accuracy
-    A plain-torch accuracy on the same logits, ((logits.argmax(-1) == labels) [& or *
-    (labels != ignore_index)]) [.float()] .sum() or .mean(), with labels the loss's target, is
-    read from the op's top-1 count (graphtrain.linear_cross_entropy_with_stats): the logits are
-    still never materialised. Equal to the plain value except for ties for the row maximum
-    (argmax picks the first class, the op counts the target as a hit).
-
-Refusals (the graph is left as it was and ctx.note says why)
-    the logits, or any reshape/cast between the head and the loss, have another user (returned,
-    argmax predictions, a z-loss written by hand, ...); class weights or the legacy
-    size_average/reduce arguments; options that are not constants; a bias on the head; a cast
-    to anything but float32; a head whose output dtype differs from its inputs other than by
-    autocast (fp32 operands, bf16/fp16 output: the pass then casts h and W explicitly); DTensor
-    heads other than the vocab-parallel layout below; symbolic H or V; graphs without
-    example_value meta.
-
-Tensor parallel
-    graphtrain's TP plan shards the head on the vocab (W Shard(0), h Replicate) and gathers the
-    logits (redistribute to Replicate, to_local) for a plain loss. The pass matches that chain
-    and calls graphtrain.linear_cross_entropy_vocab_parallel on W.to_local() and h.to_local()
-    with the tp group: the full logits are never gathered (1/tp of them exist per rank, in
-    chunks), and the statistics are combined over the group instead.
+    In the Dynamo graph (pre-grad) it finds a cross_entropy whose input is a bias-free linear
+    head (F.linear, h @ W.t(), torch.matmul, nn.Linear), reached through the casts to float32
+    and the reshapes canonicalize spells as torch.reshape / .to(torch.float32), and replaces the
+    chain with graphtrain.linear_cross_entropy(h.reshape(-1, H), W, target). graphtrain's
+    tensor-parallel head (W Shard(0), logits gathered for a plain loss) becomes
+    linear_cross_entropy_vocab_parallel on the local shards: the logits are never gathered.
+    A plain-torch top-1 accuracy on the same logits is folded into the op's statistics
+    (linear_cross_entropy_accuracy.py). The op: graphtrain/custom_ops/linear_cross_entropy/.
+    Mode: compile.lce_mode; "auto" takes fast unless fast_mode_extra_bytes exceeds
+    compile.lce_memory_budget (0: a quarter of the free memory). Each refusal and the chosen
+    mode are stated in a note. Matched model line: GPT.head_loss (models/gpt.py).
 
 Invariant and numerics
-    Only the matched nodes are replaced; every other node, and the graph's outputs (values and
-    dtypes), stay as they were. The loss and gradients change only by rounding: the fused op
-    sums in a different order and keeps the softmax and both gradient accumulations in fp32
-    (preserves_numerics=False). On the debug model in fp32 the loss curve with and without the
-    pass agrees to about 1e-5 relative (tests/passes/test_fuse_linear_cross_entropy.py). Where
-    the graph computed cross_entropy on unconverted bf16 logits, the fused op still works in
-    fp32 and the loss is cast back to the graph's dtype.
+    Only the matched nodes are replaced; the graph's outputs keep their values and dtypes up to
+    rounding: the fused op sums in another order and keeps the softmax and both gradient
+    accumulations in fp32 (preserves_numerics=False; about 1e-5 relative on the debug model in
+    fp32). Why, the refusals and the alternatives: docs/design/linear_cross_entropy.md.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import operator
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -74,8 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphtrain.custom_ops.linear_cross_entropy as lce_op  # registers graphtrain::linear_cross_entropy
+from graphtrain.custom_ops.utils import group_size as _tp_size
 from graphtrain.passes import fx
 from graphtrain.passes.fx import Refuse
+from graphtrain.passes.linear_cross_entropy_accuracy import _find_accuracy, _fold_accuracy
 from graphtrain.passes.registry import PassContext, register_pass
 
 _CE_TARGETS = (F.cross_entropy,)
@@ -140,14 +103,6 @@ def _is_tp_gather(node: torch.fx.Node) -> bool:
     """.to_local() or .redistribute(...) of a DTensor: how a tensor-parallel head hands the
     logits to a plain loss (checked in _tp_head)."""
     return fx.is_call(node, "to_local", "redistribute") is not None
-
-
-def _tp_size(group_name: str | None) -> int:
-    if group_name is None:
-        return 1
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()
 
 
 def _tp_head(
@@ -376,165 +331,6 @@ def _rewrite(
     if m.transpose is not None and not m.transpose.users:
         graph.erase_node(m.transpose)
     return fused
-
-
-# --------------------------------------------------------------------------------------------
-# top-1 accuracy written in plain torch on the same logits -> the fused op's statistic
-# --------------------------------------------------------------------------------------------
-
-_WITH_STATS_OP = torch.ops.graphtrain.linear_cross_entropy_with_stats.default
-# Method and function spellings of the few calls an accuracy is written with, by one name.
-# fx.call names -> the role they play in an accuracy (reshapes and casts are looked through).
-_ACC_NAMES = {
-    "argmax": "argmax",
-    "eq": "eq",
-    "__eq__": "eq",
-    "ne": "ne",
-    "__ne__": "ne",
-    "and": "and",
-    "__and__": "and",
-    "logical_and": "and",
-    "bitwise_and": "and",
-    "mul": "and",  # of two bool tensors
-    "sum": "sum",
-    "mean": "mean",
-    **dict.fromkeys(fx.REINTERPRET, "reshape"),
-    **dict.fromkeys(("to", "type", *fx.DTYPE_METHODS), "cast"),
-}
-
-
-def _acc_call(node: Any) -> str | None:
-    c = fx.call(node)
-    return None if c is None or c.inplace else _ACC_NAMES.get(c.name)
-
-
-def _strip_reshapes(node: Any) -> Any:
-    while _acc_call(node) == "reshape":
-        node = node.args[0]
-    return node
-
-
-@dataclass
-class _Accuracy:
-    """`reduce` = sum or mean of [argmax(logits, -1) == target] (masked by target !=
-    ignore_index), which equals the op's top-1 count (or that count / numel for a mean)."""
-
-    argmax: torch.fx.Node
-    logits: torch.fx.Node  # the chain node argmax reads
-    target: torch.fx.Node  # the loss's target: what argmax reads while the loss is matched
-    reduce: torch.fx.Node
-    nodes: list[torch.fx.Node]  # the pattern, argmax first
-    mean_numel: int | None  # .mean(): the count it divides by
-
-
-def _find_accuracy(ce: torch.fx.Node) -> _Accuracy | None:
-    """A plain-torch top-1 accuracy on the logits `ce` reads, spelled
-    ((logits.argmax(-1) == labels) [& / * (labels != ignore_index)]) [.float()] .sum() / .mean()
-    with labels the loss's target (up to reshapes). The unmasked form only where ignore_index
-    < 0 (argmax never equals it). Ties: argmax picks the first maximum, the op counts any."""
-    try:
-        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    ignore_index, target = bound.arguments["ignore_index"], bound.arguments["target"]
-    node, chain = bound.arguments["input"], []
-    vocab = fx.val(node).shape[-1] if fx.val(node) is not None else None
-    while isinstance(node, torch.fx.Node) and node.op.startswith("call") and len(chain) < 8:
-        val = fx.val(node)
-        if val is None or val.dim() < 1 or val.shape[-1] != vocab:
-            break
-        chain.append(node)
-        node = node.args[0] if node.args else None
-    for x in chain:
-        for argmax in x.users:
-            found = _accuracy_from(argmax, x, target, ignore_index)
-            if found is not None:
-                return found
-    return None
-
-
-def _accuracy_from(
-    argmax: torch.fx.Node, logits: torch.fx.Node, target: Any, ignore_index: Any
-) -> _Accuracy | None:
-    dim = argmax.args[1] if len(argmax.args) > 1 else argmax.kwargs.get("dim")
-    ndim = fx.val(logits).dim()
-    if _acc_call(argmax) != "argmax" or dim not in (-1, ndim - 1) or argmax.kwargs.get("keepdim"):
-        return None
-    if not isinstance(target, torch.fx.Node):
-        return None
-    base_target = _strip_reshapes(target)
-    nodes = [argmax]
-
-    def sole_user(n: torch.fx.Node) -> torch.fx.Node | None:
-        return next(iter(n.users)) if len(n.users) == 1 else None
-
-    eq = sole_user(argmax)
-    if _acc_call(eq) != "eq" or len(eq.args) != 2:
-        return None
-    labels = eq.args[1] if eq.args[0] is argmax else eq.args[0]
-    if _strip_reshapes(labels) is not base_target:
-        return None
-    nodes.append(eq)
-    node = sole_user(eq)
-    masked = False
-    if _acc_call(node) == "and" and len(node.args) == 2:
-        mask = node.args[1] if node.args[0] is eq else node.args[0]
-        if _acc_call(mask) != "ne" or mask.args[1:] != (ignore_index,):
-            return None
-        if _strip_reshapes(mask.args[0]) is not base_target:
-            return None
-        masked = True
-        nodes.append(node)
-        node = sole_user(node)
-    if not masked and not (isinstance(ignore_index, int) and ignore_index < 0):
-        return None
-    if _acc_call(node) == "cast":
-        nodes.append(node)
-        node = sole_user(node)
-    kind = _acc_call(node)
-    if kind not in ("sum", "mean") or len(node.args) > 1 or node.kwargs:
-        return None  # a full reduction only
-    numel = fx.val(eq).numel() if kind == "mean" else None
-    return _Accuracy(argmax, logits, target, node, [*nodes, node], numel)
-
-
-def _fold_accuracy(gm: torch.fx.GraphModule, fused: torch.fx.Node, acc: _Accuracy) -> None:
-    """Make `fused` the with-stats op and let acc.reduce read its top-1 count; the argmax
-    pattern goes. Nodes that read the accuracy but came before the op move after it."""
-    graph = gm.graph
-    loss_val = fx.val(fused)
-    with loss_val.fake_mode:
-        stats_val = torch.empty(2, dtype=torch.int64, device=loss_val.device)
-    fused.target = _WITH_STATS_OP
-    fused.meta["example_value"] = (loss_val, stats_val)
-    with graph.inserting_before(fused.next):  # in order, right after the op
-        loss = fx.emit(graph, "call_function", operator.getitem, (fused, 0), like=fused)
-        stats = fx.emit(graph, "call_function", operator.getitem, (fused, 1), like=acc.reduce)
-        hits = fx.emit(graph, "call_function", torch.select, (stats, 0, 0), like=acc.reduce)
-        value = fx.emit(
-            graph, "call_method", "to", (hits, fx.val(acc.reduce).dtype), like=acc.reduce
-        )
-        if acc.mean_numel is not None:
-            value = fx.emit(
-                graph, "call_function", operator.truediv, (value, acc.mean_numel), like=acc.reduce
-            )
-    fused.replace_all_uses_with(loss, delete_user_cb=lambda u: u is not loss and u is not stats)
-    acc.reduce.replace_all_uses_with(value)
-    for node in reversed(acc.nodes):
-        graph.erase_node(node)
-    # Readers of the accuracy written before the loss: move them (and what reads them) after.
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    late, anchor = [], value
-    todo = [u for u in value.users]
-    while todo:
-        node = todo.pop()
-        if node.op != "output" and order[node] < order[value] and node not in late:
-            late.append(node)
-            todo.extend(node.users)
-    for node in sorted(late, key=order.__getitem__):
-        anchor.append(node)
-        anchor = node
 
 
 def _memory_budget(options: Mapping[str, Any], device: torch.device) -> tuple[int, str]:

@@ -1,0 +1,123 @@
+"""graphtrain::linear_cross_entropy: the output head and the cross-entropy loss as one op.
+
+What
+    linear_cross_entropy(hidden [N, H], weight [V, H], target [N] int64, *, ignore_index=-100,
+    label_smoothing=0.0, z_loss=0.0, reduction="mean", mode="low_memory",
+    fp32_accumulator=True, token_chunk=0) -> loss, the value of
+    F.cross_entropy(F.linear(hidden, weight).float(), target, ...) plus z_loss * lse**2 per
+    token, reduced like the loss, without ever holding the [N, V] logits; both gradients are
+    computed in the forward. _vocab_parallel: weight is the local vocab shard of a tp group.
+    _with_stats: also [top-1 hits, invalid targets] (int64 [2], on the device).
+    The pass that inserts it: graphtrain/passes/linear_cross_entropy.py. Why, the two CUDA
+    algorithms and their costs: docs/design/linear_cross_entropy.md.
+
+Contract
+    "mean" divides by the non-ignored tokens (clamped to >= 1: all ignored gives 0, not NaN);
+    "none" gives 0 where ignored. A target outside [0, V) that is not ignore_index makes the
+    loss NaN (gradients stay finite). fp32 weight with 16-bit hidden (master weights) computes
+    the logits in hidden's dtype and returns an fp32 grad_weight. No host synchronisation.
+
+Numerics
+    Logits rounded to the input dtype as F.linear(...).float() does; everything after in fp32
+    (fp64 for fp64 inputs). Fast mode with a 16-bit weight and fp32_accumulator=False rounds
+    grad_weight once per token chunk (at most four).
+
+Files: options (options, checks, mode policy, schema), maths (per-token terms), reference (CPU
+kernel and oracle), kernels (Triton), cuda (launchers, both algorithms), registration.
+"""
+
+from graphtrain.custom_ops.linear_cross_entropy.cuda import (
+    _finalize_dh,
+    _grad_launch,
+    _launch_dh,
+    _lce_triton,
+    _lce_triton_fast,
+    _lce_triton_low_memory,
+    _row_warps,
+    _stats_launch,
+    _triton_ok,
+    _vocab_chunk,
+)
+from graphtrain.custom_ops.linear_cross_entropy.kernels import (
+    _lce_dh_finalize_kernel,
+    _lce_dh_kernel,
+    _lce_grad_kernel,
+    _lce_scale_kernel,
+    _lce_stats_kernel,
+)
+from graphtrain.custom_ops.linear_cross_entropy.maths import (
+    _all_reduce,
+    _global_stats,
+    _grad_coefs,
+    _group_rank_size,
+    _local_target,
+    _mean_count,
+    _reduce,
+    _row_scale,
+    _token_terms,
+)
+from graphtrain.custom_ops.linear_cross_entropy.options import (
+    FAST_BUFFER_BYTES,
+    MODES,
+    REDUCTIONS,
+    SWEEP_A_BUFFER_BYTES,
+    LCEOptions,
+    _check_args,
+    _fast_token_chunk,
+    _input_dtype_accumulation,
+    fast_mode_extra_bytes,
+)
+from graphtrain.custom_ops.linear_cross_entropy.reference import (
+    linear_cross_entropy_backward_ref,
+    linear_cross_entropy_ref,
+)
+from graphtrain.custom_ops.linear_cross_entropy.registration import (
+    linear_cross_entropy,
+    linear_cross_entropy_backward,
+    linear_cross_entropy_forward,
+)
+from graphtrain.custom_ops.utils import compute_dtype as _compute_dtype
+from graphtrain.custom_ops.utils import interpreting as _interpreting
+
+__all__ = [
+    "FAST_BUFFER_BYTES",
+    "MODES",
+    "REDUCTIONS",
+    "SWEEP_A_BUFFER_BYTES",
+    "LCEOptions",
+    "_all_reduce",
+    "_check_args",
+    "_compute_dtype",
+    "_fast_token_chunk",
+    "_finalize_dh",
+    "_global_stats",
+    "_grad_coefs",
+    "_grad_launch",
+    "_group_rank_size",
+    "_input_dtype_accumulation",
+    "_interpreting",
+    "_launch_dh",
+    "_lce_dh_finalize_kernel",
+    "_lce_dh_kernel",
+    "_lce_grad_kernel",
+    "_lce_scale_kernel",
+    "_lce_stats_kernel",
+    "_lce_triton",
+    "_lce_triton_fast",
+    "_lce_triton_low_memory",
+    "_local_target",
+    "_mean_count",
+    "_reduce",
+    "_row_scale",
+    "_row_warps",
+    "_stats_launch",
+    "_token_terms",
+    "_triton_ok",
+    "_vocab_chunk",
+    "fast_mode_extra_bytes",
+    "linear_cross_entropy",
+    "linear_cross_entropy_backward",
+    "linear_cross_entropy_backward_ref",
+    "linear_cross_entropy_forward",
+    "linear_cross_entropy_ref",
+]

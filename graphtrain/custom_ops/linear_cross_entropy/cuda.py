@@ -1,0 +1,382 @@
+"""linear_cross_entropy: the launchers and the two CUDA algorithms.
+
+What
+    _lce_triton(hidden, weight, target, *, row_scale, lse_in, vocab_chunk=None, **options)
+    -> (loss per token, lse, grad_hidden, grad_weight, stats); the same contract as the
+    reference's _ref_run. mode="low_memory": two sweeps over vocab chunks, four GEMMs
+    (_lce_triton_low_memory); mode="fast": token chunks, three GEMMs (_lce_triton_fast).
+    The algorithms and their memory are described in docs/design/linear_cross_entropy.md.
+
+Numerics
+    Logits rounded to the input dtype by cuBLAS; statistics, coefficients and the grad_hidden
+    accumulator in fp32; grad_weight accumulated in fp32 (fast mode: in fp32 into an fp32
+    weight's gradient, in an fp32 buffer, or in a 16-bit weight's own dtype over <= 4 chunks).
+    No host synchronisation; the first call per shape autotunes _lce_dh_kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+
+from graphtrain.custom_ops.linear_cross_entropy.kernels import (
+    _DH_SMALL,
+    _lce_dh_finalize_kernel,
+    _lce_dh_kernel,
+    _lce_dh_kernel_tuned,
+    _lce_grad_kernel,
+    _lce_stats_kernel,
+)
+from graphtrain.custom_ops.linear_cross_entropy.maths import (
+    _all_reduce,
+    _global_stats,
+    _grad_coefs,
+    _group_rank_size,
+    _local_target,
+    _token_terms,
+)
+from graphtrain.custom_ops.linear_cross_entropy.options import (
+    _MAX_VOCAB_CHUNK,
+    _SWEEP_B_BUFFER_BYTES,
+    SWEEP_A_BUFFER_BYTES,
+    LCEOptions,
+    _at_most_four_chunks,
+    _fast_token_chunk,
+    _input_dtype_accumulation,
+)
+from graphtrain.custom_ops.utils import interpreting as _interpreting
+
+
+def _row_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _vocab_chunk(N: int, V: int, elem_size: int, budget: int) -> int:
+    """Power-of-two vocab chunk whose [N, chunk] buffer fits in `budget` bytes."""
+    fit = max(1, budget // max(1, N * elem_size))
+    chunk = 1 << (fit.bit_length() - 1)
+    return max(128, min(_MAX_VOCAB_CHUNK, chunk, triton.next_power_of_2(V)))
+
+
+def _launch_dh(
+    p: Tensor, w: Tensor, acc: Tensor, alpha: Tensor, *, first: bool, has_alpha: bool
+) -> None:
+    M, K = p.shape
+    n_out = w.shape[1]
+    precision = "ieee" if p.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
+    args = (p, w, acc, alpha, M, n_out, p.stride(0), p.stride(1), w.stride(0), acc.stride(0))
+    if _interpreting() or M * n_out * K < (1 << 24):
+        cfg = _DH_SMALL
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(n_out, cfg["BLOCK_N"]),)
+        _lce_dh_kernel[grid](
+            *args, K=K, FIRST=first, HAS_ALPHA=has_alpha, INPUT_PRECISION=precision, **cfg
+        )
+    else:
+
+        def grid(meta: dict[str, Any]) -> tuple[int]:
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(n_out, meta["BLOCK_N"]),)
+
+        _lce_dh_kernel_tuned[grid](
+            *args, K=K, FIRST=first, HAS_ALPHA=has_alpha, INPUT_PRECISION=precision
+        )
+
+
+def _stats_launch(
+    logits: Tensor,
+    target: Tensor,
+    m: Tensor,
+    s: Tensor,
+    zt: Tensor,
+    zsum: Tensor,
+    alpha: Tensor,
+    v_offset: int,
+    *,
+    known_lse: bool,
+    write_p: bool,
+) -> None:
+    vc = logits.shape[1]
+    block = triton.next_power_of_2(vc)
+    _lce_stats_kernel[(logits.shape[0],)](
+        logits,
+        target,
+        m,
+        s,
+        zt,
+        zsum,
+        alpha,
+        logits.stride(0),
+        vc,
+        v_offset,
+        BLOCK_V=block,
+        KNOWN_LSE=known_lse,
+        WRITE_P=write_p,
+        num_warps=_row_warps(block),
+    )
+
+
+def _grad_launch(
+    logits: Tensor,
+    target: Tensor,
+    lse: Tensor,
+    coefs: tuple[Tensor, Tensor, Tensor],
+    v_offset: int,
+    max_block: int = _MAX_VOCAB_CHUNK,
+) -> None:
+    """G = a softmax + b onehot + c over `logits` [n, vc] in place, vc up to the whole vocab
+    (in column blocks of at most max_block)."""
+    n, vc = logits.shape
+    block = min(triton.next_power_of_2(vc), triton.next_power_of_2(max_block))
+    _lce_grad_kernel[(n, triton.cdiv(vc, block))](
+        logits,
+        target,
+        lse,
+        *(c.contiguous() for c in coefs),
+        logits.stride(0),
+        vc,
+        v_offset,
+        BLOCK_V=block,
+        num_warps=_row_warps(block),
+    )
+
+
+def _lce_triton_low_memory(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    opts: LCEOptions,
+    row_scale: Tensor | None,
+    lse_in: Tensor | None,
+    vocab_chunk: int | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """mode="low_memory": two sweeps over vocab chunks (see the module docstring)."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    f32, dev = torch.float32, hidden.device
+    rank, tp = _group_rank_size(opts.group_name)
+    v_global, v_start = V * tp, rank * V
+    known_lse = lse_in is not None
+    want_gh = row_scale is not None and opts.compute_grad_hidden
+    want_gw = row_scale is not None and opts.compute_grad_weight
+    elem = hidden.element_size()
+    chunk_a = vocab_chunk or _vocab_chunk(N, V, elem, SWEEP_A_BUFFER_BYTES)
+    chunk_b = vocab_chunk or _vocab_chunk(N, V, elem, _SWEEP_B_BUFFER_BYTES)
+
+    # ---- sweep A: statistics, and the grad_hidden accumulator --------------------------------
+    zt = torch.zeros(N, dtype=f32, device=dev)
+    if known_lse:
+        m = lse_in.to(f32).contiguous()
+        s = zsum = alpha = m  # unused by the KNOWN_LSE kernel
+    else:
+        m = torch.full((N,), float("-inf"), dtype=f32, device=dev)
+        s = torch.zeros(N, dtype=f32, device=dev)
+        zsum = torch.zeros(N, dtype=f32, device=dev)
+        alpha = torch.empty(N, dtype=f32, device=dev)
+    acc = torch.empty(N, H, dtype=f32, device=dev) if want_gh else None
+    if not known_lse or want_gh:
+        buf = torch.empty(N * min(chunk_a, V), dtype=hidden.dtype, device=dev)
+        for i, v0 in enumerate(range(0, V, chunk_a)):
+            vc = min(chunk_a, V - v0)
+            logits = buf[: N * vc].view(N, vc)
+            torch.mm(hidden, weight[v0 : v0 + vc].t(), out=logits)  # cuBLAS, input dtype
+            _stats_launch(
+                logits, target, m, s, zt, zsum, alpha, v_start + v0,
+                known_lse=known_lse, write_p=want_gh,
+            )  # fmt: skip
+            if want_gh:
+                _launch_dh(
+                    logits, weight[v0 : v0 + vc], acc, alpha, first=i == 0, has_alpha=not known_lse
+                )
+        # `logits` is a view of the buffer: both go, or sweep A's chunk buffer (128 MiB at
+        # 8192 tokens) would still be alive next to grad_weight (measured on an H100).
+        del buf, logits
+
+    # ---- per-token terms ------------------------------------------------------------------
+    loss_tok = stats = r_scale = None
+    if known_lse:
+        lse = m
+    else:
+        m_global, s_global, zt, zsum, r_scale = _global_stats(m, s, zt, zsum, opts.group_name)
+        lse, loss_tok, stats = _token_terms(m_global, s_global, zt, zsum, target, opts, v_global)
+
+    grad_hidden = grad_weight = None
+    if want_gh:
+        coef_a, coef_b, coef_c = _grad_coefs(lse, row_scale, opts, v_global)
+        t_idx, local = _local_target(target, opts.ignore_index, v_start, V)
+        # zt is this rank's target logit: right wherever `local` holds, which is all b uses.
+        # The target column was left out of P; its coefficient a p_t + b is applied in fp32.
+        b_final = torch.where(local, coef_a * torch.exp(zt - lse) + coef_b, 0.0)
+        if not known_lse:  # P was normalised by this rank's running max, not by the lse
+            coef_a = coef_a / s_global if r_scale is None else coef_a * r_scale / s_global
+        grad_hidden = _finalize_dh(acc, weight, t_idx, coef_a, b_final, coef_c, opts, hidden)
+        del acc  # free the fp32 accumulator before grad_weight exists: the peak is sweep B's
+
+    # ---- sweep B: grad_weight, one full-N GEMM per vocab chunk ------------------------------
+    if want_gw:
+        grad_weight = torch.empty_like(weight)
+        buf = torch.empty(N * min(chunk_b, V), dtype=hidden.dtype, device=dev)
+        lse_c = lse.contiguous()
+        coefs = _grad_coefs(lse_c, row_scale, opts, v_global)
+        for v0 in range(0, V, chunk_b):
+            vc = min(chunk_b, V - v0)
+            logits = buf[: N * vc].view(N, vc)
+            torch.mm(hidden, weight[v0 : v0 + vc].t(), out=logits)
+            _grad_launch(logits, target, lse_c, coefs, v_start + v0)
+            # fp32 accumulation over all N tokens inside the GEMM, one rounding on store.
+            torch.mm(logits.t(), hidden, out=grad_weight[v0 : v0 + vc])
+        del buf, logits
+    return loss_tok, lse, grad_hidden, grad_weight, stats
+
+
+def _finalize_dh(
+    acc: Tensor,
+    weight: Tensor,
+    t_idx: Tensor,
+    coef_a: Tensor,
+    coef_b: Tensor,
+    coef_c: Tensor,
+    opts: LCEOptions,
+    hidden: Tensor,
+) -> Tensor:
+    """grad_hidden = a acc + b W[target] + c sum_v W_v (low-memory mode, after sweep A)."""
+    N, H = acc.shape
+    smoothing = opts.label_smoothing > 0.0
+    wsum = weight.sum(dim=0, dtype=torch.float32) if smoothing else coef_c  # dummy when unused
+    tp = _group_rank_size(opts.group_name)[1]
+    # Tensor parallel: the partial sums are all-reduced in fp32, then cast.
+    out = acc if tp > 1 else torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
+    block_h = min(1024, triton.next_power_of_2(H))
+    _lce_dh_finalize_kernel[(N, triton.cdiv(H, block_h))](
+        acc,
+        weight,
+        wsum,
+        out,
+        t_idx,
+        coef_a.contiguous(),
+        coef_b.contiguous(),
+        coef_c.contiguous(),
+        H,
+        acc.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_SMOOTHING=smoothing,
+        BLOCK_H=block_h,
+    )
+    if tp > 1:
+        out = _all_reduce(out, "sum", opts.group_name).to(hidden.dtype)
+    return out
+
+
+def _lce_triton_fast(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    opts: LCEOptions,
+    row_scale: Tensor | None,
+    lse_in: Tensor | None,
+    vocab_chunk: int | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """mode="fast": three GEMMs per token chunk (see the module docstring). `weight` may be
+    the fp32 master weight of 16-bit hidden; grad_weight then accumulates in fp32 into the
+    fp32 gradient itself."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    f32, dev = torch.float32, hidden.device
+    rank, tp = _group_rank_size(opts.group_name)
+    v_global, v_start = V * tp, rank * V
+    w_in = weight.to(hidden.dtype)  # master weights: the copy autocast's F.linear would make
+    known_lse = lse_in is not None
+    want_gh = row_scale is not None and opts.compute_grad_hidden
+    want_gw = row_scale is not None and opts.compute_grad_weight
+    in_dtype_acc = _input_dtype_accumulation(hidden, weight, opts)
+    if opts.token_chunk:
+        rows = _at_most_four_chunks(opts.token_chunk, N) if in_dtype_acc else opts.token_chunk
+    else:
+        rows = _fast_token_chunk(N, V, hidden.element_size(), in_dtype_acc)
+    col_chunk = vocab_chunk or _MAX_VOCAB_CHUNK  # the stats kernel holds a piece of a row
+
+    lse = lse_in.to(f32).contiguous() if known_lse else torch.empty(N, dtype=f32, device=dev)
+    loss_tok = stats = None
+    if not known_lse:
+        loss_tok = torch.empty(N, dtype=f32, device=dev)
+        stats = torch.zeros(2, dtype=torch.int64, device=dev)
+        m = torch.empty(N, dtype=f32, device=dev)
+        s, zt, zsum, alpha = (torch.empty(N, dtype=f32, device=dev) for _ in range(4))
+    grad_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev) if want_gh else None
+    gw_acc = None
+    if want_gw:
+        # The weight's dtype where it is the accumulation dtype (fp32 weights; 16-bit without
+        # the fp32 buffer); else an fp32 accumulator, cast once at the end.
+        same = weight.dtype == f32 and hidden.dtype == f32
+        gw_dtype = weight.dtype if (same or in_dtype_acc) else f32
+        gw_acc = torch.zeros(V, H, dtype=gw_dtype, device=dev)
+    buf = torch.empty(min(rows, N) * V, dtype=hidden.dtype, device=dev)
+    for a in range(0, N, rows):
+        b = min(N, a + rows)
+        h, t = hidden[a:b], target[a:b]
+        logits = buf[: (b - a) * V].view(b - a, V)
+        torch.mm(h, w_in.t(), out=logits)  # GEMM 1, cuBLAS, input dtype
+        if not known_lse:
+            m[a:b], s[a:b], zt[a:b], zsum[a:b] = float("-inf"), 0.0, 0.0, 0.0
+            for v0 in range(0, V, col_chunk):
+                _stats_launch(
+                    logits[:, v0 : v0 + col_chunk], t, m[a:b], s[a:b], zt[a:b], zsum[a:b],
+                    alpha[a:b], v_start + v0, known_lse=False, write_p=False,
+                )  # fmt: skip
+            m_g, s_g, zt_g, zsum_g, _ = _global_stats(
+                m[a:b], s[a:b], zt[a:b], zsum[a:b], opts.group_name
+            )
+            lse[a:b], loss_tok[a:b], chunk_stats = _token_terms(
+                m_g, s_g, zt_g, zsum_g, t, opts, v_global
+            )
+            stats += chunk_stats
+        if not (want_gh or want_gw):
+            continue
+        coefs = _grad_coefs(lse[a:b], row_scale[a:b], opts, v_global)
+        _grad_launch(logits, t, lse[a:b], coefs, v_start, col_chunk)  # G in place of L
+        if want_gh:  # GEMM 2
+            if tp > 1:  # partial sums over the vocab shards, all-reduced in fp32
+                gh = _all_reduce(torch.mm(logits, w_in).float(), "sum", opts.group_name)
+                grad_hidden[a:b] = gh
+            else:
+                torch.mm(logits, w_in, out=grad_hidden[a:b])
+        if want_gw:  # GEMM 3
+            if gw_acc.dtype == hidden.dtype:  # fp32 inside the GEMM, one rounding per chunk
+                gw_acc.addmm_(logits.t(), h)
+            else:  # 16-bit operands, accumulated in fp32 in place
+                _launch_dh(logits.t(), h, gw_acc, gw_acc, first=False, has_alpha=False)
+    del buf
+    grad_weight = None if gw_acc is None else gw_acc.to(weight.dtype)
+    return loss_tok, lse, grad_hidden, grad_weight, stats
+
+
+def _lce_triton(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    row_scale: Tensor | None,
+    lse_in: Tensor | None,
+    vocab_chunk: int | None = None,
+    **options: Any,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The CUDA path: (loss per token, lse, grad_hidden, grad_weight, stats); the loss and
+    stats are None when lse_in is given. Same contract as _ref_run. `options`: LCEOptions'
+    fields. `vocab_chunk` overrides the vocab chunk (tests use it to cover several chunks on
+    tiny shapes); LCEOptions.token_chunk the fast mode's token chunk."""
+    opts = LCEOptions(**options)
+    hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
+    if opts.mode == "fast":
+        return _lce_triton_fast(hidden, weight, target, opts, row_scale, lse_in, vocab_chunk)
+    # Low-memory mode works in the input dtype throughout; a master weight is cast for it and
+    # its gradient cast back, as autocast's F.linear would.
+    w_in = weight.to(hidden.dtype)
+    out = _lce_triton_low_memory(hidden, w_in, target, opts, row_scale, lse_in, vocab_chunk)
+    loss_tok, lse, gh, gw, stats = out
+    return loss_tok, lse, gh, None if gw is None else gw.to(weight.dtype), stats
+
+
+def _triton_ok(hidden: Tensor) -> bool:
+    return hidden.dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -1,0 +1,213 @@
+"""linear_cross_entropy: the Triton kernels (CUDA; on CPU tensors under TRITON_INTERPRET=1).
+
+What
+    _lce_stats_kernel        online max / sum-exp / target logit / logit sum per row, P over L
+    _lce_dh_kernel           acc = alpha * acc + P @ W_c in fp32 (autotuned: _lce_dh_kernel_tuned)
+    _lce_dh_finalize_kernel  grad_hidden = a acc + b W[target] + c sum_v W_v
+    _lce_grad_kernel         G = a softmax + b onehot + c, in place of the logits
+    _lce_scale_kernel        x *= g in fp32, g read on the device
+
+Numerics
+    Row statistics and accumulators in fp32; P and G are stored in the logits' dtype.
+    The interpreter computes bf16 wrongly without an error: test bf16 on the GPU only.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lce_stats_kernel(
+    logits_ptr,  # [N, vc] chunk of logits, row stride stride_row; P is written over it
+    target_ptr,  # [N] int64, global class ids
+    m_ptr,  # [N] fp32 running max (read-only lse when KNOWN_LSE)
+    s_ptr,  # [N] fp32 running sum of exp(z - m)
+    zt_ptr,  # [N] fp32 target logit (accumulated: only one chunk holds it)
+    zsum_ptr,  # [N] fp32 sum of logits (label smoothing)
+    alpha_ptr,  # [N] fp32 out: exp(m_old - m_new), the rescale of the grad_hidden accumulator
+    stride_row,
+    vc,
+    v_offset,  # global class id of the chunk's first column
+    BLOCK_V: tl.constexpr,
+    KNOWN_LSE: tl.constexpr,
+    WRITE_P: tl.constexpr,
+):
+    # One program per token row; the whole chunk row is in registers, so the logits are read
+    # once and P written once.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    mask = cols < vc
+    ptrs = logits_ptr + row * stride_row + cols
+    z = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+    t_local = tl.load(target_ptr + row) - v_offset
+    is_t = (cols == t_local) & mask
+    z_t = tl.sum(tl.where(is_t, z, 0.0), axis=0)
+    tl.store(zt_ptr + row, tl.load(zt_ptr + row) + z_t)
+    if KNOWN_LSE:
+        # Backward of "none": P = softmax itself, no running statistics.
+        e = tl.exp(z - tl.load(m_ptr + row))
+    else:
+        m_old = tl.load(m_ptr + row)
+        m_new = tl.maximum(m_old, tl.max(z, axis=0))
+        # m_old = -inf on the first chunk gives alpha = 0 (m_new is finite for finite logits).
+        alpha = tl.exp(m_old - m_new)
+        e = tl.exp(z - m_new)  # masked columns: exp(-inf) = 0
+        tl.store(s_ptr + row, tl.load(s_ptr + row) * alpha + tl.sum(e, axis=0))
+        tl.store(m_ptr + row, m_new)
+        tl.store(alpha_ptr + row, alpha)
+        tl.store(zsum_ptr + row, tl.load(zsum_ptr + row) + tl.sum(tl.where(mask, z, 0.0), axis=0))
+    if WRITE_P:
+        # The target column is left out of P and added exactly in fp32 by the finalize kernel.
+        p = tl.where(is_t, 0.0, e)
+        tl.store(ptrs, p.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lce_dh_kernel(
+    p_ptr,  # [M, K] P chunk (input dtype), row stride stride_pm, column stride stride_pk
+    w_ptr,  # [K, N_OUT] the weight chunk's rows, row stride stride_wk, unit column stride
+    acc_ptr,  # [M, N_OUT] fp32 accumulator, row stride stride_am
+    alpha_ptr,  # [M] fp32 per-row rescale of acc (online softmax)
+    M,
+    N_OUT,
+    stride_pm,
+    stride_pk,
+    stride_wk,
+    stride_am,
+    # constexpr: a chunk width (two values per shape at most: the chunk and the remainder);
+    # known loop bounds, and the interpreter cannot range() over a runtime scalar.
+    K: tl.constexpr,
+    FIRST: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # acc = alpha[:, None] * acc + P @ W_c. The rescale rides on the accumulator load, so the
+    # online softmax costs no extra pass over the [N, H] fp32 buffer.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N_OUT, BLOCK_N)
+    # Grouped launch order: neighbouring programs share P row-blocks in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N_OUT
+    acc_ptrs = acc_ptr + rm.to(tl.int64)[:, None] * stride_am + rn[None, :]
+    if FIRST:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.load(acc_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        if HAS_ALPHA:
+            acc = acc * tl.load(alpha_ptr + rm, mask=m_mask, other=0.0)[:, None]
+    p_ptrs = p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rk.to(tl.int64)[None, :] * stride_pk
+    w_ptrs = w_ptr + rk.to(tl.int64)[:, None] * stride_wk + rn[None, :]
+    for k in range(0, K, BLOCK_K):
+        k_mask = (k + rk) < K
+        a = tl.load(p_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        p_ptrs += BLOCK_K * stride_pk
+        w_ptrs += BLOCK_K * stride_wk
+    tl.store(acc_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _lce_dh_finalize_kernel(
+    acc_ptr,  # [N, H] fp32
+    w_ptr,  # [V, H] weight (local shard)
+    wsum_ptr,  # [H] fp32 sum of the weight rows (label smoothing)
+    out_ptr,  # [N, H] output (may be acc_ptr itself: each element is read before written)
+    tidx_ptr,  # [N] int64 local row of the target, clamped into [0, V)
+    a_ptr,  # [N] fp32 coefficient of acc
+    b_ptr,  # [N] fp32 coefficient of W[target] (0 where the target is ignored or not local)
+    c_ptr,  # [N] fp32 coefficient of wsum
+    H,
+    stride_acc,
+    stride_w,
+    stride_out,
+    HAS_SMOOTHING: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    t = tl.load(tidx_ptr + row)
+    x = tl.load(a_ptr + row) * tl.load(acc_ptr + row * stride_acc + cols, mask=mask, other=0.0)
+    w_t = tl.load(w_ptr + t * stride_w + cols, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(b_ptr + row) * w_t
+    if HAS_SMOOTHING:
+        x += tl.load(c_ptr + row) * tl.load(wsum_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lce_grad_kernel(
+    logits_ptr,  # [N, vc] chunk of logits; G is written over it
+    target_ptr,  # [N] int64 global class ids
+    lse_ptr,  # [N] fp32 logsumexp over the whole (global) vocab
+    a_ptr,  # [N] fp32 coefficient of the softmax      (_grad_coefs)
+    b_ptr,  # [N] fp32 added at the target column
+    c_ptr,  # [N] fp32 added to every column (label smoothing)
+    stride_row,
+    vc,
+    v_offset,
+    BLOCK_V: tl.constexpr,
+):
+    # Grid (rows, column blocks): G = a softmax + c, plus b at the target; program_id(1) walks
+    # a full vocab row in BLOCK_V pieces (fast mode), or is 0 for one chunk row (low memory).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < vc
+    ptrs = logits_ptr + row * stride_row + cols
+    z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(a_ptr + row) * tl.exp(z - tl.load(lse_ptr + row)) + tl.load(c_ptr + row)
+    t_local = tl.load(target_ptr + row) - v_offset
+    g = tl.where(cols == t_local, g + tl.load(b_ptr + row), g)
+    tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lce_scale_kernel(x_ptr, g_ptr, numel, BLOCK: tl.constexpr):
+    # x *= g in fp32, in place; g is read on the device (no .item()).
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    g = tl.load(g_ptr).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * g
+    tl.store(x_ptr + offs, x.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+# Hopper-sized tiles; the best is picked once per (M, N_OUT, K). restore_value: the kernel
+# updates acc in place, so autotuning must not run it more than once on live data.
+_DH_CONFIGS = [
+    triton.Config(
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3
+    ),
+    triton.Config(
+        {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3
+    ),
+    triton.Config(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4
+    ),
+    triton.Config(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4
+    ),
+    triton.Config(
+        {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4
+    ),
+]
+_lce_dh_kernel_tuned = triton.autotune(
+    configs=_DH_CONFIGS, key=["M", "N_OUT", "K"], restore_value=["acc_ptr"]
+)(_lce_dh_kernel)
+# Small fixed tiles for the interpreter (and tiny problems, where autotuning is not worth it).
+_DH_SMALL = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}

@@ -20,7 +20,8 @@ one rank of the configured layout:
   activation_checkpoint=full only each block's input (dim) plus one block's full set during
   recompute;
 - fused-loss buffers: the head's gradient accumulated in fp32 (V/tp x dim, the fused op's fast
-  mode), the hidden gradient (tokens x dim, fp32) and its 256 MiB logits chunk.
+  mode), the hidden gradient (tokens x dim, fp32) and its logits chunk (the op's own figure,
+  linear_cross_entropy.fast_mode_extra_bytes: about 512 MiB at a large vocab).
 
 An estimate, not a measurement: allocator fragmentation, NCCL buffers, the CUDA context (~0.5-1
 GiB) and compiler workspaces come on top, so `check_fits` keeps 10% of the device as headroom.
@@ -35,6 +36,7 @@ import fnmatch
 import torch
 
 from graphtrain.config import JobConfig
+from graphtrain.custom_ops.linear_cross_entropy import fast_mode_extra_bytes
 from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, check_layout
 from models import MoEConfig, build_model, tp_plan
@@ -49,7 +51,6 @@ _TP_SPLIT = {
     "colwise_head",
     "experts_hidden",
 }
-_LOSS_CHUNK_BYTES = 256 << 20  # the fused op's logits chunk (custom_ops/linear_cross_entropy.py)
 HEADROOM = 0.9  # of the device memory a plan may use
 
 
@@ -131,9 +132,11 @@ def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
     else:
         acts = m.num_layers * block_acts
     items["activations per micro-batch"] = int(acts)
-    items["fused-loss buffers"] = int(
-        m.vocab_size / dims.tp * m.dim * 4 + tokens * m.dim * 4 + _LOSS_CHUNK_BYTES
-    )
+    # An fp32 weight: the op's extra over low-memory mode is its [token chunk, V] logits alone.
+    compute_dtype = torch.bfloat16 if compute == 2 else torch.float32
+    vocab = m.vocab_size // dims.tp
+    chunk = fast_mode_extra_bytes(tokens, m.dim, vocab, compute_dtype, torch.float32, True)
+    items["fused-loss buffers"] = int(vocab * m.dim * 4 + tokens * m.dim * 4 + chunk)
     return MemoryPlan(items)
 
 

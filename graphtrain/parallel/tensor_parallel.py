@@ -18,7 +18,7 @@ The output head ("colwise_head") splits the vocab and gathers the logits to a fu
 tensor, so that the model's plain F.cross_entropy works unchanged in eager runs. Compiled, the
 fuse_linear_cross_entropy pass recognises that head + gather + cross_entropy chain and replaces
 it with graphtrain.linear_cross_entropy_vocab_parallel on the local vocab shard: the full
-logits are never gathered (see graphtrain/passes/fuse_linear_cross_entropy.py).
+logits are never gathered (see graphtrain/passes/linear_cross_entropy.py).
 """
 
 from __future__ import annotations

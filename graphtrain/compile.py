@@ -271,6 +271,16 @@ def backend(**options: Any) -> GraphtrainBackend:
     return GraphtrainBackend(**options)
 
 
+def step_hooks(*, fp8: bool) -> list[Any]:
+    """The step hooks (graphtrain.step.StepHook) of the ops the passes insert, so that the
+    step and the loop know no op: FP8's saturation counters when training.fp8 is on."""
+    if not fp8:
+        return []
+    from graphtrain.passes.fp8_linear import FP8Saturation
+
+    return [FP8Saturation()]
+
+
 def cudagraph_fallback_reason(
     *, device_type: str, inner: str, fullgraph: bool, fsdp: bool, activation_checkpoint: bool
 ) -> str | None:

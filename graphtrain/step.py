@@ -30,8 +30,8 @@ logged under those names. From elsewhere: a step hook. A hook has
     statistics() -> dict[str, Tensor]        detached device tensors of the step just taken,
                                              called after the optimizer step
 and their dicts are merged into StepStats.extra: graphtrain.balance.RouterBalance (MoE load,
-bias, aux losses, non-finite router logits) and FP8Saturation (graphtrain.custom_ops.fp8_cast's
-counters). The loop logs every entry of extra at log steps with one host sync for all of them
+bias, aux losses, non-finite router logits) and the compiled ops' hooks (graphtrain.compile.
+step_hooks: FP8's saturation counters). The loop logs every entry of extra at log steps with one host sync for all of them
 (graphtrain.trainer); between log steps they stay on the device.
 """
 
@@ -74,19 +74,6 @@ class StepHook(Protocol):
     def micro_batch(self, weight: float) -> contextlib.AbstractContextManager[None]: ...
 
     def statistics(self) -> dict[str, torch.Tensor]: ...
-
-
-class FP8Saturation:
-    """Step hook: the fraction of values the step's FP8 casts clipped or flushed, per tensor
-    class (graphtrain.custom_ops.fp8_linear's device-side counters, read and reset per step)."""
-
-    def micro_batch(self, weight: float) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def statistics(self) -> dict[str, torch.Tensor]:
-        from graphtrain.custom_ops.fp8_cast import fp8_saturation_stats
-
-        return fp8_saturation_stats()
 
 
 def model_inputs(batch: TensorDict, device: torch.device, attention: str) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from graphtrain.checkpoint import (
     resume_differences,
 )
 from graphtrain.checkpoint.hf import load_hf_into
+from graphtrain.compile import step_hooks
 from graphtrain.config import JobConfig, pass_options, to_toml
 from graphtrain.data import build_data
 from graphtrain.inspect import write_report
@@ -76,7 +77,7 @@ from graphtrain.parallel import (
 from graphtrain.parallel.divergence import check_replicas
 from graphtrain.passes.dump import start_compile_metrics, write_compile_metrics
 from graphtrain.preemption import Preempted, PreemptionHandler
-from graphtrain.step import ForwardLoss, FP8Saturation, StepStats, TrainStep
+from graphtrain.step import ForwardLoss, StepStats, TrainStep
 from models import build_model, tp_plan
 from models.moe import MoEConfig, active_params
 
@@ -218,7 +219,7 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         fp32_grads=fp32_grads,
         finish_gradients=finish_gradients,
         max_norm=cfg.optim.max_norm,
-        hooks=[*([balance] if balance else []), *([FP8Saturation()] if cfg.training.fp8 else [])],
+        hooks=[*([balance] if balance else []), *step_hooks(fp8=cfg.training.fp8)],
         model_cfg=cfg.model,
         micro_batch_size=cfg.training.micro_batch_size,
         seq_len=cfg.training.seq_len,

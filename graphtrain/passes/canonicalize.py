@@ -192,7 +192,6 @@ def canonicalize(gm: torch.fx.GraphModule) -> dict[str, int]:
 @register_pass(
     "canonicalize",
     stage="pre_grad",
-    order=0,
     default_on=True,
     preserves_numerics=True,
 )
@@ -200,7 +199,6 @@ def canonicalize_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:
     """Bring method calls, reshapes and casts to one spelling each, so that matchers read one."""
-    # Order 0: before every fusion (they read the spellings it writes).
     done = canonicalize(gm)
     if not done:
         ctx.note("every call already has its canonical spelling")

@@ -145,14 +145,13 @@ def _fp8_gather(gm: torch.fx.GraphModule, ag: Node, fake_mode: Any) -> str:
 
 
 @register_pass(
-    "fp8_all_gather", stage="post_grad", order=5, default_on=True, preserves_numerics=True
+    "fp8_all_gather", stage="post_grad", default_on=True, preserves_numerics=True
 )
 def fp8_all_gather_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:
     """Cast tensor-parallel activations (gradients) to FP8 before the all-gather feeding
     fp8_linear (fp8_linear_backward)."""
-    # Order 5: before overlap_tp_comm (10), which would otherwise take the gathers it can chunk.
     gathers = [n for n in gm.graph.nodes if fx.is_op(n, _c10d.all_gather_into_tensor.default)]
     if not any(fx.is_op(n, _FORWARD) or fx.is_op(n, _BACKWARD) for n in gm.graph.nodes):
         return gm  # no FP8 linear here (the fp8_linear pass is off): nothing to note

@@ -214,13 +214,12 @@ def _groups(gm: torch.fx.GraphModule) -> list[list[Node]]:
 
 
 @register_pass(
-    "fp8_cast_once", stage="post_grad", order=15, default_on=True, preserves_numerics=True
+    "fp8_cast_once", stage="post_grad", default_on=True, preserves_numerics=True
 )
 def fp8_cast_once_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:
     """Cast each FP8 linear input once for all its readers, with its amax in the graph."""
-    # Order 15: after fp8_all_gather (5) and overlap_tp_comm (10), which take gathered inputs.
     changed = False
     for linears in _groups(gm):
         try:

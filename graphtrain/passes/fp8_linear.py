@@ -68,6 +68,7 @@ Invariant and numerics (preserves_numerics=False)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import math
@@ -82,6 +83,7 @@ from torch.fx import Node
 
 from graphtrain.config import Fp8Config
 from graphtrain.custom_ops import fp8_grouped_mm, fp8_linear  # noqa: F401  (register the ops)
+from graphtrain.custom_ops.fp8_cast import fp8_saturation_stats
 from graphtrain.passes import fx
 from graphtrain.passes.dump import module_path
 from graphtrain.passes.fx import Refuse
@@ -92,6 +94,18 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     f"fp8.{k}": v for k, v in dataclasses.asdict(Fp8Config()).items()
 }
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FP8Saturation:
+    """Step hook (graphtrain.step.StepHook): the fraction of values the step's FP8 casts
+    clipped or flushed, per tensor class (graphtrain.custom_ops.fp8_cast's device-side
+    counters, read and reset per step). The trainer gets it from graphtrain.compile.step_hooks."""
+
+    def micro_batch(self, weight: float) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def statistics(self) -> dict[str, torch.Tensor]:
+        return fp8_saturation_stats()
 
 
 @dataclass
@@ -294,13 +308,11 @@ def _local_operands(graph: torch.fx.Graph, gemm: _Gemm) -> tuple[Node, Node, Non
     return x, w, None
 
 
-@register_pass("fp8_linear", stage="pre_grad", order=50, default_on=False, preserves_numerics=False)
+@register_pass("fp8_linear", stage="pre_grad", default_on=False, preserves_numerics=False)
 def fp8_linear_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:
     """Run the linears and expert GEMMs the fp8.* filters select in FP8 (current scaling)."""
-    # Order 50: after fuse_linear_cross_entropy (10) has taken the head and after
-    # fuse_sibling_grouped_mm (40) has merged w1 and w3 (one wider FP8 GEMM, one cast of x).
     opts = {k: ctx.options.get(k, v) for k, v in DEFAULT_OPTIONS.items()}
     changed = False
     for node in list(gm.graph.nodes):

@@ -238,7 +238,6 @@ def _rewrite_unpermute(gm: torch.fx.GraphModule, copy: Node) -> str:
 @register_pass(
     "fuse_moe_dispatch",
     stage="pre_grad",
-    order=30,
     default_on=True,
     preserves_numerics=False,
 )
@@ -247,7 +246,6 @@ def fuse_moe_dispatch_pass(
 ) -> torch.fx.GraphModule:
     """Replace the MoE token permutation x[order // k] and the weighted combine of the expert
     outputs with graphtrain::moe_permute / graphtrain::moe_unpermute."""
-    # Order 30: after fuse_moe_router (20), whose indices the slot order sorts.
     changed = False
     found = False
     for node in list(gm.graph.nodes):

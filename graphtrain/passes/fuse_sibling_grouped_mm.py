@@ -128,7 +128,6 @@ def _fuse(gm: torch.fx.GraphModule, first: Node, second: Node) -> str:
 @register_pass(
     "fuse_sibling_grouped_mm",
     stage="pre_grad",
-    order=40,
     default_on=True,
     preserves_numerics=False,
 )
@@ -137,7 +136,6 @@ def fuse_sibling_grouped_mm_pass(
 ) -> torch.fx.GraphModule:
     """Merge two grouped GEMMs of the same input and offsets into one over concatenated
     weights (the experts' gate and up projections)."""
-    # Order 40: after fuse_moe_dispatch (30), which gives both GEMMs one input node.
     groups: dict[tuple[Node, Any], list[Node]] = {}
     for node in gm.graph.nodes:
         if _is_grouped_mm(node) and isinstance(node.args[0], Node):

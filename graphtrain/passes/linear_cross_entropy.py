@@ -400,7 +400,6 @@ def _choose_mode(
 @register_pass(
     "fuse_linear_cross_entropy",
     stage="pre_grad",
-    order=10,
     default_on=True,
     preserves_numerics=False,
 )
@@ -408,7 +407,6 @@ def fuse_linear_cross_entropy_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:
     """Replace cross_entropy(linear(h, W)) with the fused graphtrain::linear_cross_entropy op."""
-    # Order 10: before passes that rewrite linears (an FP8 pass must not take the head first).
     ces = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _CE_TARGETS]
     if not ces:
         ctx.note("no cross_entropy in this graph: nothing to fuse")

@@ -441,7 +441,7 @@ def _overlap_scatter(
 
 
 @register_pass(
-    "overlap_tp_comm", stage="post_grad", order=10, default_on=True, preserves_numerics=True
+    "overlap_tp_comm", stage="post_grad", default_on=True, preserves_numerics=True
 )
 def overlap_tp_comm_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext

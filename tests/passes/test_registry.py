@@ -1,7 +1,10 @@
 import pytest
+import torch
 
+from graphtrain.compile import backend
 from graphtrain.passes import registry
-from graphtrain.passes.registry import all_passes, register_pass, resolve_passes
+from graphtrain.passes.order import PASS_ORDER
+from graphtrain.passes.registry import PassSpec, all_passes, register_pass, resolve_passes
 
 
 @pytest.fixture
@@ -48,3 +51,39 @@ def test_registration_errors(fresh_registry):
         )
     with pytest.raises(ValueError, match="stage must be one of"):
         register_pass("x", stage="mid_grad", order=1, default_on=True, preserves_numerics=True)
+
+
+def test_a_stage_listed_elsewhere_in_pass_order_is_an_error(fresh_registry):
+    with pytest.raises(ValueError, match="PASS_ORDER lists it under 'pre_grad'"):
+        register_pass("canonicalize", stage="post_grad", default_on=True, preserves_numerics=True)
+
+
+def test_every_pass_is_listed_once_in_pass_order_and_runs_in_its_order():
+    listed = [(stage, name) for stage, name, _why in PASS_ORDER]
+    assert len(set(listed)) == len(listed)
+    assert [(p.stage, p.name) for p in all_passes()] == listed
+    assert all(why for _stage, _name, why in PASS_ORDER)
+
+
+def test_a_compile_runs_the_passes_in_pass_order(monkeypatch):
+    """Every pass switched on, on a graph with a forward and a backward: the pre-grad passes
+    run once in PASS_ORDER, then the post-grad ones on the forward and on the backward."""
+    ran: list[str] = []
+    call = PassSpec.__call__
+
+    def recording(self, gm, example_inputs, ctx):
+        ran.append(self.name)
+        return call(self, gm, example_inputs, ctx)
+
+    monkeypatch.setattr(PassSpec, "__call__", recording)
+    switches = [f"+{name}" for _stage, name, _why in PASS_ORDER]
+    compiled = torch.compile(
+        lambda x, w: torch.nn.functional.linear(x, w).relu().sum(),
+        backend=backend(passes=switches, inner="aot_eager"),
+        fullgraph=True,
+    )
+    w = torch.randn(8, 4, requires_grad=True)
+    compiled(torch.randn(3, 4), w).backward()
+    pre = [name for stage, name, _why in PASS_ORDER if stage == "pre_grad"]
+    post = [name for stage, name, _why in PASS_ORDER if stage == "post_grad"]
+    assert ran == pre + post + post

@@ -40,3 +40,62 @@ def test_sources_are_ascii():
             except UnicodeDecodeError as e:
                 bad.append(f"{path.relative_to(REPO)}: byte {e.start}")
     assert not bad, bad
+
+
+def _graphtrain_imports(path: Path) -> set[str]:
+    """The modules of graphtrain (and models) that `path` imports, at any depth of the file."""
+    import ast
+
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the file's package
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if m.split(".")[0] in ("graphtrain", "models")}
+
+
+def _breaches(files: str, forbidden: tuple[str, ...]) -> list[str]:
+    bad = []
+    for path in sorted(REPO.glob(files)):
+        for module in sorted(_graphtrain_imports(path)):
+            if any(module == f or module.startswith(f + ".") for f in forbidden):
+                bad.append(f"{path.relative_to(REPO)} imports {module}")
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("files", "forbidden"),
+    [
+        # Models are plain PyTorch: graphtrain changes them from outside.
+        ("models/**/*.py", ("graphtrain",)),
+        # Ops are below the compiler and the job: usable from any pass or script.
+        (
+            "graphtrain/custom_ops/**/*.py",
+            ("graphtrain.passes", "graphtrain.config", "graphtrain.trainer", "graphtrain.step"),
+        ),
+        # Passes rewrite graphs; the loop that runs the compiled model is not theirs to know.
+        ("graphtrain/passes/**/*.py", ("graphtrain.trainer", "graphtrain.step")),
+        # The step and the loop know no op: the passes put the ops in, compile.step_hooks
+        # hands over what the ops count.
+        ("graphtrain/step.py", ("graphtrain.custom_ops",)),
+        ("graphtrain/trainer.py", ("graphtrain.custom_ops",)),
+    ],
+    ids=["models", "custom_ops", "passes", "step", "trainer"],
+)
+def test_layering(files, forbidden):
+    assert list(REPO.glob(files)), files
+    assert not _breaches(files, forbidden)
+
+
+def test_layering_check_sees_an_import():
+    """The check itself: an import of an op in step.py would be found."""
+    step = _graphtrain_imports(REPO / "graphtrain" / "step.py")
+    assert "graphtrain.optim" in step
+    assert _breaches("graphtrain/step.py", ("graphtrain.optim",))

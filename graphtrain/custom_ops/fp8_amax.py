@@ -25,12 +25,12 @@ Kernel
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from graphtrain.custom_ops.utils import interpreting as _interpreting
 
 _BLOCK = 4096
 
@@ -79,7 +79,7 @@ def fp8_amax_triton(x: Tensor, per_slice: bool = False) -> Tensor:
 
 
 def _use_triton(x: Tensor) -> bool:
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpreting = _interpreting()
     return x.dtype != torch.float64 and (x.is_cuda or interpreting)
 
 

@@ -53,12 +53,12 @@ Kernel
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from graphtrain.custom_ops.utils import interpreting as _interpreting
 
 # amax floor: an all-zero tensor gets a finite scale (fp8_max / EPS fits fp32 for both formats).
 EPS = 1e-12
@@ -276,7 +276,7 @@ def fp8_cast_triton(
 
 
 def _use_triton(x: Tensor) -> bool:
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpreting = _interpreting()
     return x.dtype != torch.float64 and (x.is_cuda or interpreting)
 
 

@@ -65,6 +65,7 @@ from torch import Tensor
 
 from graphtrain.custom_ops import fp8_amax  # noqa: F401  (registers its op)
 from graphtrain.custom_ops.fp8_cast import record_saturation
+from graphtrain.custom_ops.utils import all_reduce, group_size
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,9 +75,7 @@ def reduce_amax(amaxes: list[Tensor], tp_group: str | None) -> list[Tensor]:
     """The amaxes max-reduced over the tp group (one functional all_reduce for all of them)."""
     if tp_group is None:
         return amaxes
-    reduced = torch.ops._c10d_functional.all_reduce(torch.stack(amaxes), "max", tp_group)
-    reduced = torch.ops._c10d_functional.wait_tensor(reduced)
-    return list(reduced.unbind(0))
+    return list(all_reduce(torch.stack(amaxes), "max", tp_group).unbind(0))
 
 
 def cast_pair(
@@ -170,7 +169,7 @@ def fp8_linear_precast_ref(
         x_fp8 = cast_pair(x2, ax, E4M3, pow2_scale, "activation")
     else:
         if x_counts is not None:
-            tp = 1 if tp_group is None else _group_size(tp_group)
+            tp = group_size(tp_group)
             record_saturation("activation", x_counts, x.numel() // tp)  # this rank's 1/tp
         x_fp8 = (x2, _transposed(x2), x_scale_inv.clone())
     if w_scale_inv is None:
@@ -179,12 +178,6 @@ def fp8_linear_precast_ref(
     else:
         w_fp8 = (weight, _transposed(weight), w_scale_inv.clone())
     return _fp8_linear_forward(x_fp8, w_fp8, bias, x.shape[:-1], out_dtype)
-
-
-def _group_size(group_name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()
 
 
 def fp8_linear_backward_ref(
@@ -208,7 +201,7 @@ def fp8_linear_backward_ref(
         (ag,) = reduce_amax([torch.ops.graphtrain.fp8_amax(g2)], tp_group)
         g8, g8_t, sg = cast_pair(g2, ag, E4M3 if e4m3_grads else E5M2, pow2_scale, "gradient")
     else:  # cast before a tensor-parallel all-gather: this rank's counts are 1/tp of g2's
-        tp = 1 if tp_group is None else _group_size(tp_group)
+        tp = group_size(tp_group)
         record_saturation("gradient", grad_counts, g2.numel() // tp)
         g8, g8_t, sg = g2, _transposed(g2), grad_scale_inv
     grad_x = torch._scaled_mm(g8, w8_t.t(), sg, w_scale_inv, out_dtype=x_dtype)

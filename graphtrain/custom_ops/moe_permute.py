@@ -44,13 +44,14 @@ Layers (the pair shares its two kernels, so both ops live in this file)
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from graphtrain.custom_ops.utils import interpreting as _interpreting
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -211,10 +212,6 @@ def _gather_kernel(
         if HAS_W:
             v = v * w[:, None]
         tl.store(out_ptr + t * D + c, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=c < D)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _launch(kernel, T: int, D: int, top_k: int, order: Tensor, *tensors, **flags) -> None:

@@ -401,11 +401,13 @@ class GPT(nn.Module):
         (ignored labels, -100, never count). The fused cross-entropy counts these from its own
         row maxima, so compiled, the logits are still never materialised.
         """
+        # Matched by the fuse_linear_cross_entropy pass (graphtrain/passes/linear_cross_entropy.py).
         logits = self.output(self.norm(h)).flatten(0, 1).float()  # (B * T, V)
         target = labels.flatten(0, 1)
         loss = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
         if not count_hits:
             return loss
+        # Folded into the fused op's top-1 count (passes/linear_cross_entropy_accuracy.py).
         return loss, (logits.argmax(-1) == target).sum()
 
 

@@ -215,6 +215,7 @@ def _topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+# Router.forward is matched by the fuse_moe_router pass (graphtrain/passes/fuse_moe_router.py).
 class Router(nn.Module):
     """Token -> top_k experts, their weights, tokens per expert and the auxiliary losses.
 
@@ -367,6 +368,7 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
+# w1 and w3 merged by fuse_sibling_grouped_mm; each grouped GEMM taken by fp8_linear (FP8 on).
 def swiglu_experts(
     xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
 ) -> torch.Tensor:
@@ -417,6 +419,7 @@ def _local_block(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w.to_local().to(dtype) if hasattr(type(w), "to_local") else w
 
 
+# Permute and combine: matched by the fuse_moe_dispatch pass (passes/fuse_moe_dispatch.py).
 def routed_experts(
     experts: GroupedExperts,
     x: torch.Tensor,

@@ -31,7 +31,7 @@ import argparse
 
 import torch
 import triton.testing
-from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
+from harness import record  # run as a script: benchmarks/ is on sys.path
 
 from graphtrain.optim import WorkingWeights, build_optimizer, working_weight_params
 from models import MODEL_PRESETS, build_model

@@ -49,11 +49,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import inspect
 import json
-import os
-import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +59,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from harness import record  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend
@@ -82,7 +80,6 @@ IMPLS = (
     "graphtrain-pass",
 )
 PEERS = ("liger", "liger-fp32-accum", "cut-cross-entropy", "torch-lce")  # not graphtrain's rows
-RESULTS = Path(__file__).with_name("RESULTS.md")
 GIB = 1 << 30
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -200,53 +197,6 @@ def inputs(
     t = torch.randint(0, V, (N,), device=device)
     t[::17] = -100  # some ignored tokens, as packed sequences have
     return h, w, t
-
-
-def record(title: str, body: str, note: str = "") -> None:
-    """Print and append to RESULTS.md a section "## title (date, device, torch/triton versions,
-    commit[note])" with `body` under it: every benchmark's results are stamped alike."""
-    stamp = (
-        f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {torch.cuda.get_device_name()}, "
-        f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()}{note}"
-    )
-    text = f"## {title} ({stamp})\n\n{body}\n"
-    print()
-    print(text)
-    if not RESULTS.exists():
-        RESULTS.write_text(
-            "# Benchmark results\n\n"
-            "Appended by benchmarks/*.py, one section per run: date, device, torch/triton "
-            "versions and git commit in the title. Compare rows only within a section.\n\n"
-        )
-    with RESULTS.open("a") as f:
-        f.write("\n" + text)
-    print(f"appended to {RESULTS}")
-
-
-def git_commit() -> str:
-    """The commit a result is stamped with: $GRAPHTRAIN_COMMIT when set (a copy of the
-    repository whose git HEAD is stale, e.g. one synced onto a GPU machine, is told its commit
-    by hand), else git's short HEAD, "+dirty" with uncommitted changes."""
-    if os.environ.get("GRAPHTRAIN_COMMIT"):
-        return os.environ["GRAPHTRAIN_COMMIT"]
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        head = "no-commit"
-    try:
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        dirty = ""
-    return head + ("+dirty" if dirty else "")
 
 
 def _verdicts(label: str, results: dict[str, tuple[float, float, float]]) -> list[str]:

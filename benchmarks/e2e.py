@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if args.device == "cpu":
         print(text)
         return rows
-    from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
+    from harness import record  # run as a script: benchmarks/ is on sys.path
 
     force = " (force_balance)" if args.force_balance else ""
     title = (

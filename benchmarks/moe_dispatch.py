@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
+from harness import record  # run as a script: benchmarks/ is on sys.path
 from moe_router import HBM_BYTES_PER_S, kernel_ms
 
 from graphtrain.compile import backend as graphtrain_backend

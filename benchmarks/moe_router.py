@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
+from harness import record  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend

@@ -30,7 +30,7 @@ import dataclasses
 import torch
 import triton
 import triton.testing
-from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
+from harness import record  # run as a script: benchmarks/ is on sys.path
 
 from graphtrain.compile import backend as graphtrain_backend
 from models import PRESETS, build_model

@@ -29,7 +29,7 @@ import argparse
 import torch
 import triton
 import triton.testing
-from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
+from harness import record  # run as a script: benchmarks/ is on sys.path
 
 # Llama-3-8B
 DIM, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336

@@ -740,7 +740,7 @@ def test_benchmark_record_stamps_graphtrain_commit(tmp_path, monkeypatch):
 
     root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location(
-        "cross_entropy_benchmark", root / "benchmarks" / "cross_entropy.py"
+        "benchmark_harness", root / "benchmarks" / "harness.py"
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,0 +1,66 @@
+"""What every benchmark shares: record() stamps a results table and appends it to RESULTS.md.
+
+record(title, body) prints "## title (date, device, torch/triton versions, commit)" with the
+table under it and appends it to benchmarks/RESULTS.md; git_commit() is the commit it stamps
+($GRAPHTRAIN_COMMIT where the copy's git HEAD is stale). The benchmarks run as scripts, so
+they import this module as `harness` (benchmarks/ is first on their sys.path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+import triton
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def record(title: str, body: str, note: str = "") -> None:
+    """Print and append to RESULTS.md a section "## title (date, device, torch/triton versions,
+    commit[note])" with `body` under it: every benchmark's results are stamped alike."""
+    stamp = (
+        f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, triton {triton.__version__}, commit {git_commit()}{note}"
+    )
+    text = f"## {title} ({stamp})\n\n{body}\n"
+    print()
+    print(text)
+    if not RESULTS.exists():
+        RESULTS.write_text(
+            "# Benchmark results\n\n"
+            "Appended by benchmarks/*.py, one section per run: date, device, torch/triton "
+            "versions and git commit in the title. Compare rows only within a section.\n\n"
+        )
+    with RESULTS.open("a") as f:
+        f.write("\n" + text)
+    print(f"appended to {RESULTS}")
+
+
+def git_commit() -> str:
+    """The commit a result is stamped with: $GRAPHTRAIN_COMMIT when set (a copy of the
+    repository whose git HEAD is stale, e.g. one synced onto a GPU machine, is told its commit
+    by hand), else git's short HEAD, "+dirty" with uncommitted changes."""
+    if os.environ.get("GRAPHTRAIN_COMMIT"):
+        return os.environ["GRAPHTRAIN_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        head = "no-commit"
+    try:
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        dirty = ""
+    return head + ("+dirty" if dirty else "")

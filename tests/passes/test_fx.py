@@ -115,3 +115,23 @@ def test_plain_tensor_refuses_with_the_reason():
     del node.meta["example_value"]
     with pytest.raises(fx.Refuse, match="the sum add has no recorded tensor value"):
         fx.plain_tensor(node, "the sum")
+
+
+def test_op_arg_and_op_output_read_by_schema_name():
+    """An op call's arguments by name whether written by position, by keyword or left to the
+    schema's default; outputs by name as getitem indices (what overlap_tp_comm reads)."""
+    import graphtrain.custom_ops  # noqa: F401  (registers the ops)
+
+    cast = torch.ops.graphtrain.fp8_cast.default
+    graph = torch.fx.Graph()
+    x, amax = graph.placeholder("x"), graph.placeholder("amax")
+    node = graph.call_function(cast, (x, amax, torch.float8_e4m3fn, True, False), {"record": "a"})
+    assert fx.op_arg(node, "x") is x and fx.op_arg(node, "amax") is amax
+    assert fx.op_arg(node, "pow2_scale") is True and fx.op_arg(node, "transpose") is False
+    assert fx.op_arg(node, "t_width") == 0 and fx.op_arg(node, "t_cols") is None
+    assert fx.op_arg(node, "record") == "a"
+    with pytest.raises(KeyError, match="no argument 'scale'"):
+        fx.op_arg(node, "scale")
+    assert [fx.op_output(cast, n) for n in ("y", "y_t", "scale_inv", "counts")] == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="no output 'amax'"):
+        fx.op_output(cast, "amax")

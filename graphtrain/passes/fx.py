@@ -349,6 +349,26 @@ def arg(node: Node, i: int, name: str, default: Any = None) -> Any:
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
+def op_arg(node: Node, name: str) -> Any:
+    """Argument `name` of a call to an OpOverload, found through the op's schema: positional,
+    keyword, or the schema's default where the call left it out."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            if i < len(node.args) and not argument.kwarg_only:
+                return node.args[i]
+            default = argument.default_value if argument.has_default_value() else None
+            return node.kwargs.get(name, default)
+    raise KeyError(f"{node.target} has no argument {name!r}")
+
+
+def op_output(op: Any, name: str) -> int:
+    """The index of the output named `name` in an OpOverload's schema (its getitem index)."""
+    names = [r.name for r in op._schema.returns]
+    if name not in names:
+        raise KeyError(f"{op} has no output {name!r}; its outputs: {names}")
+    return names.index(name)
+
+
 def last_dim(dim: Any, ndim: int) -> bool:
     return isinstance(dim, int) and dim in (-1, ndim - 1)
 

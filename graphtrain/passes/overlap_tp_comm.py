@@ -81,6 +81,12 @@ _FP8_CAST = torch.ops.graphtrain.fp8_cast.default
 _PRECAST = torch.ops.graphtrain.fp8_linear_precast.default
 _FP8_LINEAR = torch.ops.graphtrain.fp8_linear.default
 _FP8_BACKWARD = torch.ops.graphtrain.fp8_linear_backward.default
+# Their outputs by name (the getitem index of each), read from the schemas.
+_CAST_OUT = {name: fx.op_output(_FP8_CAST, name) for name in ("y", "scale_inv", "counts")}
+_PRECAST_OUT = {
+    name: fx.op_output(_PRECAST, name)
+    for name in ("out", "x8_t", "x_scale_inv_out", "w8_t", "w_scale_inv_out")
+}
 
 
 _is, _only_user = fx.is_op, fx.only_user
@@ -256,7 +262,8 @@ def _match_fp8_gather(ag: Node) -> tuple[Node, Node, list[Node], list[Node]]:
     u8 = ag.args[0].args[0] if _is_view(ag.args[0]) else None
     getitem = u8.args[0] if _is(u8, aten.view.dtype) else None
     cast = getitem.args[0] if _is(getitem, operator.getitem) else None
-    if not _is(as_fp8, aten.view.dtype) or not _is(cast, _FP8_CAST) or cast.args[4]:
+    plain_cast = _is(cast, _FP8_CAST) and not fx.op_arg(cast, "transpose")
+    if not _is(as_fp8, aten.view.dtype) or not plain_cast:
         raise Refuse("its uint8 bytes are not one fp8_cast of the shard viewed back as FP8")
     views = [u for u in as_fp8.users if _is_view(u)]
     reads = [(u, as_fp8) for u in as_fp8.users if u not in views]
@@ -266,8 +273,9 @@ def _match_fp8_gather(ag: Node) -> tuple[Node, Node, list[Node], list[Node]]:
             raise Refuse(f"the gathered FP8 tensor is read by {reader.name}, not by the forward "
                          "fp8_linear_precast (the backward's fp8_linear_backward runs its dgrad "
                          "and its wgrad over all rows in one op)")  # fmt: skip
-        weight_scale_inv, bias = reader.args[4:6]
-        if reader.args[0] is not read or read in reader.args[1:] or weight_scale_inv is not None:
+        weight_scale_inv, bias = fx.op_arg(reader, "w_scale_inv"), fx.op_arg(reader, "bias")
+        reads_twice = sum(a is read for a in reader.args) > 1  # as x and as another argument
+        if fx.op_arg(reader, "x") is not read or reads_twice or weight_scale_inv is not None:
             raise Refuse(f"{reader.name} reads the gathered tensor otherwise than as its x")
         if bias is not None:
             raise Refuse(f"{reader.name} has a bias")
@@ -287,19 +295,21 @@ def _overlap_fp8_gather(
     the same torch._scaled_mm on that copy."""
     _, tp, group = ag.args
     cast, as_fp8, linears, erased = _match_fp8_gather(ag)
-    rows, amax, dtype, pow2, _ = cast.args
+    rows, amax = fx.op_arg(cast, "x"), fx.op_arg(cast, "amax")
+    dtype, pow2 = fx.op_arg(cast, "float8_dtype"), fx.op_arg(cast, "pow2_scale")
     batch, seq, dim = _shape(ag.args[0])
     block = _row_block(batch * seq, chunks)
     for linear in linears:  # the weights (views of parameters) move up to the first block
-        _hoist(linear.args[3], as_fp8)
+        _hoist(fx.op_arg(linear, "weight"), as_fp8)
     b = _Builder(gm.graph, as_fp8, fake_mode)
     started = []
     for j in range(chunks):  # the cast is elementwise with one scale: the same bytes per block
         part = b(_FP8_CAST, b(aten.slice.Tensor, rows, 0, j * block, (j + 1) * block),
                  amax, dtype, pow2, False)  # fmt: skip
         if j == 0:  # every block's scale is the same value; block 0's counts: the sample
-            scale_inv, counts = b(operator.getitem, part, 2), b(operator.getitem, part, 3)
-        u8 = b(aten.view.dtype, b(operator.getitem, part, 0), torch.uint8)
+            scale_inv = b(operator.getitem, part, _CAST_OUT["scale_inv"])
+            counts = b(operator.getitem, part, _CAST_OUT["counts"])
+        u8 = b(aten.view.dtype, b(operator.getitem, part, _CAST_OUT["y"]), torch.uint8)
         started.append(b(_c10d.all_gather_into_tensor.default, u8, tp, group))
     arrived, parts = [], {linear: [] for linear in linears}
     weights = {}  # each linear's (w8_t, w_scale_inv, E4M3 weight as _scaled_mm's operand)
@@ -308,16 +318,18 @@ def _overlap_fp8_gather(
         x8 = b(aten.view.dtype, arrived[-1], dtype)  # [tp * block, D], rank-major
         for linear in linears:
             if j == 0:
-                first = b(_PRECAST, x8, scale_inv, counts, *linear.args[3:], **linear.kwargs)
+                weight_args = [fx.op_arg(linear, n) for n in ("weight", "w_scale_inv", "bias")]
+                first = b(_PRECAST, x8, scale_inv, counts, *weight_args, **linear.kwargs)
                 fx.copy_meta(linear, first)
-                w8_t = b(operator.getitem, first, 3)
+                w8_t = b(operator.getitem, first, _PRECAST_OUT["w8_t"])
                 w8 = None
                 if chunks > 1:  # [N, D] row-major from the saved [D, N]: one copy per weight
                     w8 = b(aten.clone.default, b(aten.t.default, w8_t),
                            memory_format=torch.contiguous_format)  # fmt: skip
                     w8 = b(aten.t.default, w8)
-                weights[linear] = (w8_t, b(operator.getitem, first, 4), w8)
-                parts[linear].append(b(operator.getitem, first, 0))
+                w_scale_inv = b(operator.getitem, first, _PRECAST_OUT["w_scale_inv_out"])
+                weights[linear] = (w8_t, w_scale_inv, w8)
+                parts[linear].append(b(operator.getitem, first, _PRECAST_OUT["out"]))
                 continue
             _, w_scale_inv, w8 = weights[linear]
             out_dtype = linear.kwargs["out_dtype"]
@@ -330,11 +342,13 @@ def _overlap_fp8_gather(
     for linear in linears:
         w8_t, w_scale_inv, _ = weights[linear]
         out = b.rank_major_to_sequence(parts[linear], tp, batch, seq)
-        outputs = {0: out, 1: x8_t, 2: b(aten.clone.default, scale_inv), 3: w8_t, 4: w_scale_inv}
+        by_name = {"out": out, "x8_t": x8_t, "x_scale_inv_out": b(aten.clone.default, scale_inv),
+                   "w8_t": w8_t, "w_scale_inv_out": w_scale_inv}  # fmt: skip
+        outputs = {_PRECAST_OUT[name]: value for name, value in by_name.items()}
         for user in list(linear.users):
             assert _is(user, operator.getitem), user
             new = outputs[user.args[1]]
-            if user.args[1] == 0:
+            if user.args[1] == _PRECAST_OUT["out"]:
                 new = b(aten.view.default, new, _shape(user))
             user.replace_all_uses_with(new)
             gm.graph.erase_node(user)

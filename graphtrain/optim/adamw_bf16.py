@@ -26,15 +26,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from graphtrain.optim.adamw_base import AdamWBase, local_shard
 
 
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view: updating it updates the DTensor), else the tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class AdamWBF16(torch.optim.Optimizer):
+class AdamWBF16(AdamWBase):
     def __init__(
         self,
         params: Iterable[Any],
@@ -46,61 +42,31 @@ class AdamWBF16(torch.optim.Optimizer):
         state_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults)
-        self.state_dtype = state_dtype
+        super().__init__(params, defaults, state_dtype)
 
-    def state_bytes(self) -> int:
-        """Bytes of the moment states this rank holds (0 before the first step)."""
-        return sum(
-            local_shard(s[k]).numel() * local_shard(s[k]).element_size()
-            for s in self.state.values()
-            for k in ("exp_avg", "exp_avg_sq")
-            if k in s
-        )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        for s in self.state.values():
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in s:
-                    s[k] = s[k].to(self.state_dtype)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    # float32 CPU scalar like torch's AdamW: the same state dict layout.
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
-                state["step"] += 1
-                step = state["step"].item()  # a CPU tensor: no device sync
-                param, grad = local_shard(p), local_shard(p.grad).float()
-                exp_avg, exp_avg_sq = (
-                    local_shard(state["exp_avg"]),
-                    local_shard(state["exp_avg_sq"]),
-                )
-                m, v = exp_avg.float(), exp_avg_sq.float()
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                exp_avg.copy_(m)  # round to nearest on store
-                exp_avg_sq.copy_(v)
-                bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-                denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
-                # Not in place: with fp32 states, m is the stored exp_avg itself.
-                update = torch.div(m, denom).mul_(lr / bias1)
-                if param.dtype == torch.float32:
-                    param.mul_(1 - lr * wd).sub_(update)
-                else:
-                    param.copy_(param.float().mul_(1 - lr * wd).sub_(update))
-        return loss
+    def _step_group(self, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self._advance(p)
+            step = state["step"].item()  # a CPU tensor: no device sync
+            param, grad = local_shard(p), local_shard(p.grad).float()
+            exp_avg, exp_avg_sq = (
+                local_shard(state["exp_avg"]),
+                local_shard(state["exp_avg_sq"]),
+            )
+            m, v = exp_avg.float(), exp_avg_sq.float()
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            exp_avg.copy_(m)  # round to nearest on store
+            exp_avg_sq.copy_(v)
+            bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+            denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
+            # Not in place: with fp32 states, m is the stored exp_avg itself.
+            update = torch.div(m, denom).mul_(lr / bias1)
+            if param.dtype == torch.float32:
+                param.mul_(1 - lr * wd).sub_(update)
+            else:
+                param.copy_(param.float().mul_(1 - lr * wd).sub_(update))

@@ -49,10 +49,10 @@ from typing import Any
 import torch
 
 from graphtrain.custom_ops.adamw_step import adamw_step, adamw_step_ref
-from graphtrain.optim.adamw_bf16 import local_shard
+from graphtrain.optim.adamw_base import AdamWBase, local_shard
 
 
-class AdamWCopies(torch.optim.Optimizer):
+class AdamWCopies(AdamWBase):
     def __init__(
         self,
         params: Iterable[Any],
@@ -81,7 +81,7 @@ class AdamWCopies(torch.optim.Optimizer):
             "fused": True,
             "decoupled_weight_decay": True,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, state_dtype)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.float32:
@@ -89,7 +89,6 @@ class AdamWCopies(torch.optim.Optimizer):
                         f"AdamWCopies needs fp32 parameters (master weights), got {p.dtype}; use "
                         "optim.implementation = 'fused' or 'foreach' for other dtypes"
                     )
-        self.state_dtype = state_dtype
         self._copies: dict[int, torch.Tensor] = {}
 
     def attach_working_copies(
@@ -104,68 +103,49 @@ class AdamWCopies(torch.optim.Optimizer):
                 )
             self._copies[id(master)] = local_shard(copy)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        for s in self.state.values():
-            if "step" in s:  # a fused torch AdamW keeps it on the device: one sync, here only
-                s["step"] = s["step"].to("cpu", torch.float32)
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in s:
-                    s[k] = s[k].to(self.state_dtype)
+    def _loaded(self, s: dict[str, Any]) -> None:
+        if "step" in s:  # a fused torch AdamW keeps it on the device: one sync, here only
+            s["step"] = s["step"].to("cpu", torch.float32)
+        super()._loaded(s)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for flag in ("amsgrad", "maximize"):
-                if group.get(flag):
-                    raise ValueError(
-                        f"AdamWCopies does not implement {flag}=True; use torch.optim.AdamW"
-                    )
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor):
-                if lr.device.type != "cpu":
-                    raise ValueError(
-                        f"AdamWCopies takes lr as a float or a CPU tensor, got a tensor on {lr.device}"
-                    )
-                lr = lr.item()  # a CPU tensor: no device sync
-            # One launch per (step count, with copies or not, contiguous or not).
-            buckets: dict[tuple[float, bool, bool], list[list[torch.Tensor]]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("AdamWCopies does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    # A float32 CPU scalar, as torch's non-fused AdamW keeps it.
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
-                state["step"] += 1
-                tensors = [
-                    local_shard(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
-                ]
-                copy = self._copies.get(id(p))
-                contiguous = all(t.is_contiguous() for t in tensors)
-                key = (state["step"].item(), copy is not None, contiguous)
-                lists = buckets.setdefault(key, [[], [], [], [], []])
-                for i, t in enumerate([*tensors, *([copy] if copy is not None else [])]):
-                    lists[i].append(t)
-            beta1, beta2 = group["betas"]
-            for (step, _, contiguous), lists in buckets.items():
-                # A strided shard (none in today's layouts) takes torch's foreach ops.
-                kernel = adamw_step if contiguous else adamw_step_ref
-                kernel(
-                    *lists,
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=step,
+    def _step_group(self, group: dict[str, Any]) -> None:
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(
+                    f"AdamWCopies does not implement {flag}=True; use torch.optim.AdamW"
                 )
-        return loss
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            if lr.device.type != "cpu":
+                raise ValueError(
+                    f"AdamWCopies takes lr as a float or a CPU tensor, got a tensor on {lr.device}"
+                )
+            lr = lr.item()  # a CPU tensor: no device sync
+        # One launch per (step count, with copies or not, contiguous or not).
+        buckets: dict[tuple[float, bool, bool], list[list[torch.Tensor]]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("AdamWCopies does not support sparse gradients")
+            state = self._advance(p)
+            tensors = [local_shard(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+            copy = self._copies.get(id(p))
+            contiguous = all(t.is_contiguous() for t in tensors)
+            key = (state["step"].item(), copy is not None, contiguous)
+            lists = buckets.setdefault(key, [[], [], [], [], []])
+            for i, t in enumerate([*tensors, *([copy] if copy is not None else [])]):
+                lists[i].append(t)
+        beta1, beta2 = group["betas"]
+        for (step, _, contiguous), lists in buckets.items():
+            # A strided shard (none in today's layouts) takes torch's foreach ops.
+            kernel = adamw_step if contiguous else adamw_step_ref
+            kernel(
+                *lists,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+            )

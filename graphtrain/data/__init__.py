@@ -5,7 +5,7 @@ The trainer uses one entry point, ``build_data`` (see build.py), which returns a
 
 from graphtrain.data.build import DataBundle, build_data
 from graphtrain.data.corpus import default_corpus_files
-from graphtrain.data.loader import PackedLoader
+from graphtrain.data.loader import PackedLoader, RowLoader
 from graphtrain.data.packing import pack_rows
 from graphtrain.data.sources import iter_documents, load_token_shards
 from graphtrain.data.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
@@ -13,6 +13,7 @@ from graphtrain.data.tokenizer import Tokenizer, default_tokenizer, load_tokeniz
 __all__ = [
     "DataBundle",
     "PackedLoader",
+    "RowLoader",
     "Tokenizer",
     "build_data",
     "default_corpus_files",

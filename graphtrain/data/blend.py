@@ -21,10 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from tensordict import TensorDict
 
-from graphtrain.data.loader import PackedLoader, check_loader_args
-from graphtrain.data.packing import pack_rows
+from graphtrain.data.loader import PackedLoader, RowLoader, check_loader_args
 
 BLOCK = 1000  # rows per block of the blend schedule
 
@@ -48,9 +46,9 @@ def blend_schedule(weights: Sequence[float], block: int = BLOCK) -> tuple[np.nda
     return source, index
 
 
-class BlendedLoader:
+class BlendedLoader(RowLoader):
     """Infinite iterator of packed micro-batches drawn from `sources` by `weights`; the same
-    interface as ``PackedLoader`` (``state_dict`` / ``load_state_dict`` / ``reset``)."""
+    protocol as ``PackedLoader`` (``RowLoader``: rows, ``state_dict`` / ``load_state_dict``)."""
 
     def __init__(
         self,
@@ -88,21 +86,9 @@ class BlendedLoader:
         d = int(self._source[pos])
         return d, block * int(self._per_block[d]) + int(self._index[pos])
 
-    def _row(self, global_row: int) -> np.ndarray:
+    def row(self, global_row: int) -> np.ndarray:
         d, k = self.source_of(global_row)
-        return self.sources[d]._row(k)
-
-    def __iter__(self) -> BlendedLoader:
-        return self
-
-    def __next__(self) -> TensorDict:
-        first = self.consumed_rows + self.dp_rank * self.micro_batch_size
-        rows = np.stack([self._row(first + i) for i in range(self.micro_batch_size)])
-        self.consumed_rows += self.micro_batch_size * self.dp_world_size
-        return pack_rows(rows, self.eos_id)
-
-    def reset(self) -> None:
-        self.consumed_rows = 0
+        return self.sources[d].row(k)
 
     def state_dict(self) -> dict[str, Any]:
         """The position, plus what must match on load: each source's state and the weights."""

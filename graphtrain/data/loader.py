@@ -67,7 +67,43 @@ def _where_out_of_range(shards: Sequence[np.ndarray], vocab_size: int) -> str:
     return f"{count} ids outside [0, {vocab_size}); {first}"
 
 
-class PackedLoader:
+class RowLoader:
+    """The loader protocol (PackedLoader, BlendedLoader): an infinite iterator of packed
+    micro-batches over a global sequence of rows, resumable from ``consumed_rows``. A loader
+    gives ``row(global_row)`` and its ``state_dict`` / ``load_state_dict``; this class deals
+    the rows to the dp ranks (module docstring) and packs them."""
+
+    micro_batch_size: int
+    eos_id: int | None
+    dp_rank: int
+    dp_world_size: int
+    consumed_rows: int
+
+    def row(self, global_row: int) -> np.ndarray:
+        """Global row `global_row`: seq_len + 1 token ids."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        return self
+
+    def __next__(self) -> TensorDict:
+        first = self.consumed_rows + self.dp_rank * self.micro_batch_size
+        rows = np.stack([self.row(first + i) for i in range(self.micro_batch_size)])
+        self.consumed_rows += self.micro_batch_size * self.dp_world_size
+        return pack_rows(rows, self.eos_id)
+
+    def reset(self) -> None:
+        """Start again from the first row (e.g. to evaluate on the same rows each time)."""
+        self.consumed_rows = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class PackedLoader(RowLoader):
     """Infinite iterator of packed micro-batches (TensorDicts, see ``pack_rows``) with exact resume."""
 
     def __init__(
@@ -158,18 +194,9 @@ class PackedLoader:
         start = (window - int(self._window_offsets[shard])) * self.seq_len
         return np.asarray(self.shards[shard][start : start + self.seq_len + 1])
 
-    def _row(self, global_row: int) -> np.ndarray:
+    def row(self, global_row: int) -> np.ndarray:
         epoch, index = divmod(global_row, self.num_windows)
         return self._window(int(self._permutation(epoch)[index]))
-
-    def __iter__(self) -> Iterator[TensorDict]:
-        return self
-
-    def __next__(self) -> TensorDict:
-        first = self.consumed_rows + self.dp_rank * self.micro_batch_size
-        rows = np.stack([self._row(first + i) for i in range(self.micro_batch_size)])
-        self.consumed_rows += self.micro_batch_size * self.dp_world_size
-        return pack_rows(rows, self.eos_id)
 
     def eval_batches(self, num_rows: int) -> list[TensorDict]:
         """This dp rank's share of a fixed evaluation set: the first ``num_rows`` global rows of
@@ -189,17 +216,13 @@ class PackedLoader:
         for start in range(0, len(mine), self.micro_batch_size):
             rows = mine[start : start + self.micro_batch_size]
             td = pack_rows(
-                np.stack([self._row(r if r < num_rows else 0) for r in rows]), self.eos_id
+                np.stack([self.row(r if r < num_rows else 0) for r in rows]), self.eos_id
             )
             padding = torch.tensor([r >= num_rows for r in rows])
             td["labels"][padding] = IGNORE_INDEX
             td.set_non_tensor("num_label_tokens", int((td["labels"] != IGNORE_INDEX).sum()))
             batches.append(td)
         return batches
-
-    def reset(self) -> None:
-        """Start again from the first row of epoch 0 (e.g. to evaluate on the same rows each time)."""
-        self.consumed_rows = 0
 
     def state_dict(self) -> dict[str, Any]:
         """The resume state: ``consumed_rows`` plus what must match on load (ints only)."""

@@ -68,7 +68,7 @@ def test_rows_are_each_sources_own_order_and_resume_exactly_on_another_layout():
     # The blend's rows of source d are source d's rows in its own order, none skipped.
     for d, src in enumerate(_sources()):
         mine = [r for r in rows if r[0] // 100 == d]
-        assert all(np.array_equal(r, src._row(k)[:-1]) for k, r in enumerate(mine))
+        assert all(np.array_equal(r, src.row(k)[:-1]) for k, r in enumerate(mine))
     first = _blend([0.6, 0.1, 0.3])
     for _ in range(10):
         next(first)

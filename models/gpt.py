@@ -104,7 +104,7 @@ PRESETS: dict[str, GPTConfig] = {
         max_seq_len=2048,
         tie_embeddings=True,
     ),
-    # The end-to-end benchmark shape of MISSION.md.
+    # The end-to-end benchmark shape (benchmarks/e2e.py, dense 1b).
     "1b": GPTConfig(
         vocab_size=128256,
         dim=2048,

@@ -203,3 +203,22 @@ def test_cudagraph_mtp_falls_back_with_one_log_line(caplog):
     ]:
         reason = cudagraph_fallback_reason(**{**ok, "activation_checkpoint": False, **change})
         assert words in reason, (change, reason)
+
+
+def test_step_hooks_hand_the_fp8_counters_to_the_step():
+    """training.fp8 gives the step one hook reading (and resetting) the FP8 casts' saturation
+    counters; without FP8 none. The step and the loop reach the ops only through it."""
+    from graphtrain.compile import step_hooks
+    from graphtrain.custom_ops import fp8_cast
+
+    assert step_hooks(fp8=False) == []
+    (hook,) = step_hooks(fp8=True)
+    fp8_cast.fp8_saturation_stats(reset=True)
+    x, w = torch.randn(8, 32), torch.randn(16, 32)
+    x[0, 0] = 1e6  # the rest of x flushes to zero in E4M3
+    torch.ops.graphtrain.fp8_linear(x, w, None)
+    with hook.micro_batch(1.0):
+        pass
+    stats = hook.statistics()
+    assert stats["fp8/flushed/activation"].item() > 0.9
+    assert hook.statistics()["fp8/flushed/activation"].item() == 0  # read and reset

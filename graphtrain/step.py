@@ -30,9 +30,10 @@ logged under those names. From elsewhere: a step hook. A hook has
     statistics() -> dict[str, Tensor]        detached device tensors of the step just taken,
                                              called after the optimizer step
 and their dicts are merged into StepStats.extra: graphtrain.balance.RouterBalance (MoE load,
-bias, aux losses, non-finite router logits) and the compiled ops' hooks (graphtrain.compile.
-step_hooks: FP8's saturation counters). The loop logs every entry of extra at log steps with one host sync for all of them
-(graphtrain.trainer); between log steps they stay on the device.
+bias, aux losses, non-finite router logits) and the compiled ops' hooks
+(graphtrain.compile.step_hooks: FP8's saturation counters). The loop logs every entry of extra
+at log steps with one host sync for all of them (graphtrain.trainer); between log steps they
+stay on the device.
 """
 
 from __future__ import annotations

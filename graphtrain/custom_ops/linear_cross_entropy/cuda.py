@@ -278,9 +278,9 @@ def _lce_triton_fast(
     lse_in: Tensor | None,
     vocab_chunk: int | None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """mode="fast": three GEMMs per token chunk (docs/design/linear_cross_entropy.md). `weight` may be
-    the fp32 master weight of 16-bit hidden; grad_weight then accumulates in fp32 into the
-    fp32 gradient itself."""
+    """mode="fast": three GEMMs per token chunk (docs/design/linear_cross_entropy.md).
+    `weight` may be the fp32 master weight of 16-bit hidden; grad_weight then accumulates in
+    fp32 into the fp32 gradient itself."""
     N, H = hidden.shape
     V = weight.shape[0]
     f32, dev = torch.float32, hidden.device

@@ -79,7 +79,7 @@ Refusals (the graph is left as it was and ctx.note says why)
     (that router's note says what happened).
 
 Invariant and numerics (preserves_numerics=False)
-    Indices and counts are exactly the graph's when no two selection scores are equal; on
+    Indices, counts and plain counts are exactly the graph's when no two scores are equal; on
     exact ties the op takes the lower expert (and group) index, as a stable descending sort
     does (models/moe.py), where torch.topk's choice is unspecified. sorted=False top-k indices
     come back sorted (a valid order). The weights, aux sums and logsumexps

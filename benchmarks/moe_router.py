@@ -124,7 +124,7 @@ def op_softmax_aux(
     logits: torch.Tensor, bias: torch.Tensor | None, top_k: int = TOP_K, z_loss: bool = False
 ):
     T = logits.shape[0]
-    weights, indices, counts, aux_sums, lse = torch.ops.graphtrain.moe_route(
+    weights, indices, counts, aux_sums, lse, _ = torch.ops.graphtrain.moe_route(
         logits, None, top_k, aux_seq_len=T, return_lse=z_loss
     )
     loss = _aux_loss(aux_sums.sum(0), counts, top_k, T)

@@ -14,8 +14,10 @@ What
                   micro-batch's loss weight / tp becomes the routers' aux-loss scale (the aux
                   losses are averaged over the micro-batches like the loss, and count 1/tp on
                   each of the tp ranks whose router gradients are summed); after, the router's
-                  step_counts buffer += the counts of this micro-batch (for global_aux and the
-                  bias update) and the aux-loss values are summed for logging;
+                  step_counts buffer += the dispatch counts of this micro-batch (for the bias
+                  update) and, with global_aux, step_plain_counts += its plain top-k counts
+                  (what the balance losses count: docs/design/moe_balance.md), and the
+                  aux-loss values are summed for logging;
         optimizer step pre-hook  once per optimizer step, before optimizer.step() (as
                   torchtitan's MoE load balancing): per-layer load and bias statistics of the
                   step, then Router.update_bias: the expert bias moves by
@@ -27,7 +29,7 @@ What
 
 Why the counts are accumulated after the backward and not in the forward: under activation
 checkpointing the block's forward runs again in the backward, and global_aux reads
-step_counts; counting there would count twice and change the recomputed loss. Why the counts
+step_plain_counts; counting there would count twice and change the recomputed loss. Why the counts
 are reduced in the forward rather than in the pre-hook: global_aux needs the counts of every
 rank during the forward. The bias is a buffer the optimizer never reads, so updating it before
 optimizer.step() gives the same numbers as after it. The model file imports no distributed

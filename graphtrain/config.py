@@ -247,8 +247,11 @@ class ScheduleConfig:
     # preset's schedule fits a shorter or longer run.
     warmup_ratio: float = 0.1
     decay_ratio: float = 0.2  # the last decay_ratio of training.steps decay to min_lr
-    decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "cosine"  # lr curve
-    min_lr: float = 3e-5  # learning rate at the end of the decay
+    # lr decay, Megatron-Core's formulas: linear, cosine, exponential, minus_sqrt over the last
+    # decay_ratio (step i of D at progress i/D: the last step one step short of min_lr, as
+    # Megatron-Core and torchtitan); inverse_sqrt: lr * sqrt(warmup / step) after warm-up.
+    decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt", "inverse_sqrt"] = "cosine"
+    min_lr: float = 3e-5  # learning rate the decay heads for (0 allowed); inverse_sqrt's floor
     # Global batch size in tokens, optionally stepped on consumed tokens: "0:256K 50M:512K".
     # "" -> one micro-batch per data-parallel rank per step (no accumulation).
     batch_size: str = ""

@@ -21,14 +21,22 @@ each training micro-batch it sets the aux-loss scale and accumulates the counts,
 step pre-hook calls update_bias. Per router:
     expert_bias      fp32 [E] buffer, saved in checkpoints, kept fp32 under .to(bfloat16)
     step_counts      fp32 [E] buffer, not saved: counts of the optimizer step so far
+    step_plain_counts  fp32 [E] buffer, not saved: the step's plain top-k counts (global_aux)
     aux_loss_scale   fp32 scalar buffer, not saved: the micro-batch's loss weight
     reduce_counts    None, or Tensor -> Tensor (an all-reduce over data-parallel ranks)
     last_counts      tokens per expert of the last forward, reduced (detached)
+    last_plain_counts  the same for the plain top-k (global_aux only, else None)
     last_aux         {"aux" | "seq_aux" | "global_aux" | "z": detached value} of the last forward
-    accumulate_counts()  step_counts += last_counts, after each micro-batch's backward
-    update_bias(rate)    expert_bias += rate * sign(mean - step_counts); step_counts = 0
+    accumulate_counts()  step_counts += last_counts (and the plain ones), after each
+                         micro-batch's backward
+    update_bias(rate)    expert_bias += rate * sign(mean - step_counts); both counts = 0
 The forward only assigns attributes (no in-place updates), so re-running it (activation
 checkpoint recompute) changes nothing.
+
+Balance losses count as DeepSeek-V3 (f_i) and Megatron-Core do: for each token the experts in
+the plain top-k of its scores, without the expert bias and the group limit (those change the
+dispatch, not what the losses count), so the losses keep pushing the scores towards balance
+once the bias balances the dispatch; docs/design/moe_balance.md.
 
 Numerics: routing in fp32 (logits are cast up after the gate); experts in the input's dtype, or
 in the autocast dtype under autocast; the weighted combine in fp32, cast back.
@@ -233,9 +241,12 @@ class Router(nn.Module):
         bias = torch.zeros(cfg.num_experts) if cfg.expert_bias else None
         self.register_buffer("expert_bias", bias)
         self.register_buffer("step_counts", torch.zeros(cfg.num_experts), persistent=False)
+        plain = torch.zeros(cfg.num_experts) if cfg.global_aux_loss_coef else None
+        self.register_buffer("step_plain_counts", plain, persistent=False)
         self.register_buffer("aux_loss_scale", torch.ones(()), persistent=False)
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.last_counts: torch.Tensor | None = None
+        self.last_plain_counts: torch.Tensor | None = None
         self.last_aux: dict[str, torch.Tensor] = {}
 
     def forward(
@@ -263,6 +274,13 @@ class Router(nn.Module):
         if cfg.num_groups > 1:
             sel = self._limit_groups(sel)
         indices = _topk_indices(sel, cfg.top_k)  # (T, k)
+        hits = None  # (T, E): 1 at each token's plain top-k, what the balance losses count
+        if cfg.aux_loss_coef or cfg.seq_aux_loss_coef or cfg.global_aux_loss_coef:
+            limited = cfg.num_groups > 1 and cfg.topk_groups < cfg.num_groups
+            plain = indices
+            if self.expert_bias is not None or limited:
+                plain = _topk_indices(scores, cfg.top_k)  # no bias, no group limit
+            hits = torch.zeros_like(scores).scatter(1, plain, 1.0)
         weights = scores.gather(1, indices)  # unbiased: the bias never changes the weights
         if cfg.score_func == "softmax" and not cfg.pre_softmax:
             weights = torch.softmax(weights, dim=-1)
@@ -270,11 +288,18 @@ class Router(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * cfg.route_scale
         counts = torch.bincount(indices.flatten(), minlength=cfg.num_experts)  # (E,)
-        reduced = counts.float()
+        reduced, plain_reduced = counts.float(), None
+        if cfg.global_aux_loss_coef:
+            # The plain counts ride along in the same all-reduce.
+            reduced = torch.cat([reduced, hits.sum(0)])
         if self.reduce_counts is not None:
             reduced = self.reduce_counts(reduced)
-        losses = self._aux_losses(logits, scores, indices, counts, reduced, B, L)
+        if cfg.global_aux_loss_coef:
+            reduced, plain_reduced = reduced[: cfg.num_experts], reduced[cfg.num_experts :]
+        losses = self._aux_losses(logits, scores, hits, plain_reduced, B, L)
         self.last_counts = reduced.detach()
+        if plain_reduced is not None:
+            self.last_plain_counts = plain_reduced.detach()
         self.last_aux = {name: loss.detach() for name, loss in losses.items()}
         return weights, indices, counts, sum(losses.values()) if losses else None
 
@@ -291,12 +316,13 @@ class Router(nn.Module):
         self,
         logits: torch.Tensor,
         scores: torch.Tensor,
-        indices: torch.Tensor,
-        counts: torch.Tensor,
-        reduced: torch.Tensor,
+        hits: torch.Tensor | None,
+        plain_reduced: torch.Tensor | None,
         B: int,
         L: int,
     ) -> dict[str, torch.Tensor]:
+        """The enabled losses; hits (T, E): each token's plain top-k (module docstring),
+        plain_reduced: their counts summed over the ranks that route other tokens."""
         cfg = self.cfg
         E, k, T = cfg.num_experts, cfg.top_k, B * L
         losses = {}
@@ -309,15 +335,15 @@ class Router(nn.Module):
                 p = torch.softmax(logits, dim=-1)
             p_sum = p.sum(0)  # (E,)
             if cfg.aux_loss_coef:
+                counts = hits.sum(0)  # (E,)
                 losses["aux"] = cfg.aux_loss_coef * E / (k * T * T) * (p_sum * counts).sum()
             if cfg.seq_aux_loss_coef:
                 p_seq = p.view(B, L, E).sum(1)  # (B, E)
-                ones = torch.ones(B, L * k, device=p.device)
-                c_seq = torch.zeros_like(p_seq).scatter_add_(1, indices.reshape(B, L * k), ones)
+                c_seq = hits.view(B, L, E).sum(1)  # (B, E)
                 per_seq = E / (k * L * L) * (p_seq * c_seq).sum(1)  # (B,)
                 losses["seq_aux"] = cfg.seq_aux_loss_coef * per_seq.mean()
             if cfg.global_aux_loss_coef:
-                gcounts = self.step_counts + reduced
+                gcounts = self.step_plain_counts + plain_reduced
                 global_tokens = gcounts.sum() / k
                 losses["global_aux"] = (
                     cfg.global_aux_loss_coef * E / (k * T) * (p_sum * gcounts).sum() / global_tokens
@@ -328,19 +354,24 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def accumulate_counts(self) -> None:
-        """step_counts += last_counts: graphtrain.balance calls it after each micro-batch."""
+        """step_counts += last_counts (step_plain_counts += last_plain_counts):
+        graphtrain.balance calls it after each micro-batch."""
         self.step_counts += self.last_counts
+        if self.step_plain_counts is not None and self.last_plain_counts is not None:
+            self.step_plain_counts += self.last_plain_counts
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:
-        """Once per optimizer step: move expert_bias towards balance, then reset step_counts."""
+        """Once per optimizer step: move expert_bias towards balance, then reset the counts."""
         if self.expert_bias is not None and rate:
             self.expert_bias += rate * torch.sign(self.step_counts.mean() - self.step_counts)
         self.step_counts.zero_()
+        if self.step_plain_counts is not None:
+            self.step_plain_counts.zero_()
 
     def init_weights(self, std: float) -> None:
         nn.init.trunc_normal_(self.gate.weight, std=std, a=-3 * std, b=3 * std)
-        for buf in (self.expert_bias, self.step_counts):
+        for buf in (self.expert_bias, self.step_counts, self.step_plain_counts):
             if buf is not None:
                 nn.init.zeros_(buf)
         nn.init.ones_(self.aux_loss_scale)

@@ -32,17 +32,22 @@ def test_bias_moves_in_the_optimizer_step_pre_hook():
     model, optimizer, balance = setup()
     routers = [router for _, router in model.routers()]
     counts = [torch.zeros(CFG.num_experts) for _ in routers]
+    plain = [torch.zeros(CFG.num_experts) for _ in routers]  # global_aux's plain top-k counts
     aux = {}
     for seed, weight in ((1, 0.25), (2, 0.75)):
         with balance.micro_batch(weight):
             assert all(r.aux_loss_scale.item() == weight for r in routers)
             loss = model(*tokens(seed))
             (loss * weight).backward()
-        for c, r in zip(counts, routers, strict=True):
+        for c, pc, r in zip(counts, plain, routers, strict=True):
             c += r.last_counts
+            pc += r.last_plain_counts
             for name, value in r.last_aux.items():
                 aux[name] = aux.get(name, 0.0) + value * weight
     assert all(torch.equal(r.step_counts, c) for r, c in zip(routers, counts, strict=True))
+    assert all(torch.equal(r.step_plain_counts, c) for r, c in zip(routers, plain, strict=True))
+    # Every token counts k experts either way; the bias and the group limit move which.
+    assert all(c.sum() == 2 * 2 * 16 * CFG.top_k for c in plain)
     bias_before = [r.expert_bias.clone() for r in routers]
 
     optimizer.step()  # the pre-hook: statistics, then the bias update
@@ -50,7 +55,7 @@ def test_bias_moves_in_the_optimizer_step_pre_hook():
     stats = balance.statistics()
     for (name, r), c, b in zip(model.routers(), counts, bias_before, strict=True):
         assert torch.equal(r.expert_bias, b + RATE * torch.sign(c.mean() - c))
-        assert not r.step_counts.any()
+        assert not r.step_counts.any() and not r.step_plain_counts.any()
         assert torch.equal(
             stats[f"moe/{name}/load_max_over_mean"], c.max() / c.mean().clamp(min=1e-9)
         )

@@ -3,9 +3,9 @@
 What
     moe_route(logits [T, E], bias [E] or None, top_k, *, score_func="softmax", pre_softmax=True,
               num_groups=1, topk_groups=1, normalize=False, route_scale=1.0, group_score="top2",
-              aux_seq_len=0, return_lse=False)
+              aux_seq_len=0, return_lse=False, count_plain=False)
         -> (weights [T, k] fp32, indices [T, k] int64, counts [E] int64, aux_sums [S, E] fp32,
-            lse [T] fp32)
+            lse [T] fp32, plain_counts [S, E] fp32)
     is the router of the MoE spec (models/moe.py's Router writes it out), from `logits` on:
         scores   softmax(logits)          score_func "softmax", pre_softmax=True
                  logits                   score_func "softmax", pre_softmax=False (softmax later)
@@ -26,9 +26,13 @@ What
                  the rows. aux_seq_len=0: S = 0, nothing computed.
         lse      return_lse=True: logsumexp(logits, -1) per token, what the router z-loss
                  (mean of lse^2) needs; else an empty [0] tensor, nothing computed.
+        plain_counts  count_plain=True (needs aux_seq_len > 0): plain_counts[s, e] = tokens of
+                 sequence s with e among the top-k of their scores, no bias and no group
+                 limit: what DeepSeek-V3's and Megatron-Core's balance losses count (f_i); else
+                 an empty [0, E] tensor. Without bias and group limit it is the dispatch.
     Ties (in sel and in the group scores) go to the lower expert/group index, in the reference
-    and in the kernels alike. `weights` is differentiable w.r.t. `logits`; indices, counts and
-    the bias get no gradient; aux_sums and lse are differentiable too. normalize has no effect after
+    and in the kernels alike. `weights` is differentiable w.r.t. `logits`; indices, counts,
+    plain_counts and the bias get no gradient; aux_sums and lse are differentiable too. normalize has no effect after
     the post-top-k softmax (those weights already sum to 1).
     group_score="max" is the group score of DeepSeek-V3's public inference Gate when it has no
     bias (it takes the top-2 sum only with a bias); the spec itself always uses the top-2 sum.
@@ -71,7 +75,10 @@ CUDA algorithm
     ms at the benchmark shape (H100; the sum over a block's tokens reduces across warps), the
     sigmoid backward 0.05 ms (sigmoid over the whole row): benchmarks/RESULTS.md. With
     return_lse each program also writes m + log(sum exp(x - m)) of its rows (the softmax's own
-    max and sum; two more reductions for sigmoid or the post-top-k softmax).
+    max and sum; two more reductions for sigmoid or the post-top-k softmax). With count_plain a
+    program writes its tokens' histogram of the plain top-k as fp32 partials beside the aux
+    sums' (a second k-step top-k over the unbiased scores where a bias or a group limit makes
+    the dispatch differ; the dispatch's own histogram otherwise).
     On an H100 at 65536 x 256, top-8 it takes 0.18 ms, about 7x the memory floor: it is bound
     by the dependent reductions, not by memory or the atomics (one packed int64 key reduction
     per pick instead of two, or no atomics at all, measured the same).
@@ -80,7 +87,9 @@ CUDA algorithm
     d logits (softmax: p * (dS - sum p dS) over all E; sigmoid: s (1 - s) at the k chosen
     experts; post-top-k softmax: dS itself). d aux_sums adds its sequence's row to d p of
     every token, taken back through the aux probabilities over the whole row; d lse adds
-    d lse * softmax(logits) to the row.
+    d lse * softmax(logits) to the row. plain_counts, like counts, is a constant of the
+    losses: it enters the gradient only through d aux_sums (the losses' autograd multiplies
+    them), so the backward is the same whatever the losses count.
 
 Numerics
     Everything is computed in fp32 from the logits (bf16/fp16 logits are upcast on load, like
@@ -144,6 +153,7 @@ class RouteOptions:
     group_score: str = "top2"
     aux_seq_len: int = 0
     return_lse: bool = False
+    count_plain: bool = False
 
     @property
     def score_code(self) -> int:
@@ -155,6 +165,11 @@ class RouteOptions:
     def sequences(self, T: int) -> int:
         """Rows S of aux_sums for T tokens (0 without aux sums)."""
         return T // self.aux_seq_len if self.aux_seq_len else 0
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether the group limit drops experts (keeping every group masks nothing)."""
+        return self.num_groups > 1 and self.topk_groups < self.num_groups
 
     def backward_options(self) -> dict[str, Any]:
         """The keyword arguments of moe_route_backward."""
@@ -187,6 +202,11 @@ class RouteOptions:
             raise ValueError(
                 f"moe_route: aux_seq_len={self.aux_seq_len} must be 0 (no aux sums) or divide "
                 f"the number of tokens T={T}"
+            )
+        if self.count_plain and not self.aux_seq_len:
+            raise ValueError(
+                "moe_route: count_plain=True needs aux_seq_len > 0 (plain_counts has a row per "
+                "sequence of aux_seq_len tokens), got aux_seq_len=0"
             )
 
     def _check_choices(self) -> None:
@@ -238,7 +258,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _empty_outputs(logits: Tensor, o: RouteOptions) -> tuple[Tensor, ...]:
-    """Uninitialised (weights, indices, counts, aux_sums, lse) of their shapes and dtypes:
+    """Uninitialised (weights, indices, counts, aux_sums, lse, plain_counts) of their shapes:
     the fake's outputs and the kernels' output buffers."""
     T, E = logits.shape
     dtype = _compute_dtype(logits.dtype)
@@ -248,6 +268,7 @@ def _empty_outputs(logits: Tensor, o: RouteOptions) -> tuple[Tensor, ...]:
         logits.new_empty((E,), dtype=torch.int64),
         logits.new_empty((o.sequences(T), E), dtype=dtype),
         logits.new_empty((T if o.return_lse else 0,), dtype=dtype),
+        logits.new_empty((o.sequences(T) if o.count_plain else 0, E), dtype=dtype),
     )
 
 
@@ -281,9 +302,9 @@ def moe_route_ref(
     bias: Tensor | None,
     top_k: int,
     **options: Any,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(weights, indices, counts, aux_sums, lse) of the router, in plain torch (module
-    docstring)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(weights, indices, counts, aux_sums, lse, plain_counts) of the router, in plain torch
+    (module docstring)."""
     o = RouteOptions(top_k, **options)
     o.check(logits, bias)
     code = o.score_code
@@ -291,7 +312,7 @@ def moe_route_ref(
     T, E = x.shape
     scores = _scores(x, code)
     sel = scores if bias is None else scores + bias.to(x.dtype)
-    if o.num_groups > 1 and o.topk_groups < o.num_groups:  # keeping every group masks nothing
+    if o.group_limited:
         grouped = sel.view(T, o.num_groups, E // o.num_groups)
         if o.group_score == "max" or grouped.shape[-1] == 1:
             group_scores = grouped.amax(dim=-1)
@@ -319,7 +340,12 @@ def moe_route_ref(
     if S:
         aux_sums = _aux_probs(x, scores, code).view(S, o.aux_seq_len, E).sum(1)
     lse = torch.logsumexp(x, dim=-1) if o.return_lse else x.new_zeros(0)
-    return weights, indices, counts, aux_sums, lse
+    plain_counts = x.new_zeros(0, E)
+    if o.count_plain and S:
+        plain = indices if bias is None and not o.group_limited else _top_indices(scores, o.top_k)
+        hits = torch.zeros_like(x).scatter(1, plain, 1.0)
+        plain_counts = hits.view(S, o.aux_seq_len, E).sum(1)
+    return weights, indices, counts, aux_sums, lse, plain_counts
 
 
 def moe_route_backward_ref(
@@ -383,6 +409,7 @@ def _moe_route_fwd_kernel(
     counts_ptr,  # [E] int64, zeroed by the caller; every program adds its histogram
     aux_ptr,  # [programs, E] fp32 out: each program's sum of p (not written without AUX)
     lse_ptr,  # [T] fp32 out: logsumexp of the logits (not written without LSE)
+    plain_ptr,  # [programs, E] fp32 out: each program's plain top-k histogram (PLAIN > 0)
     T,
     SEQ_LEN,  # tokens per sequence: a program's rows stay in one (T without AUX)
     BLOCKS_PER_SEQ,
@@ -402,6 +429,7 @@ def _moe_route_fwd_kernel(
     GROUP_MAX: tl.constexpr,  # group score = max instead of the top-2 sum
     AUX: tl.constexpr,  # write the partial sums of the aux probabilities
     LSE: tl.constexpr,  # write the logsumexp of each row
+    PLAIN: tl.constexpr,  # plain top-k histogram: 0 none, 1 the dispatch's, 2 its own top-k
     BLOCK_T: tl.constexpr,
 ):
     # The experts as a [1, G_PAD, EPG_PAD] grid: row g, slot j is expert g * EPG + j.
@@ -519,6 +547,22 @@ def _moe_route_fwd_kernel(
     tl.store(indices_ptr + out, idx.to(tl.int64), mask=out_ok)
 
     tl.atomic_add(counts_ptr + e2, hist.to(tl.int64), mask=e2_ok)
+
+    if PLAIN == 2:
+        # The balance losses' top-k: the unbiased scores of every expert, same tie-break.
+        plain_avail = tl.broadcast_to(e_ok, (BLOCK_T, G_PAD, EPG_PAD))
+        plain_sel = tl.where(e_ok, scores, float("-inf"))
+        for _ in tl.static_range(K):
+            cand = tl.where(plain_avail, plain_sel, float("-inf"))
+            best = tl.max(tl.max(cand, 2), 1)
+            is_best = plain_avail & (cand == best[:, None, None])
+            pick = tl.min(tl.min(tl.where(is_best, eid, E), 2), 1)
+            plain_avail = plain_avail & (eid != pick[:, None, None])
+        plain = e_ok & ~plain_avail & row_ok[:, None, None]
+        plain_hist = tl.sum(plain.to(tl.float32), 0)
+        tl.store(plain_ptr + pid.to(tl.int64) * E + e2, plain_hist, mask=e2_ok)
+    elif PLAIN == 1:
+        tl.store(plain_ptr + pid.to(tl.int64) * E + e2, hist.to(tl.float32), mask=e2_ok)
 
 
 @triton.jit
@@ -649,16 +693,16 @@ def moe_route_triton(
     bias: Tensor | None,
     top_k: int,
     **options: Any,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CUDA forward (also CPU tensors under TRITON_INTERPRET=1)."""
     o = RouteOptions(top_k, **options)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     T, E = logits.shape
-    weights, indices, counts, aux_sums, lse = _empty_outputs(logits, o)
+    weights, indices, counts, aux_sums, lse, plain_counts = _empty_outputs(logits, o)
     counts.zero_()
     if T == 0:
-        return weights, indices, counts, aux_sums.zero_(), lse
+        return weights, indices, counts, aux_sums.zero_(), lse, plain_counts.zero_()
     S = o.sequences(T)
     g_pad, epg, epg_pad = _tile(E, o.num_groups)
     seq_len = o.aux_seq_len or T  # the grid: sequences x blocks of one sequence
@@ -666,6 +710,10 @@ def moe_route_triton(
     blocks_per_seq = triton.cdiv(seq_len, block_t)
     grid = (T // seq_len) * blocks_per_seq
     partials = torch.empty(grid if S else 0, E, dtype=torch.float32, device=logits.device)
+    plain = 0
+    if o.count_plain:
+        plain = 2 if bias is not None or o.group_limited else 1
+    plain_partials = torch.empty(grid if plain else 0, E, dtype=torch.float32, device=logits.device)
     _moe_route_fwd_kernel[(grid,)](
         logits,
         bias if bias is not None else logits,  # a dummy pointer, never read
@@ -674,6 +722,7 @@ def moe_route_triton(
         counts,
         partials if S else weights,  # a dummy pointer, never written
         lse if o.return_lse else weights,  # a dummy pointer, never written
+        plain_partials if plain else weights,  # a dummy pointer, never written
         T,
         seq_len,
         blocks_per_seq,
@@ -693,12 +742,15 @@ def moe_route_triton(
         GROUP_MAX=o.group_score == "max",
         AUX=S > 0,
         LSE=o.return_lse,
+        PLAIN=plain,
         BLOCK_T=block_t,
         num_warps=_FWD_WARPS,
     )
     # No aux sums: the empty partials themselves (no extra op on the host path).
     aux_sums = partials.view(S, blocks_per_seq, E).sum(1) if S else partials
-    return weights, indices, counts, aux_sums, lse
+    if plain:  # whole counts below 2**24: the fp32 sums are exact in any order
+        plain_counts = plain_partials.view(S, blocks_per_seq, E).sum(1)
+    return weights, indices, counts, aux_sums, lse, plain_counts
 
 
 def moe_route_backward_triton(
@@ -778,14 +830,16 @@ _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RouteOptions))[1:]  # a
     schema=(
         "(Tensor logits, Tensor? bias, int top_k, *, "
         f"{_schema_options(_OPTION_NAMES, defaults=True)}) "
-        "-> (Tensor weights, Tensor indices, Tensor counts, Tensor aux_sums, Tensor lse)"
+        "-> (Tensor weights, Tensor indices, Tensor counts, Tensor aux_sums, Tensor lse, "
+        "Tensor plain_counts)"
     ),
 )
 def moe_route(
     logits: Tensor, bias: Tensor | None, top_k: int, **options: Any
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(weights [T, k] fp32, indices [T, k] int64, counts [E] int64, aux_sums [S, E] fp32,
-    lse [T] or [0] fp32) of the MoE router; options: RouteOptions' fields.
+    lse [T] or [0] fp32, plain_counts [S, E] or [0, E] fp32) of the MoE router; options:
+    RouteOptions' fields.
 
     This body is the CPU (and any non-CUDA) kernel: the torch reference.
     """
@@ -845,8 +899,8 @@ def _setup_context(
     ctx: Any, inputs: tuple, keyword_only_inputs: dict[str, Any], output: tuple
 ) -> None:
     logits, _bias, top_k = inputs
-    _weights, indices, counts, _aux_sums, _lse = output
-    ctx.mark_non_differentiable(indices, counts)
+    _weights, indices, counts, _aux_sums, _lse, plain_counts = output
+    ctx.mark_non_differentiable(indices, counts, plain_counts)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(logits, indices)
     ctx.options = RouteOptions(top_k, **keyword_only_inputs)
@@ -859,6 +913,7 @@ def _backward(
     _grad_counts: Tensor | None,
     grad_aux_sums: Tensor | None,
     grad_lse: Tensor | None,
+    _grad_plain_counts: Tensor | None,
 ) -> tuple:
     if not ctx.options.return_lse:  # the empty lse: nothing flows from it
         grad_lse = None

@@ -2,8 +2,9 @@
 
 What:
 - `LRSchedule`: linear warmup, constant ("stable") phase, and a decay over the last `decay_steps`
-  steps with a linear, cosine, exponential or minus_sqrt shape (the WSD schedule of MiniCPM and
-  Megatron-Core).
+  steps with a linear, cosine, exponential or minus_sqrt shape (Megatron-Core's WSD styles, its
+  formulas), or an inverse-square-root decay from the end of warmup (Megatron's
+  "inverse-square-root").
 - `BatchSizeSchedule`: the global batch size (in tokens) as a step function of the number of
   tokens consumed so far, e.g. "0:256K 50M:512K 200M:1M".
 
@@ -14,18 +15,22 @@ costs no device sync.
 
 Step convention (0-based optimizer steps, `total_steps` of them, the last one is total_steps - 1):
 - warmup, step < warmup_steps: lr * (step + 1) / warmup_steps, so step 0 trains at
-  lr / warmup_steps (not 0, which would waste a step) and step warmup_steps - 1 at lr;
+  lr / warmup_steps (not 0, which would waste a step; torchtitan's warmup);
 - stable, warmup_steps <= step < total_steps - decay_steps: lr;
-- decay, step >= total_steps - decay_steps: progress r = (step - decay_start + 1) / decay_steps,
-  so the first decay step is already slightly below lr and the last step (total_steps - 1) trains
-  at exactly min_lr; steps past the end stay at min_lr. With decay_steps = 0 there is no decay
-  and every step after warmup (past the end too) trains at lr.
-  Shapes, with r in [0, 1]:
+- decay, step >= decay_start = total_steps - decay_steps: progress r = (step - decay_start) /
+  decay_steps, so the first decay step trains at lr and the last step (total_steps - 1) at
+  r = (D-1)/D, one step short of min_lr: the value Megatron-Core (num_steps = step) and
+  torchtitan (its "virtual last step") give the same step, so with min_lr = 0 the last step
+  still trains. Steps past the end use r = 1 (min_lr). decay_steps = 0: no decay, lr throughout.
+  Shapes, with r in [0, 1] (Megatron-Core's WSD decay styles, min_lr = 0 allowed for all):
     linear:      min + (max - min) * (1 - r)
     cosine:      min + (max - min) * 0.5 * (1 + cos(pi * r))
-    exponential: max * (min / max) ** r       (min_lr must be > 0: with min_lr = 0 the whole
-                                               decay would be 0, so it is a ValueError)
+    exponential: min + (max - min) * (2 * 0.5 ** r - 1)
     minus_sqrt:  min + (max - min) * (1 - sqrt(r))
+- inverse_sqrt (replaces the stable phase and the decay; decay_steps is not used): every step
+  from warmup_steps on trains at max(min, max * sqrt(max(W, 1) / max(step, 1))), W =
+  warmup_steps, Megatron's formula at its num_steps = step (step W trains at lr); past the end
+  (step > total_steps), min_lr.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from typing import Any
 
 import torch
 
-DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt", "inverse_sqrt")
 
 
 class LRSchedule:
@@ -74,11 +79,6 @@ class LRSchedule:
             raise ValueError(f"min_lr must be >= 0, got {min_lr}")
         if min_lr > lr:
             raise ValueError(f"min_lr ({min_lr}) must not exceed lr ({lr})")
-        if decay_style == "exponential" and decay_steps > 0 and min_lr == 0:
-            raise ValueError(
-                "decay_style 'exponential' needs min_lr > 0 (lr * (min_lr/lr)**r is 0 for every "
-                "r > 0 when min_lr = 0); set a small min_lr such as lr * 1e-3"
-            )
         self.lr = float(lr)
         self.min_lr = float(min_lr)
         self.warmup_steps = int(warmup_steps)
@@ -99,17 +99,24 @@ class LRSchedule:
             raise ValueError(f"step must be >= 0, got {step}")
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
+        hi, lo = self.lr, self.min_lr
+        if self.decay_style == "inverse_sqrt":
+            if step > self.total_steps:
+                return lo
+            return max(lo, hi * math.sqrt(max(self.warmup_steps, 1) / max(step, 1)))
         if step < self.decay_start or self.decay_steps == 0:
             return self.lr
-        r = min(1.0, (step - self.decay_start + 1) / self.decay_steps)
-        hi, lo = self.lr, self.min_lr
+        # r = 0 at the first decay step, (D-1)/D at the last step (module docstring).
+        r = min(1.0, (step - self.decay_start) / self.decay_steps)
         if self.decay_style == "linear":
-            return lo + (hi - lo) * (1.0 - r)
-        if self.decay_style == "cosine":
-            return lo + (hi - lo) * 0.5 * (1.0 + math.cos(math.pi * r))
-        if self.decay_style == "exponential":
-            return hi * (lo / hi) ** r
-        return lo + (hi - lo) * (1.0 - math.sqrt(r))  # minus_sqrt
+            coeff = 1.0 - r
+        elif self.decay_style == "cosine":
+            coeff = 0.5 * (1.0 + math.cos(math.pi * r))
+        elif self.decay_style == "exponential":
+            coeff = 2.0 * 0.5**r - 1.0
+        else:  # minus_sqrt
+            coeff = 1.0 - math.sqrt(r)
+        return lo + (hi - lo) * coeff
 
     def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         """Set the learning rate of every param group for `step`; returns it.

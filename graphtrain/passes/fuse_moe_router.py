@@ -35,7 +35,15 @@ What
                    p.view(B, L, E).sum(1) per sequence (view / reshape / unflatten), fp32,
                    after the top-k; they become aux_sums.sum(0) and aux_sums of the op with
                    aux_seq_len=L (T when there are only token sums). models/moe.py's aux,
-                   seq_aux and global_aux losses read only these.
+                   seq_aux and global_aux losses read only these and the plain counts.
+        plain counts what those losses count (DeepSeek-V3's f_i, Megatron-Core's aux routing
+                   map): a top-k (or descending sort [:, :k]) of the same scores with the same
+                   k, no bias, no group limit (or the expert top-k itself when the router has
+                   neither), scattered as ones into zeros [T, E] (scatter(1, idx, 1), not in
+                   place), summed over the tokens (.sum(0)) and/or per sequence
+                   (.view(B, L, E).sum(1), L the aux sums' own when they have one), after the
+                   expert top-k; they become the op's plain_counts (count_plain=True) summed
+                   over dim 0, or the rows, cast to their dtype, and the extra top-k goes.
         lse        the router z-loss's logsumexp(logits, -1) (torch / method spelling, dim -1
                    or 1, keepdim or not), of the op's logits or of their fp32 cast, fp32,
                    before or after the top-k (Megatron takes it before routing): it becomes
@@ -71,7 +79,7 @@ Refusals (the graph is left as it was and ctx.note says why)
     (that router's note says what happened).
 
 Invariant and numerics (preserves_numerics=False)
-    Indices and counts are exactly the graph's when no two selection scores are equal; on
+    Indices, counts and plain counts are exactly the graph's when no two scores are equal; on
     exact ties the op takes the lower expert (and group) index, as a stable descending sort
     does (models/moe.py), where torch.topk's choice is unspecified. sorted=False top-k indices
     come back sorted (a valid order). The weights, aux sums and logsumexps
@@ -116,6 +124,8 @@ class _Router:
     token_sums: list[Node]  # p.sum(0): become aux_sums.sum(0)
     seq_sums: list[Node]  # p.view(B, L, E).sum(1): become aux_sums
     lse: list[Node]  # logsumexp(logits, -1): become the op's lse
+    plain_token: list[Node]  # the plain top-k's map .sum(0): become plain_counts.sum(0)
+    plain_seq: list[Node]  # its .view(B, L, E).sum(1): become plain_counts
     at: Node  # the op goes right before this node: the anchor or an earlier logsumexp
     nodes: set[Node]  # every node of the sub-graph
 
@@ -129,6 +139,8 @@ class _Router:
             *self.token_sums,
             *self.seq_sums,
             *self.lse,
+            *self.plain_token,
+            *self.plain_seq,
         }
 
 
@@ -207,6 +219,99 @@ class _Matcher(SelectionMatcher):
         if not token and not per_seq:
             return 0, [], []
         return seq_len or T, token, per_seq
+
+    # ---- the balance losses' plain top-k counts ---------------------------------------------
+
+    def plain_counts(
+        self, anchor: Node, scores: Node, indices: list[Node], k: int, reuse: bool, seq_len: int
+    ) -> tuple[int, list[Node], list[Node]]:
+        """(L, token sums, sequence sums) of the ones scattered at the plain top-k of `scores`
+        (another top-k of them with the same k; the expert top-k's `indices` when `reuse`, the
+        router having no bias and no group limit). seq_len: the aux sums' L (0: any)."""
+        T, E = fx.shape(scores)
+        order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+        found: list[tuple[SelectionMatcher | None, list[Node]]] = [(None, indices)] if reuse else []
+        for u in scores.users:
+            if u is anchor or fx.is_call(u, "topk", "sort", "argsort") is None:
+                continue
+            sub = SelectionMatcher()
+            try:
+                x, kk, idx, _ = sub.selection(u)
+            except Refuse:
+                continue
+            if x is scores and kk == k and idx and order[u] > order[anchor]:
+                found.append((sub, idx))
+        token, per_seq = [], []
+        for sub, idx in found:
+            used = False
+            for i in idx:
+                for c in (fx.is_call(u, "scatter") for u in i.users):
+                    if c is None:
+                        continue
+                    zeros = fx.call(c.args[0])
+                    value = c.arg(3, "value", c.kwargs.get("src"))
+                    if (
+                        c.inplace
+                        or c.arg(2, "index") is not i
+                        or c.arg(1, "dim") not in (1, -1)
+                        or "reduce" in c.kwargs
+                        or zeros is None
+                        or fx.FILLS.get(zeros.name) != 0
+                        or fx.shape(c.node) != (T, E)
+                        or fx.dtype(c.node) != torch.float32
+                        or isinstance(value, bool)
+                        or value != 1
+                    ):
+                        continue
+                    t, q, views, L = self._map_sums(c.node, T, E, order[anchor], seq_len)
+                    if t or q:
+                        seq_len, used = L, True
+                        token += t
+                        per_seq += q
+                        self.take(c.node, zeros.node, *t, *q, *views)
+            if used and sub is not None:
+                self.take(*sub.nodes)
+        if not token and not per_seq:
+            return 0, [], []
+        return seq_len or T, token, per_seq
+
+    @staticmethod
+    def _map_sums(
+        hits: Node, T: int, E: int, after: int, seq_len: int
+    ) -> tuple[list[Node], list[Node], list[Node], int]:
+        """(token sums, sequence sums, their [B, L, E] views, L) of a [T, E] map: fp32 sums
+        without keepdim after position `after`; L must be seq_len unless that is 0."""
+        order = {n: i for i, n in enumerate(hits.graph.nodes)}
+
+        def is_sum(node: Node, dim: int, shape: tuple) -> bool:
+            c = fx.is_call(node, "sum")
+            return (
+                c is not None
+                and c.arg(1, "dim") in (dim, (dim,), [dim])
+                and not c.arg(2, "keepdim", False)
+                and c.kwargs.get("dtype") is None
+                and fx.shape(node) == shape
+                and order[node] > after
+            )
+
+        token, per_seq, views = [], [], []
+        for u in hits.users:
+            if is_sum(u, 0, (E,)):
+                token.append(u)
+                continue
+            c = fx.call(u)
+            view = fx.shape(u)
+            if c is None or not fx.is_reinterpret(c) or view is None or len(view) != 3:
+                continue
+            B, L = view[0], view[1]
+            if B * L != T or view[2] != E or (seq_len and L != seq_len):
+                continue
+            sums = [v for v in u.users if is_sum(v, 1, (B, E))]
+            if sums:
+                seq_len = L
+                per_seq += sums
+                views.append(u)
+        return token, per_seq, views, seq_len
 
     # ---- the z-loss's logsumexp ------------------------------------------------------------
 
@@ -425,6 +530,11 @@ def _match(m: _Matcher, anchor: Node) -> _Router:
     weights, normalize, route_scale = m.weight_chain(w0, post_softmax=not pre_softmax)
     counts = m.counts(indices, T, E, k)
     aux_seq_len, token_sums, seq_sums = m.aux_sums(anchor, logits, scores, score_func, pre_softmax)
+    reuse = bias is None and groups.get("topk_groups", 1) >= groups.get("num_groups", 1)
+    seq_len = aux_seq_len if seq_sums else 0
+    plain_len, plain_token, plain_seq = m.plain_counts(anchor, scores, indices, k, reuse, seq_len)
+    if plain_len:
+        aux_seq_len = plain_len if plain_seq else (aux_seq_len or plain_len)
     lse, at = m.logsumexps(anchor, logits, bias)
     options = dict(
         score_func=score_func,
@@ -436,6 +546,7 @@ def _match(m: _Matcher, anchor: Node) -> _Router:
         group_score=groups.get("group_score", "top2"),
         aux_seq_len=aux_seq_len,
         return_lse=bool(lse),
+        count_plain=bool(plain_len),
     )
     for node in (logits, bias):
         if node is not None and not isinstance(fx.val(node), FakeTensor):
@@ -466,6 +577,8 @@ def _match(m: _Matcher, anchor: Node) -> _Router:
         token_sums,
         seq_sums,
         lse,
+        plain_token,
+        plain_seq,
         at,
         m.nodes,
     )
@@ -481,7 +594,7 @@ def _rewrite(gm: torch.fx.GraphModule, r: _Router) -> tuple[Node, list[str]]:
             fx.emit(graph, "call_function", operator.getitem, (route, i), like=r.anchor)
             for i in range(len(fx.val(route)))
         ]
-    weights, indices, counts, aux_sums, lse = parts
+    weights, indices, counts, aux_sums, lse, plain_counts = parts
     r.weights.replace_all_uses_with(weights)
     for node in r.indices:
         node.replace_all_uses_with(indices)
@@ -489,6 +602,10 @@ def _rewrite(gm: torch.fx.GraphModule, r: _Router) -> tuple[Node, list[str]]:
         node.replace_all_uses_with(aux_sums)
     for node in r.token_sums:
         _replace(graph, node, torch.sum, (aux_sums, 0))
+    for node in r.plain_seq:  # fp32, as the op's (the matcher checked)
+        node.replace_all_uses_with(plain_counts)
+    for node in r.plain_token:
+        _replace(graph, node, torch.sum, (plain_counts, 0))
     for node in r.lse:
         if fx.shape(node) != fx.shape(lse):  # keepdim=True: [T, 1]
             _replace(graph, node, torch.unsqueeze, (lse, -1))
@@ -546,8 +663,10 @@ def fuse_moe_router_pass(
         return gm
     # Last first: a router's expert top-k comes after its group top-k, which goes with it.
     # A top-k that an earlier attempt read as a router's group selection gets no note of its
-    # own (that router's note says what happened); every other refusal is noted.
-    notes: list[tuple[int, str]] = []
+    # own (that router's note says what happened), nor does one that a router took with it (the
+    # balance losses' plain top-k, refused on its own as it feeds no weights); every other
+    # refusal is noted.
+    notes: list[tuple[int, Node | None, str]] = []
     erased: set[Node] = set()
     claimed: set[Node] = set()
     for position, anchor in reversed(list(enumerate(anchors))):
@@ -560,7 +679,7 @@ def fuse_moe_router_pass(
             fx.check_mutations(gm.graph, r.nodes, r.rewired, inputs, r.at)
         except Refuse as why:
             if anchor not in claimed:
-                notes.append((position, f"left {anchor.name} unchanged: {why}"))
+                notes.append((position, anchor, f"left {anchor.name} unchanged: {why}"))
             claimed |= m.nodes
             continue
         claimed |= r.nodes
@@ -571,12 +690,14 @@ def fuse_moe_router_pass(
         notes.append(
             (
                 position,
+                None,
                 f"replaced the router ending in {anchor.name} with {route.name} = "
                 f"graphtrain.moe_route(logits={r.logits.name}, bias={bias}, top_k={r.top_k}, "
                 f"{options}); counts from {len(r.counts)} node(s)"
                 + (f"; kept (used elsewhere): {', '.join(kept)}" if kept else ""),
             )
         )
-    for _, note in sorted(notes):
-        ctx.note(note)
+    for _, anchor, note in sorted(notes, key=lambda n: n[0]):
+        if anchor is None or anchor not in erased:
+            ctx.note(note)
     return fx.finish(gm, bool(erased))

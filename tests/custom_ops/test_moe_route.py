@@ -1,5 +1,5 @@
-"""Tests of graphtrain::moe_route: weights, indices, counts, aux sums, logsumexp and d logits
-against float64 torch.
+"""Tests of graphtrain::moe_route: weights, indices, counts, aux sums, logsumexp, the balance
+losses' plain top-k counts and d logits against float64 torch.
 
 The oracle is the MoE spec's router pseudo-code written with plain torch ops in float64, with
 top-k taken by repeated argmax (torch.argmax returns the first maximum: the lower-index
@@ -85,10 +85,12 @@ def spec_router_f64(
     group_score="top2",
     aux_seq_len=0,
     return_lse=False,
+    count_plain=False,
 ):
     """The spec's router pseudo-code, in float64 (logits keep their autograd history), the
-    per-sequence sums of the aux losses' probabilities as models/moe.py computes them, and the
-    z-loss's logsumexp."""
+    per-sequence sums of the aux losses' probabilities as models/moe.py computes them, the
+    z-loss's logsumexp, and per sequence the tokens that have each expert in the top-k of
+    their scores without bias or group limit (DeepSeek-V3's f_i count)."""
     logits = logits.double()
     if score_func == "softmax" and pre_softmax:
         scores = torch.softmax(logits, dim=-1)
@@ -123,7 +125,12 @@ def spec_router_f64(
         p = torch.softmax(logits, dim=-1)
     aux_sums = p.view(-1, aux_seq_len, E).sum(1) if aux_seq_len else p.new_zeros(0, E)
     lse = torch.logsumexp(logits, dim=-1) if return_lse else logits.new_zeros(0)
-    return weights, indices, counts, aux_sums, lse
+    plain_counts = logits.new_zeros(0, E)
+    if count_plain:
+        plain = first_max_topk(scores.detach(), top_k)  # no bias, no groups
+        hits = torch.zeros(T, E, dtype=torch.float64).scatter(1, plain, 1.0)
+        plain_counts = hits.view(-1, aux_seq_len, E).sum(1)
+    return weights, indices, counts, aux_sums, lse, plain_counts
 
 
 def make_inputs(seed, T, E, with_bias, *, ties=False, dtype=torch.float32):
@@ -143,10 +150,10 @@ def make_inputs(seed, T, E, with_bias, *, ties=False, dtype=torch.float32):
 
 
 def grad_logits(fn, logits, grad_seed):
-    """(weights, indices, counts, aux sums, lse, d logits) of fn(logits) for random gradients
-    of the weights and (when there are any) of the aux sums and the lse."""
+    """(weights, indices, counts, aux sums, lse, plain counts, d logits) of fn(logits) for
+    random gradients of the weights and (when there are any) of the aux sums and the lse."""
     x = logits.detach().clone().requires_grad_(True)
-    weights, indices, counts, aux_sums, lse = fn(x)
+    weights, indices, counts, aux_sums, lse, plain_counts = fn(x)
     g = torch.Generator().manual_seed(grad_seed)
     outs, grads = [weights], []
     for extra in (aux_sums, lse):
@@ -156,7 +163,7 @@ def grad_logits(fn, logits, grad_seed):
         go = torch.randn(out.shape, generator=g, dtype=torch.float64)
         grads.append(go.to(out.device, out.dtype))
     (gx,) = torch.autograd.grad(outs, (x,), grads)
-    return weights.detach(), indices, counts, aux_sums.detach(), lse.detach(), gx
+    return weights.detach(), indices, counts, aux_sums.detach(), lse.detach(), plain_counts, gx
 
 
 def assert_close(actual, expected, tol, what=""):
@@ -172,10 +179,20 @@ def assert_close(actual, expected, tol, what=""):
 
 
 def check_against_oracle(
-    fn, name, *, T, dtype, tol, ties=False, near_ties=0.0, aux_seq_len=0, return_lse=False
+    fn,
+    name,
+    *,
+    T,
+    dtype,
+    tol,
+    ties=False,
+    near_ties=0.0,
+    aux_seq_len=0,
+    return_lse=False,
+    count_plain=False,
 ):
-    """fn(logits, bias, top_k, **opts) -> (weights, indices, counts, aux sums, lse), forward
-    and d logits (through the weights, the aux sums and the lse).
+    """fn(logits, bias, top_k, **opts) -> (weights, indices, counts, aux sums, lse, plain
+    counts), forward and d logits (through the weights, the aux sums and the lse).
 
     near_ties > 0: up to that fraction of the rows may choose other experts (two scores within
     fp32 rounding of each other, computed in another order than torch's); values are then
@@ -185,14 +202,22 @@ def check_against_oracle(
     seed = zlib.crc32(repr((name, T, dtype, ties, aux_seq_len, return_lse)).encode()) % 10_000
     logits, bias = make_inputs(seed, T, E, with_bias, ties=ties, dtype=dtype)
     opts = {**opts, "aux_seq_len": aux_seq_len, "return_lse": return_lse}
-    w, i, c, a, lse, gx = grad_logits(lambda x: fn(x, bias, k, **opts), logits, seed + 1)
-    rw, ri, rc, ra, rlse, rgx = grad_logits(
+    if count_plain:
+        opts["count_plain"] = True
+    w, i, c, a, lse, pc, gx = grad_logits(lambda x: fn(x, bias, k, **opts), logits, seed + 1)
+    rw, ri, rc, ra, rlse, rpc, rgx = grad_logits(
         lambda x: spec_router_f64(x, bias, k, **opts), logits.double(), seed + 1
     )
     # The aux sums and the lse do not depend on the choice of experts: compared on every row.
     assert a.dtype == lse.dtype == w.dtype
     assert_close(a, ra, tol, f"{name} aux sums")
     assert_close(lse, rlse, tol, f"{name} lse")
+    assert pc.dtype == w.dtype and pc.shape == rpc.shape, (pc.dtype, pc.shape, rpc.shape)
+    if near_ties:  # a near tie may move one count; every token still counts k experts
+        assert torch.equal(pc.sum(1), rpc.sum(1)), f"{name}: plain counts per sequence"
+        assert (pc - rpc).abs().sum() <= 2 * near_ties * T * k, f"{name}: plain counts"
+    else:
+        assert torch.equal(pc, rpc.to(pc.dtype)), f"{name}: plain counts\n{pc}\n{rpc}"
     if near_ties:
         same = (i == ri).all(dim=-1)
         assert same.float().mean() >= 1 - near_ties, f"{name}: {(~same).sum()} rows differ"
@@ -223,17 +248,39 @@ def test_op_matches_float64(name, dtype, tol):
     check_against_oracle(op, name, T=37, dtype=dtype, tol=tol)
     check_against_oracle(op, name, T=36, dtype=dtype, tol=tol, aux_seq_len=12)
     check_against_oracle(op, name, T=36, dtype=dtype, tol=tol, aux_seq_len=12, return_lse=True)
+    check_against_oracle(op, name, T=36, dtype=dtype, tol=tol, aux_seq_len=6, count_plain=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_exact_ties_go_to_the_lower_index(name):
     check_against_oracle(op, name, T=23, dtype=torch.float32, tol=2e-6, ties=True)
+    check_against_oracle(
+        op, name, T=24, dtype=torch.float32, tol=2e-6, ties=True, aux_seq_len=8, count_plain=True
+    )
+
+
+def test_plain_counts_ignore_bias_and_groups():
+    """A bias that moves every token's dispatch to experts 0 and 1 leaves the plain counts at the
+    top-k of the scores (DeepSeek-V3 / Megatron-Core's f_i): spelled out on a small case."""
+    logits = torch.tensor([[3.0, 0.0, 2.0, 1.0], [0.0, 1.0, 3.0, 2.0], [2.0, 3.0, 0.0, 1.0]])
+    bias = torch.tensor([10.0, 10.0, 0.0, 0.0])
+    for options in (dict(), dict(num_groups=2, topk_groups=1)):
+        out = op(logits, bias, 2, score_func="sigmoid", aux_seq_len=3, count_plain=True, **options)
+        assert out[1].sort(dim=1).values.tolist() == [[0, 1]] * 3  # the biased dispatch
+        assert out[5].tolist() == [[2.0, 1.0, 2.0, 1.0]]  # top-2 of the scores: {0,2} {2,3} {0,1}
+    # Groups alone (no bias): token 0's best expert (0) is in the group with the lower
+    # top-2 sum of sigmoid scores (0.95 + 0.01 < 2 * 0.88), so its dispatch goes to expert 2.
+    logits[0] = torch.tensor([3.0, -5.0, 2.0, 2.0])
+    opts = dict(score_func="sigmoid", aux_seq_len=3, count_plain=True)
+    out = op(logits, None, 1, num_groups=2, topk_groups=1, **opts)
+    assert out[5].tolist() == [[1.0, 1.0, 1.0, 0.0]]  # top-1 of the scores: 0, 2, 1
+    assert out[2].tolist() == [0, 1, 2, 0]  # the group-limited dispatch: 2, 2, 1
 
 
 def test_tie_order_spelled_out():
     """Every logit equal: experts 0..k-1 in order; groups: the first topk_groups groups."""
     logits = torch.zeros(3, 8)
-    _, indices, counts, _, _ = op(logits, None, 3)
+    _, indices, counts, _, _, _ = op(logits, None, 3)
     assert indices.tolist() == [[0, 1, 2]] * 3 and counts.tolist() == [3, 3, 3, 0, 0, 0, 0, 0]
     bias = torch.tensor([0.0, 0, 0, 0, 0, 1, 0, 1])  # group 2 (experts 4, 5) and 3 tie at 1
     indices = op(logits, bias, 3, num_groups=4, topk_groups=2)[1]
@@ -255,7 +302,7 @@ def test_gradcheck_float64(name):
     x = logits.requires_grad_(True)
 
     def differentiable(x):
-        weights, _, _, aux_sums, lse = op(x, bias, k, **opts, aux_seq_len=3, return_lse=True)
+        weights, _, _, aux_sums, lse, _ = op(x, bias, k, **opts, aux_seq_len=3, return_lse=True)
         return weights, aux_sums, lse
 
     assert torch.autograd.gradcheck(differentiable, (x,))
@@ -266,8 +313,8 @@ def test_low_precision_logits_compute_in_float32():
     E, k, opts, with_bias = CASES["sigmoid groups bias normalize scale (DeepSeek-V3)"]
     logits, bias = make_inputs(3, 29, E, with_bias, dtype=torch.bfloat16)
     opts = {**opts, "aux_seq_len": 29, "return_lse": True}
-    w, i, c, a, lse, gx = grad_logits(lambda x: op(x, bias, k, **opts), logits, 4)
-    rw, ri, rc, ra, rlse, rgx = grad_logits(lambda x: op(x, bias, k, **opts), logits.float(), 4)
+    w, i, c, a, lse, _, gx = grad_logits(lambda x: op(x, bias, k, **opts), logits, 4)
+    rw, ri, rc, ra, rlse, _, rgx = grad_logits(lambda x: op(x, bias, k, **opts), logits.float(), 4)
     assert w.dtype == a.dtype == lse.dtype == torch.float32 and gx.dtype == torch.bfloat16
     assert torch.equal(w, rw) and torch.equal(i, ri) and torch.equal(c, rc) and torch.equal(a, ra)
     assert torch.equal(lse, rlse) and torch.equal(gx, rgx.bfloat16())
@@ -277,10 +324,11 @@ def test_only_weights_carry_gradient():
     logits, bias = make_inputs(5, 9, 16, True)
     x = logits.requires_grad_(True)
     b = bias.clone().requires_grad_(True)
-    opts = dict(num_groups=4, topk_groups=2, aux_seq_len=3, return_lse=True)
-    weights, indices, counts, aux_sums, lse = op(x, b, 2, **opts)
+    opts = dict(num_groups=4, topk_groups=2, aux_seq_len=3, return_lse=True, count_plain=True)
+    weights, indices, counts, aux_sums, lse, plain_counts = op(x, b, 2, **opts)
     assert weights.requires_grad and aux_sums.requires_grad and lse.requires_grad
     assert not indices.requires_grad and not counts.requires_grad
+    assert not plain_counts.requires_grad
     gx, gb = torch.autograd.grad(weights.sum(), (x, b), allow_unused=True, retain_graph=True)
     assert gx is not None and gb is None
     # The aux sums alone (the weights get no gradient): d logits from them only.
@@ -298,11 +346,16 @@ def test_only_weights_carry_gradient():
 
 def test_empty_batch():
     for aux_seq_len, return_lse in ((0, False), (4, True)):
-        weights, indices, counts, aux_sums, lse = op(
-            torch.zeros(0, 8), None, 2, aux_seq_len=aux_seq_len, return_lse=return_lse
+        weights, indices, counts, aux_sums, lse, plain_counts = op(
+            torch.zeros(0, 8),
+            None,
+            2,
+            aux_seq_len=aux_seq_len,
+            return_lse=return_lse,
+            count_plain=return_lse,
         )
         assert weights.shape == (0, 2) and indices.shape == (0, 2) and counts.tolist() == [0] * 8
-        assert aux_sums.shape == (0, 8) and lse.shape == (0,)
+        assert aux_sums.shape == (0, 8) and lse.shape == (0,) and plain_counts.shape == (0, 8)
 
 
 BAD_ARGS = [
@@ -321,6 +374,7 @@ BAD_ARGS = [
         r"aux_seq_len=3 must be 0 \(no aux sums\) or divide the number of tokens T=4",
     ),
     (dict(aux_seq_len=-2), "aux_seq_len=-2"),
+    (dict(count_plain=True), "count_plain=True needs aux_seq_len > 0"),
     (dict(bias=torch.zeros(7)), r"\[E\]=\[8\]"),
     (dict(bias=torch.zeros(8, dtype=torch.bfloat16)), "bias must be float32"),
     (dict(logits=torch.zeros(2, 3, 8)), r"\[T, E\]"),
@@ -349,7 +403,12 @@ def test_opcheck(name):
         torch.library.opcheck(
             torch.ops.graphtrain.moe_route.default,
             (logits.requires_grad_(True), bias, k),
-            {**opts, "aux_seq_len": aux_seq_len, "return_lse": return_lse},
+            {
+                **opts,
+                "aux_seq_len": aux_seq_len,
+                "return_lse": return_lse,
+                "count_plain": return_lse,
+            },
         )
     indices = op(logits, bias, k, **opts)[1]
     bwd_opts = dict(
@@ -373,10 +432,10 @@ def test_compiled_matches_eager():
     logits, bias = make_inputs(17, 21, E, with_bias)
 
     def f(x):
-        weights, indices, counts, aux_sums, lse = op(
-            x * 2, bias, k, **opts, aux_seq_len=7, return_lse=True
+        weights, indices, counts, aux_sums, lse, plain_counts = op(
+            x * 2, bias, k, **opts, aux_seq_len=7, return_lse=True, count_plain=True
         )
-        return weights * 3, indices, counts, aux_sums, lse
+        return weights * 3, indices, counts, aux_sums, lse, plain_counts
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     for a, b in zip(grad_logits(compiled, logits, 1), grad_logits(f, logits, 1), strict=True):
@@ -396,11 +455,13 @@ def _triton_op(logits, bias, top_k, **opts):
         def forward(ctx, x):
             outs = mr.moe_route_triton(x, bias, top_k, **opts)
             ctx.save_for_backward(x, outs[1])
-            ctx.mark_non_differentiable(outs[1], outs[2])
+            ctx.mark_non_differentiable(outs[1], outs[2], outs[5])
             return outs
 
         @staticmethod
-        def backward(ctx, grad_weights, _grad_indices, _grad_counts, grad_aux_sums, grad_lse):
+        def backward(
+            ctx, grad_weights, _grad_indices, _grad_counts, grad_aux_sums, grad_lse, _grad_plain
+        ):
             x, indices = ctx.saved_tensors
             return mr.moe_route_backward_triton(
                 grad_weights,
@@ -429,15 +490,28 @@ def _interpreter_checks() -> None:
         check_against_oracle(
             _triton_op, name, T=36, dtype=torch.float32, tol=2e-6, aux_seq_len=12, return_lse=True
         )
+        # The balance losses' plain top-k counts, with ties (sequences of 9: blocks end inside).
+        for ties in (False, True):
+            check_against_oracle(
+                _triton_op,
+                name,
+                T=27,
+                dtype=torch.float32,
+                tol=2e-6,
+                ties=ties,
+                aux_seq_len=9,
+                count_plain=True,
+            )
         print(f"interpreter {name} ok in {time.time() - t0:.1f}s")
     # Strided logits (a column slice of a wider buffer) and E beyond the tile of one warp; its
     # sequences of 19 tokens span several blocks of 4, the last one partly.
     wide = torch.randn(57, 300)
     logits = wide[:, :260]
-    opts = dict(num_groups=4, topk_groups=2, aux_seq_len=19, return_lse=True)
-    w, i, c, a, lse = mr.moe_route_triton(logits, None, 8, **opts)
-    rw, ri, rc, ra, rlse = spec_router_f64(logits, None, 8, **opts)
-    assert torch.equal(i, ri) and torch.equal(c, rc)
+    opts = dict(num_groups=4, topk_groups=2, aux_seq_len=19, return_lse=True, count_plain=True)
+    w, i, c, a, lse, pc = mr.moe_route_triton(logits, None, 8, **opts)
+    rw, ri, rc, ra, rlse, rpc = spec_router_f64(logits, None, 8, **opts)
+    assert torch.equal(i, ri) and torch.equal(c, rc) and torch.equal(pc, rpc.float())
+    assert not torch.equal(pc.sum(0), c.float())  # the group limit moves the dispatch
     assert_close(w, rw, 2e-6, "strided")
     assert_close(a, ra, 2e-6, "strided aux sums")
     assert_close(lse, rlse, 2e-6, "strided lse")
@@ -490,6 +564,7 @@ def test_kernels_compile_for_hopper(dtype, score, groups, extras):
             "counts_ptr": "*i64",
             "aux_ptr": "*fp32",
             "lse_ptr": "*fp32",
+            "plain_ptr": "*fp32",
             "T": "i32",
             "SEQ_LEN": "i32",
             "BLOCKS_PER_SEQ": "i32",
@@ -511,6 +586,7 @@ def test_kernels_compile_for_hopper(dtype, score, groups, extras):
             GROUP_MAX=False,
             AUX=extras,
             LSE=extras,
+            PLAIN=2 if extras else 0,
             BLOCK_T=mr._FWD_TILE // (g_pad * epg_pad),
         ),
     )
@@ -572,6 +648,7 @@ def test_cuda_matches_float64(name):
         near_ties=2e-3,
         aux_seq_len=200,
         return_lse=True,
+        count_plain=True,
     )
 
 
@@ -583,13 +660,14 @@ def test_cuda_deepseek_shape_bf16():
     logits = torch.randn(4096, 256, device="cuda", generator=g).bfloat16()
     bias = torch.randn(256, device="cuda", generator=g) * 0.01
     opts = dict(score_func="sigmoid", num_groups=8, topk_groups=4, normalize=True, route_scale=2.5)
-    opts.update(aux_seq_len=1024, return_lse=True)
-    w, i, c, a, lse, gx = grad_logits(lambda x: op(x, bias, 8, **opts), logits, 1)
-    rw, ri, _, ra, rlse, rgx = grad_logits(
+    opts.update(aux_seq_len=1024, return_lse=True, count_plain=True)
+    w, i, c, a, lse, pc, gx = grad_logits(lambda x: op(x, bias, 8, **opts), logits, 1)
+    rw, ri, _, ra, rlse, rpc, rgx = grad_logits(
         lambda x: mr.moe_route_ref(x.float(), bias, 8, **opts), logits, 1
     )
     assert_close(a, ra, 2e-6, "aux sums")
     assert_close(lse, rlse, 2e-6, "lse")
+    assert torch.equal(pc.sum(1), rpc.sum(1)) and (pc - rpc).abs().sum() <= 16, "plain counts"
     assert torch.equal(c, torch.bincount(i.flatten(), minlength=256))
     same = (i == ri).all(dim=-1)  # near ties (within fp32 rounding) may be ordered otherwise
     assert same.float().mean() > 0.999, (~same).sum()
@@ -607,7 +685,7 @@ def test_cuda_graph_capture():
     opts = dict(score_func="sigmoid", num_groups=8, topk_groups=4, normalize=True)
 
     def step():
-        weights, indices, counts, aux_sums, lse = op(
+        weights, indices, counts, aux_sums, lse, _ = op(
             logits, bias, 8, **opts, aux_seq_len=512, return_lse=True
         )
         grads = (torch.ones_like(weights), torch.ones_like(aux_sums), torch.ones_like(lse))

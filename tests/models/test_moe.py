@@ -162,7 +162,8 @@ def test_active_params_counts_the_weights_a_token_meets():
 
 def route_ref(cfg: MoEConfig, logits: torch.Tensor, bias: torch.Tensor | None, B: int):
     """Per token, in float64, with Python sorts (ties: lower index). Returns weights, indices,
-    counts and the auxiliary losses."""
+    counts and the auxiliary losses, whose counts are DeepSeek-V3's f_i: each token's top-k of
+    its scores, without the bias and the group limit."""
     logits = logits.double()
     T, E = logits.shape
     k, L = cfg.top_k, T // B
@@ -173,8 +174,9 @@ def route_ref(cfg: MoEConfig, logits: torch.Tensor, bias: torch.Tensor | None, B
     else:
         scores = logits
     sel = scores + (bias.double() if bias is not None else 0.0)
-    weights, indices = [], []
+    weights, indices, plain = [], [], []
     for t in range(T):
+        plain.append(sorted(range(E), key=lambda e: (-scores[t, e].item(), e))[:k])
         s = sel[t].tolist()
         allowed = list(range(E))
         if cfg.num_groups > 1:
@@ -194,21 +196,25 @@ def route_ref(cfg: MoEConfig, logits: torch.Tensor, bias: torch.Tensor | None, B
         indices.append(chosen)
     weights, indices = torch.stack(weights), torch.tensor(indices)
     counts = torch.bincount(indices.flatten(), minlength=E)
+    plain = torch.tensor(plain)
+    plain_counts = torch.bincount(plain.flatten(), minlength=E)
     if cfg.score_func == "sigmoid":
         p = scores / scores.sum(-1, keepdim=True)
     else:
         p = logits.softmax(-1)
     aux = {}
     if cfg.aux_loss_coef:
-        aux["aux"] = cfg.aux_loss_coef * E / (k * T * T) * (p.sum(0) * counts).sum()
+        aux["aux"] = cfg.aux_loss_coef * E / (k * T * T) * (p.sum(0) * plain_counts).sum()
     if cfg.seq_aux_loss_coef:
         per_seq = []
         for b in range(B):
-            c = torch.bincount(indices[b * L : (b + 1) * L].flatten(), minlength=E)
+            c = torch.bincount(plain[b * L : (b + 1) * L].flatten(), minlength=E)
             per_seq.append(E / (k * L * L) * (p[b * L : (b + 1) * L].sum(0) * c).sum())
         aux["seq_aux"] = cfg.seq_aux_loss_coef * torch.stack(per_seq).mean()
     if cfg.global_aux_loss_coef:  # one micro-batch, one rank
-        aux["global_aux"] = cfg.global_aux_loss_coef * E / (k * T * T) * (p.sum(0) * counts).sum()
+        aux["global_aux"] = (
+            cfg.global_aux_loss_coef * E / (k * T * T) * (p.sum(0) * plain_counts).sum()
+        )
     if cfg.z_loss_coef:
         aux["z"] = cfg.z_loss_coef * (torch.logsumexp(logits, -1) ** 2).mean()
     return weights, indices, counts, aux
@@ -254,6 +260,36 @@ def test_router_matches_float64_reference(case):
         torch.testing.assert_close(router.last_aux[name].double(), value, rtol=1e-5, atol=0)
     torch.testing.assert_close(total, sum(router.last_aux.values()))
     torch.testing.assert_close(router.last_counts, counts.float())
+
+
+@pytest.mark.parametrize(
+    "case", ["softmax-bias-groups-of-one", "sigmoid-bias-groups-normalized-scaled"]
+)
+def test_balance_losses_count_the_plain_top_k(case):
+    """A bias that sends every token to experts 0 and 1 (a balanced dispatch would do the same:
+    the bias no longer follows the scores) leaves the aux, seq_aux and global_aux losses and
+    their gate gradient those of the plain top-k of the scores (DeepSeek-V3's f_i, Megatron's
+    aux routing map), checked against float64 autograd; counted over the dispatch they differ."""
+    cfg = replace(SMALL, **ROUTER_CASES[case], **ALL_AUX)
+    router = make_router(cfg)
+    router.expert_bias.copy_(torch.tensor([50.0, 50.0] + [0.0] * (cfg.num_experts - 2)))
+    x = torch.randn(3, 8, cfg.dim)
+    _, indices, counts, total = router(x)
+    assert ((indices == 0).any(-1) & (indices == 1).any(-1)).all()  # the biased dispatch
+    (grad,) = torch.autograd.grad(total, router.gate.weight)
+    w64 = router.gate.weight.detach().double().requires_grad_(True)
+    _, _, _, ref_aux = route_ref(cfg, x.flatten(0, 1).double() @ w64.T, router.expert_bias, B=3)
+    for name, value in ref_aux.items():
+        torch.testing.assert_close(router.last_aux[name].double(), value, rtol=1e-5, atol=0)
+    (ref_grad,) = torch.autograd.grad(sum(ref_aux.values()), w64)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-7)
+    # The same losses over the dispatch counts are other numbers: the test tells them apart.
+    logits = router.gate(x.flatten(0, 1)).double()
+    scores = logits.sigmoid() if cfg.score_func == "sigmoid" else logits.softmax(-1)
+    p = scores / scores.sum(-1, keepdim=True)
+    E, T, k = cfg.num_experts, 24, cfg.top_k
+    dispatch_aux = cfg.aux_loss_coef * E / (k * T * T) * (p.sum(0) * counts).sum()
+    assert not torch.isclose(dispatch_aux, ref_aux["aux"], rtol=1e-4)  # checked above to 1e-5
 
 
 @pytest.mark.parametrize("case", ROUTER_CASES)

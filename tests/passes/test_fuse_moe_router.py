@@ -457,6 +457,113 @@ def test_aux_sums_come_from_the_op(options, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class BalanceRouter(SpecRouter):
+    """The spec's router whose balance losses count, as DeepSeek-V3 and Megatron-Core do, the
+    plain top-k of the scores (no bias, no group limit) as models/moe.py writes it: ones
+    scattered into zeros [T, E], summed over the tokens (aux) and per sequence (seq_aux)."""
+
+    def __init__(self, *, plain_seq_len=4, **options):
+        super().__init__(seq_len=4, aux=False, **options)
+        self.plain_seq_len = plain_seq_len
+
+    def losses(self, logits, scores, p, indices):
+        n, E, k = p.shape[0], self.E, self.k
+        plain = indices
+        if self.expert_bias is not None or self.num_groups > 1:
+            plain = self.top(scores, k)
+        hits = torch.zeros_like(scores).scatter(1, plain, 1.0)
+        aux = E / (k * n * n) * (p.sum(0) * hits.sum(0)).sum()
+        L = self.plain_seq_len
+        p_seq = p.view(n // self.seq_len, self.seq_len, E).sum(1)
+        c_seq = hits.view(n // L, L, E).sum(1)
+        seq_aux = E / (k * L * L) * (p_seq.sum(0) * c_seq.sum(0)).sum() + p_seq.square().sum()
+        return aux, seq_aux
+
+
+class BalanceRouterFromTheSpec(BalanceRouter):
+    """The spec's router written out again, its scores feeding the balance losses."""
+
+    def forward(self, x):
+        logits = self.gate(x).float()
+        if self.score_func == "sigmoid":
+            scores = torch.sigmoid(logits)
+        else:
+            scores = torch.softmax(logits, dim=-1) if self.pre_softmax else logits
+        sel = scores + self.expert_bias if self.expert_bias is not None else scores
+        if self.num_groups > 1:
+            grouped = sel.view(sel.shape[0], self.num_groups, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = self.top(group_scores, self.topk_groups)
+            dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter(1, kept, False)
+            sel = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(sel.shape[0], -1)
+        indices = self.top(sel, self.k)
+        weights = scores.gather(1, indices)
+        if self.score_func == "softmax" and not self.pre_softmax:
+            weights = torch.softmax(weights, dim=-1)
+        elif self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        counts = torch.bincount(indices.flatten(), minlength=self.E)
+        if self.score_func == "sigmoid":
+            p = scores / scores.sum(dim=-1, keepdim=True)
+        else:
+            p = scores if self.pre_softmax else torch.softmax(logits, dim=-1)
+        return weights, indices, counts, *self.losses(logits, scores, p, indices)
+
+
+PLAIN_CASES = {
+    # no bias, no group limit: the expert top-k is the plain one (the op reuses its histogram)
+    "softmax, the dispatch's own": dict(),
+    "softmax post bias": dict(pre_softmax=False, bias=True),
+    "sigmoid bias groups (DeepSeek-V3), sort": dict(
+        score_func="sigmoid", bias=True, num_groups=4, topk_groups=2, normalize=True, select="sort"
+    ),
+    "softmax groups, argsort": dict(num_groups=4, topk_groups=1, select="argsort"),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAIN_CASES))
+def test_balance_losses_plain_counts_come_from_the_op(name, tmp_path):
+    """The plain top-k, its map and both sums of it become the op's plain_counts
+    (count_plain=True): no top-k or sort is left, and the losses and their gradients are the
+    eager ones."""
+    module = BalanceRouterFromTheSpec(**PLAIN_CASES[name])
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(5))
+    out, grads = _run(module, x, tmp_path)
+    step = _pass_step(tmp_path)
+    assert step["op_counts"].get(OP) == 1, step
+    (site,) = [s for s in step["custom_ops"] if s["op"] == OP]
+    assert site["options"]["count_plain"] is True and site["options"]["aux_seq_len"] == 4
+    for gone in ("Tensor.topk", "torch.topk", "torch.sort", "Tensor.argsort", "torch.scatter"):
+        assert gone not in step["op_counts"], (gone, step["op_counts"])
+    assert [n for n in step["notes"] if "left" in n] == [], step["notes"]
+    ref_out, ref_grads = _run(module, x, None)
+    assert torch.equal(out[1], ref_out[1]) and torch.equal(out[2], ref_out[2])
+    for a, b in zip(out[3:], ref_out[3:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_plain_counts_over_other_sequences_stay(tmp_path):
+    """Plain counts per sequence of 3 tokens beside aux sums per sequence of 4: the op has one
+    sequence length, so the plain map stays in the graph (reading the op's scores), right."""
+    module = BalanceRouterFromTheSpec(
+        score_func="sigmoid", bias=True, num_groups=4, topk_groups=2, plain_seq_len=3
+    )
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(6))
+    out, grads = _run(module, x, tmp_path)
+    step = _pass_step(tmp_path)
+    (site,) = [s for s in step["custom_ops"] if s["op"] == OP]
+    assert site["options"]["aux_seq_len"] == 4
+    assert step["op_counts"].get("torch.topk") == 1, step["op_counts"]  # the plain one stays
+    assert site["options"]["count_plain"] is True  # its token sum still comes from the op
+    ref_out, ref_grads = _run(module, x, None)
+    for a, b in zip(out[3:], ref_out[3:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_scores_read_elsewhere_stay(tmp_path):
     """Another reader of p (here its row max): the softmax stays for it, the sum still comes
     from the op, and the results are the eager ones."""
@@ -697,6 +804,7 @@ def test_moe_model_routers_fuse_and_train_the_same(tmp_path):
     assert step["op_counts"].get(OP) == 1 and "torch.sort" not in step["op_counts"], step
     (site,) = [s for s in step["custom_ops"] if s["op"] == OP]
     assert site["options"]["aux_seq_len"] == 16  # aux and global_aux sums, seq_aux's rows
+    assert site["options"]["count_plain"] is True  # the balance losses' plain top-k
     assert site["options"]["return_lse"] is True  # the z-loss
     assert "torch.logsumexp" not in step["op_counts"], step["op_counts"]
     torch.testing.assert_close(closs, loss, rtol=1e-5, atol=0)

@@ -6,11 +6,12 @@ metric, checkpoint save / resume / export, `generate` and `eval`. They skip with
 References: each compiled bf16 run is compared with the same job run eagerly in fp32 with SDPA
 on the same GPU (same seed, so the same initial weights and batches): the compiled path
 (Inductor, flex attention, bf16 with working weights, the fused ops' Triton kernels) must follow
-its loss curve. The debug model on the test corpus drops ~1.3 nats in 12 steps (CPU, fp32), so
-2% of the loss (~0.12 nats) is well below what a wrong mask or a wrong kernel costs, and well
-above bf16's drift over 8 steps; FP8 on the MoE model gets 3% (fp8 GEMMs of 64-wide layers
-move the loss by ~1%, and routing near-ties flip). Kernel-level numerics are the business of
-tests/custom_ops; these tests check that the pieces run together on a GPU.
+its loss curve. The debug model on the test corpus drops ~0.8 nats in its first 8 steps (CPU,
+fp32, 256 tokens a step), so 2% of the loss (~0.13 nats) is below what a wrong mask or a wrong
+kernel costs; bf16's drift over 8 steps is expected far below it. FP8 on the MoE model gets 3%
+(routing near-ties may flip). These tolerances are reasoned, not yet measured: the first GPU
+run checks them. Kernel-level numerics are the business of tests/custom_ops; these tests check
+that the pieces run together on a GPU.
 """
 
 from __future__ import annotations
@@ -83,15 +84,16 @@ def _inserted(run_dir: Path) -> dict[str, int]:
     return total
 
 
+DENSE = ("--compile.dump_graphs=true", "--checkpoint.interval=4")
+
+
 @pytest.fixture(scope="module")
 def dense(corpus, tmp_path_factory):
     """debug, compiled (Inductor), CUDA defaults: bf16 compute with fp32 masters and working
     weights, flex attention (training.attention=auto); checkpoints at 4 and 8; and its eager fp32
     reference."""
     tmp = tmp_path_factory.mktemp("dense")
-    run = _train(
-        _args(corpus, tmp / "run", "debug", "--compile.dump_graphs=true", "--checkpoint.interval=4")
-    )
+    run = _train(_args(corpus, tmp / "run", "debug", *DENSE))
     ref = _train(_args(corpus, tmp / "ref", "debug", *EAGER_FP32, "--checkpoint.final=false"))
     return run, ref, corpus
 
@@ -187,12 +189,16 @@ def _nvml_reads_energy() -> None:
 def test_energy_metric_is_logged_on_cuda(moe):
     _nvml_reads_energy()
     run = moe[0]
-    steps = _metrics(run.run_dir)
-    energy = [s["energy/joules_per_token"] for s in steps if "energy/joules_per_token" in s]
-    assert len(energy) == len(steps), "the energy metric is missing from some log steps"
-    assert all(e > 0 for e in energy), energy
-    power = [s["energy/avg_power_w_rank0"] for s in steps]
-    assert all(10 < w < 2000 for w in power), power  # watts of one GPU, idle to a B200's peak
+    records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    missing = [s["step"] for s in steps if "energy/joules_per_token" not in s]
+    assert not missing, f"no energy metric at the log steps {missing}"
+    # One window may read 0 J where NVML's counter did not tick inside it: judge the whole run.
+    joules = [s["energy/joules_rank0"] for s in steps]
+    assert all(j >= 0 for j in joules) and sum(joules) > 0, joules
+    seconds = steps[-1]["time"] - records[0]["time"]
+    watts = sum(joules) / seconds
+    assert 10 < watts < 2000, (watts, joules, seconds)  # one GPU: idle to a B200's peak
 
 
 def test_energy_meter_reads_the_gpu():
@@ -223,7 +229,7 @@ def test_checkpoint_resume_follows_the_straight_run(dense, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run.run_dir, copy, ignore=shutil.ignore_patterns("graphs"))
     shutil.rmtree(copy / "checkpoints" / f"step-{STEPS:07d}")
-    resumed = _train(_args(corpus, copy, "debug", "--checkpoint.resume=latest"))
+    resumed = _train(_args(corpus, copy, "debug", *DENSE, "--checkpoint.resume=latest"))
     assert len(resumed.losses) == STEPS - 4
     torch.testing.assert_close(
         torch.tensor(resumed.losses), torch.tensor(run.losses[4:]), rtol=1e-3, atol=0
@@ -278,7 +284,7 @@ def test_generate_and_eval_on_cuda(dense, tmp_path, capsys):
 
     docs = [json.loads(x)["text"] for x in (corpus / "docs.jsonl").read_text().splitlines()]
     held = tmp_path / "held.jsonl"
-    held.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:60]))
+    held.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:150]))
     on_gpu = evaluate(trained, [str(held)], micro_batch_size=1)
     on_cpu = evaluate(load_trained(run.run_dir, "cpu"), [str(held)], micro_batch_size=1)
     assert on_gpu.tokens == on_cpu.tokens > 0

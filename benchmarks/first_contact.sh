@@ -126,14 +126,15 @@ open(os.environ["TORCH_LOGS_FILE"], "w").write(",".join(known))
 EOF
 } 2>&1 | sed 's/^/  /' | tee -a "$summary"
 
+# step 1 compiles; cudagraph trees record on a later call and replay after
+gpu_dev=(--training.device=cuda --training.attention=flex --training.seq_len=256 --training.steps=6)
 if [ "$dry" = 1 ]; then
     dev=(--training.device=cpu --compile.backend=aot_eager --training.attention=sdpa)
     # bf16 compute on CPU too, so the working weights (fp32 masters, bf16 copies) are made.
     dev+=(--training.dtype=bfloat16)
     # Two layers (moe-debug: the dense first layer and one MoE layer): every region kind
     # compiles, one block fewer.
-    dev+=(--model.num_layers=2)
-    steps=2
+    dev+=(--model.num_layers=2 --training.steps=2)
     e2e_common=(--device cpu --seq-len 64 --batch 2 --steps 1 --warmup 1
         --set=--compile.backend=aot_eager --set=--model.num_layers=2)
     e2e_dense=(--model debug)
@@ -141,8 +142,7 @@ if [ "$dry" = 1 ]; then
     tests=${FIRST_CONTACT_TESTS:-tests/gpu}
     inspect=(--device cpu --backend aot_eager --model.num_layers=1)
 else
-    dev=(--training.device=cuda --training.attention=flex --training.seq_len=256)
-    steps=6 # step 1 compiles; cudagraph trees record on a later call and replay after
+    dev=("${gpu_dev[@]}")
     e2e_common=(--steps 15 --warmup 4)
     e2e_dense=(--model 1b)
     e2e_moe=(--model moe-1b --batch 4 --force-balance)
@@ -169,11 +169,17 @@ EOF
 fi
 
 # ---- a. the trainer's whole CUDA path on a tiny MoE model ------------------------------------
-smoke_args=("${dev[@]}" --training.fp8=true --fp8.min_dim=16 --model.mtp_depth=1
+features=(--training.fp8=true --fp8.min_dim=16 --model.mtp_depth=1
     --compile.cudagraph_mtp=true --optim.implementation=graphtrain --training.working_weights=true
-    --training.steps=$steps --metrics.log_interval=1 --metrics.val_interval=0
-    --metrics.tensorboard=false --checkpoint.final=false --compile.dump_graphs=true
-    "${data_args[@]}")
+    --metrics.log_interval=1 --metrics.val_interval=0 --metrics.tensorboard=false
+    --checkpoint.final=false --compile.dump_graphs=true "${data_args[@]}")
+smoke_args=("${dev[@]}" "${features[@]}")
+if [ "$dry" = 1 ]; then
+    # The GPU run's own training config, validated (`train --check`: parsed and checked, nothing
+    # built), so that the branch the dry run does not train cannot rot unseen. Log in scratch.
+    OUT=$work item check-gpu-config 60 "$python" -m graphtrain train --check --preset moe-debug \
+        "${gpu_dev[@]}" "${features[@]}"
+fi
 # Inductor says why it skips a CUDA-graph capture under the cudagraphs/perf_hints logs.
 export_logs=$(cat "$work/torch_logs" 2>/dev/null)
 smoke() { # smoke NAME PRESET CAP

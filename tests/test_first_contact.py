@@ -58,7 +58,15 @@ def test_dry_run_runs_every_item_and_summarizes(dry_run):
     assert {"summary.txt", "artifacts.tar.gz", "smoke-moe.log", "gpu-tests.log"} <= set(files)
     # Items a-d in the issue's order, each exited 0.
     started = re.findall(r"^=== ([\w-]+) \(cap", summary, flags=re.M)
-    assert started == ["smoke-moe", "e2e-1b", "e2e-moe-1b", "gpu-tests", "inspect-debug"]
+    # check-gpu-config: the GPU branch's training config, validated (dry run only).
+    assert started == [
+        "check-gpu-config",
+        "smoke-moe",
+        "e2e-1b",
+        "e2e-moe-1b",
+        "gpu-tests",
+        "inspect-debug",
+    ]
     for name in started:
         assert f"=== {name}: exit 0 after" in summary, name
     assert "every item exited 0" in summary
@@ -123,3 +131,27 @@ def test_summary_parser_on_the_real_run(dry_run, tmp_path):
     text = "\n".join(first_contact.summarize_run(empty, None))
     assert "steps logged: 0" in text and "no graph dumps found" in text
     assert "MTP CUDA graphs: unknown (no first_contact.json" in text
+
+
+def test_the_fp32_fused_loss_cases_run_last_exist():
+    """The script defers the fp32 cases of test_cuda_matches_float64 by their pytest ids
+    (dtype1-<reduction>): the ids must still name the fp32 cases, or --deselect drops nothing and
+    the leftover item runs nothing."""
+    import importlib.util
+
+    import torch
+
+    path = ROOT / "tests" / "custom_ops" / "test_linear_cross_entropy.py"
+    spec = importlib.util.spec_from_file_location("lce_tests_for_first_contact", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    marks = {
+        m.args[0]: list(m.args[1])
+        for m in module.test_cuda_matches_float64.pytestmark
+        if m.name == "parametrize"
+    }
+    assert marks["dtype"].index(torch.float32) == 1
+    text = (ROOT / "benchmarks" / "first_contact.sh").read_text()
+    assert f"lce={path.relative_to(ROOT)}::test_cuda_matches_float64" in text
+    ids = re.findall(r'"\$lce\[dtype1-(\w+)\]"', text)
+    assert sorted(ids) == sorted(marks["reduction"]), ids

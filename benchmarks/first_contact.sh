@@ -194,7 +194,8 @@ smoke() { # smoke NAME PRESET CAP
     fi
     return $rc
 }
-# Caps: the tokenizer of the default corpus (vocab 512) is trained first (~20 s), then ~10
+# Caps: the tokenizer of the default corpus (vocab 512) is trained first (45 s on the loaded
+# 2-core CPU machine; unmeasured on the GPU machine), then ~10
 # Inductor graphs and the custom kernels' autotuning; the dense bisection only on failure.
 smoke smoke-moe moe-debug 200 || smoke smoke-dense debug 120
 

@@ -135,6 +135,16 @@ def _op_name(name: str) -> str:
     return parts[-1] if parts else name
 
 
+def _is_triton_launch(event: Any) -> bool:
+    """Inductor's record of one Triton kernel launch: under the profiler its launcher opens a
+    record named after the kernel ("triton_poi_fused_add_0"), whose device kernel has that name."""
+    if event.name.startswith("triton_"):
+        return True
+    launched = [k.name for c in event.cpu_children for k in getattr(c, "kernels", [])]
+    launched += [k.name for k in getattr(event, "kernels", [])]
+    return bool(launched) and all(name == event.name for name in launched)
+
+
 def _items(call: Any, on_device: bool) -> list[_Item]:
     items = []
     for child in sorted(call.cpu_children, key=lambda c: c.time_range.start):
@@ -143,6 +153,10 @@ def _items(call: Any, on_device: bool) -> list[_Item]:
             items.append(_Item(m.group(2), False, child.cpu_time_total, m.group(1)))
         elif on_device and child.name.startswith(("cuLaunch", "cudaLaunch")):
             items += [_Item(k.name, False, k.duration) for k in getattr(child, "kernels", [])]
+        elif on_device and _is_triton_launch(child):
+            # A generated kernel, not an extern call: read as an operator it matched no extern
+            # call of the module and its time vanished from the kernel and line tables.
+            items.append(_Item(child.name, False, _device_us(child)))
         else:
             us = _device_us(child) if on_device else child.cpu_time_total
             items.append(_Item(_op_name(child.name), True, us))

@@ -340,6 +340,33 @@ def _by_line(rows: list[KernelTime], kernel_ms: float, attributed_ms: float) -> 
     return sorted(lines.values(), key=lambda line: -line.ms)
 
 
+def share_weights(source: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
+    """Make `target` (the same architecture, built on meta, not yet compiled) hold `source`'s own
+    parameter and buffer tensors, persistent or not; returns `target`.
+
+    Why: the pass-off comparison needs a second model with the same weights. Built on the
+    device and loaded with a state-dict copy, it held a second set of weights and grads, and
+    the next pass's model a third while the previous one was still referenced (about 65 GB at
+    `3b`). Shared tensors cost nothing; its backward accumulates into the same .grad, which the
+    profile never reads. `source` may be compiled already: Module.compile keeps the names, and
+    a torch.compile'd submodule is looked through (its _orig_mod)."""
+    for path, module in target.named_modules():
+        found: Any = source
+        for part in path.split(".") if path else []:
+            found = getattr(getattr(found, "_orig_mod", found), part)
+        found = getattr(found, "_orig_mod", found)
+        if type(found) is not type(module):
+            raise ValueError(
+                f"share_weights: module {path!r} is a {type(found).__name__} in the source, "
+                f"a {type(module).__name__} in the target: not the same architecture"
+            )
+        for name in module._parameters:
+            module._parameters[name] = found._parameters[name]
+        for name in module._buffers:
+            module._buffers[name] = found._buffers[name]
+    return target
+
+
 def region_ms(profile: Profile, region: str) -> float:
     """Kernel ms per step of every graph of `region` ("block", "head_loss", ...)."""
     return sum(

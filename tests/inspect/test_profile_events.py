@@ -95,3 +95,30 @@ def test_triton_launch_records_are_generated_kernels_on_cuda():
         "return z.sum()": pytest.approx(0.02),
     }
     assert profile.graphs == {"block-0/forward": pytest.approx(0.12)}
+
+
+def test_pass_off_model_shares_the_weights_instead_of_copying_them():
+    """Issue 26, defect 6: the pass-off model of `inspect --profile` holds the profiled model's
+    own tensors (no second or third copy of the weights)."""
+    from graphtrain.compile import apply_compile
+    from graphtrain.config import load_config
+    from graphtrain.inspect.api import _build
+    from graphtrain.inspect.profile import share_weights
+
+    cfg = load_config(["--preset", "debug", "--model.num_layers=1"])
+    model = _build(cfg, torch.device("cpu"))
+    apply_compile(model, passes=cfg.compile.passes, inner="aot_eager")  # lazy: nothing compiles
+    without = share_weights(model, _build(cfg, torch.device("meta")))
+    theirs = dict(model.named_parameters()) | dict(model.named_buffers())
+    mine = dict(without.named_parameters()) | dict(without.named_buffers())
+    assert set(mine) == set(theirs) and len(mine) > 5
+    assert all(mine[name] is theirs[name] for name in mine)
+    assert not any(t.is_meta for t in mine.values())  # the non-persistent rope cache too
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            without(tokens[:, :-1], tokens[:, 1:]), model(tokens[:, :-1], tokens[:, 1:])
+        )
+    other = load_config(["--preset", "debug", "--model.num_layers=2"])
+    with pytest.raises(AttributeError):
+        share_weights(model, _build(other, torch.device("meta")))

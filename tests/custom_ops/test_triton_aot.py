@@ -6,9 +6,10 @@ threads fit the register file; no spills. A variant outside these limits needs a
 entry that says why and bounds it (a worse regression still fails).
 
 Budget (cold Triton cache, 2 shared cores): the fast subset (one case per kernel family, 27
-variants) takes ~20 s of CPU (~60 s wall on a loaded machine) and runs unmarked; sm_100's fast
-subset and the full set (every autotune config at every benchmark shape, fp32 paths included:
-their ptxas runs with kilobytes of spills take minutes) are slow-marked.
+variants) takes ~20 s of CPU and runs unmarked; sm_100's fast subset and sm_90's "ci" set (every
+kernel, more shapes and dtypes) are slow-marked; "all" (both benchmark shapes of the head, its
+fp32 path, whose ptxas runs with kilobytes of spills take minutes each) runs on request
+(GRAPHTRAIN_TRITON_AOT_ALL=1).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def _kernel_names() -> set[str]:
     return names
 
 
-# The fast subset leaves out only what the full set covers.
+# The fast subset leaves out only what the "ci" set covers.
 FULL_ONLY = {"_lce_scale_kernel"}
 
 
@@ -178,9 +179,21 @@ def test_fast_subset_compiles_within_the_limits_on_sm100(tmp_path_factory):
     assert _problems(records) == []
 
 
-@pytest.mark.slow  # every autotune config at every benchmark shape: tens of minutes cold
+@pytest.mark.slow  # every kernel family at more shapes and dtypes: ~3 min of CPU cold
+def test_ci_set_compiles_within_the_limits_on_sm90(tmp_path_factory):
+    records = _compile(tmp_path_factory, "ci", 90)
+    assert _problems(records) == []
+    assert _kernel_names() <= {r["kernel"] for r in records}
+
+
+@pytest.mark.skipif(
+    os.environ.get("GRAPHTRAIN_TRITON_AOT_ALL") != "1",
+    reason="every case at every benchmark shape, the fp32 head included: ~1 h of CPU cold; "
+    "set GRAPHTRAIN_TRITON_AOT_ALL=1 (after retuning a kernel)",
+)
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [90, 100])
-def test_full_set_compiles_within_the_limits(tmp_path_factory, arch):
-    records = _compile(tmp_path_factory, "full", arch)
+def test_all_cases_compile_within_the_limits(tmp_path_factory, arch):
+    records = _compile(tmp_path_factory, "all", arch)
     assert _problems(records) == []
     assert _kernel_names() <= {r["kernel"] for r in records}

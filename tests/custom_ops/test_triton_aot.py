@@ -159,7 +159,9 @@ def test_fast_subset_compiles_within_the_limits_on_sm90(fast_sm90):
 def test_fast_subset_covers_every_kernel(fast_sm90):
     kernels = _kernel_names()
     assert len(kernels) >= 10, kernels
-    assert kernels - {r["kernel"] for r in fast_sm90} == FULL_ONLY
+    missing = kernels - {r["kernel"] for r in fast_sm90}
+    # a new kernel needs a case in tests/triton_aot.py (its launcher at a benchmark shape)
+    assert missing == FULL_ONLY, f"kernels no case compiles: {sorted(missing - FULL_ONLY)}"
 
 
 def test_the_check_can_fail(fast_sm90):

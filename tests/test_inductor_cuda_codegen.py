@@ -26,6 +26,20 @@ HELPER = Path(__file__).resolve().parent / "inductor_cuda_codegen.py"
 SMEM_LIMIT = 232448
 
 
+def _toolchain() -> bool:
+    """The device guard is a C++ extension: it needs ninja and a C++ compiler."""
+    import shutil
+
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return is_ninja_available() and shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+pytestmark = pytest.mark.skipif(
+    not _toolchain(), reason="needs ninja and a C++ compiler to build the fake CUDA device guard"
+)
+
+
 def _generate(tmp_path: Path, preset: str, *overrides: str) -> dict:
     out = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(HELPER.parents[1])}

@@ -27,7 +27,8 @@ by every graphed region, re-record when a static input (a parameter) moves, and 
 with a logged reason where capture is unsafe (CPU tensors, mutated inputs, dynamic shapes);
 make_graphed_callables needs plain-tensor inputs (no DTensor) and gives none of that. Where the
 layout rules it out before any capture, `cudagraph_fallback_reason` names why and the regions run
-as ordinary compiled code, announced by one log line:
+as ordinary compiled code, announced by one log line (and where Inductor itself skips a capture
+later, watch_cudagraph_skips says so once, with Inductor's reason):
   * not CUDA, or the aot_eager inner backend (the graphs come from Inductor);
   * expert parallel (fullgraph=False): the all-to-all has data-dependent sizes;
   * FSDP2: it allocates the gathered parameters per step, so their addresses move and the trees
@@ -299,6 +300,40 @@ def cudagraph_fallback_reason(
     return None
 
 
+class _CudagraphSkipReporter(logging.Handler):
+    """Says once, as a warning in graphtrain's log, that Inductor skipped a CUDA graph capture
+    and why. Inductor logs each skip to its "cudagraphs" artifact logger only (silent unless
+    TORCH_LOGS asks), so a run whose MTP regions could not be captured (mutated inputs, a CPU
+    tensor, an op that cannot be captured...) was silently slower. Only the MTP regions have
+    CUDA graphs on, so a skip is theirs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)  # skips are warnings; the artifact's info is not one
+        self.reported = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.reported:
+            return
+        self.reported = True
+        logger.warning(
+            "compile.cudagraph_mtp: Inductor did not capture an MTP region as a CUDA graph; it "
+            "runs without one (slower): %s",
+            record.getMessage(),
+        )
+
+
+def watch_cudagraph_skips() -> _CudagraphSkipReporter:
+    """Report Inductor's CUDA graph skips once (_CudagraphSkipReporter); idempotent."""
+    from torch._inductor import cudagraph_utils
+
+    log = cudagraph_utils.cudagraphs_log
+    found = next((h for h in log.handlers if isinstance(h, _CudagraphSkipReporter)), None)
+    if found is None:
+        found = _CudagraphSkipReporter()
+        log.addHandler(found)
+    return found
+
+
 def _compile_region(module: nn.Module, region_backend: GraphtrainBackend, fullgraph: bool) -> None:
     module.compile(backend=region_backend, fullgraph=fullgraph)
     if not fullgraph:
@@ -354,6 +389,7 @@ def apply_compile(
         )
         if reason is None:
             mtp_options = {"triton.cudagraphs": True}
+            watch_cudagraph_skips()  # a capture Inductor skips later is said, not silent
         else:
             logger.info("compile.cudagraph_mtp: the MTP layers run without CUDA graphs: %s", reason)
     for k, mtp_layer in enumerate(mtp_layers, start=1):

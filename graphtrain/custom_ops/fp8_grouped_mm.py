@@ -30,8 +30,11 @@ Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
     reference (the CPU kernel and the oracle; CUDA devices other than sm90): per expert one
         torch._scaled_mm (per-tensor scales) in a loop over the groups; it reads offs on the
         host (one synchronisation per call; the wgrad also the padded groups' offsets). On
-        CUDA, torch._scaled_mm needs every group's rows to be a multiple of 16 (the wgrad's
-        inner dimension); the CPU takes any.
+        CUDA, torch._scaled_mm needs the wgrad's inner dimension (a group's rows) a multiple
+        of 16: the loop's wgrad runs over each expert's whole padded group (its rows and
+        zero columns up to ceil16(rows)), so any row counts work on every device.
+        Only sm90 takes the grouped path: torch builds the row-wise FP8 grouped kernel for
+        sm90 alone (sm100's grouped FP8 kernels are block-scaled, another recipe).
     grouped (CUDA sm90, fp8_grouped_mm_cuda / fp8_grouped_mm_backward_cuda): three
         torch._scaled_grouped_mm calls, no host synchronisation, no loop over the experts'
         GEMMs:
@@ -184,11 +187,15 @@ def _experts_loop(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
     [Q, W], expert e's rows in the columns from padded_offs[e - 1]); zero for an expert
     without rows."""
     out = a8_t.new_zeros(offs.shape[0], a8_t.shape[0], b8_t.shape[0], dtype=out_dtype)
-    padded_starts = [0, *padded_offs.tolist()[:-1]]
+    padded_ends = padded_offs.tolist()
+    padded_starts = [0, *padded_ends[:-1]]
     for e, start, end in _groups(offs):
         if end > start:
             # Row-major slices: a [P, m] and b^T [m, Q] column-major, as _scaled_mm wants.
-            cols = slice(padded_starts[e], padded_starts[e] + end - start)
+            # The whole padded group, m = ceil16(rows): CUDA's _scaled_mm needs the inner
+            # dimension a multiple of 16, and the padding columns are zeros (they add exact
+            # zeros to the fp32 sums, so the result is the same as over the rows alone).
+            cols = slice(padded_starts[e], padded_ends[e])
             a, b = a8_t[:, cols].contiguous(), b8_t[:, cols].contiguous()
             out[e] = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)
     return out

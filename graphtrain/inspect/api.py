@@ -23,6 +23,7 @@ from graphtrain.inspect.profile import (
     kernel_us,
     region_ms,
     run_steps,
+    share_weights,
 )
 from graphtrain.inspect.report import Report, load_report
 from graphtrain.inspect.terminal import render_summary
@@ -169,8 +170,8 @@ def _profile(
             if not compare_passes:
                 result.passes.append(PassTime(name, region, after, None, "not measured"))
                 continue
-            without = _build(cfg, device)
-            without.load_state_dict(model.state_dict())
+            # The same weight tensors, no copy (share_weights says why).
+            without = share_weights(model, _build(cfg, torch.device("meta")))
             apply_compile(
                 without,
                 passes=[*cfg.compile.passes, f"-{name}"],
@@ -180,6 +181,7 @@ def _profile(
             )
             prof, _ = run_steps(lambda m=without: run_once(m, inputs), steps=steps, device=device)
             before = kernel_us(prof, device)[0] / 1e3 / steps
+            del without, prof  # its compiled code and graphs go before the next pass's model
             note = f"region {region!r} compiled again with '-{name}', same inputs and steps"
             result.passes.append(PassTime(name, region, after, before, note))
     return result

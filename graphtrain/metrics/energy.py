@@ -11,7 +11,8 @@ Why the counter and not power samples: the counter integrates in the driver, so 
 between two reads are counted; sampling power at log steps would miss them.
 
 Absent NVML (no `nvidia-ml-py` installed, no NVIDIA driver, a CPU run, a GPU without the
-counter) the meter is off: no metric and never an error.
+counter) the meter is off: no metric and never an error. On a CUDA device rank 0 logs once
+why it is off (a missing package names the one to install), so a missing metric is never silent.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def _nvml_handle(device: torch.device) -> tuple[Any, Any] | None:
     try:
         import pynvml  # the nvidia-ml-py package; optional
     except ImportError:
+        if os.environ.get("RANK", "0") == "0":
+            logger.warning(
+                "energy per token not logged: the pynvml module is missing "
+                "(pip install nvidia-ml-py to log energy/joules_per_token)"
+            )
         return None
     try:
         pynvml.nvmlInit()

@@ -25,7 +25,8 @@ What
                  symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter, which
                  pipeline the same way over NVLink peers without the reassembly copies.
     Options (PassContext.options): "tp_overlap_chunks" (0: the tp size), "tp_overlap_variant"
-    ("auto": symm_mem where the group has it, else chunked; or "chunked", "symm_mem").
+    ("auto": symm_mem where the group can have it, enabling it there (choose_symm_mem: CUDA,
+    NCCL, one node, P2P), else chunked; or "chunked", "symm_mem").
 
 FP8 gathers (written by fp8_all_gather, which runs first)
     x's shard cast to E4M3 with the tp-global amax, gathered as uint8 and read by
@@ -173,6 +174,62 @@ def _symm_mem_enabled(group: str) -> bool:
     from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group
 
     return is_symm_mem_enabled_for_group(group)
+
+
+def _enable_symm_mem(group: str) -> None:
+    import warnings
+
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    # Deprecated as unneeded from torch 2.12 on, but is_symm_mem_enabled_for_group (which
+    # torch's own micro-pipeline TP pass still asks) and torch 2.11's ops need it; local, no
+    # collective.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(group)
+
+
+def _group_layout(group: str) -> tuple[str, list[int], int]:
+    """(backend name, the group's global ranks, processes per node) of a process group."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = c10d._resolve_process_group(group)
+    ranks = sorted(dist.get_process_group_ranks(pg))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return str(dist.get_backend(pg)), ranks, per_node
+
+
+def _peer_access(devices: list[int]) -> bool:
+    """Whether this process's GPU reaches every other device of the group by P2P (NVLink or
+    PCIe peer access): what the fused ops' symmetric buffers need."""
+    me = torch.cuda.current_device()
+    return all(d == me or torch.cuda.can_device_access_peer(me, d) for d in devices)
+
+
+def choose_symm_mem(group: str, *, is_cuda: bool) -> tuple[bool, str]:
+    """The "auto" variant's choice for a tp group: (use symm_mem, why). Symmetric memory is
+    used where torch's fused ops can run: a CUDA tensor, an NCCL group whose ranks all sit on
+    this node (LOCAL_WORLD_SIZE; ranks are placed node by node, device = rank % that, as
+    graphtrain.parallel.mesh sets it) and reach each other by P2P. It is then enabled for the
+    group here: nothing else enables it, and "auto" used to require it enabled already, so it
+    never chose symm_mem. The choice depends on the layout only, so every rank of the group
+    makes the same one (the two variants issue different collectives: a split decision hangs)."""
+    if not is_cuda:
+        return False, "not CUDA"
+    if _symm_mem_enabled(group):
+        return True, "symmetric memory enabled for the group"
+    backend, ranks, per_node = _group_layout(group)
+    if backend != "nccl":
+        return False, f"process group backend {backend!r}, symm_mem needs 'nccl'"
+    if len({r // per_node for r in ranks}) > 1:
+        return False, f"ranks {ranks} span nodes ({per_node} per node): no NVLink between them"
+    if not _peer_access([r % per_node for r in ranks]):
+        return False, "no P2P access between the group's GPUs"
+    _enable_symm_mem(group)
+    return True, f"NCCL group of ranks {ranks} on one node with P2P access"
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,12 +529,17 @@ def overlap_tp_comm_pass(
     if variant not in ("auto", "chunked", "symm_mem"):
         raise ValueError(f"tp_overlap_variant must be auto, chunked or symm_mem, got {variant!r}")
     changed = False
+    chosen: dict[str, bool] = {}
     for node in candidates:
         chunks = ctx.options.get("tp_overlap_chunks") or node.args[-2]
         group = node.args[-1]
-        symm_mem = variant == "symm_mem" or (
-            variant == "auto" and node.meta["val"].is_cuda and _symm_mem_enabled(group)
-        )
+        if variant == "auto":
+            if group not in chosen:
+                chosen[group], why = choose_symm_mem(group, is_cuda=node.meta["val"].is_cuda)
+                ctx.note(f"group {group}: {'symm_mem' if chosen[group] else 'chunked'} ({why})")
+            symm_mem = chosen[group]
+        else:
+            symm_mem = variant == "symm_mem"
         rewrite = (
             _overlap_gather
             if node.target == _c10d.all_gather_into_tensor.default

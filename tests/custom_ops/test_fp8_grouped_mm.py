@@ -284,3 +284,43 @@ def test_cuda_matches_cpu_reference():
     assert close_to_bf16(got[0].cpu(), want[0])
     for g, r in zip(got[1], want[1], strict=True):
         assert close_to_bf16(g.cpu(), r)
+
+
+def test_loop_meets_cuda_scaled_mm_alignment(monkeypatch):
+    """Issue 26, defect 8: off sm90 the CUDA kernels run the reference loop, whose
+    torch._scaled_mm on CUDA needs mat1's columns and both of mat2's dimensions to be multiples
+    of 16; the wgrad's inner dimension is a group's rows. With those checks emulated on CPU,
+    forward and backward run for groups of any size, and the wgrad over the padded groups
+    equals the one over each expert's rows alone."""
+    real = torch._scaled_mm
+    inner = []
+
+    def strict_scaled_mm(a, b, scale_a, scale_b, **kwargs):
+        if a.shape[1] % 16 or b.shape[0] % 16 or b.shape[1] % 16:
+            raise RuntimeError(f"_scaled_mm on CUDA refuses {tuple(a.shape)} x {tuple(b.shape)}")
+        inner.append(a.shape[1])
+        return real(a, b, scale_a, scale_b, **kwargs)
+
+    counts = [5, 0, 37, 3, 19]
+    x, w, offs, grad = _inputs(counts, 32, 48, seed=26)
+    out, x8_t, sx, w8_t, sw = gmm.fp8_grouped_mm_ref(x, w, offs)
+    monkeypatch.setattr(torch, "_scaled_mm", strict_scaled_mm)
+    kwargs = dict(e4m3_grads=False, pow2_scale=False, x_dtype=x.dtype, w_dtype=w.dtype)
+    got = gmm.fp8_grouped_mm_ref(x, w, offs)
+    grad_x, grad_w = gmm.fp8_grouped_mm_backward_ref(grad, x8_t, sx, w8_t, sw, offs, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", real)
+    assert torch.equal(got[0], out)
+    assert {48, 32} <= set(inner) and 16 in inner  # the padded groups (5 -> 16, 37 -> 48, ...)
+    # The wgrad over each expert's own rows, as the loop computed it before.
+    dest, _, width = gmm.padded_columns(offs, x.shape[0])
+    _, g8_t, sg = gmm._cast_grad(grad, E5M2, False, dest, width)
+    x8, g8_rows = x8_t[:, dest], g8_t[:, dest]  # [K, M], [N, M]: columns back in row order
+    for e, start, end in gmm._groups(offs):
+        if end == start:
+            assert torch.equal(grad_w[e], torch.zeros_like(grad_w[e]))
+            continue
+        a = g8_rows[:, start:end].contiguous()
+        b = x8[:, start:end].contiguous()
+        want = real(a, b.t(), sg, sx, out_dtype=torch.float32)
+        torch.testing.assert_close(grad_w[e], want, rtol=1e-6, atol=0)
+    assert grad_x.shape == x.shape and torch.isfinite(grad_x).all()

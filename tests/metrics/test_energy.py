@@ -11,11 +11,20 @@ import graphtrain.metrics.energy as energy_module
 from graphtrain.metrics.energy import EnergyMeter, energy_metrics
 
 
-def test_off_on_cpu_and_without_pynvml(monkeypatch):
+def test_off_on_cpu_and_without_pynvml(monkeypatch, caplog):
     assert not EnergyMeter(torch.device("cpu")).available
     assert EnergyMeter(torch.device("cpu")).joules_since_last() == 0.0
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails: not installed
-    assert energy_module._nvml_handle(torch.device("cuda", 0)) is None
+    monkeypatch.setenv("RANK", "0")
+    with caplog.at_level("WARNING", logger="graphtrain"):
+        assert energy_module._nvml_handle(torch.device("cuda", 0)) is None
+    # Off on a GPU, but said: the package to install is named (issue 26, defect 4).
+    assert "nvidia-ml-py" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")  # other ranks stay quiet
+    with caplog.at_level("WARNING", logger="graphtrain"):
+        assert energy_module._nvml_handle(torch.device("cuda", 0)) is None
+    assert caplog.text == ""
 
 
 def _fake_nvml(readings_mj, fail=False):

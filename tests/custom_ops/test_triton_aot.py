@@ -1,0 +1,201 @@
+"""Every graphtrain Triton kernel compiled for Hopper (sm_90) and Blackwell (sm_100) on a CPU,
+at the configurations the CUDA launchers choose at benchmark shapes (tests/triton_aot.py, run
+in a child process: its stub driver and patches stay out of this one). Asserted per compiled
+variant: it compiles; its shared memory is within the 227 KiB a block may have; registers x
+threads fit the register file; no spills. A variant outside these limits needs an ALLOWED
+entry that says why and bounds it (a worse regression still fails).
+
+Budget (cold Triton cache, 2 shared cores): the fast subset (one case per kernel family, 27
+variants) takes ~20 s of CPU and runs unmarked; sm_100's fast subset and sm_90's "ci" set (every
+kernel, more shapes and dtypes) are slow-marked; "all" (both benchmark shapes of the head, its
+fp32 path, whose ptxas runs with kilobytes of spills take minutes each) runs on request
+(GRAPHTRAIN_TRITON_AOT_ALL=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+HELPER = Path(__file__).resolve().parents[1] / "triton_aot.py"
+SMEM_LIMIT = 232448
+REGS_PER_SM = 65536
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """A known excess: the kernel's variants with `constexprs` (a subset), on `archs`, may
+    spill up to `spill` bytes and use up to `shared` bytes; `reason` says why it is allowed."""
+
+    kernel: str
+    constexprs: tuple[tuple[str, object], ...]
+    archs: tuple[int, ...]
+    spill: int
+    shared: int
+    reason: str
+
+    def covers(self, record: dict) -> bool:
+        consts = record["constexprs"]
+        return (
+            record["kernel"] == self.kernel
+            and record["arch"] in self.archs
+            and all(consts.get(k) == v for k, v in self.constexprs)
+            and (record["spill_stores"] or 0) <= self.spill
+            and record["shared"] <= self.shared
+        )
+
+
+_LCE = "retune pending: linear_cross_entropy is being split into a package (the lead retunes it"
+_LCE += " after the merge)"
+ALLOWED = [
+    Allowed(
+        "_lce_dh_kernel", (("INPUT_PRECISION", "tf32"),), (90,), 200, SMEM_LIMIT,
+        f"{_LCE}; bf16 dh GEMM: sm_90 spills 24-200 B per thread in 4 of its 5 autotune "
+        "configs (FIRST=False; 255 registers), the w8 s4 128x128 config spills none",
+    ),
+    Allowed(
+        "_lce_dh_kernel", (("INPUT_PRECISION", "tf32"),), (100,), 256, SMEM_LIMIT,
+        f"{_LCE}; bf16 dh GEMM on sm_100: 8-256 B in 6 of the 10 FIRST/not-FIRST variants",
+    ),
+    Allowed(
+        "_lce_dh_kernel", (("INPUT_PRECISION", "ieee"),), (90, 100), 18000, 245760,
+        f"{_LCE}; the fp32 path (no autocast) has no tensor cores: 2-18 KB of spills per "
+        "thread in every config, and BLOCK_M=64 BLOCK_N=256 s4 needs 245760 B of shared "
+        "memory (> 232448: the autotuner drops it at run time as OutOfResources)",
+    ),
+    Allowed(
+        "_lce_stats_kernel", (), (100,), 8, SMEM_LIMIT,
+        f"{_LCE}; sm_100 only: 8 B at 16 warps (BLOCK_V=8192)",
+    ),
+    Allowed(
+        "_moe_route_bwd_kernel", (), (90, 100), 252, SMEM_LIMIT,
+        "retune pending: moe_route.py is being edited (the lead retunes it after the merge); "
+        "the router backward spills 8-252 B per thread in every config at moe-1b's shape "
+        "(8 B at BLOCK_T=64 w2)",
+    ),
+]  # fmt: skip
+
+
+def _compile(tmp_path_factory: pytest.TempPathFactory, subset: str, arch: int) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"triton-{subset}-sm{arch}") / "records.json"
+    env = {**os.environ, "PYTHONPATH": str(HELPER.parents[1])}
+    env.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
+    run = subprocess.run(
+        [sys.executable, str(HELPER), "--subset", subset, "--arch", str(arch), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3000,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def fast_sm90(tmp_path_factory):
+    return _compile(tmp_path_factory, "fast", 90)
+
+
+def _problems(records: list[dict]) -> list[str]:
+    """What is wrong with each record no ALLOWED entry covers."""
+    problems = []
+    for r in records:
+        if r["error"]:
+            problems.append(f"{r['case']}: {r['kernel']}: {r['error']}")
+            continue
+        threads = r["num_warps"] * 32
+        wrong = []
+        if r["shared"] > SMEM_LIMIT:
+            wrong.append(f"shared {r['shared']} > {SMEM_LIMIT}")
+        if r["regs"] is None or r["regs"] * threads > REGS_PER_SM:
+            wrong.append(f"{r['regs']} registers x {threads} threads > {REGS_PER_SM}")
+        if r["spill_stores"] is None or r["spill_stores"] > 0:
+            wrong.append(f"spills {r['spill_stores']}/{r['spill_loads']} B")
+        if wrong and not any(a.covers(r) for a in ALLOWED):
+            consts = {k: v for k, v in r["constexprs"].items() if k not in ("FP8_MAX", "EPS")}
+            problems.append(
+                f"sm_{r['arch']} {r['case']}: {r['kernel']} w{r['num_warps']} "
+                f"s{r['num_stages']} {consts}: {'; '.join(wrong)}"
+            )
+    return problems
+
+
+def _kernel_names() -> set[str]:
+    """Every launched @triton.jit kernel of graphtrain (house style: named *_kernel; the
+    @triton.jit helpers they call are compiled inside them)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import graphtrain
+
+    names = set()
+    for info in pkgutil.walk_packages(graphtrain.__path__, "graphtrain."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if isinstance(value, JITFunction) and value.fn.__name__.endswith("_kernel"):
+                names.add(value.fn.__name__)
+    return names
+
+
+# The fast subset leaves out only what the "ci" set covers.
+FULL_ONLY = {"_lce_scale_kernel"}
+
+
+def test_fast_subset_compiles_within_the_limits_on_sm90(fast_sm90):
+    assert len(fast_sm90) >= 20, [r["case"] for r in fast_sm90]
+    assert _problems(fast_sm90) == []
+
+
+def test_fast_subset_covers_every_kernel(fast_sm90):
+    kernels = _kernel_names()
+    assert len(kernels) >= 10, kernels
+    missing = kernels - {r["kernel"] for r in fast_sm90}
+    # a new kernel needs a case in tests/triton_aot.py (its launcher at a benchmark shape)
+    assert missing == FULL_ONLY, f"kernels no case compiles: {sorted(missing - FULL_ONLY)}"
+
+
+def test_the_check_can_fail(fast_sm90):
+    """A spill, too much shared memory and a compile error are each reported."""
+    record = next(r for r in fast_sm90 if r["kernel"] == "_amax_kernel")
+    for change in ({"spill_stores": 4}, {"shared": SMEM_LIMIT + 1}, {"error": "CompilationError"}):
+        assert len(_problems([{**record, **change}])) == 1, change
+    spilling_router = next(r for r in fast_sm90 if r["kernel"] == "_moe_route_bwd_kernel")
+    assert _problems([spilling_router]) == []  # allowed, within its bound
+    assert len(_problems([{**spilling_router, "spill_stores": 1000}])) == 1
+
+
+@pytest.mark.slow  # ~25 s of CPU cold
+def test_fast_subset_compiles_within_the_limits_on_sm100(tmp_path_factory):
+    records = _compile(tmp_path_factory, "fast", 100)
+    assert len(records) >= 20
+    assert _problems(records) == []
+
+
+@pytest.mark.slow  # every kernel family at more shapes and dtypes: ~3 min of CPU cold
+def test_ci_set_compiles_within_the_limits_on_sm90(tmp_path_factory):
+    records = _compile(tmp_path_factory, "ci", 90)
+    assert _problems(records) == []
+    assert _kernel_names() <= {r["kernel"] for r in records}
+
+
+@pytest.mark.skipif(
+    os.environ.get("GRAPHTRAIN_TRITON_AOT_ALL") != "1",
+    reason="every case at every benchmark shape, the fp32 head included: ~1 h of CPU cold; "
+    "set GRAPHTRAIN_TRITON_AOT_ALL=1 (after retuning a kernel)",
+)
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [90, 100])
+def test_all_cases_compile_within_the_limits(tmp_path_factory, arch):
+    records = _compile(tmp_path_factory, "all", arch)
+    assert _problems(records) == []
+    assert _kernel_names() <= {r["kernel"] for r in records}

@@ -1,0 +1,320 @@
+"""Inductor's CUDA code generation for a preset's compiled regions, on a machine without a GPU
+(tests/test_inductor_cuda_codegen.py runs it in a child process and asserts on its report).
+
+How: the model and its tokens are *fake* CUDA tensors (FakeTensorMode); just enough of CUDA is
+stubbed for Inductor to generate its CUDA code: torch.cuda's device queries answer as an H100,
+a stub Triton driver reports sm_90 (Triton compiles every generated kernel for it, with the
+wheel's ptxas for registers and spills), and a no-op C++ device guard for DeviceType::CUDA
+(built once with torch.utils.cpp_extension; a CPU build of torch has none, and indexing or
+.contiguous() on a fake CUDA tensor takes one). graphtrain's regions and passes are applied
+as the trainer applies them (apply_compile, Inductor inner backend, graph dumps). The compiled
+wrappers then run on the fake tensors: Triton launches are no-ops, extern and custom ops run
+their fake kernels, and every extern torch._scaled_mm call is recorded with its operands'
+shapes, strides and dtypes.
+
+The backward: autograd's engine asks the accelerator for a device on CUDA tensors, which a CPU
+build refuses ("Cannot access accelerator device when none is available"), so only the forward
+regions (under no_grad, as validation runs them) are generated here.
+
+    python tests/inductor_cuda_codegen.py --out report.json PRESET [--section.key=value ...]
+Report: status ("ok" or the error), notes (per graph dump: the passes that changed it, their op
+diffs and notes), kernels (name, config, shared, regs, spills, error), scaled_mm (one entry
+per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+_GUARD_SOURCE = r"""
+#include <torch/extension.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+namespace {
+// A no-op device guard for DeviceType::CUDA: fake CUDA tensors pass through the C++ paths
+// that take a guard (indexing, contiguous, ...); nothing runs on a device.
+struct FakeCUDAGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return c10::DeviceType::CUDA; }
+  c10::Device exchangeDevice(c10::Device) const override { return {c10::DeviceType::CUDA, 0}; }
+  c10::Device getDevice() const override { return {c10::DeviceType::CUDA, 0}; }
+  void setDevice(c10::Device) const override {}
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CUDA, 0));
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+};
+}  // namespace
+
+C10_REGISTER_GUARD_IMPL(CUDA, FakeCUDAGuardImpl);
+
+int installed() { return 1; }
+"""
+
+H100 = types.SimpleNamespace(
+    name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132,
+    total_memory=80 * 1024**3, warp_size=32, max_threads_per_multi_processor=2048,
+    regs_per_multiprocessor=65536, shared_memory_per_block_optin=232448,
+    shared_memory_per_multiprocessor=233472, shared_memory_per_block=49152,
+    L2_cache_size=50 * 1024**2, is_integrated=False, is_multi_gpu_board=False,
+    gcnArchName="", uuid="00000000-0000-0000-0000-000000000000", clock_rate=1980000,
+    memory_clock_rate=2619000, memory_bus_width=5120, max_threads_per_block=1024,
+)  # fmt: skip
+
+KERNELS: list[dict[str, Any]] = []
+SCALED_MM: list[dict[str, Any]] = []
+
+
+def install() -> None:
+    """The stubs (this process only: never import this module into a test process)."""
+    import torch
+    from torch.utils.cpp_extension import load_inline
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    load_inline(
+        name="graphtrain_fake_cuda_guard",
+        cpp_sources=[_GUARD_SOURCE],
+        functions=["installed"],
+        verbose=False,
+    )
+
+    class StubDriver:
+        def __init__(self) -> None:
+            self.target = GPUTarget("cuda", 90, 32)
+
+        def get_current_target(self) -> Any:
+            return self.target
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def set_current_device(self, device: int) -> None:
+            pass
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_active_torch_device(self) -> Any:
+            return torch.device("cuda", 0)
+
+        def is_active(self) -> bool:
+            return True
+
+        def get_device_interface(self) -> Any:
+            return torch.cuda
+
+        def get_benchmarker(self) -> Any:
+            return lambda *args, **kwargs: 1.0
+
+        def get_empty_cache_for_benchmark(self) -> Any:
+            return torch.empty(1, device="cpu")
+
+        def clear_cache(self, cache: Any) -> None:
+            pass
+
+    stub = StubDriver()
+    driver.set_active(stub)
+    import torch._inductor.runtime.triton_helpers as helpers
+
+    helpers.set_driver_to_gpu = lambda: driver.set_active(stub)
+    c = torch.cuda
+    c.is_available = lambda: True
+    c.device_count = lambda: 1
+    c.current_device = lambda: 0
+    c.get_device_properties = lambda device=None: H100
+    c._get_device_properties = lambda device=None: H100
+    c.get_device_capability = lambda device=None: (9, 0)
+    c.get_device_name = lambda device=None: H100.name
+    c.is_bf16_supported = lambda *args, **kwargs: True
+    c.set_device = lambda device: None
+    c._lazy_init = lambda: None
+    c.synchronize = lambda device=None: None
+    c.mem_get_info = lambda device=None: (70 * 2**30, 80 * 2**30)
+    c.memory.mem_get_info = c.mem_get_info
+    c.get_rng_state = lambda device="cuda": torch.zeros(16, dtype=torch.uint8)
+    c.set_rng_state = lambda state, device="cuda": None
+    c.random.get_rng_state = c.get_rng_state
+    c.random.set_rng_state = c.set_rng_state
+    c.manual_seed = lambda seed: None
+    c.manual_seed_all = lambda seed: None
+    c._exchange_device = lambda index: 0
+    c._maybe_exchange_device = lambda index: 0
+    torch._C._cuda_getCurrentRawStream = lambda device=0: 0
+    torch._C._cuda_getDeviceCount = lambda: 1
+    torch._C._dynamo.guards._reinterpret_tensor = lambda t, size, stride, offset=0: t.as_strided(
+        size, stride, t.storage_offset() + offset
+    )
+    # The generated wrapper allocates through a C++ fast path that would bypass the fake mode.
+    torch._C._dynamo.guards._empty_strided_cuda = lambda size, stride, dtype: torch.empty_strided(
+        size, stride, dtype=dtype, device="cuda"
+    )
+    # Inductor traces its pattern libraries with real tensors on the input's device: on CPU.
+    import torch._inductor.fx_passes.fuse_attention as fuse_attention
+    import torch._inductor.fx_passes.misc_patterns as misc_patterns
+    import torch._inductor.fx_passes.pad_mm as pad_mm
+
+    for module, name in (
+        (fuse_attention, "_sfdp_init"),
+        (misc_patterns, "_misc_patterns_init"),
+        (pad_mm, "_pad_mm_init"),
+    ):
+        original = getattr(module, name)
+        setattr(
+            module, name, (lambda o: lambda input_device=None: o(torch.device("cpu")))(original)
+        )
+    import torch._dynamo.device_interface as device_interface
+
+    cuda_interface = device_interface.CudaInterface
+    cuda_interface.exchange_device = staticmethod(lambda index: 0)
+    cuda_interface.maybe_exchange_device = staticmethod(lambda index: 0)
+    cuda_interface.current_device = staticmethod(lambda: 0)
+    cuda_interface.is_available = staticmethod(lambda: True)
+
+    # Compile only: record every variant of each Inductor Triton kernel, never load or launch.
+    from torch._inductor.runtime import triton_heuristics
+
+    sys.path.insert(0, str(HERE))
+    from triton_aot import _ptxas  # the same ptxas report as the kernel compile test
+
+    def record(self: Any) -> None:
+        for result in self.compile_results:
+            kernel = result.kernel
+            metadata = getattr(kernel, "metadata", None)
+            entry = {
+                "name": getattr(self.fn, "__name__", str(self.fn)),
+                "config": str(result.config),
+                "shared": getattr(metadata, "shared", None),
+                "num_warps": getattr(metadata, "num_warps", None),
+                "error": None,
+            }
+            try:
+                entry.update(_ptxas(kernel.asm["ptx"], 90))
+            except Exception as error:  # no PTX: report, do not stop the run
+                entry["error"] = f"{type(error).__name__}: {error}"
+            KERNELS.append(entry)
+        self.launchers = [lambda *args, **kwargs: None]
+
+    triton_heuristics.CachingAutotuner._make_launchers = record
+    triton_heuristics.CachingAutotuner.run = lambda self, *args, **kwargs: None
+    # Every extern _scaled_mm the wrappers call, with its operands' layouts.
+    from torch._inductor.select_algorithm import extern_kernels
+
+    real_scaled_mm = extern_kernels._scaled_mm
+
+    def scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any, *args: Any, **kwargs: Any) -> Any:
+        SCALED_MM.append({
+            "a": [list(a.shape), list(a.stride()), str(a.dtype)],
+            "b": [list(b.shape), list(b.stride()), str(b.dtype)],
+            "scale_a": [list(scale_a.shape), str(scale_a.dtype)],
+            "scale_b": [list(scale_b.shape), str(scale_b.dtype)],
+            "out_dtype": str(kwargs.get("out_dtype")),
+        })  # fmt: skip
+        if kwargs.get("out") is not None:  # _scaled_mm.out has no fake kernel: nothing runs
+            return kwargs["out"]
+        return real_scaled_mm(a, b, scale_a, scale_b, *args, **kwargs)
+
+    extern_kernels._scaled_mm = scaled_mm
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1  # Triton compiles in this process (the stub driver)
+    # The static launcher keeps no PTX (ptxas reports registers and spills from it) and loads
+    # the cubin on a device.
+    inductor_config.use_static_cuda_launcher = False
+    if hasattr(inductor_config, "use_static_triton_launcher"):
+        inductor_config.use_static_triton_launcher = False
+    inductor_config.joint_graph_constant_folding = False  # it runs nodes on real CUDA tensors
+
+
+def _notes(dump: Path) -> list[dict[str, Any]]:
+    found = []
+    for summary in sorted(dump.glob("*/**/summary.json")):
+        for entry in json.loads(summary.read_text()):
+            if entry.get("notes") or entry.get("op_diff"):
+                found.append({
+                    "graph": str(summary.parent.relative_to(dump)),
+                    "pass": entry.get("label"),
+                    "op_diff": entry.get("op_diff"),
+                    "notes": (entry.get("notes") or [])[:5],
+                })  # fmt: skip
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--backward", action="store_true", help="also try the backward")
+    parser.add_argument("preset")
+    args, overrides = parser.parse_known_args(argv)
+    sys.path.insert(0, str(HERE.parent))
+    install()
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import graphtrain  # noqa: F401  (registers the backend and the ops)
+    from graphtrain.compile import apply_compile
+    from graphtrain.config import load_config, pass_options
+    from graphtrain.inspect.capture import run_once
+    from models import build_model
+
+    cfg = load_config(["--preset", args.preset, *overrides])
+    dump = Path(tempfile.mkdtemp(prefix="cuda-codegen-"))
+    start = time.time()
+    status = "ok"
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for module in model.modules():  # fake CUDA parameters and buffers (no to_empty swap)
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    fake = torch.empty(p.shape, dtype=p.dtype, device="cuda")
+                    module._parameters[name] = torch.nn.Parameter(fake, p.requires_grad)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device="cuda")
+        apply_compile(
+            model, passes=cfg.compile.passes, inner="inductor", dump_dir=dump,
+            pass_options=pass_options(cfg), cudagraph_mtp=False, device_type="cuda",
+        )  # fmt: skip
+        t = cfg.training
+        shape = (t.micro_batch_size, t.seq_len + 1)
+        tokens = torch.randint(0, cfg.model.vocab_size, shape, device="cuda")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if args.backward:
+                    run_once(model, (tokens[:, :-1], tokens[:, 1:]))
+                else:
+                    with torch.no_grad():
+                        model(tokens[:, :-1], tokens[:, 1:])
+        except Exception as error:  # the report says how far it got
+            status = f"{type(error).__name__}: {str(error)[:500]}"
+            print("".join(traceback.format_tb(error.__traceback__)), file=sys.stderr)
+    report = {
+        "preset": args.preset,
+        "overrides": overrides,
+        "status": status,
+        "seconds": round(time.time() - start, 1),
+        "notes": _notes(dump),
+        "kernels": KERNELS,
+        "scaled_mm": SCALED_MM,
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(f"{args.preset} {overrides}: {status}; {len(KERNELS)} Triton kernels, "
+          f"{len(SCALED_MM)} _scaled_mm calls, {report['seconds']} s")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""`inspect --profile`'s join on a synthetic CUDA profiler event tree (no GPU needed): Inductor
+opens a record named after each Triton kernel it launches; that kernel's device time must land
+in the kernel and source-line tables, not only in the totals (issue 26, defect 1)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from graphtrain.inspect.profile import attribute
+from graphtrain.inspect.report import GeneratedCode
+
+_CODE = """
+triton_poi_fused_add_0 = async_compile.triton('triton_poi_fused_add_0', '''...''')
+triton_red_fused_sum_1 = async_compile.triton('triton_red_fused_sum_1', '''...''')
+
+def call(args):
+    # [Provenance debug handles] triton_poi_fused_add_0:1
+    triton_poi_fused_add_0.run(buf0, arg0_1, stream=stream0)
+    # [Provenance debug handles] extern_kernels.mm:2
+    extern_kernels.mm(buf0, arg1_1, out=buf1)
+    # [Provenance debug handles] triton_red_fused_sum_1:3
+    triton_red_fused_sum_1.run(buf1, buf2, stream=stream0)
+"""
+
+
+def _event(name, children=(), kernels=(), start=0):
+    event = SimpleNamespace(
+        name=name,
+        cpu_children=list(children),
+        kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels],
+        time_range=SimpleNamespace(start=start),
+        cpu_time_total=5.0,
+        cpu_parent=None,
+    )
+    for child in event.cpu_children:
+        child.cpu_parent = event
+    return event
+
+
+def _launch(kernel, us, start):
+    """Inductor's record of one Triton launch, the driver call under it, the device kernel."""
+    return _event(kernel, [_event("cuLaunchKernelEx", kernels=[(kernel, us)])], start=start)
+
+
+def test_triton_launch_records_are_generated_kernels_on_cuda():
+    code = GeneratedCode(
+        stage="forward",
+        path="output_code_0.py",
+        code=_CODE,
+        kernels={
+            "triton_poi_fused_add_0:1": {"nodes": ["add"], "stack_traces": []},
+            "extern_kernels.mm:2": {"nodes": ["mm"], "stack_traces": []},
+            "triton_red_fused_sum_1:3": {"nodes": ["sum_1"], "stack_traces": []},
+        },
+        node_sources={
+            "add": ["models/m.py:10 in forward", "y = x + 1"],
+            "mm": ["models/m.py:11 in forward", "z = y @ w"],
+            "sum_1": ["models/m.py:12 in forward", "return z.sum()"],
+        },
+    )
+    report = SimpleNamespace(graphs=[SimpleNamespace(name="block-0", output_code=[code])])
+    steps = 2
+    calls = []
+    for step in range(steps):
+        mm = _event(
+            "aten::mm", [_event("cudaLaunchKernel", kernels=[("sm90_gemm", 70.0)])], start=2
+        )
+        calls.append(
+            _event(
+                f"## Call CompiledFxGraph fabc{step} ##",
+                [
+                    _launch("triton_poi_fused_add_0", 30.0, 1),
+                    mm,
+                    _launch("triton_red_fused_sum_1", 20.0, 3),
+                ],
+            )
+        )
+    prof = SimpleNamespace(events=lambda: calls)
+    profile = attribute(prof, report, steps=steps, step_ms=1.0, device=torch.device("cuda"))
+    assert profile.kernel_ms == pytest.approx(0.12)
+    # Every microsecond matched: before the fix the Triton launches were read as extern calls,
+    # matched none and fell out of the tables (attributed 0.07 of 0.12 ms).
+    assert profile.attributed_ms == pytest.approx(0.12)
+    rows = {k.kernel: (k.ms, k.calls, k.sources) for k in profile.kernels}
+    assert rows == {
+        "triton_poi_fused_add_0": (pytest.approx(0.03), 1, ["models/m.py:10 in forward"]),
+        "extern_kernels.mm": (pytest.approx(0.07), 1, ["models/m.py:11 in forward"]),
+        "triton_red_fused_sum_1": (pytest.approx(0.02), 1, ["models/m.py:12 in forward"]),
+    }
+    lines = {line.code: line.ms for line in profile.lines}
+    assert lines == {
+        "y = x + 1": pytest.approx(0.03),
+        "z = y @ w": pytest.approx(0.07),
+        "return z.sum()": pytest.approx(0.02),
+    }
+    assert profile.graphs == {"block-0/forward": pytest.approx(0.12)}
+
+
+def test_pass_off_model_shares_the_weights_instead_of_copying_them():
+    """Issue 26, defect 6: the pass-off model of `inspect --profile` holds the profiled model's
+    own tensors (no second or third copy of the weights)."""
+    from graphtrain.compile import apply_compile
+    from graphtrain.config import load_config
+    from graphtrain.inspect.api import _build
+    from graphtrain.inspect.profile import share_weights
+
+    cfg = load_config(["--preset", "debug", "--model.num_layers=1"])
+    model = _build(cfg, torch.device("cpu"))
+    apply_compile(model, passes=cfg.compile.passes, inner="aot_eager")  # lazy: nothing compiles
+    without = share_weights(model, _build(cfg, torch.device("meta")))
+    theirs = dict(model.named_parameters()) | dict(model.named_buffers())
+    mine = dict(without.named_parameters()) | dict(without.named_buffers())
+    assert set(mine) == set(theirs) and len(mine) > 5
+    assert all(mine[name] is theirs[name] for name in mine)
+    assert not any(t.is_meta for t in mine.values())  # the non-persistent rope cache too
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            without(tokens[:, :-1], tokens[:, 1:]), model(tokens[:, :-1], tokens[:, 1:])
+        )
+    other = load_config(["--preset", "debug", "--model.num_layers=2"])
+    with pytest.raises(AttributeError):
+        share_weights(model, _build(other, torch.device("meta")))

@@ -10,7 +10,8 @@ What
     A plain-torch top-1 accuracy on the same logits is folded into the op's statistics
     (linear_cross_entropy_accuracy.py). The op: graphtrain/custom_ops/linear_cross_entropy/.
     Mode: compile.lce_mode; "auto" takes fast unless fast_mode_extra_bytes exceeds
-    compile.lce_memory_budget (0: a quarter of the free memory). Each refusal and the chosen
+    compile.lce_memory_budget (0: a quarter of the free memory; under tensor parallelism the
+    smallest over the tp group, so all its ranks decide alike). Each refusal and the chosen
     mode are stated in a note. Matched model line: GPT.head_loss (models/gpt.py).
 
 Invariant and numerics
@@ -350,6 +351,34 @@ def _memory_budget(options: Mapping[str, Any], device: torch.device) -> tuple[in
     return free // 4, "a quarter of the available system memory"
 
 
+def _group_budget(
+    budget: int, source: str, group_name: str, device: torch.device
+) -> tuple[int, str]:
+    """The smallest budget over the tp group `group_name`, and where it comes from.
+
+    Fast and low-memory modes (and fast mode's token chunking) issue different numbers of
+    collectives, so every rank of the group must decide alike: each rank's own free memory
+    differs, and ranks that chose differently would hang in the op's first all-reduce. Every
+    rank of the group compiles the same graph, so each runs this one all-reduce per matched
+    loss, at the same point."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    # NCCL reduces CUDA tensors only; gloo (CPU tests) CPU tensors.
+    on_cuda = device.type == "cuda" and "nccl" in str(dist.get_backend(group))
+    where = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    with unset_fake_temporarily():  # a real tensor, even inside the compiler's fake mode
+        t = torch.tensor([budget], dtype=torch.int64, device=where)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        smallest = int(t.item())  # compile time, once per matched loss: not in the step
+    return (
+        smallest,
+        f"{source}; the smallest over the {group.size()} ranks of tp group {group_name}",
+    )
+
+
 def _choose_mode(
     options: Mapping[str, Any], m: _Match, gm: torch.fx.GraphModule
 ) -> tuple[dict[str, Any], str]:
@@ -376,6 +405,8 @@ def _choose_mode(
             return {"mode": "fast"}, "compile.lce_mode = 'fast'"
         return {"mode": "low_memory"}, "auto: the token count is symbolic, low memory is safe"
     budget, source = _memory_budget(options, hidden_val.device)
+    if m.group_name is not None:  # one decision for the whole tp group
+        budget, source = _group_budget(budget, source, m.group_name, hidden_val.device)
     gib = 1 << 30
     tried = []
     # fp32 accumulation first; a 16-bit weight's own dtype (four roundings) only if needed.

@@ -11,7 +11,7 @@ Numerics
     Logits rounded to the input dtype by cuBLAS; statistics, coefficients and the grad_hidden
     accumulator in fp32; grad_weight accumulated in fp32 (fast mode: in fp32 into an fp32
     weight's gradient, in an fp32 buffer, or in a 16-bit weight's own dtype over <= 4 chunks).
-    No host synchronisation; the first call per shape autotunes _lce_dh_kernel.
+    No host synchronisation; _lce_dh_kernel runs one fixed tile per dtype (no autotuning).
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ import triton
 from torch import Tensor
 
 from graphtrain.custom_ops.linear_cross_entropy.kernels import (
+    _DH_CONFIG_16BIT,
+    _DH_CONFIG_FP32,
+    _DH_LAUNCH_16BIT,
+    _DH_LAUNCH_FP32,
     _DH_SMALL,
     _lce_dh_finalize_kernel,
     _lce_dh_kernel,
-    _lce_dh_kernel_tuned,
     _lce_grad_kernel,
     _lce_stats_kernel,
 )
@@ -69,19 +72,15 @@ def _launch_dh(
     precision = "ieee" if p.dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
     args = (p, w, acc, alpha, M, n_out, p.stride(0), p.stride(1), w.stride(0), acc.stride(0))
     if _interpreting() or M * n_out * K < (1 << 24):
-        cfg = _DH_SMALL
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(n_out, cfg["BLOCK_N"]),)
-        _lce_dh_kernel[grid](
-            *args, K=K, FIRST=first, HAS_ALPHA=has_alpha, INPUT_PRECISION=precision, **cfg
-        )
+        cfg, launch = _DH_SMALL, {}
+    elif p.dtype == torch.float32:
+        cfg, launch = _DH_CONFIG_FP32, _DH_LAUNCH_FP32
     else:
-
-        def grid(meta: dict[str, Any]) -> tuple[int]:
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(n_out, meta["BLOCK_N"]),)
-
-        _lce_dh_kernel_tuned[grid](
-            *args, K=K, FIRST=first, HAS_ALPHA=has_alpha, INPUT_PRECISION=precision
-        )
+        cfg, launch = _DH_CONFIG_16BIT, _DH_LAUNCH_16BIT
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(n_out, cfg["BLOCK_N"]),)
+    _lce_dh_kernel[grid](
+        *args, K=K, FIRST=first, HAS_ALPHA=has_alpha, INPUT_PRECISION=precision, **cfg, **launch
+    )
 
 
 def _stats_launch(

@@ -2,7 +2,7 @@
 
 What
     _lce_stats_kernel        online max / sum-exp / target logit / logit sum per row, P over L
-    _lce_dh_kernel           acc = alpha * acc + P @ W_c in fp32 (autotuned: _lce_dh_kernel_tuned)
+    _lce_dh_kernel           acc = alpha * acc + P @ W_c in fp32 (one tile per dtype: _DH_CONFIG_*)
     _lce_dh_finalize_kernel  grad_hidden = a acc + b W[target] + c sum_v W_v
     _lce_grad_kernel         G = a softmax + b onehot + c, in place of the logits
     _lce_scale_kernel        x *= g in fp32, g read on the device
@@ -187,27 +187,17 @@ def _lce_scale_kernel(x_ptr, g_ptr, numel, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, x.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-# Hopper-sized tiles; the best is picked once per (M, N_OUT, K). restore_value: the kernel
-# updates acc in place, so autotuning must not run it more than once on live data.
-_DH_CONFIGS = [
-    triton.Config(
-        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3
-    ),
-    triton.Config(
-        {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3
-    ),
-    triton.Config(
-        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4
-    ),
-    triton.Config(
-        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4
-    ),
-    triton.Config(
-        {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4
-    ),
-]
-_lce_dh_kernel_tuned = triton.autotune(
-    configs=_DH_CONFIGS, key=["M", "N_OUT", "K"], restore_value=["acc_ptr"]
-)(_lce_dh_kernel)
-# Small fixed tiles for the interpreter (and tiny problems, where autotuning is not worth it).
+# One tile per operand dtype, no autotuning. Compiled for sm_90 with the triton wheel's ptxas at
+# the launchers' benchmark shapes, of the five Hopper tiles autotuned before only this 16-bit
+# one is spill-free in every variant (FIRST, HAS_ALPHA, P transposed): the others spilled
+# 24-200 B per thread once acc is loaded before the K loop. fp32 (ieee: no tensor cores, the
+# path of fp32 compute) spilled 10-18 KB at those tiles and one needed 245,760 B of shared
+# memory; 64x128x16 takes 128 registers and 16 KiB. Without autotuning nothing benchmarks the
+# kernel on the live accumulator it updates in place (restore_value cloned it: 2.1 GB for an
+# fp32 grad_weight at V = 128256, H = 4096, once per shape). Table: the design note.
+_DH_CONFIG_16BIT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}
+_DH_LAUNCH_16BIT = {"num_warps": 8, "num_stages": 4}
+_DH_CONFIG_FP32 = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 16, "GROUP_M": 8}
+_DH_LAUNCH_FP32 = {"num_warps": 8, "num_stages": 2}
+# Small fixed tiles for the interpreter (and tiny problems, where big tiles are mostly padding).
 _DH_SMALL = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}

@@ -40,6 +40,10 @@ _MAX_VOCAB_CHUNK = 8192  # one row of a chunk is held in registers by the per-ro
 # lose speed; above 4096 the buffer grows without a gain).
 FAST_BUFFER_BYTES = 512 << 20
 _FAST_MIN_ROWS, _FAST_MAX_ROWS = 2048, 4096
+# Token chunks are a whole number of GEMM tiles (the largest tile edge of the cuBLAS and
+# _lce_dh_kernel configurations): at V = 128256 the buffer alone would give 2092 rows, ragged
+# tiles in all three GEMMs and a second _lce_dh_kernel shape (K = 1916) for the remainder.
+FAST_ROW_MULTIPLE = 256
 _MAX_INPUT_DTYPE_CHUNKS = 4  # 16-bit grad_weight accumulation: at most four roundings
 
 
@@ -146,11 +150,14 @@ def _at_most_four_chunks(rows: int, N: int) -> int:
 
 def _fast_token_chunk(N: int, V: int, elem_size: int, input_dtype_accumulation: bool) -> int:
     """Fast mode's rows per token chunk on a GPU: the logits buffer within FAST_BUFFER_BYTES,
-    clamped to [2048, 4096] rows, and at least N / 4 rows for 16-bit accumulation."""
+    rounded down to a multiple of FAST_ROW_MULTIPLE, clamped to [2048, 4096] rows; for 16-bit
+    accumulation at least N / 4 rows, rounded up to the multiple (still at most four chunks)."""
     rows = FAST_BUFFER_BYTES // max(1, V * elem_size)
+    rows = rows // FAST_ROW_MULTIPLE * FAST_ROW_MULTIPLE
     rows = max(_FAST_MIN_ROWS, min(_FAST_MAX_ROWS, rows))
     if input_dtype_accumulation:
         rows = _at_most_four_chunks(rows, N)
+        rows = math.ceil(rows / FAST_ROW_MULTIPLE) * FAST_ROW_MULTIPLE
     return min(rows, max(N, 1))
 
 

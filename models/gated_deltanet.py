@@ -81,8 +81,8 @@ def chunk_gated_delta_rule(
     dtype; the state starts at zero in each row and at each segment start. scale: q's factor
     (default Dk ** -0.5).
 
-    Per chunk of C positions with cumulative log decay c_i and D_ij = exp(c_i - c_j) for j <= i
-    in one segment (else 0), the C delta-rule writes u solve (I + L) u = beta v - beta k-read
+    Per chunk of C positions with c_i the sum of g over the chunk's positions <= i in i's
+    segment and D_ij = exp(c_i - c_j) for j <= i in one segment (else 0), the C delta-rule writes u solve (I + L) u = beta v - beta k-read
     of the incoming state, L_ij = beta_i D_ij k_i.k_j (j < i); outputs and the next state
     follow from u by matmuls (the WY form of DeltaNet and FLA's chunk kernels).
     """
@@ -110,7 +110,10 @@ def chunk_gated_delta_rule(
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     keep = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal  # (B, 1, N, C, C) [i, j]
 
-    c = g.cumsum(-1)  # (B, H, N, C)
+    # Cumulative log decay within each chunk and segment, as a masked sum rather than a cumsum:
+    # differences of a plain cumsum would carry an earlier document's decays at rounding level
+    # into a later one's values and gradients; here they are multiplied by exact zeros.
+    c = (keep.to(ct) @ g.unsqueeze(-1)).squeeze(-1)  # (B, H, N, C)
     # Masked to -inf before exp: c_i - c_j > 0 for j > i would overflow.
     decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~keep, -math.inf).exp()
     state_decay = c.masked_fill(~first, -math.inf).exp()  # read of the incoming state

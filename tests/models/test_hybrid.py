@@ -1,0 +1,159 @@
+"""Hybrid models (models/hybrid.py): the layer pattern, initialisation, packed documents, and
+hybrid-debug / hybrid-moe-debug training through the trainer, compiled equal to eager."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import job
+
+from graphtrain.attention import document_causal_mask
+from graphtrain.config import load_config
+from graphtrain.parallel.mesh import validate_model_for_tp
+from graphtrain.trainer import train
+from models import MODEL_PRESETS, build_model
+from models.gpt import TransformerBlock
+from models.hybrid import (
+    GatedDeltaNetBlock,
+    GatedDeltaNetMoEBlock,
+    HybridConfig,
+    HybridGPT,
+    HybridMoEGPT,
+)
+from models.moe import MoEBlock
+
+DEBUG = MODEL_PRESETS["hybrid-debug"]
+MOE_DEBUG = MODEL_PRESETS["hybrid-moe-debug"]
+
+
+def build(cfg, seed=0):
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    # Poison everything: whatever init_weights forgets stays NaN.
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(float("nan"))
+    model.init_weights(seed=seed)
+    return model
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"layer_pattern": "GGA*"}, "unknown letters \\['A'\\]"),
+        ({"layer_pattern": ""}, "non-empty string"),
+        ({"layer_pattern": "GGG"}, "length 3.*num_layers=4"),
+        ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 is not a multiple"),
+        ({"linear_chunk_size": 0}, "linear_chunk_size must be >= 1"),
+    ],
+)
+def test_config_errors_name_values(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(DEBUG, **change)
+
+
+def test_pattern_repeats_to_the_layers_and_picks_ffn_kinds():
+    cfg = dataclasses.replace(DEBUG, num_layers=8, layer_pattern="G*")
+    model = build(cfg)
+    assert type(model) is HybridGPT
+    kinds = [type(b) for b in model.layers.values()]
+    assert kinds == [GatedDeltaNetBlock, TransformerBlock] * 4
+    moe = build(dataclasses.replace(MOE_DEBUG, mtp_depth=1))
+    assert type(moe) is HybridMoEGPT
+    assert [type(b) for b in moe.layers.values()] == [
+        GatedDeltaNetBlock,  # first_k_dense = 1
+        GatedDeltaNetMoEBlock,
+        GatedDeltaNetMoEBlock,
+        MoEBlock,
+    ]
+    # Every MoE block's router is found (balancing, aux losses), the MTP block's included,
+    # and the MTP block is an attention block as in Qwen3-Next.
+    assert [name for name, _ in moe.routers()] == [
+        "layers.1",
+        "layers.2",
+        "layers.3",
+        "mtp_layers.0.block",
+    ]
+    assert type(moe.mtp_layers["0"].block) is MoEBlock
+
+
+@pytest.mark.parametrize("preset", ["hybrid-debug", "hybrid-moe-debug"])
+def test_every_parameter_and_buffer_is_initialized_and_seeded(preset):
+    a, b = build(MODEL_PRESETS[preset], seed=3), build(MODEL_PRESETS[preset], seed=3)
+    for (name, t), u in zip(
+        [*a.named_parameters(), *a.named_buffers()], [*b.parameters(), *b.buffers()], strict=True
+    ):
+        assert torch.isfinite(t).all(), f"{name} not initialized"
+        assert torch.equal(t, u), name
+    gdn = a.layers["0"].linear_attention
+    assert (gdn.A_log.exp() >= 1).all() and (gdn.A_log.exp() <= 16).all()
+    dt = torch.nn.functional.softplus(gdn.dt_bias)
+    assert (dt >= 1e-4 * 0.999).all() and (dt <= 0.1 * 1.001).all()
+
+
+def test_1b_preset_size():
+    with torch.device("meta"):
+        model = build_model(MODEL_PRESETS["hybrid-1b"])
+    assert sum(p.numel() for p in model.parameters()) == 982_519_680
+
+
+def test_packed_documents_equal_separate_documents():
+    """A row holding three documents gives each the logits it gets alone: attention blocks by
+    the mask, Gated DeltaNet blocks by resetting their state and convolution (float64; the MoE
+    FFN works per token, and its grouped GEMMs have no float64)."""
+    cfg = dataclasses.replace(DEBUG, linear_chunk_size=8)
+    model = build(cfg).double().eval()
+    lengths = [11, 3, 20]
+    T = sum(lengths)
+    ids = torch.randint(0, cfg.vocab_size, (1, T))
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)).unsqueeze(0)
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    packed = model(ids, position_ids=pos, attn_mask=document_causal_mask(doc), document_ids=doc)
+    start = 0
+    for n in lengths:
+        alone = model(ids[:, start : start + n])
+        # The norms compute in fp32 even in a float64 model: fp32-level agreement.
+        torch.testing.assert_close(packed[:, start : start + n], alone, rtol=1e-5, atol=1e-6)
+        start += n
+    # Without document ids the GDN blocks read across documents: the check above is not vacuous.
+    crossing = model(ids, position_ids=pos, attn_mask=document_causal_mask(doc))
+    assert (crossing[:, lengths[0] :] - packed[:, lengths[0] :]).abs().max() > 1e-2
+
+
+def test_tensor_parallel_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match=r"parallel\.tp=2: tensor parallelism of Gated DeltaNet"):
+        validate_model_for_tp(DEBUG, 2)
+    validate_model_for_tp(dataclasses.replace(DEBUG, layer_pattern="*"), 2)  # attention only
+    assert isinstance(DEBUG, HybridConfig)
+
+
+def test_hybrid_debug_learns(corpus, tmp_path):
+    result = train(
+        load_config(
+            job(
+                corpus,
+                tmp_path,
+                "--preset=hybrid-debug",
+                "--training.steps=30",
+                "--metrics.val_interval=30",
+            )
+        )
+    )
+    assert result.val_losses[30] < result.val_losses[0] - 2.0, result.val_losses
+
+
+@pytest.mark.parametrize(
+    "preset", ["hybrid-debug", pytest.param("hybrid-moe-debug", marks=pytest.mark.slow)]
+)
+def test_eager_and_compiled_losses_are_bitwise_equal(corpus, tmp_path, preset):
+    """With the numerics-preserving passes (the fused cross-entropy changes rounding: off)."""
+    from graphtrain.passes import all_passes
+
+    switches = ",".join(("+" if p.preserves_numerics else "-") + p.name for p in all_passes())
+    common = (f"--preset={preset}", "--training.steps=3")
+    eager = train(load_config(job(corpus, tmp_path / "e", *common, "--compile.enable=false")))
+    compiled = train(
+        load_config(job(corpus, tmp_path / "c", *common, f"--compile.passes={switches}"))
+    )
+    assert eager.losses == compiled.losses

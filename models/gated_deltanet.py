@@ -27,8 +27,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx.traceback
 import torch.nn.functional as F
 from torch import nn
+
+# The annotation key of the recurrence region (gated_delta_rule): a compiler pass looks for it.
+REGION_KEY = "gated_delta_rule_region"
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -139,6 +143,25 @@ def chunk_gated_delta_rule(
     return o.transpose(1, 2).to(out_dtype)
 
 
+@torch.compiler.nested_compile_region
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    segments: torch.Tensor | None,
+    chunk_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """`chunk_gated_delta_rule` marked as one region for the compiler: under torch.compile it is
+    a single invoke_subgraph node whose operands are the tensors (q, k, v, g, beta[, segments])
+    and whose nodes carry the annotation {REGION_KEY: {"chunk_size", "scale"}}, so a pass can
+    replace the whole recurrence with a kernel. In eager both markers do nothing."""
+    with torch.fx.traceback.annotate({REGION_KEY: {"chunk_size": chunk_size, "scale": scale}}):
+        return chunk_gated_delta_rule(q, k, v, g, beta, segments, chunk_size, scale)
+
+
 def gated_delta_rule_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -243,7 +266,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         # fp32: exp(A_log) and softplus in bf16 lose the small decays that matter over a chunk.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o = chunk_gated_delta_rule(q, k, v, g, beta, segments, self.chunk_size)
+        o = gated_delta_rule(q, k, v, g, beta, segments, self.chunk_size, Dk**-0.5)
         o = self.norm(o, z)  # (B, T, Hv, Dv)
         return self.out_proj(o.flatten(2))
 

@@ -157,3 +157,43 @@ def test_eager_and_compiled_losses_are_bitwise_equal(corpus, tmp_path, preset):
         load_config(job(corpus, tmp_path / "c", *common, f"--compile.passes={switches}"))
     )
     assert eager.losses == compiled.losses
+
+
+def test_gdn_flops_are_the_matmuls_the_layer_runs():
+    """The FLOPs formula of a GDN mixer (graphtrain.metrics.flops) against torch's flop counter
+    on the layer's forward; the counter does not count the triangular solve, the formula does
+    (C * C * (Dk + Dv) per chunk and value head)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from graphtrain.metrics.flops import gated_deltanet_forward_flops_per_token
+    from models.hybrid import build_gated_deltanet
+
+    cfg = DEBUG
+    layer = build_gated_deltanet(cfg)
+    layer.init_weights(0.02, 0.01)
+    T = 2 * cfg.linear_chunk_size
+    with FlopCounterMode(display=False) as counter:
+        layer(torch.randn(1, T, cfg.dim))
+    C, Dk, Dv = cfg.linear_chunk_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    solve = cfg.linear_num_value_heads * C * (Dk + Dv)  # per token
+    assert counter.get_total_flops() + T * solve == T * gated_deltanet_forward_flops_per_token(cfg)
+
+
+@pytest.mark.parametrize("preset", ["hybrid-debug", "hybrid-moe-debug"])
+def test_hybrid_flops_swap_attention_for_gdn(preset):
+    from graphtrain.metrics.flops import (
+        gated_deltanet_forward_flops_per_token,
+        model_training_flops,
+    )
+
+    cfg = dataclasses.replace(MODEL_PRESETS[preset], mtp_depth=1)
+    tokens, pairs = 4 * 256, 4 * 256 * 257 // 2
+    attention_only = dataclasses.replace(cfg, layer_pattern="*")
+    full = model_training_flops(attention_only, num_tokens=tokens, num_attention_pairs=pairs)
+    d, hd = cfg.dim, cfg.head_dim
+    attention = 2 * d * cfg.num_heads * hd * 2 + 2 * 2 * d * cfg.num_kv_heads * hd
+    per_gdn = tokens * (gated_deltanet_forward_flops_per_token(cfg) - attention)
+    per_gdn -= pairs * 4 * hd * cfg.num_heads
+    hybrid = model_training_flops(cfg, num_tokens=tokens, num_attention_pairs=pairs)
+    assert hybrid == full + 3 * 3 * per_gdn  # "GGG*": 3 GDN blocks
+    assert hybrid != full

@@ -197,3 +197,10 @@ def test_hybrid_flops_swap_attention_for_gdn(preset):
     hybrid = model_training_flops(cfg, num_tokens=tokens, num_attention_pairs=pairs)
     assert hybrid == full + 3 * 3 * per_gdn  # "GGG*": 3 GDN blocks
     assert hybrid != full
+
+
+def test_hugging_face_export_is_refused_with_a_clear_error():
+    from graphtrain.checkpoint.hf import _layout
+
+    with pytest.raises(ValueError, match=r"export of hybrid models \(model.layer_pattern='GGG\*'"):
+        _layout(DEBUG)

@@ -21,12 +21,16 @@ Layers
     _gdr_fwd_kernel         Triton forward, one program per (batch, head, block of Dv columns):
                             the recurrence step by step with S in fp32 registers (the columns
                             of S are independent given k, so Dv splits across programs)
-    the backward on CUDA    the reference's autograd for now (see docs/design/gated_delta_rule.md)
+    _gdr_bwd_kernel         Triton backward, one program per (batch, head): the recurrence
+                            again keeping the state entering each chunk, then the chunks in
+                            reverse, each recomputed into a scratch buffer and stepped back
+                            through with dS, the state's gradient, in fp32 registers
 
 Numerics
     fp32 state and accumulation for bf16/fp32 inputs (float64 stays float64 on the reference).
-    On CPU the op is the model's own chunked code: bitwise the eager result. The Triton forward
-    sums in another order (step by step rather than chunked): agreement to fp32 rounding.
+    On CPU the op is the model's own chunked code: bitwise the eager result. The Triton kernels
+    sum in another order (step by step rather than chunked): agreement to fp32 rounding. They
+    are correct but not yet fast (no tensor cores; docs/design/gated_delta_rule.md).
 """
 
 from __future__ import annotations
@@ -233,6 +237,178 @@ def chunk_gated_delta_rule_triton(
     return o
 
 
+@triton.jit
+def _gdr_bwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    seg_ptr,
+    do_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    dg_ptr,
+    dbeta_ptr,
+    h_ptr,  # (B*H, NUM_CHUNKS, BLOCK_K, BLOCK_V) fp32: the state entering each chunk
+    scratch_ptr,  # (B*H, CHUNK, BLOCK_K, BLOCK_V) fp32: the states inside the current chunk
+    H,
+    scale,
+    T: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
+):
+    # One program per (batch, head), the whole state: dq and dk sum over the value columns.
+    # Pass 1 runs the recurrence and keeps the state entering each chunk; pass 2 walks the
+    # chunks backwards, recomputes a chunk's states from its entry state into scratch, then
+    # steps back through it carrying dS, the gradient of the state (fp32 throughout).
+    pid = tl.program_id(0)
+    b = pid // H
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+    tile = offs_k[:, None] * BLOCK_V + offs_v[None, :]
+    size = BLOCK_K * BLOCK_V
+    h_base = h_ptr + pid * NUM_CHUNKS * size
+    s_base = scratch_ptr + pid * CHUNK * size
+    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    for t in range(T):
+        if t % CHUNK == 0:
+            tl.store(h_base + (t // CHUNK) * size + tile, state)
+        row = (b * T + t) * H + pid % H
+        k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + row).to(tl.float32))
+        beta = tl.load(beta_ptr + row).to(tl.float32)
+        if HAS_SEGMENTS:
+            if t > 0:
+                same = tl.load(seg_ptr + b * T + t) == tl.load(seg_ptr + b * T + t - 1)
+                decay = tl.where(same, decay, 0.0)
+        state = state * decay
+        write = beta * (v - tl.sum(state * k[:, None], axis=0))
+        state = state + k[:, None] * write[None, :]
+
+    dstate = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    for cc in range(NUM_CHUNKS):
+        c = NUM_CHUNKS - 1 - cc
+        state = tl.load(h_base + c * size + tile)
+        for i in range(CHUNK):
+            t = c * CHUNK + i
+            ok = t < T  # the last chunk may be partial: zero k, beta and g leave S unchanged
+            tl.store(s_base + i * size + tile, state)
+            row = (b * T + t) * H + pid % H
+            k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
+            decay = tl.exp(tl.load(g_ptr + row, mask=ok, other=0.0).to(tl.float32))
+            beta = tl.load(beta_ptr + row, mask=ok, other=0.0).to(tl.float32)
+            if HAS_SEGMENTS:
+                if t > 0:
+                    cur = tl.load(seg_ptr + b * T + t, mask=ok, other=0)
+                    prev = tl.load(seg_ptr + b * T + t - 1, mask=ok, other=0)
+                    decay = tl.where(cur == prev, decay, 0.0)
+            state = state * decay
+            write = beta * (v - tl.sum(state * k[:, None], axis=0))
+            state = state + k[:, None] * write[None, :]
+        tl.debug_barrier()  # scratch written above is read below
+        for j in range(CHUNK):
+            i = CHUNK - 1 - j
+            t = c * CHUNK + i
+            ok = t < T
+            prev_state = tl.load(s_base + i * size + tile)  # S_{t-1}
+            row = (b * T + t) * H + pid % H
+            q = tl.load(q_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
+            do = tl.load(do_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
+            decay = tl.exp(tl.load(g_ptr + row, mask=ok, other=0.0).to(tl.float32))
+            beta = tl.load(beta_ptr + row, mask=ok, other=0.0).to(tl.float32)
+            if HAS_SEGMENTS:
+                if t > 0:
+                    cur = tl.load(seg_ptr + b * T + t, mask=ok, other=0)
+                    prev = tl.load(seg_ptr + b * T + t - 1, mask=ok, other=0)
+                    decay = tl.where(cur == prev, decay, 0.0)
+            decayed = prev_state * decay  # S' = a S_{t-1}
+            read = tl.sum(decayed * k[:, None], axis=0)  # r = S'^T k
+            write = beta * (v - read)  # w
+            new_state = decayed + k[:, None] * write[None, :]  # S_t
+            dstate += (q * scale)[:, None] * do[None, :]  # o = S_t^T (scale q)
+            dq = tl.sum(new_state * do[None, :], axis=1) * scale
+            dwrite = tl.sum(dstate * k[:, None], axis=0)
+            dk = tl.sum(dstate * write[None, :], axis=1)
+            dv = beta * dwrite
+            dbeta = tl.sum(dwrite * (v - read), axis=0)
+            dread = -beta * dwrite
+            ddecayed = dstate + k[:, None] * dread[None, :]
+            dk += tl.sum(decayed * dread[None, :], axis=1)
+            dg = tl.sum(tl.sum(ddecayed * prev_state, axis=1), axis=0) * decay  # da/dg = a
+            dstate = ddecayed * decay
+            tl.store(dq_ptr + row * DK + offs_k, dq.to(dq_ptr.dtype.element_ty), mask=mask_k & ok)
+            tl.store(dk_ptr + row * DK + offs_k, dk.to(dk_ptr.dtype.element_ty), mask=mask_k & ok)
+            tl.store(dv_ptr + row * DV + offs_v, dv.to(dv_ptr.dtype.element_ty), mask=mask_v & ok)
+            tl.store(dg_ptr + row, dg.to(dg_ptr.dtype.element_ty), mask=ok)
+            tl.store(dbeta_ptr + row, dbeta.to(dbeta_ptr.dtype.element_ty), mask=ok)
+        tl.debug_barrier()  # the next chunk overwrites scratch
+
+
+def chunk_gated_delta_rule_backward_triton(
+    grad_o: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor | None,
+    opts: GatedDeltaRuleOptions,
+    chunk: int | None = None,
+) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dg, dbeta) by _gdr_bwd_kernel; `chunk` (default opts.chunk_size): positions
+    between kept states. Memory: fp32 states of cdiv(T, chunk) + chunk positions per (batch,
+    head), e.g. 80 MiB a head at T = 4096, chunk 64, Dk = Dv = 128."""
+    chunk = chunk or opts.chunk_size
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
+    grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+    if v.numel() == 0:
+        return tuple(grads)
+    block_k, block_v = triton.next_power_of_2(Dk), triton.next_power_of_2(Dv)
+    num_chunks = triton.cdiv(T, chunk)
+    f32 = torch.float32
+    states = torch.empty(B * H, num_chunks, block_k, block_v, dtype=f32, device=q.device)
+    scratch = torch.empty(B * H, chunk, block_k, block_v, dtype=f32, device=q.device)
+    seg = segments.contiguous() if segments is not None else q  # unread without segments
+    _gdr_bwd_kernel[(B * H,)](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        seg,
+        grad_o,
+        *grads,
+        states,
+        scratch,
+        H,
+        opts.scale,
+        T=T,
+        DK=Dk,
+        DV=Dv,
+        BLOCK_K=block_k,
+        BLOCK_V=block_v,
+        CHUNK=chunk,
+        NUM_CHUNKS=num_chunks,
+        HAS_SEGMENTS=segments is not None,
+    )
+    return tuple(grads)
+
+
 # --------------------------------------------------------------------------------------------
 # op registration
 # --------------------------------------------------------------------------------------------
@@ -299,8 +475,8 @@ def chunk_gated_delta_rule_backward(
     scale: float,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg, dbeta) of chunk_gated_delta_rule. The body is the kernel on every
-    device for now: autograd through the reference."""
+    """(dq, dk, dv, dg, dbeta) of chunk_gated_delta_rule. The body is the CPU kernel: the
+    reference's vjp."""
     opts = GatedDeltaRuleOptions(scale, chunk_size)
     grads = chunk_gated_delta_rule_backward_ref(grad_o, q, k, v, g, beta, segments, opts)
     return tuple(
@@ -311,6 +487,17 @@ def chunk_gated_delta_rule_backward(
 @chunk_gated_delta_rule_backward.register_fake
 def _backward_fake(grad_o, q, k, v, g, beta, segments, *, scale, chunk_size):
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+
+
+@chunk_gated_delta_rule_backward.register_kernel("cuda")
+def _backward_cuda(grad_o, q, k, v, g, beta, segments, *, scale, chunk_size):
+    opts = GatedDeltaRuleOptions(scale, chunk_size)
+    if _use_triton(v):
+        return chunk_gated_delta_rule_backward_triton(grad_o, q, k, v, g, beta, segments, opts)
+    grads = chunk_gated_delta_rule_backward_ref(grad_o, q, k, v, g, beta, segments, opts)
+    return tuple(
+        gr.to(x.dtype).contiguous() for gr, x in zip(grads, (q, k, v, g, beta), strict=True)
+    )
 
 
 def _setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Tensor) -> None:

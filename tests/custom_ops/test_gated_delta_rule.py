@@ -90,13 +90,14 @@ def test_bad_arguments_raise(change, match):
 
 
 # ------------------------------------------------------------------------------------------
-# the Triton forward, under the interpreter (fp32, tiny shapes)
+# the Triton kernels, under the interpreter (fp32, tiny shapes)
 # ------------------------------------------------------------------------------------------
 
 
 def _interpreter_checks() -> None:
-    """Run in a child with TRITON_INTERPRET=1: the Triton forward on CPU, fp32, against the
-    float64 recurrence; Dk, Dv not powers of two, Dv over one column block, documents."""
+    """Run in a child with TRITON_INTERPRET=1: the Triton forward and backward on CPU, fp32,
+    against the float64 recurrence and its autograd; Dk, Dv not powers of two, Dv over one
+    column block, documents (one of length 1)."""
     assert gdr._interpreting()
     for B, T, H, Dk, Dv, lengths in [
         (1, 9, 1, 4, 4, None),
@@ -110,11 +111,22 @@ def _interpreter_checks() -> None:
         out = gdr.chunk_gated_delta_rule_triton(*(x.float() for x in xs), seg, opts)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        xs = [x.requires_grad_() for x in xs]
+        ref = gated_delta_rule_recurrent(*xs, seg, scale=0.6)
+        grad_o = torch.randn_like(ref)
+        expected = torch.autograd.grad(ref, xs, grad_o)
+        # chunk 4: several chunks of kept states, the last one partial.
+        grads = gdr.chunk_gated_delta_rule_backward_triton(
+            grad_o.float(), *(x.detach().float() for x in xs), seg, opts, chunk=4
+        )
+        for name, a, b in zip("q k v g beta".split(), grads, expected, strict=True):
+            assert a.dtype == torch.float32 and b.abs().max() > 0, name
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
         print(f"interpreter B={B} T={T} H={H} Dk={Dk} Dv={Dv} ok")
     print("interpreter all ok")
 
 
-def test_triton_forward_under_interpreter():
+def test_triton_kernels_under_interpreter():
     if gdr._interpreting():
         _interpreter_checks()
         return
@@ -141,6 +153,22 @@ def test_cuda_matches_float64(dtype, tol):
     assert out.dtype == dtype
     err = (out.double() - ref).norm() / ref.norm()
     assert err < tol, err
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_backward_matches_float64():
+    xs = [x.requires_grad_() for x in _inputs(2, 200, 4, 128, 128, device="cuda")]
+    seg = _segments([[50, 150], [200]], device="cuda")
+    ref = gated_delta_rule_recurrent(*xs, seg)
+    grad_o = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, xs, grad_o)
+    grads = torch.ops.graphtrain.chunk_gated_delta_rule_backward(
+        grad_o.float(), *(x.detach().float() for x in xs), seg, scale=128**-0.5, chunk_size=64
+    )
+    for name, a, b in zip("q k v g beta".split(), grads, expected, strict=True):
+        err = (a.double() - b).norm() / b.norm()
+        assert err < 1e-4, (name, err)
 
 
 if __name__ == "__main__":

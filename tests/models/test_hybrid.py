@@ -204,3 +204,17 @@ def test_hugging_face_export_is_refused_with_a_clear_error():
 
     with pytest.raises(ValueError, match=r"export of hybrid models \(model.layer_pattern='GGG\*'"):
         _layout(DEBUG)
+
+
+def test_memory_plan_counts_gdn_blocks_activations():
+    from graphtrain.metrics.memory_plan import gated_deltanet_activations_per_token, plan_memory
+
+    args = ["--preset", "hybrid-1b", "--training.dtype=bfloat16"]
+    hybrid = plan_memory(load_config(args), 1).items["activations per micro-batch"]
+    attention = plan_memory(load_config([*args, "--model.layer_pattern=*"]), 1)
+    attention = attention.items["activations per micro-batch"]
+    cfg = MODEL_PRESETS["hybrid-1b"]
+    tokens = 2 * 4096  # the preset's micro-batch
+    kv_dim = cfg.num_kv_heads * cfg.head_dim
+    swap = gated_deltanet_activations_per_token(cfg) - 2 * cfg.dim - 2 * kv_dim
+    assert hybrid == attention + 12 * tokens * swap * 2  # 12 GDN blocks, bf16

@@ -171,6 +171,15 @@ def test_cuda_backward_matches_float64():
         assert err < 1e-4, (name, err)
 
 
+def test_benchmark_cpu_smoke():
+    """benchmarks/gated_delta_rule.py imports, the op equals the reference, the pass fires."""
+    from conftest import run_benchmark_smoke  # not at the top: this file also runs as a script
+
+    run_benchmark_smoke(
+        "gated_delta_rule.py", "cpu smoke: the op equals the reference and the pass inserts it"
+    )
+
+
 if __name__ == "__main__":
     if "--interpreter-checks" in sys.argv:
         _interpreter_checks()

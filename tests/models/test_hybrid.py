@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import job
+from conftest import job, torchrun_jobs
 
 from graphtrain.attention import document_causal_mask
 from graphtrain.config import load_config
@@ -218,3 +218,17 @@ def test_memory_plan_counts_gdn_blocks_activations():
     kv_dim = cfg.num_kv_heads * cfg.head_dim
     swap = gated_deltanet_activations_per_token(cfg) - 2 * cfg.dim - 2 * kv_dim
     assert hybrid == attention + 12 * tokens * swap * 2  # 12 GDN blocks, bf16
+
+
+@pytest.mark.slow
+def test_fsdp_follows_the_single_process_curve(corpus, tmp_path):
+    """hybrid-debug under FSDP2 (dp_shard=2, gloo): the same global batch gives the losses of
+    one process to 1e-3 relative (the ranks weight and reduce in another order)."""
+    common = ["--preset=hybrid-debug", "--training.steps=4", "--metrics.log_interval=1"]
+    single = train(load_config(job(corpus, tmp_path / "one", *common)))
+    two = ["--parallel.dp_shard=2", "--training.micro_batch_size=2"]
+    (metrics,) = torchrun_jobs(2, [job(corpus, tmp_path / "two", *common, *two)])
+    multi = [m["loss"] for m in metrics if "loss" in m]
+    assert len(multi) == 4
+    for a, b in zip(single.losses, multi, strict=True):
+        assert b == pytest.approx(a, rel=1e-3)

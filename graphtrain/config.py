@@ -455,6 +455,27 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         "optim": {"lr": 3e-4},
         "schedule": {"warmup_ratio": 0.05, "min_lr": 3e-5},
     },
+    # Hybrids (models/hybrid.py): Gated DeltaNet and attention blocks by model.layer_pattern.
+    "hybrid-debug": {
+        "model": "hybrid-debug",
+        "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
+        "optim": {"lr": 1e-3},
+        "schedule": {"warmup_ratio": 0.1, "decay_ratio": 0.25, "min_lr": 1e-4},
+        "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
+    },
+    "hybrid-moe-debug": {
+        "model": "hybrid-moe-debug",
+        "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
+        "optim": {"lr": 1e-3},
+        "schedule": {"warmup_ratio": 0.1, "decay_ratio": 0.25, "min_lr": 1e-4},
+        "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
+    },
+    "hybrid-1b": {
+        "model": "hybrid-1b",
+        "training": {"steps": 20000, "seq_len": 4096, "micro_batch_size": 2},
+        "optim": {"lr": 3e-4},
+        "schedule": {"warmup_ratio": 0.05, "min_lr": 3e-5},
+    },
     # The FP8 benchmark's dense model (models/gpt.py): one GPU, fp32 master weights.
     "3b": {
         "model": "3b",

@@ -2,15 +2,19 @@
 
 from models.gpt import GPT, PRESETS, GPTConfig, build_gpt
 from models.gpt_plan import GPT_TP_PLAN, mtp_tp_plan
+from models.hybrid import HYBRID_PRESETS, HybridConfig, HybridMoEConfig, build_hybrid
 from models.moe import MOE_PRESETS, MoEConfig, MoEGPT, active_params, build_moe
 from models.moe_plan import moe_tp_plan
 
-MODEL_PRESETS: dict[str, GPTConfig] = {**PRESETS, **MOE_PRESETS}
+MODEL_PRESETS: dict[str, GPTConfig] = {**PRESETS, **MOE_PRESETS, **HYBRID_PRESETS}
 
 
 def build_model(cfg: GPTConfig) -> GPT:
     """The model for a config (called under torch.device("meta"), then to_empty + init_weights):
-    MoEGPT for an MoEConfig, the dense GPT otherwise."""
+    MoEGPT for an MoEConfig, the dense GPT otherwise; a HybridConfig (models/hybrid.py) gives the
+    hybrid of either kind."""
+    if isinstance(cfg, HybridConfig):
+        return build_hybrid(cfg)
     if isinstance(cfg, MoEConfig):
         return build_moe(cfg)
     return build_gpt(cfg)
@@ -19,6 +23,8 @@ def build_model(cfg: GPTConfig) -> GPT:
 def tp_plan(cfg: GPTConfig, etp: int = 1, ep: int = 1) -> dict[str, str]:
     """The tensor-parallel plan (module pattern -> style name) of the model for `cfg`; `etp`,
     `ep`: expert tensor-parallel (1 or tp) and expert-parallel sizes of an MoE model."""
+    # A hybrid's plan is its attention blocks' (Gated DeltaNet blocks are refused under tp > 1
+    # by graphtrain.parallel.mesh.validate_model_for_tp until their split exists).
     moe = isinstance(cfg, MoEConfig)
     plan = moe_tp_plan(cfg, etp, ep) if moe else dict(GPT_TP_PLAN)
     if cfg.mtp_depth:
@@ -31,6 +37,8 @@ __all__ = [
     "GPT",
     "MODEL_PRESETS",
     "GPTConfig",
+    "HybridConfig",
+    "HybridMoEConfig",
     "MoEConfig",
     "MoEGPT",
     "active_params",

@@ -289,6 +289,17 @@ class GPT(nn.Module):
         """Block number layer_id (models.moe.MoEGPT builds MoE blocks after the dense ones)."""
         return TransformerBlock(self.cfg)
 
+    def block_inputs(
+        self,
+        layer: nn.Module,
+        rope: torch.Tensor,
+        attn_mask: torch.Tensor | BlockMask | None,
+        document_ids: torch.Tensor | None,
+    ) -> tuple:
+        """The inputs after the hidden state that `layer` of the trunk takes: (rope, attn_mask)
+        (models.hybrid adds document_ids for its recurrent blocks)."""
+        return rope, attn_mask
+
     def build_mtp_layer(self) -> MTPLayer:
         """One MTP depth whose block is of the kind of the trunk's last layer."""
         cfg = self.cfg
@@ -351,7 +362,7 @@ class GPT(nn.Module):
         rope = self.rope[position_ids]  # (B, T, D/2, 2)
         h = self.tok_embeddings(input_ids)  # (B, T, dim)
         for layer in self.layers.values():
-            h = layer(h, rope, attn_mask)
+            h = layer(h, *self.block_inputs(layer, rope, attn_mask, document_ids))
         if labels is None:
             return self.output(self.norm(h))
         loss = self.head_loss(h, labels)

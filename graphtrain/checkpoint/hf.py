@@ -73,6 +73,11 @@ def _layout(cfg: GPTConfig) -> ModuleType:
     """The module that maps the model onto Hugging Face: models.moe_hf for an MoE model,
     models.gpt_hf (Llama) for the dense one. Both have hf_config, config_mismatches,
     to_hf_state and from_hf_state."""
+    if "G" in getattr(cfg, "layer_pattern", ""):
+        raise ValueError(
+            f"Hugging Face export of hybrid models (model.layer_pattern={cfg.layer_pattern!r}, "
+            "Gated DeltaNet blocks) is not implemented yet"
+        )
     return moe_hf if isinstance(cfg, MoEConfig) else gpt_hf
 
 

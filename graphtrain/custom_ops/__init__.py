@@ -10,6 +10,7 @@ from graphtrain.custom_ops import (
     fp8_cast,  # noqa: F401  (graphtrain::fp8_cast)
     fp8_grouped_mm,  # noqa: F401  (graphtrain::fp8_grouped_mm, fp8_grouped_mm_backward)
     fp8_linear,  # noqa: F401  (graphtrain::fp8_linear, fp8_linear_backward)
+    gated_delta_rule,  # noqa: F401  (graphtrain::chunk_gated_delta_rule, its backward)
     moe_permute,  # noqa: F401  (graphtrain::moe_permute, moe_unpermute)
     moe_route,  # noqa: F401  (graphtrain::moe_route)
 )

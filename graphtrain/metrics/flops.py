@@ -32,6 +32,14 @@ pairs), the projection eh_proj: 2*dim -> dim and the shared output head again:
                        + num_attention_pairs * 4 * head_dim * num_heads)
 counted as the model with D more layers plus D * num_tokens * (2*2*dim*dim + head).
 
+Hybrid models (models/hybrid.py): a Gated DeltaNet block replaces its attention's matmuls and
+attention pairs by, per token, the projections in_proj_qkvz dim -> 2*key_dim + 2*value_dim,
+in_proj_ba dim -> 2*Hv, out_proj value_dim -> dim, and per value head the matmuls of the chunked
+rule (chunk C, key/value head dims Dk, Dv): per chunk, k_beta k^T and q k^T (2*C*C*Dk each), the
+segment-masked decay sum (2*C*C), the unit-triangular solve for C x (Dv + Dk) right-hand sides
+(C*C*(Dv + Dk)), the state reads and the state update (3 * 2*C*Dk*Dv) and the intra-chunk
+product (2*C*C*Dv): per token C*(5*Dk + 3*Dv + 2) + 6*Dk*Dv. The convolution is O(dim).
+
 Not counted (each is O(dim) per token, under 1% of the total for real models): the embedding
 lookup (a gather, 0 FLOPs), RMSNorm, RoPE, SiLU and the SwiGLU product, softmax, residual adds,
 the cross-entropy loss, and the optimizer step.
@@ -53,6 +61,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+from models.gpt import GPTConfig
+from models.hybrid import GDN
 from models.moe import MoEConfig, active_params
 
 
@@ -116,6 +126,8 @@ def model_training_flops(cfg: Any, *, num_tokens: int, num_attention_pairs: int)
     MTP depths (cfg.mtp_depth): counted as that many more layers of the last layer's kind, plus
     each depth's 2*dim -> dim projection and output head (module docstring).
     """
+    if getattr(cfg, "layer_pattern", None) is not None:
+        return _hybrid_training_flops(cfg, num_tokens, num_attention_pairs)
     depth = getattr(cfg, "mtp_depth", 0)
     if depth:
         extra = {"num_layers": cfg.num_layers + depth, "mtp_depth": 0}
@@ -160,3 +172,31 @@ def document_causal_pairs(document_lengths: Iterable[int]) -> int:
             raise ValueError(f"document length must be >= 0, got {length}")
         total += length * (length + 1) // 2
     return total
+
+
+def gated_deltanet_forward_flops_per_token(cfg: Any) -> int:
+    """Forward FLOPs per token of one Gated DeltaNet mixer (module docstring), from a
+    models.HybridConfig."""
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv, C = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_chunk_size
+    key_dim, value_dim = Hk * Dk, Hv * Dv
+    projections = 2 * cfg.dim * (2 * key_dim + 2 * value_dim + 2 * Hv) + 2 * value_dim * cfg.dim
+    rule = Hv * (C * (5 * Dk + 3 * Dv + 2) + 6 * Dk * Dv)
+    return projections + rule
+
+
+def _hybrid_training_flops(cfg: Any, num_tokens: int, num_attention_pairs: int) -> int:
+    # The same model with attention in every block (its MTP blocks are attention blocks in
+    # both), then each GDN block's attention swapped for the GDN mixer.
+    base_cls = MoEConfig if isinstance(cfg, MoEConfig) else GPTConfig
+    base = base_cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(base_cls)})
+    num_gdn = sum(cfg.mixer(i) == GDN for i in range(cfg.num_layers))
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attention_matmul = 2 * cfg.dim * q_dim + 2 * 2 * cfg.dim * kv_dim + 2 * q_dim * cfg.dim
+    attention_per_pair = 4 * cfg.head_dim * cfg.num_heads
+    swap = num_tokens * (gated_deltanet_forward_flops_per_token(cfg) - attention_matmul)
+    swap -= num_attention_pairs * attention_per_pair
+    return (
+        model_training_flops(base, num_tokens=num_tokens, num_attention_pairs=num_attention_pairs)
+        + 3 * num_gdn * swap
+    )

@@ -16,7 +16,11 @@ one rank of the configured layout:
   (the block running and the one prefetched);
 - activations per micro-batch: per block, the tensors autograd keeps per token of the rank's
   sequence slice (sequence parallel divides by tp), counted for a Llama block with SDPA/flash
-  attention (no T x T scores): 7 dim + 2 kv_dim + 4 ffn_dim elements in the compute dtype; with
+  attention (no T x T scores): 7 dim + 2 kv_dim + 4 ffn_dim elements in the compute dtype; a
+  Gated DeltaNet block of a hybrid (models/hybrid.py) keeps, instead of q, k, v and the
+  attention output, its projections, the convolution's input and output, the normalised q and k
+  (and their copies per value head), v, g and beta (fp32) that the fused op saves, and the
+  output and gated norm (`gated_deltanet_activations_per_token`); with
   activation_checkpoint=full only each block's input (dim) plus one block's full set during
   recompute;
 - fused-loss buffers: the head's gradient accumulated in fp32 (V/tp x dim, the fused op's fast
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from typing import Any
 
 import torch
 
@@ -126,11 +131,15 @@ def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
     if isinstance(m, MoEConfig):  # the routed experts' and shared experts' hidden per token
         ffn = max(ffn, (m.top_k + m.num_shared_experts) * m.moe_ffn_dim)
     per_token = 7 * m.dim + 2 * kv_dim + 4 * ffn
-    block_acts = tokens / dims.tp * per_token * compute
+    per_block = [per_token] * m.num_layers
+    if getattr(m, "layer_pattern", None):  # a hybrid: its GDN blocks keep other tensors
+        gdn = per_token - 2 * m.dim - 2 * kv_dim + gated_deltanet_activations_per_token(m)
+        per_block = [gdn if m.mixer(i) == "G" else per_token for i in range(m.num_layers)]
+    block_acts = tokens / dims.tp * max(per_block) * compute
     if t.activation_checkpoint == "full":
         acts = m.num_layers * tokens / dims.tp * m.dim * compute + block_acts
     else:
-        acts = m.num_layers * block_acts
+        acts = tokens / dims.tp * sum(per_block) * compute
     items["activations per micro-batch"] = int(acts)
     # An fp32 weight: the op's extra over low-memory mode is its [token chunk, V] logits alone.
     compute_dtype = torch.bfloat16 if compute == 2 else torch.float32
@@ -138,6 +147,18 @@ def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
     chunk = fast_mode_extra_bytes(tokens, m.dim, vocab, compute_dtype, torch.float32, True)
     items["fused-loss buffers"] = int(vocab * m.dim * 4 + tokens * m.dim * 4 + chunk)
     return MemoryPlan(items)
+
+
+def gated_deltanet_activations_per_token(cfg: Any) -> int:
+    """Elements per token a Gated DeltaNet mixer keeps for the backward, in compute-dtype units
+    (module docstring): projections, convolution in and out, normalised q and k (and their
+    copies per value head), v, g and beta (fp32: twice), rule output and gated norm output."""
+    Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    key_dim, value_dim = cfg.linear_num_key_heads * Dk, Hv * Dv
+    projections = 2 * key_dim + 2 * value_dim + 2 * Hv
+    conv = 2 * (2 * key_dim + value_dim)
+    qk = 2 * key_dim + (2 * Hv * Dk if Hv != cfg.linear_num_key_heads else 0)
+    return projections + conv + qk + value_dim + 2 * 2 * Hv + 2 * value_dim
 
 
 def check_fits(plan: MemoryPlan, device_bytes: int) -> None:

@@ -201,6 +201,11 @@ def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None, etp:
     ]
     if seq_len is not None:
         checks.append(("training.seq_len", seq_len))
+    if tp > 1 and "G" in getattr(cfg, "layer_pattern", ""):
+        raise ValueError(
+            f"parallel.tp={tp}: tensor parallelism of Gated DeltaNet blocks (model.layer_pattern="
+            f"{cfg.layer_pattern!r}) is not implemented yet; use parallel.tp=1"
+        )
     if etp > 1:  # MoE experts split on their hidden dim (models/moe_plan.py)
         if not hasattr(cfg, "moe_ffn_dim"):
             raise ValueError(f"parallel.etp={etp} splits routed experts: it needs an MoE model")

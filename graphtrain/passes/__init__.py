@@ -9,6 +9,7 @@ from graphtrain.passes import (  # noqa: F401  (each registers its pass)
     fuse_moe_dispatch,
     fuse_moe_router,
     fuse_sibling_grouped_mm,
+    gated_delta_rule,
     overlap_tp_comm,
 )
 from graphtrain.passes.registry import (

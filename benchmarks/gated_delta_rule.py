@@ -1,0 +1,146 @@
+"""Benchmark: the gated delta rule of Gated DeltaNet, forward and forward + backward.
+
+What
+    Qwen3-Next's shapes by default: batch 1, sequence 4096 (--seq 32768 for the long one),
+    32 value heads of 128 with q and k (16 key heads of 128) repeated to the value heads as
+    models/gated_deltanet.py does, bf16 inputs, unit-norm keys, one document per row; rows:
+        torch.compile   the model's chunked reference (models.gated_deltanet.
+                        chunk_gated_delta_rule, chunk 64) under torch.compile (Inductor)
+        graphtrain      graphtrain::chunk_gated_delta_rule (the Triton kernels)
+        fla             flash-linear-attention's chunk_gated_delta_rule, where the `fla`
+                        package is installed (else the row says so)
+    reporting the median wall time (triton.testing.do_bench) of the forward and of forward +
+    backward (all five input gradients for a fixed random output gradient), and each row's
+    error against the compiled reference in fp32 (relative norm).
+
+Run
+    python benchmarks/gated_delta_rule.py [--seq 4096 --batch 1] [--no-record]
+    python benchmarks/gated_delta_rule.py --cpu-smoke   # no GPU: tiny shape, the op agrees with
+                                                        # the reference and the pass fires
+The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
+
+import graphtrain.custom_ops.gated_delta_rule  # noqa: F401  (registers the op)
+from graphtrain.compile import backend as graphtrain_backend
+from models.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, l2norm
+
+OP = torch.ops.graphtrain.chunk_gated_delta_rule
+
+
+def inputs(B: int, T: int, H: int, D: int, device: str, dtype: torch.dtype):
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B, T, H, D, device=device, generator=gen)
+    k = l2norm(torch.randn(B, T, H, D, device=device, generator=gen))
+    v = torch.randn(B, T, H, D, device=device, generator=gen)
+    g = -F.softplus(torch.randn(B, T, H, device=device, generator=gen)) * 0.1
+    beta = torch.rand(B, T, H, device=device, generator=gen)
+    grad_o = torch.randn(B, T, H, D, device=device, generator=gen).to(dtype)
+    xs = [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta)]
+    return xs, grad_o
+
+
+def builds(D: int) -> dict:
+    scale = D**-0.5
+    fns = {
+        "torch.compile": torch.compile(
+            lambda q, k, v, g, b: chunk_gated_delta_rule(q, k, v, g, b, None, 64, scale)
+        ),
+        "graphtrain": lambda q, k, v, g, b: OP(q, k, v, g, b, None, scale=scale, chunk_size=64),
+    }
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+
+        fns["fla"] = lambda q, k, v, g, b: fla_rule(q, k, v, g, b, scale=scale)[0]
+    except ImportError:
+        pass
+    return fns
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def cpu_smoke() -> None:
+    (q, k, v, g, beta), _ = inputs(2, 70, 2, 8, "cpu", torch.float32)
+    ref = chunk_gated_delta_rule(q, k, v, g, beta, None, 64, 8**-0.5)
+    out = OP(q, k, v, g, beta, None, scale=8**-0.5, chunk_size=64)
+    assert torch.equal(out, ref)
+    layer = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6)
+    layer.init_weights(0.02, 0.01)
+    x = torch.randn(2, 40, 32)
+    with tempfile.TemporaryDirectory() as dump:
+        torch._dynamo.reset()
+        fn = torch.compile(layer, backend=graphtrain_backend(inner="aot_eager", dump_dir=dump))
+        torch.testing.assert_close(fn(x), layer(x))
+        (summary,) = Path(dump).glob("*/summary.json")
+        steps = {s["label"]: s for s in json.loads(summary.read_text())}
+        fired = steps["gated_delta_rule"]["op_diff"].get(
+            "graphtrain.chunk_gated_delta_rule.default"
+        )
+    assert fired == 1, steps["gated_delta_rule"]
+    print("cpu smoke: the op equals the reference and the pass inserts it")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--cpu-smoke", action="store_true")
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        cpu_smoke()
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gated_delta_rule.py needs a CUDA GPU (or --cpu-smoke)")
+    B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
+    xs, grad_o = inputs(B, T, H, D, "cuda", torch.bfloat16)
+    fns = builds(D)
+    want = fns["torch.compile"](*(x.float() for x in xs))
+    lines = [
+        "| impl | fwd ms | fwd+bwd ms | rel err of o vs fp32 reference |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, fn in fns.items():
+        out = fn(*xs)
+
+        def forward(fn=fn):
+            with torch.no_grad():
+                return fn(*xs)
+
+        def step(fn=fn):
+            return torch.autograd.grad(fn(*xs), xs, grad_o)
+
+        step()
+        fwd = triton.testing.do_bench(forward, return_mode="median")
+        both = triton.testing.do_bench(step, return_mode="median")
+        lines.append(f"| {name} | {fwd:.3f} | {both:.3f} | {_rel(out, want):.1e} |")
+    if "fla" not in fns:
+        lines.append("| fla | not installed | | |")
+    table = "\n".join(lines)
+    if args.no_record:
+        print(table)
+    else:
+        record(f"gated_delta_rule: B={B}, T={T}, {H} heads of {D}, bf16", table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,516 @@
+"""graphtrain::chunk_gated_delta_rule: the gated delta rule of Gated DeltaNet as one op.
+
+What
+    chunk_gated_delta_rule(q, k, v, g, beta, segments?, *, scale, chunk_size) -> o
+        q, k (B, T, H, Dk); v (B, T, H, Dv); g (log decay, <= 0), beta (B, T, H); segments
+        (B, T) int64 from models.gated_deltanet.segment_ids or None (one document per row).
+        Per head, state S (Dk, Dv) from zero at each row and segment start:
+            S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,   a_t = exp(g_t)
+            o_t = S_t^T (scale q_t)                         -> o (B, T, H, Dv) in v's dtype
+    chunk_gated_delta_rule_backward(grad_o, q, k, v, g, beta, segments?, *, scale, chunk_size)
+        -> (dq, dk, dv, dg, dbeta), each in its input's dtype.
+    chunk_size is the reference's schedule only (the result does not depend on it beyond
+    rounding); it is kept so that the op on CPU repeats the model's eager numerics exactly.
+
+Layers
+    GatedDeltaRuleOptions   the op's options (scale, chunk_size), checked once; the schemas'
+                            keyword arguments are written from its fields
+    chunk_gated_delta_rule_ref   the CPU kernel and the tests' oracle: the model's chunked form
+                            (models.gated_deltanet.chunk_gated_delta_rule); its backward is
+                            autograd through it
+    _gdr_fwd_kernel         Triton forward, one program per (batch, head, block of Dv columns):
+                            the recurrence step by step with S in fp32 registers (the columns
+                            of S are independent given k, so Dv splits across programs)
+    _gdr_bwd_kernel         Triton backward, one program per (batch, head): the recurrence
+                            again keeping the state entering each chunk, then the chunks in
+                            reverse, each recomputed into a scratch buffer and stepped back
+                            through with dS, the state's gradient, in fp32 registers
+
+Numerics
+    fp32 state and accumulation for bf16/fp32 inputs (float64 stays float64 on the reference).
+    On CPU the op is the model's own chunked code: bitwise the eager result. The Triton kernels
+    sum in another order (step by step rather than chunked): agreement to fp32 rounding. They
+    are correct but not yet fast (no tensor cores; docs/design/gated_delta_rule.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from models.gated_deltanet import chunk_gated_delta_rule as _model_chunk_gated_delta_rule
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class GatedDeltaRuleOptions:
+    """The op's options: one value for the reference, the kernels, the fake and the autograd
+    wiring (the schemas' keyword arguments are written from these fields)."""
+
+    scale: float  # q's factor, usually key_head_dim ** -0.5
+    chunk_size: int = 64  # positions per chunk of the reference
+
+    def __post_init__(self) -> None:
+        if not self.scale > 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+
+def _schema_options() -> str:
+    # The field annotations are the schema's type names ("float", "int": postponed annotations).
+    return ", ".join(f"{f.type} {f.name}" for f in dataclasses.fields(GatedDeltaRuleOptions))
+
+
+def check_args(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Tensor | None
+) -> None:
+    """ValueError naming the bad value (shapes, dtypes) for the op's tensors."""
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(
+            f"q and k must be (B, T, H, Dk) of one shape, got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    B, T, H, _ = q.shape
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must be (B, T, H, Dv) = ({B}, {T}, {H}, Dv), got {tuple(v.shape)}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, H):
+            raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got {tuple(t.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if segments is not None and (tuple(segments.shape) != (B, T) or segments.dtype != torch.int64):
+        raise ValueError(
+            f"segments must be int64 (B, T) = ({B}, {T}), got {segments.dtype} "
+            f"{tuple(segments.shape)}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# reference (the CPU kernel and the tests' oracle)
+# --------------------------------------------------------------------------------------------
+
+
+def chunk_gated_delta_rule_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor | None,
+    opts: GatedDeltaRuleOptions,
+) -> Tensor:
+    return _model_chunk_gated_delta_rule(
+        q, k, v, g, beta, segments, chunk_size=opts.chunk_size, scale=opts.scale
+    )
+
+
+def chunk_gated_delta_rule_backward_ref(
+    grad_o: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor | None,
+    opts: GatedDeltaRuleOptions,
+) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dg, dbeta): the reference's vjp, recomputed. torch.func rather than
+    torch.autograd.grad: inside an op's kernel the autograd keys are excluded from dispatch
+    (no graph would be recorded), functorch's transform brings its own."""
+
+    def forward(*xs: Tensor) -> Tensor:
+        return chunk_gated_delta_rule_ref(*xs, segments, opts)
+
+    _, vjp = torch.func.vjp(forward, q, k, v, g, beta)
+    return vjp(grad_o)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton forward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gdr_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    seg_ptr,
+    o_ptr,
+    H,
+    scale,
+    T: tl.constexpr,  # constant: Triton's interpreter needs constant loop bounds
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
+):
+    # One program: batch b, head h, value columns [pid_v * BLOCK_V, ...). Inputs contiguous
+    # (B, T, H, D); the state S (BLOCK_K, BLOCK_V) stays in fp32 registers for the whole row.
+    pid_bh = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    prev = 0
+    if HAS_SEGMENTS:
+        prev = tl.load(seg_ptr + b * T)
+    for t in range(T):
+        row = (b * T + t) * H + h  # (b, t, h)
+        q = tl.load(q_ptr + row * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32) * scale
+        k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + row).to(tl.float32))
+        beta = tl.load(beta_ptr + row).to(tl.float32)
+        if HAS_SEGMENTS:
+            seg = tl.load(seg_ptr + b * T + t)
+            decay = tl.where(seg == prev, decay, 0.0)  # a new document: the state restarts
+            prev = seg
+        state = state * decay
+        read = tl.sum(state * k[:, None], axis=0)  # S^T k, (BLOCK_V,)
+        write = beta * (v - read)
+        state = state + k[:, None] * write[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+        tl.store(o_ptr + row * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _use_triton(t: Tensor) -> bool:
+    return t.dtype != torch.float64 and (t.is_cuda or _interpreting())
+
+
+def chunk_gated_delta_rule_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor | None,
+    opts: GatedDeltaRuleOptions,
+) -> Tensor:
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = torch.empty_like(v)
+    if o.numel() == 0:
+        return o
+    block_k = triton.next_power_of_2(Dk)
+    block_v = min(triton.next_power_of_2(Dv), 32)
+    seg = segments.contiguous() if segments is not None else q  # unread without segments
+    grid = (B * H, triton.cdiv(Dv, block_v))
+    _gdr_fwd_kernel[grid](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        seg,
+        o,
+        H,
+        opts.scale,
+        T=T,
+        DK=Dk,
+        DV=Dv,
+        BLOCK_K=block_k,
+        BLOCK_V=block_v,
+        HAS_SEGMENTS=segments is not None,
+    )
+    return o
+
+
+@triton.jit
+def _gdr_bwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    seg_ptr,
+    do_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    dg_ptr,
+    dbeta_ptr,
+    h_ptr,  # (B*H, NUM_CHUNKS, BLOCK_K, BLOCK_V) fp32: the state entering each chunk
+    scratch_ptr,  # (B*H, CHUNK, BLOCK_K, BLOCK_V) fp32: the states inside the current chunk
+    H,
+    scale,
+    T: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
+):
+    # One program per (batch, head), the whole state: dq and dk sum over the value columns.
+    # Pass 1 runs the recurrence and keeps the state entering each chunk; pass 2 walks the
+    # chunks backwards, recomputes a chunk's states from its entry state into scratch, then
+    # steps back through it carrying dS, the gradient of the state (fp32 throughout).
+    pid = tl.program_id(0)
+    b = pid // H
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+    tile = offs_k[:, None] * BLOCK_V + offs_v[None, :]
+    size = BLOCK_K * BLOCK_V
+    h_base = h_ptr + pid * NUM_CHUNKS * size
+    s_base = scratch_ptr + pid * CHUNK * size
+    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    for t in range(T):
+        if t % CHUNK == 0:
+            tl.store(h_base + (t // CHUNK) * size + tile, state)
+        row = (b * T + t) * H + pid % H
+        k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + row).to(tl.float32))
+        beta = tl.load(beta_ptr + row).to(tl.float32)
+        if HAS_SEGMENTS:
+            if t > 0:
+                same = tl.load(seg_ptr + b * T + t) == tl.load(seg_ptr + b * T + t - 1)
+                decay = tl.where(same, decay, 0.0)
+        state = state * decay
+        write = beta * (v - tl.sum(state * k[:, None], axis=0))
+        state = state + k[:, None] * write[None, :]
+
+    dstate = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    for cc in range(NUM_CHUNKS):
+        c = NUM_CHUNKS - 1 - cc
+        state = tl.load(h_base + c * size + tile)
+        for i in range(CHUNK):
+            t = c * CHUNK + i
+            ok = t < T  # the last chunk may be partial: zero k, beta and g leave S unchanged
+            tl.store(s_base + i * size + tile, state)
+            row = (b * T + t) * H + pid % H
+            k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
+            decay = tl.exp(tl.load(g_ptr + row, mask=ok, other=0.0).to(tl.float32))
+            beta = tl.load(beta_ptr + row, mask=ok, other=0.0).to(tl.float32)
+            if HAS_SEGMENTS:
+                if t > 0:
+                    cur = tl.load(seg_ptr + b * T + t, mask=ok, other=0)
+                    prev = tl.load(seg_ptr + b * T + t - 1, mask=ok, other=0)
+                    decay = tl.where(cur == prev, decay, 0.0)
+            state = state * decay
+            write = beta * (v - tl.sum(state * k[:, None], axis=0))
+            state = state + k[:, None] * write[None, :]
+        tl.debug_barrier()  # scratch written above is read below
+        for j in range(CHUNK):
+            i = CHUNK - 1 - j
+            t = c * CHUNK + i
+            ok = t < T
+            prev_state = tl.load(s_base + i * size + tile)  # S_{t-1}
+            row = (b * T + t) * H + pid % H
+            q = tl.load(q_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
+            do = tl.load(do_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
+            decay = tl.exp(tl.load(g_ptr + row, mask=ok, other=0.0).to(tl.float32))
+            beta = tl.load(beta_ptr + row, mask=ok, other=0.0).to(tl.float32)
+            if HAS_SEGMENTS:
+                if t > 0:
+                    cur = tl.load(seg_ptr + b * T + t, mask=ok, other=0)
+                    prev = tl.load(seg_ptr + b * T + t - 1, mask=ok, other=0)
+                    decay = tl.where(cur == prev, decay, 0.0)
+            decayed = prev_state * decay  # S' = a S_{t-1}
+            read = tl.sum(decayed * k[:, None], axis=0)  # r = S'^T k
+            write = beta * (v - read)  # w
+            new_state = decayed + k[:, None] * write[None, :]  # S_t
+            dstate += (q * scale)[:, None] * do[None, :]  # o = S_t^T (scale q)
+            dq = tl.sum(new_state * do[None, :], axis=1) * scale
+            dwrite = tl.sum(dstate * k[:, None], axis=0)
+            dk = tl.sum(dstate * write[None, :], axis=1)
+            dv = beta * dwrite
+            dbeta = tl.sum(dwrite * (v - read), axis=0)
+            dread = -beta * dwrite
+            ddecayed = dstate + k[:, None] * dread[None, :]
+            dk += tl.sum(decayed * dread[None, :], axis=1)
+            dg = tl.sum(tl.sum(ddecayed * prev_state, axis=1), axis=0) * decay  # da/dg = a
+            dstate = ddecayed * decay
+            tl.store(dq_ptr + row * DK + offs_k, dq.to(dq_ptr.dtype.element_ty), mask=mask_k & ok)
+            tl.store(dk_ptr + row * DK + offs_k, dk.to(dk_ptr.dtype.element_ty), mask=mask_k & ok)
+            tl.store(dv_ptr + row * DV + offs_v, dv.to(dv_ptr.dtype.element_ty), mask=mask_v & ok)
+            tl.store(dg_ptr + row, dg.to(dg_ptr.dtype.element_ty), mask=ok)
+            tl.store(dbeta_ptr + row, dbeta.to(dbeta_ptr.dtype.element_ty), mask=ok)
+        tl.debug_barrier()  # the next chunk overwrites scratch
+
+
+def chunk_gated_delta_rule_backward_triton(
+    grad_o: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor | None,
+    opts: GatedDeltaRuleOptions,
+    chunk: int | None = None,
+) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dg, dbeta) by _gdr_bwd_kernel; `chunk` (default opts.chunk_size): positions
+    between kept states. Memory: fp32 states of cdiv(T, chunk) + chunk positions per (batch,
+    head), e.g. 80 MiB a head at T = 4096, chunk 64, Dk = Dv = 128."""
+    chunk = chunk or opts.chunk_size
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
+    grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+    if v.numel() == 0:
+        return tuple(grads)
+    block_k, block_v = triton.next_power_of_2(Dk), triton.next_power_of_2(Dv)
+    num_chunks = triton.cdiv(T, chunk)
+    f32 = torch.float32
+    states = torch.empty(B * H, num_chunks, block_k, block_v, dtype=f32, device=q.device)
+    scratch = torch.empty(B * H, chunk, block_k, block_v, dtype=f32, device=q.device)
+    seg = segments.contiguous() if segments is not None else q  # unread without segments
+    _gdr_bwd_kernel[(B * H,)](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        seg,
+        grad_o,
+        *grads,
+        states,
+        scratch,
+        H,
+        opts.scale,
+        T=T,
+        DK=Dk,
+        DV=Dv,
+        BLOCK_K=block_k,
+        BLOCK_V=block_v,
+        CHUNK=chunk,
+        NUM_CHUNKS=num_chunks,
+        HAS_SEGMENTS=segments is not None,
+    )
+    return tuple(grads)
+
+
+# --------------------------------------------------------------------------------------------
+# op registration
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "graphtrain::chunk_gated_delta_rule",
+    mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? segments, *, "
+        f"{_schema_options()}) -> Tensor"
+    ),
+)
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor | None,
+    *,
+    scale: float,
+    chunk_size: int,
+) -> Tensor:
+    """o (B, T, H, Dv) of the gated delta rule (module docstring). The body is the CPU kernel."""
+    check_args(q, k, v, g, beta, segments)
+    opts = GatedDeltaRuleOptions(scale, chunk_size)
+    # Contiguous: the op's outputs have one layout on every device (the fake's).
+    return chunk_gated_delta_rule_ref(q, k, v, g, beta, segments, opts).contiguous()
+
+
+@chunk_gated_delta_rule.register_fake
+def _fake(q, k, v, g, beta, segments, *, scale, chunk_size):
+    check_args(q, k, v, g, beta, segments)
+    GatedDeltaRuleOptions(scale, chunk_size)
+    return v.new_empty(v.shape)
+
+
+@chunk_gated_delta_rule.register_kernel("cuda")
+def _cuda(q, k, v, g, beta, segments, *, scale, chunk_size):
+    check_args(q, k, v, g, beta, segments)
+    opts = GatedDeltaRuleOptions(scale, chunk_size)
+    run = chunk_gated_delta_rule_triton if _use_triton(v) else chunk_gated_delta_rule_ref
+    return run(q, k, v, g, beta, segments, opts).contiguous()
+
+
+@torch.library.custom_op(
+    "graphtrain::chunk_gated_delta_rule_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? segments, "
+        f"*, {_schema_options()}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+)
+def chunk_gated_delta_rule_backward(
+    grad_o: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor | None,
+    *,
+    scale: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta) of chunk_gated_delta_rule. The body is the CPU kernel: the
+    reference's vjp."""
+    opts = GatedDeltaRuleOptions(scale, chunk_size)
+    grads = chunk_gated_delta_rule_backward_ref(grad_o, q, k, v, g, beta, segments, opts)
+    return tuple(
+        gr.to(x.dtype).contiguous() for gr, x in zip(grads, (q, k, v, g, beta), strict=True)
+    )
+
+
+@chunk_gated_delta_rule_backward.register_fake
+def _backward_fake(grad_o, q, k, v, g, beta, segments, *, scale, chunk_size):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+
+
+@chunk_gated_delta_rule_backward.register_kernel("cuda")
+def _backward_cuda(grad_o, q, k, v, g, beta, segments, *, scale, chunk_size):
+    opts = GatedDeltaRuleOptions(scale, chunk_size)
+    if _use_triton(v):
+        return chunk_gated_delta_rule_backward_triton(grad_o, q, k, v, g, beta, segments, opts)
+    grads = chunk_gated_delta_rule_backward_ref(grad_o, q, k, v, g, beta, segments, opts)
+    return tuple(
+        gr.to(x.dtype).contiguous() for gr, x in zip(grads, (q, k, v, g, beta), strict=True)
+    )
+
+
+def _setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[:6])
+    ctx.options = dict(keyword_only_inputs)
+
+
+def _backward(ctx: Any, grad_o: Tensor) -> tuple:
+    q, k, v, g, beta, segments = ctx.saved_tensors
+    grads = torch.ops.graphtrain.chunk_gated_delta_rule_backward(
+        grad_o, q, k, v, g, beta, segments, **ctx.options
+    )
+    return (*grads, None)
+
+
+chunk_gated_delta_rule.register_autograd(_backward, setup_context=_setup)

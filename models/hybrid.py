@@ -1,0 +1,245 @@
+"""Hybrid decoders: Gated DeltaNet blocks mixed with attention blocks by a layer pattern, with
+dense (models/gpt.py) or MoE (models/moe.py) feed-forward networks. Qwen3-Next's layout.
+
+What: `model.layer_pattern` names each block's token mixer with one letter, read as Megatron's
+hybrid patterns read:
+    G   Gated DeltaNet (models/gated_deltanet.py), a linear-attention recurrence
+    *   attention (models.gpt.Attention: RoPE, grouped-query, packed documents by the mask)
+The pattern is repeated to num_layers blocks (its length must divide num_layers): "GGG*" with
+8 layers is G G G * G G G *, Qwen3-Next's three GDN layers to one attention layer. The
+feed-forward network of a block is dense, or MoE after the first `first_k_dense` blocks in the
+MoE variant, exactly as in the non-hybrid models. MTP depths (cfg.mtp_depth) are attention
+blocks, as Qwen3-Next's MTP layer is.
+
+Packed documents: a GDN block is called with the batch's document_ids (GPT.block_inputs), its
+recurrence and convolution restart at every document; attention blocks keep using the mask.
+
+Parameter names: Llama's for attention and FFN (layers.N.attention.wq, ...), Qwen3-Next's
+inside a GDN mixer (layers.N.linear_attention.in_proj_qkvz, conv1d, A_log, dt_bias, norm,
+out_proj), so the Hugging Face export is a renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from models.gated_deltanet import GatedDeltaNet
+from models.gpt import GPT, GPTConfig, RMSNorm, TransformerBlock
+from models.moe import MoEBlock, MoEConfig, MoEGPT
+from models.mtp import MTPLayer
+
+GDN, ATTENTION = "G", "*"
+MIXERS = (GDN, ATTENTION)
+
+
+@dataclass(frozen=True)
+class HybridConfig(GPTConfig):
+    layer_pattern: str = "GGG*"  # token mixer per block, repeated: G Gated DeltaNet, * attention
+    linear_num_key_heads: int = 2  # GDN query/key heads
+    linear_num_value_heads: int = 4  # GDN value heads (a multiple of the key heads)
+    linear_key_head_dim: int = 64  # GDN query/key head width
+    linear_value_head_dim: int = 64  # GDN value head width
+    linear_conv_kernel: int = 4  # width of GDN's causal depthwise convolution
+    linear_chunk_size: int = 64  # positions per chunk of the chunked recurrence
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel",
+            "linear_chunk_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"model.linear_num_value_heads={self.linear_num_value_heads} is not a multiple "
+                f"of model.linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        bad = sorted(set(self.layer_pattern) - set(MIXERS))
+        if not self.layer_pattern or bad:
+            raise ValueError(
+                f"model.layer_pattern={self.layer_pattern!r} must be a non-empty string of "
+                f"{' and '.join(repr(m) for m in MIXERS)} (Gated DeltaNet, attention)"
+                + (f"; unknown letters {bad}" if bad else "")
+            )
+        if self.num_layers % len(self.layer_pattern):
+            raise ValueError(
+                f"model.layer_pattern={self.layer_pattern!r} (length {len(self.layer_pattern)}) "
+                f"does not repeat to model.num_layers={self.num_layers}: its length must "
+                "divide num_layers"
+            )
+
+    def mixer(self, layer_id: int) -> str:
+        """The token mixer letter of block layer_id."""
+        return self.layer_pattern[layer_id % len(self.layer_pattern)]
+
+
+@dataclass(frozen=True)
+class HybridMoEConfig(MoEConfig, HybridConfig):
+    """A hybrid with MoE feed-forward networks after the first first_k_dense blocks."""
+
+
+HYBRID_PRESETS: dict[str, HybridConfig] = {
+    # For fast tests: 3 GDN blocks and 1 attention block, GVA (4 value heads on 2 key heads).
+    "hybrid-debug": HybridConfig(
+        vocab_size=512,
+        dim=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_dim=160,
+        max_seq_len=256,
+        layer_pattern="GGG*",
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+    # moe-debug's routing with the pattern: block 0 GDN + dense FFN, 1-2 GDN + MoE, 3 attention
+    # + MoE.
+    "hybrid-moe-debug": HybridMoEConfig(
+        vocab_size=512,
+        dim=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_dim=160,
+        max_seq_len=256,
+        layer_pattern="GGG*",
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=8,
+        top_k=2,
+        num_shared_experts=1,
+        moe_ffn_dim=32,
+        first_k_dense=1,
+        num_groups=4,
+        topk_groups=2,
+        aux_loss_coef=1e-2,
+        seq_aux_loss_coef=1e-3,
+    ),
+    # A ~1B hybrid for one GPU (982,519,680 parameters, tests/models/test_hybrid.py): 12 GDN
+    # blocks with Qwen3-Next's head shapes halved in count (8 key heads, 16 value heads of 128)
+    # and 4 attention blocks, SwiGLU 6144; vocabulary 32768 so the head does not dominate.
+    "hybrid-1b": HybridConfig(
+        vocab_size=32768,
+        dim=2048,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=4,
+        ffn_dim=6144,
+        max_seq_len=4096,
+        rope_theta=500000.0,
+        layer_pattern="GGG*",
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    ),
+}
+
+
+def build_gated_deltanet(cfg: HybridConfig) -> GatedDeltaNet:
+    return GatedDeltaNet(
+        cfg.dim,
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+        cfg.linear_conv_kernel,
+        cfg.norm_eps,
+        cfg.linear_chunk_size,
+    )
+
+
+class GatedDeltaNetBlock(TransformerBlock):
+    """A block whose token mixer is Gated DeltaNet (`linear_attention`) instead of attention;
+    the norms and the feed-forward network as TransformerBlock's."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        nn.Module.__init__(self)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.linear_attention = build_gated_deltanet(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.build_ffn(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        attn_mask: torch.Tensor | BlockMask | None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # rope and attn_mask are unused: the block keeps the trunk's call signature.
+        h = x + self.linear_attention(self.attention_norm(x), document_ids)
+        return h + self.ffn(self.ffn_norm(h))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.linear_attention.init_weights(std, out_std)
+        self.ffn.init_weights(std, out_std)
+
+
+class GatedDeltaNetMoEBlock(GatedDeltaNetBlock, MoEBlock):
+    """Gated DeltaNet mixer, MoE feed-forward network (`moe`, found by MoEGPT.routers)."""
+
+
+def block_class(mixer: str, moe: bool) -> type[TransformerBlock]:
+    if mixer == GDN:
+        return GatedDeltaNetMoEBlock if moe else GatedDeltaNetBlock
+    return MoEBlock if moe else TransformerBlock
+
+
+class HybridGPT(GPT):
+    """GPT whose blocks follow cfg.layer_pattern; same forward contract."""
+
+    cfg: HybridConfig
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return False
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        return block_class(self.cfg.mixer(layer_id), self.is_moe_layer(layer_id))(self.cfg)
+
+    def build_mtp_layer(self) -> MTPLayer:
+        # An attention block (Qwen3-Next's MTP layer), of the last layer's FFN kind.
+        cfg = self.cfg
+        block = block_class(ATTENTION, self.is_moe_layer(cfg.num_layers - 1))(cfg)
+        return MTPLayer(
+            RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps), cfg.dim, block
+        )
+
+    def block_inputs(
+        self,
+        layer: nn.Module,
+        rope: torch.Tensor,
+        attn_mask: torch.Tensor | BlockMask | None,
+        document_ids: torch.Tensor | None,
+    ) -> tuple:
+        if isinstance(layer, GatedDeltaNetBlock):
+            return rope, attn_mask, document_ids
+        return rope, attn_mask
+
+
+class HybridMoEGPT(HybridGPT, MoEGPT):
+    """HybridGPT with MoE feed-forward networks after the first cfg.first_k_dense blocks."""
+
+    cfg: HybridMoEConfig
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.cfg.first_k_dense
+
+
+def build_hybrid(cfg: HybridConfig) -> HybridGPT:
+    return HybridMoEGPT(cfg) if isinstance(cfg, MoEConfig) else HybridGPT(cfg)

@@ -1,0 +1,234 @@
+"""Hybrid models (models/hybrid.py): the layer pattern, initialisation, packed documents, and
+hybrid-debug / hybrid-moe-debug training through the trainer, compiled equal to eager."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import job, torchrun_jobs
+
+from graphtrain.attention import document_causal_mask
+from graphtrain.config import load_config
+from graphtrain.parallel.mesh import validate_model_for_tp
+from graphtrain.trainer import train
+from models import MODEL_PRESETS, build_model
+from models.gpt import TransformerBlock
+from models.hybrid import (
+    GatedDeltaNetBlock,
+    GatedDeltaNetMoEBlock,
+    HybridConfig,
+    HybridGPT,
+    HybridMoEGPT,
+)
+from models.moe import MoEBlock
+
+DEBUG = MODEL_PRESETS["hybrid-debug"]
+MOE_DEBUG = MODEL_PRESETS["hybrid-moe-debug"]
+
+
+def build(cfg, seed=0):
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    # Poison everything: whatever init_weights forgets stays NaN.
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(float("nan"))
+    model.init_weights(seed=seed)
+    return model
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"layer_pattern": "GGA*"}, "unknown letters \\['A'\\]"),
+        ({"layer_pattern": ""}, "non-empty string"),
+        ({"layer_pattern": "GGG"}, "length 3.*num_layers=4"),
+        ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 is not a multiple"),
+        ({"linear_chunk_size": 0}, "linear_chunk_size must be >= 1"),
+    ],
+)
+def test_config_errors_name_values(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(DEBUG, **change)
+
+
+def test_pattern_repeats_to_the_layers_and_picks_ffn_kinds():
+    cfg = dataclasses.replace(DEBUG, num_layers=8, layer_pattern="G*")
+    model = build(cfg)
+    assert type(model) is HybridGPT
+    kinds = [type(b) for b in model.layers.values()]
+    assert kinds == [GatedDeltaNetBlock, TransformerBlock] * 4
+    moe = build(dataclasses.replace(MOE_DEBUG, mtp_depth=1))
+    assert type(moe) is HybridMoEGPT
+    assert [type(b) for b in moe.layers.values()] == [
+        GatedDeltaNetBlock,  # first_k_dense = 1
+        GatedDeltaNetMoEBlock,
+        GatedDeltaNetMoEBlock,
+        MoEBlock,
+    ]
+    # Every MoE block's router is found (balancing, aux losses), the MTP block's included,
+    # and the MTP block is an attention block as in Qwen3-Next.
+    assert [name for name, _ in moe.routers()] == [
+        "layers.1",
+        "layers.2",
+        "layers.3",
+        "mtp_layers.0.block",
+    ]
+    assert type(moe.mtp_layers["0"].block) is MoEBlock
+
+
+@pytest.mark.parametrize("preset", ["hybrid-debug", "hybrid-moe-debug"])
+def test_every_parameter_and_buffer_is_initialized_and_seeded(preset):
+    a, b = build(MODEL_PRESETS[preset], seed=3), build(MODEL_PRESETS[preset], seed=3)
+    for (name, t), u in zip(
+        [*a.named_parameters(), *a.named_buffers()], [*b.parameters(), *b.buffers()], strict=True
+    ):
+        assert torch.isfinite(t).all(), f"{name} not initialized"
+        assert torch.equal(t, u), name
+    gdn = a.layers["0"].linear_attention
+    assert (gdn.A_log.exp() >= 1).all() and (gdn.A_log.exp() <= 16).all()
+    dt = torch.nn.functional.softplus(gdn.dt_bias)
+    assert (dt >= 1e-4 * 0.999).all() and (dt <= 0.1 * 1.001).all()
+
+
+def test_1b_preset_size():
+    with torch.device("meta"):
+        model = build_model(MODEL_PRESETS["hybrid-1b"])
+    assert sum(p.numel() for p in model.parameters()) == 982_519_680
+
+
+def test_packed_documents_equal_separate_documents():
+    """A row holding three documents gives each the logits it gets alone: attention blocks by
+    the mask, Gated DeltaNet blocks by resetting their state and convolution (float64; the MoE
+    FFN works per token, and its grouped GEMMs have no float64)."""
+    cfg = dataclasses.replace(DEBUG, linear_chunk_size=8)
+    model = build(cfg).double().eval()
+    lengths = [11, 3, 20]
+    T = sum(lengths)
+    ids = torch.randint(0, cfg.vocab_size, (1, T))
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)).unsqueeze(0)
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    packed = model(ids, position_ids=pos, attn_mask=document_causal_mask(doc), document_ids=doc)
+    start = 0
+    for n in lengths:
+        alone = model(ids[:, start : start + n])
+        # The norms compute in fp32 even in a float64 model: fp32-level agreement.
+        torch.testing.assert_close(packed[:, start : start + n], alone, rtol=1e-5, atol=1e-6)
+        start += n
+    # Without document ids the GDN blocks read across documents: the check above is not vacuous.
+    crossing = model(ids, position_ids=pos, attn_mask=document_causal_mask(doc))
+    assert (crossing[:, lengths[0] :] - packed[:, lengths[0] :]).abs().max() > 1e-2
+
+
+def test_tensor_parallel_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match=r"parallel\.tp=2: tensor parallelism of Gated DeltaNet"):
+        validate_model_for_tp(DEBUG, 2)
+    validate_model_for_tp(dataclasses.replace(DEBUG, layer_pattern="*"), 2)  # attention only
+    assert isinstance(DEBUG, HybridConfig)
+
+
+def test_hybrid_debug_learns(corpus, tmp_path):
+    result = train(
+        load_config(
+            job(
+                corpus,
+                tmp_path,
+                "--preset=hybrid-debug",
+                "--training.steps=30",
+                "--metrics.val_interval=30",
+            )
+        )
+    )
+    assert result.val_losses[30] < result.val_losses[0] - 2.0, result.val_losses
+
+
+@pytest.mark.parametrize(
+    "preset", ["hybrid-debug", pytest.param("hybrid-moe-debug", marks=pytest.mark.slow)]
+)
+def test_eager_and_compiled_losses_are_bitwise_equal(corpus, tmp_path, preset):
+    """With the numerics-preserving passes (the fused cross-entropy changes rounding: off)."""
+    from graphtrain.passes import all_passes
+
+    switches = ",".join(("+" if p.preserves_numerics else "-") + p.name for p in all_passes())
+    common = (f"--preset={preset}", "--training.steps=3")
+    eager = train(load_config(job(corpus, tmp_path / "e", *common, "--compile.enable=false")))
+    compiled = train(
+        load_config(job(corpus, tmp_path / "c", *common, f"--compile.passes={switches}"))
+    )
+    assert eager.losses == compiled.losses
+
+
+def test_gdn_flops_are_the_matmuls_the_layer_runs():
+    """The FLOPs formula of a GDN mixer (graphtrain.metrics.flops) against torch's flop counter
+    on the layer's forward; the counter does not count the triangular solve, the formula does
+    (C * C * (Dk + Dv) per chunk and value head)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from graphtrain.metrics.flops import gated_deltanet_forward_flops_per_token
+    from models.hybrid import build_gated_deltanet
+
+    cfg = DEBUG
+    layer = build_gated_deltanet(cfg)
+    layer.init_weights(0.02, 0.01)
+    T = 2 * cfg.linear_chunk_size
+    with FlopCounterMode(display=False) as counter:
+        layer(torch.randn(1, T, cfg.dim))
+    C, Dk, Dv = cfg.linear_chunk_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    solve = cfg.linear_num_value_heads * C * (Dk + Dv)  # per token
+    assert counter.get_total_flops() + T * solve == T * gated_deltanet_forward_flops_per_token(cfg)
+
+
+@pytest.mark.parametrize("preset", ["hybrid-debug", "hybrid-moe-debug"])
+def test_hybrid_flops_swap_attention_for_gdn(preset):
+    from graphtrain.metrics.flops import (
+        gated_deltanet_forward_flops_per_token,
+        model_training_flops,
+    )
+
+    cfg = dataclasses.replace(MODEL_PRESETS[preset], mtp_depth=1)
+    tokens, pairs = 4 * 256, 4 * 256 * 257 // 2
+    attention_only = dataclasses.replace(cfg, layer_pattern="*")
+    full = model_training_flops(attention_only, num_tokens=tokens, num_attention_pairs=pairs)
+    d, hd = cfg.dim, cfg.head_dim
+    attention = 2 * d * cfg.num_heads * hd * 2 + 2 * 2 * d * cfg.num_kv_heads * hd
+    per_gdn = tokens * (gated_deltanet_forward_flops_per_token(cfg) - attention)
+    per_gdn -= pairs * 4 * hd * cfg.num_heads
+    hybrid = model_training_flops(cfg, num_tokens=tokens, num_attention_pairs=pairs)
+    assert hybrid == full + 3 * 3 * per_gdn  # "GGG*": 3 GDN blocks
+    assert hybrid != full
+
+
+def test_hugging_face_export_is_refused_with_a_clear_error():
+    from graphtrain.checkpoint.hf import _layout
+
+    with pytest.raises(ValueError, match=r"export of hybrid models \(model.layer_pattern='GGG\*'"):
+        _layout(DEBUG)
+
+
+def test_memory_plan_counts_gdn_blocks_activations():
+    from graphtrain.metrics.memory_plan import gated_deltanet_activations_per_token, plan_memory
+
+    args = ["--preset", "hybrid-1b", "--training.dtype=bfloat16"]
+    hybrid = plan_memory(load_config(args), 1).items["activations per micro-batch"]
+    attention = plan_memory(load_config([*args, "--model.layer_pattern=*"]), 1)
+    attention = attention.items["activations per micro-batch"]
+    cfg = MODEL_PRESETS["hybrid-1b"]
+    tokens = 2 * 4096  # the preset's micro-batch
+    kv_dim = cfg.num_kv_heads * cfg.head_dim
+    swap = gated_deltanet_activations_per_token(cfg) - 2 * cfg.dim - 2 * kv_dim
+    assert hybrid == attention + 12 * tokens * swap * 2  # 12 GDN blocks, bf16
+
+
+@pytest.mark.slow
+def test_fsdp_follows_the_single_process_curve(corpus, tmp_path):
+    """hybrid-debug under FSDP2 (dp_shard=2, gloo): the same global batch gives the losses of
+    one process to 1e-3 relative (the ranks weight and reduce in another order)."""
+    common = ["--preset=hybrid-debug", "--training.steps=4", "--metrics.log_interval=1"]
+    single = train(load_config(job(corpus, tmp_path / "one", *common)))
+    two = ["--parallel.dp_shard=2", "--training.micro_batch_size=2"]
+    (metrics,) = torchrun_jobs(2, [job(corpus, tmp_path / "two", *common, *two)])
+    multi = [m["loss"] for m in metrics if "loss" in m]
+    assert len(multi) == 4
+    for a, b in zip(single.losses, multi, strict=True):
+        assert b == pytest.approx(a, rel=1e-3)

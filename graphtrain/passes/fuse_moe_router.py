@@ -647,7 +647,6 @@ def _candidates(gm: torch.fx.GraphModule) -> list[Node]:
 @register_pass(
     "fuse_moe_router",
     stage="pre_grad",
-    order=20,
     default_on=True,
     preserves_numerics=False,
 )
@@ -656,7 +655,6 @@ def fuse_moe_router_pass(
 ) -> torch.fx.GraphModule:
     """Replace the plain MoE router (scores, group limit, top-k, weights, counts) with
     graphtrain::moe_route."""
-    # Order 20: after fuse_linear_cross_entropy (10); the router never contains a loss head.
     anchors = _candidates(gm)
     if not anchors:
         ctx.note("no top-k over 2-D scores in this graph: no router to fuse")

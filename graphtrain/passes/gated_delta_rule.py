@@ -105,9 +105,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any]) -> s
     )
 
 
-@register_pass(
-    "gated_delta_rule", stage="pre_grad", order=5, default_on=True, preserves_numerics=False
-)
+@register_pass("gated_delta_rule", stage="pre_grad", default_on=True, preserves_numerics=False)
 def gated_delta_rule_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

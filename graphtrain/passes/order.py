@@ -14,6 +14,11 @@ PASS_ORDER: tuple[tuple[str, str, str], ...] = (
     ("pre_grad", "canonicalize", "first: the fusions read the one spelling it writes"),
     (
         "pre_grad",
+        "gated_delta_rule",
+        "after canonicalize; it reads only the marked recurrence region, no other fusion's ops",
+    ),
+    (
+        "pre_grad",
         "fuse_linear_cross_entropy",
         "before any pass that rewrites linears: fp8_linear must not take the head",
     ),

@@ -55,7 +55,7 @@ class PassSpec:
     name: str
     fn: PassFn
     stage: str
-    order: int  # the position in PASS_ORDER (unlisted passes after the listed ones)
+    order: int  # the position in PASS_ORDER
     default_on: bool
     preserves_numerics: bool
     description: str
@@ -75,29 +75,31 @@ def register_pass(
     stage: str,
     default_on: bool,
     preserves_numerics: bool,
-    order: int | None = None,
 ) -> Callable[[PassFn], PassFn]:
     """Decorator adding a pass to the registry; the docstring's first line is its description.
 
-    The run order comes from PASS_ORDER. `order` is the former per-file number, accepted so a
-    pass not yet listed still runs (after the listed ones of its stage, by that number); the
-    registry test fails until it is listed."""
+    The run order comes from PASS_ORDER (graphtrain/passes/order.py), where every pass is listed
+    with the reason for its place."""
     if stage not in PASS_STAGES:
         raise ValueError(f"pass {name!r}: stage must be one of {PASS_STAGES}, got {stage!r}")
     listed = position(name)
-    if listed is not None and PASS_ORDER[listed][0] != stage:
+    if listed is None:
+        raise ValueError(
+            f"pass {name!r} is not listed in PASS_ORDER (graphtrain/passes/order.py): add it "
+            "at the place its dependencies give it"
+        )
+    if PASS_ORDER[listed][0] != stage:
         raise ValueError(
             f"pass {name!r} is registered for stage {stage!r} but PASS_ORDER lists it under "
             f"{PASS_ORDER[listed][0]!r} (graphtrain/passes/order.py)"
         )
-    rank = listed if listed is not None else len(PASS_ORDER) + (order or 0)
 
     def decorate(fn: PassFn) -> PassFn:
         if name in _REGISTRY:
             raise ValueError(f"pass {name!r} is registered twice")
         doc = (fn.__doc__ or "").strip().splitlines()
         _REGISTRY[name] = PassSpec(
-            name, fn, stage, rank, default_on, preserves_numerics, doc[0] if doc else ""
+            name, fn, stage, listed, default_on, preserves_numerics, doc[0] if doc else ""
         )
         return fn
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from graphtrain.compile import backend
-from graphtrain.passes import registry
+from graphtrain.passes import order, registry
 from graphtrain.passes.order import PASS_ORDER
 from graphtrain.passes.registry import PassSpec, all_passes, register_pass, resolve_passes
 
@@ -10,23 +10,25 @@ from graphtrain.passes.registry import PassSpec, all_passes, register_pass, reso
 @pytest.fixture
 def fresh_registry(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", {})
+    test_order = (
+        ("pre_grad", "a_pre", "first"),
+        ("pre_grad", "b_pre", "second"),
+        ("post_grad", "late_post", "post"),
+        ("pre_grad", "canonicalize", "listed for the stage check"),
+    )
+    monkeypatch.setattr(order, "PASS_ORDER", test_order)
+    monkeypatch.setattr(registry, "PASS_ORDER", test_order)
 
     def noop(gm, example_inputs, *, ctx):
         """Does nothing."""
         return gm
 
-    register_pass(
-        "late_post", stage="post_grad", order=1, default_on=True, preserves_numerics=True
-    )(noop)
-    register_pass("b_pre", stage="pre_grad", order=20, default_on=True, preserves_numerics=True)(
-        noop
-    )
-    register_pass("a_pre", stage="pre_grad", order=10, default_on=False, preserves_numerics=False)(
-        noop
-    )
+    register_pass("late_post", stage="post_grad", default_on=True, preserves_numerics=True)(noop)
+    register_pass("b_pre", stage="pre_grad", default_on=True, preserves_numerics=True)(noop)
+    register_pass("a_pre", stage="pre_grad", default_on=False, preserves_numerics=False)(noop)
 
 
-def test_run_order_is_stage_then_order(fresh_registry):
+def test_run_order_is_stage_then_pass_order(fresh_registry):
     assert [p.name for p in all_passes()] == ["a_pre", "b_pre", "late_post"]
     assert all_passes()[0].description == "Does nothing."
 
@@ -46,11 +48,13 @@ def test_bad_switch_names_known_passes(fresh_registry, switch):
 
 def test_registration_errors(fresh_registry):
     with pytest.raises(ValueError, match="registered twice"):
-        register_pass("b_pre", stage="pre_grad", order=1, default_on=True, preserves_numerics=True)(
+        register_pass("b_pre", stage="pre_grad", default_on=True, preserves_numerics=True)(
             lambda gm, x, *, ctx: gm
         )
     with pytest.raises(ValueError, match="stage must be one of"):
-        register_pass("x", stage="mid_grad", order=1, default_on=True, preserves_numerics=True)
+        register_pass("x", stage="mid_grad", default_on=True, preserves_numerics=True)
+    with pytest.raises(ValueError, match="'unlisted' is not listed in PASS_ORDER"):
+        register_pass("unlisted", stage="pre_grad", default_on=True, preserves_numerics=True)
 
 
 def test_a_stage_listed_elsewhere_in_pass_order_is_an_error(fresh_registry):

@@ -66,8 +66,10 @@ INNER_BACKENDS = ("inductor", "aot_eager")
 torch._dynamo.config.fail_on_recompile_limit_hit = True
 # A torch.compiler.nested_compile_region called once per region (the Gated DeltaNet recurrence,
 # once per block) stays one invoke_subgraph node instead of being inlined: the node the
-# gated_delta_rule pass replaces with its op (graphtrain/passes/gated_delta_rule.py).
-torch._dynamo.config.inline_single_use_invoke_subgraph = False
+# gated_delta_rule pass replaces with its op (graphtrain/passes/gated_delta_rule.py). Torches
+# without the flag do not inline such regions (setting an unknown flag raises).
+if hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph"):
+    torch._dynamo.config.inline_single_use_invoke_subgraph = False
 
 
 def _allow_fp32_grouped_mm_under_compile() -> None:

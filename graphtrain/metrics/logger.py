@@ -11,8 +11,8 @@ Only rank 0 writes, so a multi-rank run has one log; other ranks' calls return a
 One row per step, also across restarts: a fresh run (resume_step None) starts both records
 afresh (a reused run directory's old metrics.jsonl is replaced, its TensorBoard events purged);
 a run resumed from the checkpoint of step S keeps the rows up to S and supersedes the later ones
-(metrics.jsonl rewritten without them, TensorBoard's purge_step = S + 1), since the steps after
-S are trained again.
+(metrics.jsonl rewritten without them, atomically: a new file renamed over the old one;
+TensorBoard's purge_step = S + 1), since the steps after S are trained again.
 
 Values must be python numbers: the trainer converts tensors with .item() at log steps only
 (a device sync), never here. Non-finite values are written to JSONL as the strings "nan", "inf",
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -122,9 +123,15 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
         kept = _rows_up_to(path, resume_step) if resume_step is not None else []
-        self._jsonl = open(path, "w", encoding="utf-8")
-        self._jsonl.writelines(kept)
-        self._jsonl.flush()
+        # The kept rows go to a new file that replaces the old one in one rename: a kill while
+        # they are written leaves the old history whole (opening it with "w" emptied it first).
+        tmp = path.with_name(f"{path.name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a", encoding="utf-8")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

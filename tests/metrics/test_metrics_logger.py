@@ -69,6 +69,23 @@ def test_resume_supersedes_the_rows_after_the_checkpoint(tmp_path):
     ]
 
 
+def test_a_kill_while_resuming_keeps_the_whole_record(tmp_path, monkeypatch):
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False) as log:
+        for step in range(1, 11):
+            log.log(step, {"loss": float(step)})
+    before = (tmp_path / "metrics.jsonl").read_text()
+    real_rows = logger_module._rows_up_to
+
+    def rows_then_killed(path, step):
+        yield from real_rows(path, step)[:2]
+        raise KeyboardInterrupt  # the process stops half-way through rewriting the record
+
+    monkeypatch.setattr(logger_module, "_rows_up_to", rows_then_killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLogger(tmp_path, rank=0, tensorboard=False, resume_step=5)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
 def test_a_fresh_run_never_appends_to_an_old_record(tmp_path):
     pytest.importorskip("tensorboard")
     with MetricsLogger(tmp_path, rank=0) as log:

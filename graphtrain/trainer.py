@@ -49,7 +49,8 @@ from graphtrain.inspect.capture import record_output_code
 from graphtrain.metrics import MetricsLogger, memory_stats, peak_flops, write_run_info
 from graphtrain.metrics.banner import start_banner
 from graphtrain.metrics.energy import EnergyMeter, energy_metrics
-from graphtrain.metrics.memory_plan import MemoryPlan, plan_memory
+from graphtrain.metrics.hardware import rank_memory
+from graphtrain.metrics.memory_plan import MemoryPlan, check_fits, plan_memory
 from graphtrain.metrics.profiling import StepProfiler
 from graphtrain.optim import (
     AdamWCopies,
@@ -163,6 +164,9 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     memory_plan = plan_memory(cfg, world_size)  # predicted before anything large exists
     if rank == 0:
         logger.info("%s", memory_plan.format())
+    available = rank_memory(device)
+    if available is not None:  # a plan that cannot fit stops here, not by the OOM killer later
+        check_fits(memory_plan, available[0], device=available[1])
     dp_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
     run_dir = _prepare_run_dir(cfg, rank, world_size)
     # Checks metrics.memory_snapshot against the device now; allocates nothing.
@@ -274,6 +278,7 @@ def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
     # Created (rank 0, _describe_run_dir) only once the start has passed its checks: a failed
     # start leaves no empty run directory behind.
     run_dir = Path(name[0])
+    _check_writable(run_dir)
     saved = complete_checkpoints(run_dir)
     if saved and not cfg.checkpoint.resume:
         # A fresh start would overwrite and prune these: never lose saved work silently.
@@ -290,6 +295,28 @@ def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
                 f"{saved[-1].name}); continue {start} in an empty training.run_dir"
             )
     return run_dir
+
+
+def _check_writable(run_dir: Path) -> None:
+    """A run directory that is a file, or that this user cannot create or write, named before
+    any work (not an errno from the first save)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(
+            f"training.run_dir={str(run_dir)!r} is a file, not a directory; choose another "
+            "training.run_dir"
+        )
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(
+            f"training.run_dir={str(run_dir)!r} cannot be created: {str(existing)!r} is a file"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"training.run_dir={str(run_dir)!r} cannot be written: this user may not write to "
+            f"{str(existing)!r}; choose another training.run_dir"
+        )
 
 
 def _build_data(

@@ -177,13 +177,17 @@ def check_shapes(
     ]
     if not (missing or unexpected or differ):
         return
+    # A few of each and the counts: a checkpoint of another model size differs in every tensor.
     parts = []
     if differ:
-        parts.append("shapes differ: " + "; ".join(differ))
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        parts.append(f"shapes differ in {len(differ)} tensors: " + "; ".join(differ[:3]) + more)
     if missing:
-        parts.append(f"missing in {source}: " + ", ".join(missing))
+        parts.append(f"{len(missing)} missing in {source}: " + ", ".join(missing[:3]))
+        parts[-1] += f" and {len(missing) - 3} more" if len(missing) > 3 else ""
     if unexpected:
-        parts.append("not in the model: " + ", ".join(unexpected))
+        parts.append(f"{len(unexpected)} not in the model: " + ", ".join(unexpected[:3]))
+        parts[-1] += f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
     raise ValueError(
         f"{source} does not fit the model ({'. '.join(parts)}); check the model config "
         "(preset and model.* keys) against the run that wrote it"

@@ -82,8 +82,16 @@ def _iter_txt(path: Path) -> Iterator[str]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    # Bytes, decoded line by line: a file that is not UTF-8 is then named with its line.
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{line_number}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1}); a .jsonl file holds one JSON object per line, in UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

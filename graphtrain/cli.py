@@ -7,7 +7,14 @@ import os
 import sys
 
 from graphtrain.parallel.divergence import ReplicaDivergenceError
-from graphtrain.preemption import EXIT_PREEMPTED, Preempted
+from graphtrain.preemption import (
+    EXIT_PREEMPTED,
+    STATUS_DIR,
+    PeerLostError,
+    Preempted,
+    StartupStopped,
+    report_status,
+)
 
 USAGE = """usage: graphtrain COMMAND ...
 
@@ -21,6 +28,8 @@ commands:
   plan      predicted memory per rank of a layout, without a device (`graphtrain plan --help`)
   generate  continue a prompt with a run's newest checkpoint (see `graphtrain generate --help`)
   eval      loss and perplexity of a run on held-out files (see `graphtrain eval --help`)
+  torchrun  torchrun's arguments: how launch.sh starts several ranks (exit 75 after a save
+            on a signal, a grace period that fits the save)
 
 presets: {presets}
 """
@@ -127,6 +136,12 @@ def _plan(args: list[str]) -> int:
     return 0
 
 
+def _torchrun(args: list[str]) -> int:
+    from graphtrain.preemption import run_torchrun
+
+    return run_torchrun(args)
+
+
 def _generate(args: list[str]) -> int:
     from graphtrain.generate import main as generate_main
 
@@ -146,6 +161,7 @@ COMMANDS = {
     "generate": _generate,
     "eval": _eval,
     "plan": _plan,
+    "torchrun": _torchrun,
 }
 
 
@@ -164,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         return COMMANDS[command](rest)
+    except PeerLostError as e:  # another rank died: its own output says why
+        print(f"graphtrain: stopped: {e}", file=sys.stderr)
+        return 1
     # User and environment errors (config, data, checkpoint, paths, a save that failed for lack
     # of disk or permission) carry their explanation in the message: no traceback.
     except (ValueError, OSError) as e:
@@ -173,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graphtrain: stopped: {e}", file=sys.stderr)
         return 3
     except Preempted:  # SIGTERM/SIGINT during training: rank 0 logged what was saved
+        report_status("preempted")
+        # Under launch.sh's torchrun a rank that saved exits 0, so that torchrun reports no
+        # failure; the launcher then exits EXIT_PREEMPTED.
+        return 0 if os.environ.get(STATUS_DIR) else EXIT_PREEMPTED
+    except StartupStopped as e:
+        print(f"graphtrain: {e}", file=sys.stderr)
+        report_status("startup")
         return EXIT_PREEMPTED
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         print("graphtrain: interrupted", file=sys.stderr)

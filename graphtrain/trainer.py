@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from graphtrain.checkpoint import (
     resume_differences,
 )
 from graphtrain.checkpoint.hf import load_hf_into
+from graphtrain.checkpoint.safe_load import brief
 from graphtrain.config import JobConfig, pass_options, to_toml
 from graphtrain.data import build_data
 from graphtrain.inspect import write_report
@@ -76,7 +78,14 @@ from graphtrain.parallel import (
 )
 from graphtrain.parallel.divergence import check_replicas
 from graphtrain.passes.dump import start_compile_metrics, write_compile_metrics
-from graphtrain.preemption import Preempted, PreemptionHandler
+from graphtrain.preemption import (
+    PeerLostError,
+    Preempted,
+    PreemptionHandler,
+    StartupStopped,
+    looks_like_lost_peer,
+    stop_during_startup,
+)
 from graphtrain.step import ForwardLoss, FP8Saturation, StepStats, TrainStep
 from models import build_model, tp_plan
 from models.moe import MoEConfig, active_params
@@ -130,14 +139,16 @@ class Run:
 
 def train(cfg: JobConfig) -> TrainResult:
     """Run one training job described by `cfg`; returns the losses it logged."""
-    device, rank, world_size = init_distributed(cfg.training.device)
+    with stop_during_startup():  # a SIGTERM before the loop: one line, not a silent death
+        device, rank, world_size = init_distributed(cfg.training.device)
     # A job starts from a clean compiler state: code compiled for an earlier job in this process
     # (another model, other passes) must neither be reused nor count against the recompile limit.
     torch._dynamo.reset()
     start_compile_metrics()  # the run's report reads this job's compiles only
     preemption = PreemptionHandler()  # SIGTERM/SIGINT: save and stop (graphtrain.preemption)
     try:
-        run = build_run(cfg, device, rank, world_size)
+        with stop_during_startup():
+            run = build_run(cfg, device, rank, world_size)
         # With graph dumps, Inductor's generated code goes beside them (for the run's report).
         record = record_output_code(run.dump_dir) if run.dump_dir else contextlib.nullcontext()
         with record:
@@ -147,10 +158,29 @@ def train(cfg: JobConfig) -> TrainResult:
             # while a peer still talks aborts that peer (seen with gloo).
             dist.barrier()
         return result
+    except Exception as e:
+        if world_size > 1 and looks_like_lost_peer(e):
+            raise _peer_lost(cfg, rank, e) from None
+        raise
     finally:
         preemption.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _peer_lost(cfg: JobConfig, rank: int, error: BaseException) -> PeerLostError:
+    """One line for a collective that failed because another rank went away: which checkpoint
+    the run continues from (gloo's own text is a traceback per rank)."""
+    saved = complete_checkpoints(Path(cfg.training.run_dir)) if cfg.training.run_dir else []
+    where = (
+        f"the newest complete checkpoint is {saved[-1]}: continue with --checkpoint.resume=latest"
+        if saved
+        else "no checkpoint of this run is complete yet"
+    )
+    return PeerLostError(
+        f"rank {rank} lost contact with another rank ({brief(error, 120)}), which stopped or "
+        f"died (its own output says why); {where}"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -551,12 +581,14 @@ def _train_loop(run: Run, preemption: PreemptionHandler) -> TrainResult:
     result = TrainResult(run_dir=run.run_dir, steps=total, losses=[], val_losses={})
     if run.data.val is None and run.rank == 0:
         logger.warning("no held-out data large enough for one batch: validation is skipped")
+    preemption.install()
     if progress.step == 0:
         _validate(run, result, step=0)
+    if preemption.should_stop():  # a signal before the first step: nothing new to save
+        raise StartupStopped(preemption.signum or signal.SIGTERM)
 
     train_iter = iter(run.data.train)
     window = _LogWindow(run.device)
-    preemption.install()
     while progress.step < total:
         num_micro = run.train_step.num_micro_batches(progress.consumed_tokens)
         batches = [next(train_iter) for _ in range(num_micro)]

@@ -382,7 +382,7 @@ def test_launch_sh_dry_run_builds_the_torchrun_command():
         check=True,
     ).stdout
     assert (
-        "torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1 --rdzv-backend c10d "
+        "graphtrain torchrun --nnodes 2 --nproc-per-node 4 --node-rank 1 --rdzv-backend c10d "
         "--rdzv-endpoint node0:29500 --rdzv-id graphtrain"
     ) in out
     assert out.strip().endswith("-m graphtrain train --parallel.tp=2")

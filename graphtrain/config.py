@@ -689,7 +689,9 @@ def load_config(args: list[str] | None = None, *, file: str | Path | None = None
     if file:
         path = Path(file)
         if not path.is_file():
-            raise ValueError(f"config file {str(path)!r} does not exist")
+            raise ValueError(
+                f"config file {str(path)!r} does not exist (looked for {str(Path(path).absolute())!r})"
+            )
         try:
             file_values = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:

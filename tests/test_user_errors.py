@@ -1,10 +1,18 @@
 """Bad input a new user gives is one clear error naming it, before any work: model numbers that
 would train to NaN, expert parallel on a dense model, keys below a plain value, a memory plan
-that cannot fit this machine, a run directory that is a file or cannot be written."""
+that cannot fit this machine, a run directory that is a file or cannot be written; relative
+paths given to launch.sh are the caller's."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import job
 
+from graphtrain.checkpoint import complete_checkpoints
 from graphtrain.config import load_config
 from graphtrain.trainer import train
 
@@ -68,3 +76,57 @@ def test_a_run_dir_that_is_a_file_or_unwritable_is_named(corpus, tmp_path, monke
     args = job(corpus, tmp_path / "ro", "--training.steps=1")
     with pytest.raises(ValueError, match="cannot be written: this user may not write to"):
         train(load_config(args))
+
+
+@pytest.mark.slow  # a training run through launch.sh and its start-up (~70 s on 2 busy cores)
+def test_launch_sh_resolves_relative_paths_where_the_caller_stands(corpus, tmp_path):
+    """`CONFIG=job.toml ../graphtrain/launch.sh --data.paths=docs.jsonl` from the user's own
+    folder: the config, the data and the default runs/ folder are theirs, not the repository's."""
+    repo = Path(__file__).resolve().parent.parent
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(corpus / "docs.jsonl", work / "docs.jsonl")
+    shutil.copy(corpus / "tokenizer.json", work / "tokenizer.json")
+    (work / "job.toml").write_text(
+        'preset = "debug"\n[training]\nsteps = 2\n[metrics]\nval_interval = 0\ntensorboard = false\n'
+    )
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".graphtrain-installed").touch()
+    env = {**os.environ, "VIRTUAL_ENV": str(venv), "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    args = [
+        "--data.paths=docs.jsonl",
+        "--data.tokenizer=tokenizer.json",
+        "--compile.backend=aot_eager",
+    ]
+    args.append(f"--data.cache_dir={tmp_path / 'cache'}")
+    before = set((repo / "runs").iterdir()) if (repo / "runs").is_dir() else set()
+    out = subprocess.run(
+        ["bash", str(repo / "launch.sh"), *args],
+        cwd=work,
+        env={**env, "CONFIG": "job.toml", "NGPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = (work / "runs").iterdir()
+    assert complete_checkpoints(run)
+    after = set((repo / "runs").iterdir()) if (repo / "runs").is_dir() else set()
+    assert after == before
+
+    missing = subprocess.run(
+        ["bash", str(repo / "launch.sh")],
+        cwd=work,
+        env={**env, "CONFIG": "nosuch.toml", "NGPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2
+    assert (
+        f"config file 'nosuch.toml' does not exist (looked for {str(work / 'nosuch.toml')!r})"
+        in missing.stderr
+    )

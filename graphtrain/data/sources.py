@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -43,14 +44,18 @@ def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
         if glob.has_magic(value):
             matches = sorted(p for p in glob.glob(value, recursive=True) if Path(p).is_file())
             if not matches:
-                raise FileNotFoundError(f"the data glob {value!r} matches no files")
+                raise FileNotFoundError(
+                    f"the data glob {value!r} matches no files (looked in {os.getcwd()!r})"
+                )
             files.extend(Path(p) for p in matches)
         elif Path(value).is_dir():
             raise ValueError(
                 f"data path {value!r} is a directory; give files or a glob like '{value}/*.jsonl'"
             )
         elif not Path(value).is_file():
-            raise FileNotFoundError(f"data file {value!r} does not exist")
+            raise FileNotFoundError(
+                f"data file {value!r} does not exist (looked for {os.path.abspath(value)!r})"
+            )
         else:
             files.append(Path(value))
     for path in files:

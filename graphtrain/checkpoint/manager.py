@@ -35,10 +35,13 @@ collectives run on a gloo group, which works next to NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -249,6 +252,15 @@ def _manifest_when_written(save: Future, tmp: Path, rank: int) -> dict[str, Any]
     return written_files(tmp, rank)
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save and load of one process that torch.distributed is not
+    initialised ("assuming the intent is to save in a single process"), which is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _fsync(path: Path) -> None:
     """Flush a file's data, or a folder's entries, to the disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -330,7 +342,8 @@ class CheckpointManager:
                 manifest = self._hasher.submit(_manifest_when_written, future, tmp, _rank())
                 self._pending = (manifest, tmp, final, state)
                 return
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            with _single_process_quiet():
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         except DCP_ERRORS as e:
             error = e
         self._raise_if_failed(_agree(error), final, tmp)
@@ -450,7 +463,8 @@ class CheckpointManager:
         check_shapes(expected, shapes, source=f"checkpoint {path}")
         state = {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=str(path))
         except DCP_ERRORS as e:
             raise ValueError(
                 f"checkpoint {path} is corrupted: reading it failed ({brief(e)})"

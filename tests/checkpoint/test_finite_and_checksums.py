@@ -107,3 +107,12 @@ def test_a_flipped_bit_anywhere_is_refused_naming_the_file(tmp_path):
     (ckpt / "checksums.json").unlink()
     with pytest.raises(CheckpointCorruptError, match=r"checksums\.json is missing"):
         read_trainer_files(ckpt)
+
+
+def test_single_process_save_and_load_print_no_distributed_warning(tmp_path, recwarn):
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    manager = CheckpointManager(tmp_path, keep_last=1, retain_interval=0, async_save=False)
+    manager.save(1, model=model, optimizer=optimizer, trainer_state={"step": 1})
+    assert manager.load("latest", model=model, optimizer=optimizer)["step"] == 1
+    assert not [w for w in recwarn if "torch.distributed is disabled" in str(w.message)]

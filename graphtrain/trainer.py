@@ -52,6 +52,7 @@ from graphtrain.metrics import MetricsLogger, memory_stats, peak_flops, write_ru
 from graphtrain.metrics.banner import start_banner
 from graphtrain.metrics.energy import EnergyMeter, energy_metrics
 from graphtrain.metrics.hardware import rank_memory
+from graphtrain.metrics.logger import recorded
 from graphtrain.metrics.memory_plan import MemoryPlan, check_fits, plan_memory
 from graphtrain.metrics.profiling import StepProfiler
 from graphtrain.optim import (
@@ -791,8 +792,13 @@ def _finish(run: Run, result: TrainResult) -> None:
         write_compile_metrics(run.dump_dir)  # stage times, recompile reasons, cache hits
         write_report(run.dump_dir, run.run_dir / "inspect", inner=run.cfg.compile.backend)
     val_losses = result.val_losses
-    if run.rank == 0 and len(val_losses) > 1:
-        first, final = val_losses[min(val_losses)], val_losses[max(val_losses)]
-        logger.info("validation loss %.3f -> %.3f (%.2f nats)", first, final, first - final)
+    # A resumed run's summary covers the whole run: its record keeps the steps before.
+    whole = {**recorded(run.run_dir / "metrics.jsonl", "val_loss"), **val_losses}
+    if run.rank == 0 and len(whole) > 1:
+        (start, first), (end, final) = min(whole.items()), max(whole.items())
+        logger.info(
+            "validation loss %.3f (step %d) -> %.3f (step %d): %.2f nats",
+            first, start, final, end, first - final,
+        )  # fmt: skip
     if not all(math.isfinite(v) for v in val_losses.values()):
         raise FloatingPointError(f"non-finite validation loss: {val_losses}")

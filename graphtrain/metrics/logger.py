@@ -98,6 +98,20 @@ def _rows_up_to(path: Path, step: int) -> list[str]:
     return kept
 
 
+def recorded(path: Path, key: str) -> dict[int, float]:
+    """step -> value of metric `key` in metrics.jsonl `path` (a resumed run's summary covers the
+    steps before the resume too); rows that do not parse or lack it are skipped."""
+    found = {}
+    if Path(path).is_file():
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+                found[int(row["step"])] = float(row[key])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return found
+
+
 class MetricsLogger:
     """Writes metrics on rank 0; a no-op on every other rank."""
 

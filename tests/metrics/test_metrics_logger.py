@@ -142,3 +142,17 @@ def test_progress_bar_render():
     assert "[#####.....] 5/10  50.0%" in text
     assert "[##########] 10/10 100.0%" in text
     assert text.endswith("\n")
+
+
+def test_recorded_reads_one_metric_of_the_whole_record(tmp_path):
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False) as log:
+        log.log(0, {"val_loss": 7.0})
+        log.log(1, {"loss": 6.5})
+        log.log(2, {"val_loss": 6.0})
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False, resume_step=2) as log:
+        log.log(4, {"val_loss": 5.0})
+    assert logger_module.recorded(tmp_path / "metrics.jsonl", "val_loss") == {
+        0: 7.0,
+        2: 6.0,
+        4: 5.0,
+    }

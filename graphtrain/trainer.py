@@ -51,7 +51,7 @@ from graphtrain.inspect.capture import record_output_code
 from graphtrain.metrics import MetricsLogger, memory_stats, peak_flops, write_run_info
 from graphtrain.metrics.banner import start_banner
 from graphtrain.metrics.energy import EnergyMeter, energy_metrics
-from graphtrain.metrics.hardware import rank_memory
+from graphtrain.metrics.hardware import describe_memory, rank_memory
 from graphtrain.metrics.logger import recorded
 from graphtrain.metrics.memory_plan import MemoryPlan, check_fits, plan_memory
 from graphtrain.metrics.profiling import StepProfiler
@@ -697,7 +697,7 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
         total = _all_reduce(total, dist.group.WORLD if dims.world_size > 1 else None).item()
         entry.update(energy_metrics(joules, total, tokens=window.tokens, seconds=elapsed))
     if run.rank == 0 and window.first_log:  # the plan beside what the first steps used
-        measured = ", ".join(f"{k} {v:.2f}" for k, v in memory_stats(run.device).items())
+        measured = describe_memory(memory_stats(run.device))
         logger.info(
             "memory: predicted %.2f GiB per rank; measured %s",
             run.memory_plan.total / 2**30,

@@ -147,6 +147,19 @@ def rank_memory(device: torch.device) -> tuple[int, str] | None:
     return total // local, f"this machine's memory{shared}"
 
 
+_MEMORY_WORDS = {
+    "memory/peak_allocated_gib": "peak allocated {:.2f} GiB",
+    "memory/peak_reserved_gib": "peak reserved {:.2f} GiB",
+    "memory/alloc_retries": "{:.0f} allocation retries",
+    "memory/max_rss_gib": "peak resident {:.2f} GiB",
+}
+
+
+def describe_memory(stats: dict[str, float]) -> str:
+    """memory_stats in words with units, e.g. "peak resident 0.54 GiB"."""
+    return ", ".join(_MEMORY_WORDS.get(k, k + " {:.2f}").format(v) for k, v in stats.items())
+
+
 def reset_memory_stats(device: torch.device) -> None:
     """Reset the CUDA peak-memory counters (call after each log step); no-op on CPU."""
     device = torch.device(device)

@@ -27,6 +27,7 @@ memory/peak_allocated_gib (CUDA) or memory/max_rss_gib (CPU), see
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -112,6 +113,18 @@ def recorded(path: Path, key: str) -> dict[int, float]:
     return found
 
 
+class _ClearBar(logging.Filter):
+    """Erases the progress bar before a log record is written to the terminal."""
+
+    def __init__(self, bar: ProgressBar) -> None:
+        super().__init__()
+        self.bar = bar
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.bar.clear()
+        return True
+
+
 class MetricsLogger:
     """Writes metrics on rank 0; a no-op on every other rank."""
 
@@ -160,6 +173,11 @@ class MetricsLogger:
                 _warn_no_tensorboard(error)
         if sys.stderr.isatty():
             self._bar = ProgressBar(sys.stderr, total=total_steps)
+            # Log records go to the same terminal: the bar is erased before each one is written
+            # (it is redrawn at the next step), so that no line runs into it.
+            self._clear_bar = _ClearBar(self._bar)
+            for handler in logging.getLogger().handlers:
+                handler.addFilter(self._clear_bar)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record `metrics` for optimizer step `step` (python numbers only)."""
@@ -184,7 +202,8 @@ class MetricsLogger:
         line = format_summary(step, metrics, self.total_steps)
         if self._bar is not None:
             self._bar.clear()
-        print(line, flush=True)
+        if line != format_summary(step, {}, self.total_steps):  # none the console line shows
+            print(line, flush=True)
         if self._bar is not None:
             self._bar.update(step, force=True)
 
@@ -196,6 +215,8 @@ class MetricsLogger:
     def close(self) -> None:
         """Flush and close the files and end the progress bar; safe to call twice."""
         if self._bar is not None:
+            for handler in logging.getLogger().handlers:
+                handler.removeFilter(self._clear_bar)
             self._bar.close()
             self._bar = None
         if self._writer is not None:

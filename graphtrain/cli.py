@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -33,6 +34,16 @@ commands:
 
 presets: {presets}
 """
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """--help shows each option's default (none for flags and options without one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            text += f" (default: {action.default})"
+        return text
 
 
 def _setup_logging() -> None:
@@ -81,16 +92,15 @@ def _inspect(args: list[str]) -> int:
 
 
 def _export(args: list[str]) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="graphtrain export",
+        formatter_class=DefaultsHelp,
         description="Write a checkpoint as Hugging Face safetensors (Llama, Glm4Moe or Qwen2Moe names), config.json "
         "and the run's tokenizer, loadable by transformers.AutoModelForCausalLM.",
     )
     parser.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint")
     parser.add_argument("out_dir")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="tensor dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export")
     parser.add_argument("--max-shard-size", default="5GB", help="split files above this size")
     ns = parser.parse_args(args)
@@ -114,15 +124,14 @@ def _presets() -> str:
 
 
 def _plan(args: list[str]) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="graphtrain plan",
+        formatter_class=DefaultsHelp,
         description="Print the predicted per-rank memory of a job (no device needed); exit 2 "
         "when it does not fit the device. Other arguments are config overrides "
         "(--section.key=value), as for train.",
     )
-    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--preset", default="tiny", help="the job preset")
     parser.add_argument("--ngpu", type=int, default=1, help="ranks in all (the world size)")
     parser.add_argument("--device-memory", default="80GB", help="memory of one device")
     ns, rest = parser.parse_known_args(args)

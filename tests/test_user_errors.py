@@ -130,3 +130,20 @@ def test_launch_sh_resolves_relative_paths_where_the_caller_stands(corpus, tmp_p
         f"config file 'nosuch.toml' does not exist (looked for {str(work / 'nosuch.toml')!r})"
         in missing.stderr
     )
+
+
+@pytest.mark.parametrize(
+    "command, shown",
+    [
+        ("export", "(default: bf16)"),
+        ("plan", "(default: 80GB)"),
+        ("generate", "(default: 0.95)"),
+        ("eval", "(default: auto)"),
+    ],
+)
+def test_help_shows_the_defaults(command, shown, capsys):
+    from graphtrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert shown in capsys.readouterr().out

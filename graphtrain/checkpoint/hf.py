@@ -45,7 +45,7 @@ from graphtrain.checkpoint.integrity import (
     nonfinite_names,
     read_shapes,
 )
-from graphtrain.checkpoint.manager import read_trainer_files, resolve
+from graphtrain.checkpoint.manager import read_trainer_files, resolve, single_process_quiet
 from graphtrain.checkpoint.safe_load import brief
 from models import GPTConfig, MoEConfig, build_model, gpt_hf, moe_hf
 from models.mtp_hf import MTP_FILE, mtp_from_hf_state, mtp_to_hf_state
@@ -98,7 +98,8 @@ def read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], set
         source=f"checkpoint {ckpt}",
     )
     try:
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     except DCP_ERRORS as e:
         raise ValueError(f"checkpoint {ckpt} is corrupted: reading it failed ({brief(e)})") from e
     bad = nonfinite_names(state["model"])

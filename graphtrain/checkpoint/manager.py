@@ -253,7 +253,7 @@ def _manifest_when_written(save: Future, tmp: Path, rank: int) -> dict[str, Any]
 
 
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
+def single_process_quiet() -> Iterator[None]:
     """DCP warns on every save and load of one process that torch.distributed is not
     initialised ("assuming the intent is to save in a single process"), which is the intent."""
     with warnings.catch_warnings():
@@ -342,7 +342,7 @@ class CheckpointManager:
                 manifest = self._hasher.submit(_manifest_when_written, future, tmp, _rank())
                 self._pending = (manifest, tmp, final, state)
                 return
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         except DCP_ERRORS as e:
             error = e
@@ -463,7 +463,7 @@ class CheckpointManager:
         check_shapes(expected, shapes, source=f"checkpoint {path}")
         state = {"model": model_sd, "optim": optim_sd}
         try:
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.load(state, checkpoint_id=str(path))
         except DCP_ERRORS as e:
             raise ValueError(

@@ -147,9 +147,11 @@ def train(cfg: JobConfig) -> TrainResult:
     torch._dynamo.reset()
     start_compile_metrics()  # the run's report reads this job's compiles only
     preemption = PreemptionHandler()  # SIGTERM/SIGINT: save and stop (graphtrain.preemption)
+    run_dir = Path(cfg.training.run_dir) if cfg.training.run_dir else None
     try:
         with stop_during_startup():
             run = build_run(cfg, device, rank, world_size)
+        run_dir = run.run_dir
         # With graph dumps, Inductor's generated code goes beside them (for the run's report).
         record = record_output_code(run.dump_dir) if run.dump_dir else contextlib.nullcontext()
         with record:
@@ -161,7 +163,7 @@ def train(cfg: JobConfig) -> TrainResult:
         return result
     except Exception as e:
         if world_size > 1 and looks_like_lost_peer(e):
-            raise _peer_lost(cfg, rank, e) from None
+            raise _peer_lost(run_dir, rank, e) from None
         raise
     finally:
         preemption.restore()
@@ -169,10 +171,10 @@ def train(cfg: JobConfig) -> TrainResult:
             dist.destroy_process_group()
 
 
-def _peer_lost(cfg: JobConfig, rank: int, error: BaseException) -> PeerLostError:
+def _peer_lost(run_dir: Path | None, rank: int, error: BaseException) -> PeerLostError:
     """One line for a collective that failed because another rank went away: which checkpoint
     the run continues from (gloo's own text is a traceback per rank)."""
-    saved = complete_checkpoints(Path(cfg.training.run_dir)) if cfg.training.run_dir else []
+    saved = complete_checkpoints(run_dir) if run_dir is not None else []
     where = (
         f"the newest complete checkpoint is {saved[-1]}: continue with --checkpoint.resume=latest"
         if saved
@@ -794,7 +796,7 @@ def _finish(run: Run, result: TrainResult) -> None:
     val_losses = result.val_losses
     # A resumed run's summary covers the whole run: its record keeps the steps before.
     whole = {**recorded(run.run_dir / "metrics.jsonl", "val_loss"), **val_losses}
-    if run.rank == 0 and len(whole) > 1:
+    if run.rank == 0 and len(whole) > 1:  # (only rank 0 writes the record)
         (start, first), (end, final) = min(whole.items()), max(whole.items())
         logger.info(
             "validation loss %.3f (step %d) -> %.3f (step %d): %.2f nats",

@@ -60,8 +60,12 @@ class Preempted(Exception):
 STATUS_DIR = "GRAPHTRAIN_STATUS_DIR"
 
 
-class StartupStopped(Exception):
-    """A SIGTERM arrived while the run was starting: it stopped before training anything."""
+class StartupStopped(BaseException):
+    """A SIGTERM arrived while the run was starting: it stopped before training anything.
+
+    A BaseException, as KeyboardInterrupt: raised from the signal handler wherever the start-up
+    is, it must not be taken for an error of that code (logging swallows an Exception raised
+    while it writes a record)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(

@@ -353,6 +353,7 @@ def _launch(tmp_path: Path, args: list[str], **env: str) -> subprocess.Completed
     [
         ("--training.steps=abc", "graphtrain: error: config key 'training.steps' expects int"),
         ("--parallel.tp=3", "graphtrain: error: parallel.dp_shard=-1 takes what is left"),
+        ("--parallel.ep=2", "graphtrain: error: parallel.ep=2 splits the routed experts"),
     ],
 )
 def test_launch_sh_multi_rank_config_error_is_one_line_with_exit_code_2(tmp_path, arg, message):

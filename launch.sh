@@ -3,12 +3,17 @@
 #
 #   ./launch.sh [--section.key=value ...]     train (CONFIG=file.toml, PRESET=name optional)
 #   ./launch.sh test [pytest args]            run the test suite
+#   ./launch.sh inspect|export|generate|eval|plan ARGS   the other graphtrain commands, in its venv
 #
 # Environment: NGPU (processes per node; default: the GPUs nvidia-smi lists, else 1), NNODES (1),
 # NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (29500), CONFIG, PRESET, DRY_RUN=1 (print
 # the command instead of running it), TORCH_SPEC (the torch requirement to install when torch is
-# missing). Outside a virtual environment it creates .venv and installs the project into it.
+# missing), SHUTDOWN_TIMEOUT (seconds the ranks get to save after a signal; default: estimated
+# from the checkpoint size). Outside a virtual environment it creates .venv and installs the
+# project into it. Relative paths (CONFIG, --data.paths, the run directory) are the caller's:
+# only the set-up and the tests run in this folder. After a save on a signal it exits 75.
 set -euo pipefail
+CALLER_DIR="$PWD"
 cd "$(dirname "$0")"
 
 setup() {
@@ -62,6 +67,15 @@ if [[ "${1:-}" == "test" ]]; then
     run "$PY" -m pytest -q "$@"
 fi
 
+# Everything else runs where the caller stands, so that their relative paths mean what they
+# typed; PYTHONSAFEPATH (Python 3.11+): a models/ folder there must not shadow ours.
+cd "$CALLER_DIR"
+export PYTHONSAFEPATH=1
+
+case "${1:-}" in
+    inspect|export|generate|eval|plan) run "$PY" -m graphtrain "$@" ;;
+esac
+
 if [[ "${1:-}" == "train" ]]; then shift; fi
 args=()
 [[ -n "${CONFIG:-}" ]] && args+=(--config "$CONFIG")
@@ -85,15 +99,19 @@ fi
 if [[ "${DRY_RUN:-0}" != "1" ]]; then
     WORLD_SIZE=$((NGPU * NNODES)) "$PY" -m graphtrain train --check "${args[@]}" || exit $?
 fi
+# `graphtrain torchrun` is torchrun with an exit code of 75 after a save on a signal and a grace
+# period after a signal that fits the save (graphtrain.preemption.run_torchrun).
+grace=()
+[[ -n "${SHUTDOWN_TIMEOUT:-}" ]] && grace=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
 if [[ "$NNODES" == "1" ]]; then
-    run "$PY" -m torch.distributed.run \
+    run "$PY" -m graphtrain torchrun ${grace[@]+"${grace[@]}"} \
         --nnodes 1 --nproc-per-node "$NGPU" \
         --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-29500}" \
         -m graphtrain train "${args[@]}"
 fi
 # Several nodes meet in a c10d rendezvous at MASTER_ADDR:MASTER_PORT (the node on that host
 # starts its store; nodes may start in any order and wait for each other).
-run "$PY" -m torch.distributed.run \
+run "$PY" -m graphtrain torchrun ${grace[@]+"${grace[@]}"} \
     --nnodes "$NNODES" --nproc-per-node "$NGPU" --node-rank "${NODE_RANK:-0}" \
     --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}" \
     --rdzv-id "${RDZV_ID:-graphtrain}" \

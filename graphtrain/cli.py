@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
 
 from graphtrain.parallel.divergence import ReplicaDivergenceError
-from graphtrain.preemption import EXIT_PREEMPTED, Preempted
+from graphtrain.preemption import (
+    EXIT_PREEMPTED,
+    STATUS_DIR,
+    PeerLostError,
+    Preempted,
+    StartupStopped,
+    report_status,
+)
 
 USAGE = """usage: graphtrain COMMAND ...
 
@@ -21,9 +29,21 @@ commands:
   plan      predicted memory per rank of a layout, without a device (`graphtrain plan --help`)
   generate  continue a prompt with a run's newest checkpoint (see `graphtrain generate --help`)
   eval      loss and perplexity of a run on held-out files (see `graphtrain eval --help`)
+  torchrun  torchrun's arguments: how launch.sh starts several ranks (exit 75 after a save
+            on a signal, a grace period that fits the save)
 
 presets: {presets}
 """
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """--help shows each option's default (none for flags and options without one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            text += f" (default: {action.default})"
+        return text
 
 
 def _setup_logging() -> None:
@@ -72,16 +92,15 @@ def _inspect(args: list[str]) -> int:
 
 
 def _export(args: list[str]) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="graphtrain export",
+        formatter_class=DefaultsHelp,
         description="Write a checkpoint as Hugging Face safetensors (Llama, Glm4Moe or Qwen2Moe names), config.json "
         "and the run's tokenizer, loadable by transformers.AutoModelForCausalLM.",
     )
     parser.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint")
     parser.add_argument("out_dir")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="tensor dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export")
     parser.add_argument("--max-shard-size", default="5GB", help="split files above this size")
     ns = parser.parse_args(args)
@@ -105,15 +124,14 @@ def _presets() -> str:
 
 
 def _plan(args: list[str]) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="graphtrain plan",
+        formatter_class=DefaultsHelp,
         description="Print the predicted per-rank memory of a job (no device needed); exit 2 "
         "when it does not fit the device. Other arguments are config overrides "
         "(--section.key=value), as for train.",
     )
-    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--preset", default="tiny", help="the job preset")
     parser.add_argument("--ngpu", type=int, default=1, help="ranks in all (the world size)")
     parser.add_argument("--device-memory", default="80GB", help="memory of one device")
     ns, rest = parser.parse_known_args(args)
@@ -125,6 +143,12 @@ def _plan(args: list[str]) -> int:
     print(plan.format())
     check_fits(plan, parse_size(ns.device_memory))
     return 0
+
+
+def _torchrun(args: list[str]) -> int:
+    from graphtrain.preemption import run_torchrun
+
+    return run_torchrun(args)
 
 
 def _generate(args: list[str]) -> int:
@@ -146,6 +170,7 @@ COMMANDS = {
     "generate": _generate,
     "eval": _eval,
     "plan": _plan,
+    "torchrun": _torchrun,
 }
 
 
@@ -164,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         return COMMANDS[command](rest)
+    except PeerLostError as e:  # another rank died: its own output says why
+        print(f"graphtrain: stopped: {e}", file=sys.stderr)
+        return 1
     # User and environment errors (config, data, checkpoint, paths, a save that failed for lack
     # of disk or permission) carry their explanation in the message: no traceback.
     except (ValueError, OSError) as e:
@@ -173,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graphtrain: stopped: {e}", file=sys.stderr)
         return 3
     except Preempted:  # SIGTERM/SIGINT during training: rank 0 logged what was saved
+        report_status("preempted")
+        # Under launch.sh's torchrun a rank that saved exits 0, so that torchrun reports no
+        # failure; the launcher then exits EXIT_PREEMPTED.
+        return 0 if os.environ.get(STATUS_DIR) else EXIT_PREEMPTED
+    except StartupStopped as e:
+        print(f"graphtrain: {e}", file=sys.stderr)
+        report_status("startup")
         return EXIT_PREEMPTED
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         print("graphtrain: interrupted", file=sys.stderr)

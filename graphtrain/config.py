@@ -358,12 +358,34 @@ class JobConfig:
                 f"exceed training.steps={self.training.steps}; lower them, or give the warm-up "
                 "as schedule.warmup_ratio (a fraction of training.steps)"
             )
+        self._check_model_numbers()
         if self.checkpoint.async_save and self.training.device == "cpu":
             raise ValueError(
                 "checkpoint.async_save=true needs CUDA (it overlaps writing with GPU compute); "
                 "training.device='cpu' saves synchronously: set checkpoint.async_save=false"
             )
         self._check_fp8()
+
+    def _check_model_numbers(self) -> None:
+        """Values that would train to NaN or fail deep inside torch: stopped here, named."""
+        m = self.model
+        for name, meaning in (
+            ("norm_eps", "RMSNorm's epsilon, e.g. 1e-5"),
+            ("rope_theta", "RoPE's base frequency, e.g. 10000.0"),
+            ("init_std", "the standard deviation of the initial weights, e.g. 0.02"),
+        ):
+            value = getattr(m, name, None)
+            if value is not None and not value > 0:
+                raise ValueError(f"model.{name} must be > 0 ({meaning}), got {value}")
+        dense = not hasattr(m, "num_experts")
+        for axis in ("ep", "etp"):
+            value = getattr(self.parallel, axis)
+            if dense and value > 1:
+                raise ValueError(
+                    f"parallel.{axis}={value} splits the routed experts of an MoE model, but "
+                    f"preset {self.preset!r} builds a dense model (no experts); set "
+                    f"parallel.{axis}=1 or use an MoE preset"
+                )
 
     def _check_fp8(self) -> None:
         """training.fp8 = true is compile.passes += ["+fp8_linear"]: added here, so the trainer
@@ -573,6 +595,12 @@ def _apply(obj: Any, updates: dict[str, Any], prefix: str) -> Any:
                 raise ValueError(f"config key {key!r} is a section; got the value {value!r}")
             changes[name] = _apply(current, value, f"{key}.")
         else:
+            if isinstance(value, dict):  # --training.steps.x=1: keys below a plain value
+                below = ", ".join(f"{key}.{k}" for k in value)
+                raise ValueError(
+                    f"config key {below!r} does not exist: {key!r} is a value, not a section; "
+                    f"set it as --{key}=..."
+                )
             changes[name] = _coerce(key, value, hints[name])
     return dataclasses.replace(obj, **changes)
 
@@ -616,10 +644,14 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
             raise ValueError(f"unknown option --{key}; config keys look like --section.key=value")
         *sections, leaf = key.split(".")
         target = nested
-        for s in sections:
+        for depth, s in enumerate(sections):
             target = target.setdefault(s, {})
             if not isinstance(target, dict):
-                raise ValueError(f"config key {key!r} repeats a key given a value")
+                parent = ".".join(sections[: depth + 1])
+                raise ValueError(
+                    f"config key {key!r}: {parent!r} is a value (given as --{parent}=...), "
+                    f"not a section with keys"
+                )
         # CLI strings: keep them raw for str and list fields (decided in _coerce via the field
         # type), parse TOML literals for the rest.
         target[leaf] = value
@@ -681,7 +713,9 @@ def load_config(args: list[str] | None = None, *, file: str | Path | None = None
     if file:
         path = Path(file)
         if not path.is_file():
-            raise ValueError(f"config file {str(path)!r} does not exist")
+            raise ValueError(
+                f"config file {str(path)!r} does not exist (looked for {str(Path(path).absolute())!r})"
+            )
         try:
             file_values = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:

@@ -21,6 +21,7 @@ import torch
 
 from graphtrain.attention import build_attention_mask, resolve_attention
 from graphtrain.checkpoint.trained import TrainedModel, load_trained
+from graphtrain.cli import DefaultsHelp
 from graphtrain.data import build_data
 
 
@@ -86,6 +87,7 @@ def evaluate(
 
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelp,
         prog="graphtrain eval",
         description="Loss and perplexity of a run's newest checkpoint on held-out text files.",
     )

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from graphtrain.checkpoint.trained import load_trained
+from graphtrain.cli import DefaultsHelp
 
 
 def sample_next(
@@ -72,16 +73,17 @@ def generate_ids(
 
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelp,
         prog="graphtrain generate",
         description="Continue a prompt with the newest checkpoint of a run (greedy when "
         "--temperature=0).",
     )
     parser.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ns = parser.parse_args(args)
     trained = load_trained(ns.source, ns.device)

@@ -11,14 +11,27 @@ naming it, and the trainer raises Preempted; the CLI exits with EXIT_PREEMPTED. 
 to a rank stops that rank at once (the default action of the signal).
 
 Handlers are installed in the main thread only (Python delivers signals there); `restore()` puts
-back what was there before.
+back what was there before. A SIGTERM during start-up (before the loop's handler is installed,
+or during the first validation) stops at once with StartupStopped: one line, exit
+EXIT_PREEMPTED, nothing trained and nothing saved.
+
+Several ranks (launch.sh): `run_torchrun` runs torchrun in this process with a grace period
+after a signal that fits the save (estimated from the checkpoint size, SHUTDOWN_TIMEOUT
+overrides it), and each rank reports how it stopped in a status folder: ranks that saved on a
+signal exit 0 (torchrun then reports no failure) and `run_torchrun` returns EXIT_PREEMPTED.
+A rank that loses its peers (one died) raises PeerLostError, one line naming the checkpoint to
+continue from, instead of gloo's traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,6 +54,68 @@ class Preempted(Exception):
         super().__init__(f"stopped by a signal after step {step}; {saved}")
         self.step = step
         self.checkpoint = checkpoint
+
+
+# Set by run_torchrun for its ranks: the folder where each rank writes how it stopped.
+STATUS_DIR = "GRAPHTRAIN_STATUS_DIR"
+
+
+class StartupStopped(BaseException):
+    """A SIGTERM arrived while the run was starting: it stopped before training anything.
+
+    A BaseException, as KeyboardInterrupt: raised from the signal handler wherever the start-up
+    is, it must not be taken for an error of that code (logging swallows an Exception raised
+    while it writes a record)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(
+            f"{signal.Signals(signum).name} during start-up, before the first step: stopped; "
+            "nothing was trained, so nothing was saved (checkpoints already in the run "
+            "directory are untouched)"
+        )
+
+
+class PeerLostError(ConnectionError):
+    """A collective failed because another rank stopped or died."""
+
+
+def looks_like_lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because a peer went away (gloo's "Connection
+    reset by peer" / "Connection closed by peer", a broken pipe, a timeout, NCCL's abort)."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        hint in text
+        for hint in ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL")
+    )
+
+
+def report_status(state: str) -> None:
+    """Tell run_torchrun how this rank stopped ("preempted", "startup"); a no-op outside it."""
+    folder = os.environ.get(STATUS_DIR)
+    if folder:
+        rank = os.environ.get("RANK", "0")
+        with contextlib.suppress(OSError):
+            Path(folder, f"rank{rank}").write_text(state + "\n")
+
+
+@contextlib.contextmanager
+def stop_during_startup() -> Iterator[None]:
+    """SIGTERM while a run starts raises StartupStopped at once (there is nothing to save; the
+    default action would kill the process without a word)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise StartupStopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class PreemptionHandler:
@@ -87,3 +162,65 @@ class PreemptionHandler:
         if self._group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
+
+
+# A save writes each rank's shards and optimizer states; assumed written at this rate per node
+# (a slow network file system), after a minute for the step in progress to finish.
+_SAVE_BYTES_PER_S = 100e6
+_MIN_GRACE_S = 120
+
+
+def save_grace_seconds(train_args: list[str], world_size: int, ranks_per_node: int) -> int:
+    """Seconds torchrun should wait after forwarding a signal before it kills the ranks: the
+    step in progress plus writing this node's share of the checkpoint."""
+    from graphtrain.config import load_config
+    from graphtrain.metrics.memory_plan import plan_memory
+
+    items = plan_memory(load_config(train_args), world_size).items
+    per_node = (items["parameters"] + items["optimizer states"]) * ranks_per_node
+    return max(_MIN_GRACE_S, int(60 + per_node / _SAVE_BYTES_PER_S))
+
+
+def run_torchrun(args: list[str]) -> int:
+    """torchrun `args` (as `python -m torch.distributed.run` takes them) in this process; the exit
+    code: EXIT_PREEMPTED when the ranks stopped on a signal (after saving, or during start-up),
+    else 0, or 1 with one line per failed rank (no traceback: each rank printed its error)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    ns = parse_args(args)
+    if ns.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
+        nproc = int(ns.nproc_per_node)
+        nodes = int(str(ns.nnodes).split(":")[-1])
+        script_args = list(ns.training_script_args)
+        train_args = script_args[1:] if script_args[:1] == ["train"] else script_args
+        ns.shutdown_timeout = save_grace_seconds(train_args, nproc * nodes, nproc)
+        print(
+            f"launch: after a signal the ranks get {ns.shutdown_timeout} s to finish the step "
+            "and save (estimated from the checkpoint size; SHUTDOWN_TIMEOUT=seconds sets it)",
+            file=sys.stderr,
+        )
+    with tempfile.TemporaryDirectory(prefix="graphtrain-status-") as folder:
+        os.environ[STATUS_DIR] = folder  # the ranks inherit it
+        code = 0
+        try:
+            torchrun(ns)
+        except SignalException as e:  # the signal reached torchrun: it stopped the ranks
+            code = 128 + int(e.sigval)
+        except ChildFailedError as e:
+            code = 1
+            failed = e.failures
+        states = {p.read_text().strip() for p in Path(folder).iterdir()}
+    if states & {"preempted", "startup"}:
+        return EXIT_PREEMPTED
+    if code == 1:
+        for rank, failure in sorted(failed.items()):
+            how = (
+                f"signal {failure.signal_name()}"
+                if failure.exitcode < 0
+                else f"exit code {failure.exitcode}"
+            )
+            print(f"launch: rank {rank} stopped with {how}", file=sys.stderr)
+    return code

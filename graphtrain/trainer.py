@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from graphtrain.checkpoint import (
     resume_differences,
 )
 from graphtrain.checkpoint.hf import load_hf_into
+from graphtrain.checkpoint.safe_load import brief
 from graphtrain.compile import step_hooks
 from graphtrain.config import JobConfig, pass_options, to_toml
 from graphtrain.data import build_data
@@ -50,7 +52,9 @@ from graphtrain.inspect.capture import record_output_code
 from graphtrain.metrics import MetricsLogger, memory_stats, peak_flops, write_run_info
 from graphtrain.metrics.banner import start_banner
 from graphtrain.metrics.energy import EnergyMeter, energy_metrics
-from graphtrain.metrics.memory_plan import MemoryPlan, plan_memory
+from graphtrain.metrics.hardware import describe_memory, rank_memory
+from graphtrain.metrics.logger import recorded
+from graphtrain.metrics.memory_plan import MemoryPlan, check_fits, plan_memory
 from graphtrain.metrics.profiling import StepProfiler
 from graphtrain.optim import (
     AdamWCopies,
@@ -76,7 +80,14 @@ from graphtrain.parallel import (
 )
 from graphtrain.parallel.divergence import check_replicas
 from graphtrain.passes.dump import start_compile_metrics, write_compile_metrics
-from graphtrain.preemption import Preempted, PreemptionHandler
+from graphtrain.preemption import (
+    PeerLostError,
+    Preempted,
+    PreemptionHandler,
+    StartupStopped,
+    looks_like_lost_peer,
+    stop_during_startup,
+)
 from graphtrain.step import ForwardLoss, StepStats, TrainStep
 from models import build_model, tp_plan
 from models.moe import MoEConfig, active_params
@@ -130,14 +141,18 @@ class Run:
 
 def train(cfg: JobConfig) -> TrainResult:
     """Run one training job described by `cfg`; returns the losses it logged."""
-    device, rank, world_size = init_distributed(cfg.training.device)
+    with stop_during_startup():  # a SIGTERM before the loop: one line, not a silent death
+        device, rank, world_size = init_distributed(cfg.training.device)
     # A job starts from a clean compiler state: code compiled for an earlier job in this process
     # (another model, other passes) must neither be reused nor count against the recompile limit.
     torch._dynamo.reset()
     start_compile_metrics()  # the run's report reads this job's compiles only
     preemption = PreemptionHandler()  # SIGTERM/SIGINT: save and stop (graphtrain.preemption)
+    run_dir = Path(cfg.training.run_dir) if cfg.training.run_dir else None
     try:
-        run = build_run(cfg, device, rank, world_size)
+        with stop_during_startup():
+            run = build_run(cfg, device, rank, world_size)
+        run_dir = run.run_dir
         # With graph dumps, Inductor's generated code goes beside them (for the run's report).
         record = record_output_code(run.dump_dir) if run.dump_dir else contextlib.nullcontext()
         with record:
@@ -147,10 +162,29 @@ def train(cfg: JobConfig) -> TrainResult:
             # while a peer still talks aborts that peer (seen with gloo).
             dist.barrier()
         return result
+    except Exception as e:
+        if world_size > 1 and looks_like_lost_peer(e):
+            raise _peer_lost(run_dir, rank, e) from None
+        raise
     finally:
         preemption.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _peer_lost(run_dir: Path | None, rank: int, error: BaseException) -> PeerLostError:
+    """One line for a collective that failed because another rank went away: which checkpoint
+    the run continues from (gloo's own text is a traceback per rank)."""
+    saved = complete_checkpoints(run_dir) if run_dir is not None else []
+    where = (
+        f"the newest complete checkpoint is {saved[-1]}: continue with --checkpoint.resume=latest"
+        if saved
+        else "no checkpoint of this run is complete yet"
+    )
+    return PeerLostError(
+        f"rank {rank} lost contact with another rank ({brief(error, 120)}), which stopped or "
+        f"died (its own output says why); {where}"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -164,6 +198,9 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     memory_plan = plan_memory(cfg, world_size)  # predicted before anything large exists
     if rank == 0:
         logger.info("%s", memory_plan.format())
+    available = rank_memory(device)
+    if available is not None:  # a plan that cannot fit stops here, not by the OOM killer later
+        check_fits(memory_plan, available[0], device=available[1])
     dp_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
     run_dir = _prepare_run_dir(cfg, rank, world_size)
     # Checks metrics.memory_snapshot against the device now; allocates nothing.
@@ -275,6 +312,7 @@ def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
     # Created (rank 0, _describe_run_dir) only once the start has passed its checks: a failed
     # start leaves no empty run directory behind.
     run_dir = Path(name[0])
+    _check_writable(run_dir)
     saved = complete_checkpoints(run_dir)
     if saved and not cfg.checkpoint.resume:
         # A fresh start would overwrite and prune these: never lose saved work silently.
@@ -291,6 +329,28 @@ def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
                 f"{saved[-1].name}); continue {start} in an empty training.run_dir"
             )
     return run_dir
+
+
+def _check_writable(run_dir: Path) -> None:
+    """A run directory that is a file, or that this user cannot create or write, named before
+    any work (not an errno from the first save)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(
+            f"training.run_dir={str(run_dir)!r} is a file, not a directory; choose another "
+            "training.run_dir"
+        )
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(
+            f"training.run_dir={str(run_dir)!r} cannot be created: {str(existing)!r} is a file"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"training.run_dir={str(run_dir)!r} cannot be written: this user may not write to "
+            f"{str(existing)!r}; choose another training.run_dir"
+        )
 
 
 def _build_data(
@@ -525,12 +585,14 @@ def _train_loop(run: Run, preemption: PreemptionHandler) -> TrainResult:
     result = TrainResult(run_dir=run.run_dir, steps=total, losses=[], val_losses={})
     if run.data.val is None and run.rank == 0:
         logger.warning("no held-out data large enough for one batch: validation is skipped")
+    preemption.install()
     if progress.step == 0:
         _validate(run, result, step=0)
+    if preemption.should_stop():  # a signal before the first step: nothing new to save
+        raise StartupStopped(preemption.signum or signal.SIGTERM)
 
     train_iter = iter(run.data.train)
     window = _LogWindow(run.device)
-    preemption.install()
     while progress.step < total:
         num_micro = run.train_step.num_micro_batches(progress.consumed_tokens)
         batches = [next(train_iter) for _ in range(num_micro)]
@@ -638,7 +700,7 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
         total = _all_reduce(total, dist.group.WORLD if dims.world_size > 1 else None).item()
         entry.update(energy_metrics(joules, total, tokens=window.tokens, seconds=elapsed))
     if run.rank == 0 and window.first_log:  # the plan beside what the first steps used
-        measured = ", ".join(f"{k} {v:.2f}" for k, v in memory_stats(run.device).items())
+        measured = describe_memory(memory_stats(run.device))
         logger.info(
             "memory: predicted %.2f GiB per rank; measured %s",
             run.memory_plan.total / 2**30,
@@ -733,8 +795,13 @@ def _finish(run: Run, result: TrainResult) -> None:
         write_compile_metrics(run.dump_dir)  # stage times, recompile reasons, cache hits
         write_report(run.dump_dir, run.run_dir / "inspect", inner=run.cfg.compile.backend)
     val_losses = result.val_losses
-    if run.rank == 0 and len(val_losses) > 1:
-        first, final = val_losses[min(val_losses)], val_losses[max(val_losses)]
-        logger.info("validation loss %.3f -> %.3f (%.2f nats)", first, final, first - final)
+    # A resumed run's summary covers the whole run: its record keeps the steps before.
+    whole = {**recorded(run.run_dir / "metrics.jsonl", "val_loss"), **val_losses}
+    if run.rank == 0 and len(whole) > 1:  # (only rank 0 writes the record)
+        (start, first), (end, final) = min(whole.items()), max(whole.items())
+        logger.info(
+            "validation loss %.3f (step %d) -> %.3f (step %d): %.2f nats",
+            first, start, final, end, first - final,
+        )  # fmt: skip
     if not all(math.isfinite(v) for v in val_losses.values()):
         raise FloatingPointError(f"non-finite validation loss: {val_losses}")

@@ -91,3 +91,90 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(corpus, tmp
     )
     resumed = [e["loss"] for e in after if "loss" in e][-(12 - stopped) :]
     assert before + resumed == [e["loss"] for e in straight if "loss" in e]
+
+
+def test_sigterm_during_start_up_says_so_and_exits_75(corpus, tmp_path):
+    """Before the loop's handler (building the model, the first validation) a SIGTERM stops at
+    once with one line, not a silent death by the default action."""
+    args = job(corpus, tmp_path, "--training.steps=50")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graphtrain", "train", *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in proc.stdout:  # the memory plan is logged as the build starts
+        lines.append(line)
+        if "predicted memory per rank" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    output = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    assert "graphtrain: SIGTERM during start-up, before the first step: stopped" in output
+    assert "Traceback" not in output
+    assert not complete_checkpoints(tmp_path / "run")
+
+
+def _launch_sh(tmp_path: Path, args: list[str], port: str) -> subprocess.Popen:
+    """launch.sh with NGPU=2 on this interpreter (a stand-in venv marked installed)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    (venv / ".graphtrain-installed").touch()
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "VIRTUAL_ENV": str(venv), "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        ["bash", str(repo / "launch.sh"), *args],
+        env={**env, "NGPU": "2", "MASTER_PORT": port},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _after_losses(proc: subprocess.Popen, metrics: Path, count: int) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"loss"') >= count:
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.slow  # two launches of two ranks through launch.sh
+def test_two_rank_preemption_through_launch_sh_exits_75_and_a_dead_rank_is_one_line(
+    corpus, tmp_path
+):
+    """SIGTERM to launch.sh (torchrun's process) while two CPU ranks train: they save and
+    launch.sh exits 75, without torchrun's failure report. Resumed, a SIGKILL of rank 1: rank 0
+    says in one line which checkpoint to continue from, no gloo traceback."""
+    args = job(corpus, tmp_path, "--training.steps=40", "--metrics.log_interval=1")
+    args += ["--training.device=cpu", "--metrics.val_interval=0", "--checkpoint.interval=100"]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = _launch_sh(tmp_path, args, str(29600 + os.getpid() % 300))
+    _after_losses(proc, metrics, 3)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=240)[0]
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    (ckpt,) = complete_checkpoints(tmp_path / "run")
+    assert f"stopped by a signal after step {step_of(ckpt)}; saved checkpoint {ckpt}" in output
+    assert "Traceback" not in output and "FAILED" not in output, output[-3000:]
+    assert "the ranks get 120 s to finish the step and save" in output
+
+    proc = _launch_sh(
+        tmp_path, [*args, "--checkpoint.resume=latest"], str(29900 + os.getpid() % 99)
+    )
+    _after_losses(proc, metrics, step_of(ckpt) + 2)
+    os.kill(_worker(proc.pid, 1), signal.SIGKILL)
+    output = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1, output[-3000:]
+    assert (
+        "graphtrain: stopped: rank 0 lost contact with another rank" in output
+        and f"the newest complete checkpoint is {ckpt}: continue with --checkpoint.resume=latest"
+        in output
+    ), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert "launch: rank 1 stopped with signal SIGKILL" in output

@@ -354,6 +354,7 @@ def _launch(tmp_path: Path, args: list[str], **env: str) -> subprocess.Completed
     [
         ("--training.steps=abc", "graphtrain: error: config key 'training.steps' expects int"),
         ("--parallel.tp=3", "graphtrain: error: parallel.dp_shard=-1 takes what is left"),
+        ("--parallel.ep=2", "graphtrain: error: parallel.ep=2 splits the routed experts"),
     ],
 )
 def test_launch_sh_multi_rank_config_error_is_one_line_with_exit_code_2(tmp_path, arg, message):
@@ -383,7 +384,7 @@ def test_launch_sh_dry_run_builds_the_torchrun_command():
         check=True,
     ).stdout
     assert (
-        "torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1 --rdzv-backend c10d "
+        "graphtrain torchrun --nnodes 2 --nproc-per-node 4 --node-rank 1 --rdzv-backend c10d "
         "--rdzv-endpoint node0:29500 --rdzv-id graphtrain"
     ) in out
     assert out.strip().endswith("-m graphtrain train --parallel.tp=2")

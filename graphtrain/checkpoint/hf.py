@@ -37,8 +37,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from graphtrain.checkpoint.integrity import DCP_ERRORS, check_shapes, read_shapes
-from graphtrain.checkpoint.manager import read_trainer_files, resolve
+from graphtrain.checkpoint.integrity import (
+    CHECKSUMS,
+    DCP_ERRORS,
+    check_shapes,
+    few,
+    nonfinite_names,
+    read_shapes,
+)
+from graphtrain.checkpoint.manager import read_trainer_files, resolve, single_process_quiet
 from graphtrain.checkpoint.safe_load import brief
 from models import GPTConfig, MoEConfig, build_model, gpt_hf, moe_hf
 from models.mtp_hf import MTP_FILE, mtp_from_hf_state, mtp_to_hf_state
@@ -83,7 +90,7 @@ def _layout(cfg: GPTConfig) -> ModuleType:
 
 def read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The full (unsharded) model state of a DCP checkpoint, on the CPU, and its buffers' names."""
-    if any(ckpt.glob("trainer-rank*.pt")):  # graphtrain's: every shard whole, as on resume
+    if any(ckpt.glob("trainer-rank*.pt")) or (ckpt / CHECKSUMS).exists():  # every file whole
         read_trainer_files(ckpt)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -96,9 +103,16 @@ def read_model(ckpt: Path, cfg: GPTConfig) -> tuple[dict[str, torch.Tensor], set
         source=f"checkpoint {ckpt}",
     )
     try:
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     except DCP_ERRORS as e:
         raise ValueError(f"checkpoint {ckpt} is corrupted: reading it failed ({brief(e)})") from e
+    bad = nonfinite_names(state["model"])
+    if bad:  # a diverged run's weights: nothing should be exported or evaluated from them
+        raise ValueError(
+            f"checkpoint {ckpt} holds non-finite weights (NaN or Inf in "
+            f"{few(bad, total=len(state['model']))}); use an earlier checkpoint of the run"
+        )
     return state["model"], {name for name, _ in model.named_buffers()}
 
 

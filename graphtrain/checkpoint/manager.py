@@ -4,7 +4,8 @@ Layout: <run_dir>/checkpoints/step-0000100/ holds the DCP shards of the model an
 (every rank writes its own shards, `__<rank>_<i>.distcp`, rank 0 also `.metadata`) and
 trainer-rank<r>.pt with what the trainer hands over (step, consumed tokens, data loader position,
 LR and batch-size schedule state), this rank's RNG states and the sizes and SHA-256 digests of the
-files it wrote (integrity.py; verified on load, see read_trainer_files).
+files it wrote; rank 0 adds checksums.json over every file, the trainer files included
+(integrity.py; verified on load before anything is unpickled, see read_trainer_files).
 
 Never losing work:
 - a save is written under step-N.tmp and renamed to step-N only after every rank finished (the
@@ -17,6 +18,8 @@ Never losing work:
 - a checkpoint damaged after it was written (a changed byte in any file) is refused on load,
   naming the file and the previous intact checkpoint; with fallback_on_corruption, `latest`
   resumes from that one instead;
+- weights holding a NaN or an Inf are never saved (NonFiniteWeightsError, nothing written), so a
+  diverging run's saves cannot push its last finite checkpoint out;
 - retention: after a save completes, checkpoints are deleted except the last `keep_last` and
   those whose step is a multiple of `retain_interval`.
 - durability: before the rename every rank's files are fsynced (DCP syncs its shards, we sync
@@ -32,10 +35,13 @@ collectives run on a gloo group, which works next to NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,10 +56,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from graphtrain.checkpoint.integrity import (
+    CHECKSUMS,
     DCP_ERRORS,
     check_shapes,
     damaged_files,
+    few,
+    file_entry,
+    nonfinite_names,
+    read_checksums,
     read_shapes,
+    write_checksums,
     written_files,
 )
 from graphtrain.checkpoint.safe_load import UnsafeCheckpointError, brief, load_trainer_file
@@ -72,6 +84,10 @@ _STALE = re.compile(r"^step-\d{7}\.(tmp|old)$")
 
 class CheckpointSaveError(OSError):
     """A checkpoint could not be written; the previous checkpoints are intact."""
+
+
+class NonFiniteWeightsError(FloatingPointError):
+    """The weights to save hold a NaN or an Inf: nothing was written, the checkpoints are kept."""
 
 
 class CheckpointCorruptError(ValueError):
@@ -166,9 +182,29 @@ def resolve(path: Path, which: str = "latest") -> Path:
 
 def _check(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """(every rank's trainer state, what is wrong with checkpoint `path`), the same on every rank
-    (a collective when distributed: each rank hashes its share of the files)."""
+    (a collective when distributed: each rank hashes its share of the files).
+
+    With checksums.json every file, the trainer files included, is checked before any is
+    unpickled; a checkpoint written before it existed is checked against the manifests in its
+    trainer files (their own bytes unchecked)."""
+    rank, world = _rank(), dist.get_world_size() if dist.is_initialized() else 1
     saved, problems = [], []
-    for f in sorted(path.glob("trainer-rank*.pt")):
+    try:
+        checksums = read_checksums(path)
+    except ValueError as e:
+        checksums, problems = None, [str(e)]
+    trainer_files = sorted(path.glob("trainer-rank*.pt"))
+    if checksums is not None:
+        problems = damaged_files(path, [checksums], rank=rank, world_size=world)
+        problems += [
+            f"{f.name} is not one of the files saved with the checkpoint"
+            for f in trainer_files
+            if f.name not in checksums
+        ]
+        problems = _agree_lines(problems)
+        if problems:
+            return saved, problems
+    for f in trainer_files:
         try:
             saved.append(load_trainer_file(f))
         except UnsafeCheckpointError:
@@ -177,9 +213,11 @@ def _check(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
             problems.append(f"{f.name} cannot be read ({brief(e.__cause__ or e)})")
     if not saved and not problems:
         problems.append("it has no trainer-rank*.pt (never completed)")
-    if not problems:
-        rank, world = _rank(), dist.get_world_size() if dist.is_initialized() else 1
-        problems = damaged_files(path, [s["files"] for s in saved], rank=rank, world_size=world)
+    if checksums is None and not problems:
+        if any(s.get("checksums") for s in saved):
+            problems.append(f"{CHECKSUMS} is missing (its trainer files were saved with one)")
+        else:
+            problems = damaged_files(path, [s["files"] for s in saved], rank=rank, world_size=world)
     return saved, _agree_lines(problems)
 
 
@@ -212,6 +250,15 @@ def _manifest_when_written(save: Future, tmp: Path, rank: int) -> dict[str, Any]
     the training thread does not wait for the hashing)."""
     save.result()
     return written_files(tmp, rank)
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save and load of one process that torch.distributed is not
+    initialised ("assuming the intent is to save in a single process"), which is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _fsync(path: Path) -> None:
@@ -261,9 +308,13 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         trainer_state: dict[str, Any],
     ) -> None:
-        """Save checkpoint step-<step> (returns before it is on disk when async)."""
+        """Save checkpoint step-<step> (returns before it is on disk when async).
+
+        NonFiniteWeightsError, before anything is written, when a weight holds a NaN or an Inf:
+        such a checkpoint would displace the last finite one by retention (or by name)."""
         self.wait()
         final = self.root / f"step-{step:07d}"
+        self._refuse_nonfinite(model, final, step)
         tmp = self.root / f"{final.name}.tmp"
         error = None
         if _rank() == 0:
@@ -291,11 +342,29 @@ class CheckpointManager:
                 manifest = self._hasher.submit(_manifest_when_written, future, tmp, _rank())
                 self._pending = (manifest, tmp, final, state)
                 return
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            with single_process_quiet():
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         except DCP_ERRORS as e:
             error = e
         self._raise_if_failed(_agree(error), final, tmp)
         self._complete(tmp, final, state, written_files(tmp, _rank()))
+
+    def _refuse_nonfinite(self, model: torch.nn.Module, final: Path, step: int) -> None:
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        bad = _agree_lines(nonfinite_names(tensors))  # every rank names its shards' tensors
+        if not bad:
+            return
+        kept = complete_checkpoints(self.run_dir)
+        advice = (
+            f"the last finite checkpoint {kept[-1]} is kept: resume from it with "
+            f"--checkpoint.resume={kept[-1].name} and a lower learning rate"
+            if kept
+            else "no earlier checkpoint exists"
+        )
+        raise NonFiniteWeightsError(
+            f"not saving checkpoint {final}: the weights after step {step} are not finite "
+            f"(NaN or Inf in {few(bad, total=len(tensors))}); {advice}"
+        )
 
     def wait(self) -> None:
         """Finish an async save in flight (a no-op otherwise)."""
@@ -316,17 +385,25 @@ class CheckpointManager:
     ) -> None:
         """Write the trainer state with this rank's file manifest (sizes and digests), then mark
         complete (rename) and apply retention."""
-        error = None
+        error, entries = None, {}
         try:
-            state = {**state, "files": files}
+            state = {**state, "files": files, "checksums": CHECKSUMS}
             trainer_file = tmp / f"trainer-rank{_rank()}.pt"
             torch.save(state, trainer_file)
             _fsync(trainer_file)  # DCP's FileSystemWriter fsyncs its own shards (sync_files)
+            entries = {**files, **file_entry(trainer_file)}
         except OSError as e:
             error = e
         self._raise_if_failed(_agree(error), final, tmp)
+        everyone = [entries]
+        if dist.is_initialized():  # rank 0 lists every rank's files in checksums.json
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, entries)
         if _rank() == 0:
             try:
+                write_checksums(
+                    tmp, {k: v for rank_files in everyone for k, v in rank_files.items()}
+                )
                 _fsync(tmp)
                 if final.exists():  # the same step saved again (a resumed run): replace it
                     old = final.with_name(f"{final.name}.old")
@@ -386,7 +463,8 @@ class CheckpointManager:
         check_shapes(expected, shapes, source=f"checkpoint {path}")
         state = {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            with single_process_quiet():
+                dcp.load(state, checkpoint_id=str(path))
         except DCP_ERRORS as e:
             raise ValueError(
                 f"checkpoint {path} is corrupted: reading it failed ({brief(e)})"

@@ -114,6 +114,7 @@ def read_dcp_metadata(checkpoint: Path) -> Metadata:
 
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_DETAIL = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")
 
 
 def load_trainer_file(path: Path) -> dict[str, Any]:
@@ -124,6 +125,17 @@ def load_trainer_file(path: Path) -> dict[str, Any]:
         named = _GLOBAL.search(str(e))
         if isinstance(e, pickle.UnpicklingError) and named:
             raise _refusal(path, named.group(1)) from None
+        if isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e):
+            # The safe unpickler met something other than tensors and plain containers (an
+            # old-format pickle, an opcode it does not run): never torch's advice to retry
+            # with weights_only=False, which would run whatever the file names.
+            detail = _DETAIL.search(str(e))
+            raise UnsafeCheckpointError(
+                f"checkpoint file {path} is a pickle the safe loader refuses "
+                f"({detail.group(1).strip() if detail else 'not tensors and plain containers'}): "
+                "loading it any other way could run code from it; use a checkpoint written by "
+                "graphtrain, from a source you trust"
+            ) from None
         raise ValueError(f"checkpoint file {path} is truncated or corrupted ({brief(e)})") from e
     if not isinstance(state, dict):
         raise ValueError(

@@ -8,6 +8,7 @@ any moment. Two mechanisms, each enough on its own where it works:
   may build);
 - every build writes a temp file unique to its process, fsyncs it and ``os.replace``s it onto the final
   name, so a reader never sees a half-written file and a killed process leaves at most a stray temp.
+  The lock file is removed after each build, successful or not.
 
 Builds are deterministic, so when several processes do build, whichever ``os.replace`` lands last
 installs the same bytes.
@@ -47,7 +48,8 @@ def build_cached(path: Path, build: Callable[[Path], None]) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(path.with_name(path.name + ".lock")):
+    lock = path.with_name(path.name + ".lock")
+    with _file_lock(lock):
         if path.exists():  # another process built it while we waited for the lock
             return path
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
@@ -58,4 +60,8 @@ def build_cached(path: Path, build: Callable[[Path], None]) -> Path:
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+            # No empty .lock left per build or failed attempt. Safe while we hold it: a waiter
+            # on the old file then finds the result (or builds, as without flock), a newcomer
+            # finds the result or locks a new file; a build is atomic either way.
+            lock.unlink(missing_ok=True)
     return path

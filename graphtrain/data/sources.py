@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -43,14 +44,18 @@ def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
         if glob.has_magic(value):
             matches = sorted(p for p in glob.glob(value, recursive=True) if Path(p).is_file())
             if not matches:
-                raise FileNotFoundError(f"the data glob {value!r} matches no files")
+                raise FileNotFoundError(
+                    f"the data glob {value!r} matches no files (looked in {os.getcwd()!r})"
+                )
             files.extend(Path(p) for p in matches)
         elif Path(value).is_dir():
             raise ValueError(
                 f"data path {value!r} is a directory; give files or a glob like '{value}/*.jsonl'"
             )
         elif not Path(value).is_file():
-            raise FileNotFoundError(f"data file {value!r} does not exist")
+            raise FileNotFoundError(
+                f"data file {value!r} does not exist (looked for {os.path.abspath(value)!r})"
+            )
         else:
             files.append(Path(value))
     for path in files:
@@ -82,8 +87,16 @@ def _iter_txt(path: Path) -> Iterator[str]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    # Bytes, decoded line by line: a file that is not UTF-8 is then named with its line.
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{line_number}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1}); a .jsonl file holds one JSON object per line, in UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

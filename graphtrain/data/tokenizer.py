@@ -113,7 +113,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
+        raise FileNotFoundError(
+            f"tokenizer file {str(path)!r} does not exist (looked for {str(Path(path).absolute())!r})"
+        )
     try:
         hf = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:

@@ -36,6 +36,34 @@ def _dump_dir(dump_dir: str | Path | None) -> contextlib.AbstractContextManager[
     return contextlib.nullcontext(str(dump_dir))
 
 
+@contextlib.contextmanager
+def _left_as_it_was(module_or_fn: Any, example_inputs: tuple[Any, ...]) -> Any:
+    """The caller's module and inputs as they were after the inspection's forward and backward:
+    the same .grad on every parameter and input (None stays None), the same buffers (running
+    statistics), the same train/eval mode. A user who inspects and then trains must not start
+    from the inspection's gradients."""
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    buffers, modes = [], []
+    if isinstance(module_or_fn, torch.nn.Module):
+        tensors += list(module_or_fn.parameters())
+        buffers = [(b, b.detach().clone()) for b in module_or_fn.buffers()]
+        modes = [(m, m.training) for m in module_or_fn.modules()]
+    # The backward accumulates into an existing .grad in place: keep its values too.
+    grads = [(t, t.grad, None if t.grad is None else t.grad.detach().clone()) for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, grad, values in grads:
+                if grad is not None:
+                    grad.copy_(values)
+                t.grad = grad
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, training in modes:
+            m.training = training
+
+
 def inspect(
     module_or_fn: Callable[..., Any],
     *example_inputs: Any,
@@ -51,8 +79,9 @@ def inspect(
     passes: compile.passes switches ("-name", "+name"); inner: "aot_eager" or "inductor";
     dump_dir: keep the graph dumps there (default: a temporary directory); trace_dir: also
     write torch's structured trace (TORCH_TRACE, for tlparse) there. Resets Dynamo's caches.
+    The module and the inputs are left as they were (gradients, buffers, train/eval mode).
     """
-    with _dump_dir(dump_dir) as directory:
+    with _dump_dir(dump_dir) as directory, _left_as_it_was(module_or_fn, example_inputs):
         capture_function(
             module_or_fn,
             example_inputs,

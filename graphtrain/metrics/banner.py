@@ -43,6 +43,30 @@ def _checkpoint_plan(cfg: JobConfig) -> str:
     return plan
 
 
+# Passes that can only find work in some jobs: name -> (whether this job has it, what it needs).
+# A pass not listed here is shown as on.
+_NEEDS = {
+    "fuse_moe_router": (lambda cfg, dims: hasattr(cfg.model, "num_experts"), "MoE"),
+    "fuse_moe_dispatch": (lambda cfg, dims: hasattr(cfg.model, "num_experts"), "MoE"),
+    "fuse_sibling_grouped_mm": (lambda cfg, dims: hasattr(cfg.model, "num_experts"), "MoE"),
+    "fp8_linear": (lambda cfg, dims: cfg.training.fp8, "training.fp8"),
+    "fp8_all_gather": (lambda cfg, dims: cfg.training.fp8, "training.fp8"),
+    "fp8_cast_once": (lambda cfg, dims: cfg.training.fp8, "training.fp8"),
+    "overlap_tp_comm": (lambda cfg, dims: dims.tp > 1, "tp > 1"),
+}
+
+
+def _passes(cfg: JobConfig, dims: ParallelDims, names: list[str]) -> str:
+    """The passes that can act in this job first; those with nothing to do here after, with
+    what they would need."""
+    active = [n for n in names if n not in _NEEDS or _NEEDS[n][0](cfg, dims)]
+    idle = [f"{n} ({_NEEDS[n][1]})" for n in names if n not in active]
+    text = f"passes on: {', '.join(active) or 'none'}"
+    if idle:
+        text += f"; nothing to do in this job for: {', '.join(idle)}"
+    return text
+
+
 def start_banner(
     cfg: JobConfig,
     *,
@@ -75,7 +99,7 @@ def start_banner(
     if passes is None:
         compiled = "off (eager)"
     else:
-        compiled = f"{cfg.compile.backend}; passes on: {', '.join(passes) or 'none'}"
+        compiled = f"{cfg.compile.backend}; {_passes(cfg, dims, passes)}"
     rows = [
         ("run dir", str(run_dir)),
         ("model", f"{cfg.preset}: {params}"),

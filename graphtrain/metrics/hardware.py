@@ -2,7 +2,8 @@
 
 What: `peak_flops` looks the CUDA device name up in a table of dense (no sparsity) tensor-core
 peaks from the vendor datasheets; `memory_stats` / `reset_memory_stats` report peak device memory
-on CUDA and the process max RSS on CPU.
+on CUDA and the process max RSS on CPU; `rank_memory` is what one rank may plan for (the GPU's
+memory, or the machine's shared by the ranks on it), which the trainer checks its plan against.
 
 Why a table: there is no API that reports peak FLOP/s. Datasheets quote tensor-core numbers "with
 sparsity", which are 2x the dense numbers; MFU uses the dense ones. An unknown GPU or a CPU gives
@@ -16,8 +17,10 @@ None where the datasheet number is not known to us).
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
@@ -103,6 +106,58 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     # ru_maxrss is in KiB on Linux and in bytes on macOS.
     max_rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024
     return {"memory/max_rss_gib": max_rss_bytes / _GIB}
+
+
+def _host_memory() -> int | None:
+    """Bytes of memory this process may use: MemTotal, or a cgroup's limit below it."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    total = next(
+        (
+            int(line.split()[1]) * 1024
+            for line in meminfo.splitlines()
+            if line.startswith("MemTotal:")
+        ),
+        None,
+    )
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and total is not None:
+            total = min(total, int(limit))
+    return total
+
+
+def rank_memory(device: torch.device) -> tuple[int, str] | None:
+    """(bytes one rank may plan for, what that is, for a message); None where unknown. CUDA: the
+    GPU's memory; CPU: the machine's (or its cgroup's) memory split over the ranks on this node
+    (LOCAL_WORLD_SIZE, set by torchrun)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, "the GPU"
+    total = _host_memory()
+    if total is None:
+        return None
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    shared = f" shared by {local} ranks" if local > 1 else ""
+    return total // local, f"this machine's memory{shared}"
+
+
+_MEMORY_WORDS = {
+    "memory/peak_allocated_gib": "peak allocated {:.2f} GiB",
+    "memory/peak_reserved_gib": "peak reserved {:.2f} GiB",
+    "memory/alloc_retries": "{:.0f} allocation retries",
+    "memory/max_rss_gib": "peak resident {:.2f} GiB",
+}
+
+
+def describe_memory(stats: dict[str, float]) -> str:
+    """memory_stats in words with units, e.g. "peak resident 0.54 GiB"."""
+    return ", ".join(_MEMORY_WORDS.get(k, k + " {:.2f}").format(v) for k, v in stats.items())
 
 
 def reset_memory_stats(device: torch.device) -> None:

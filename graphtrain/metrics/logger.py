@@ -11,8 +11,8 @@ Only rank 0 writes, so a multi-rank run has one log; other ranks' calls return a
 One row per step, also across restarts: a fresh run (resume_step None) starts both records
 afresh (a reused run directory's old metrics.jsonl is replaced, its TensorBoard events purged);
 a run resumed from the checkpoint of step S keeps the rows up to S and supersedes the later ones
-(metrics.jsonl rewritten without them, TensorBoard's purge_step = S + 1), since the steps after
-S are trained again.
+(metrics.jsonl rewritten without them, atomically: a new file renamed over the old one;
+TensorBoard's purge_step = S + 1), since the steps after S are trained again.
 
 Values must be python numbers: the trainer converts tensors with .item() at log steps only
 (a device sync), never here. Non-finite values are written to JSONL as the strings "nan", "inf",
@@ -27,7 +27,9 @@ memory/peak_allocated_gib (CUDA) or memory/max_rss_gib (CPU), see
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -97,6 +99,32 @@ def _rows_up_to(path: Path, step: int) -> list[str]:
     return kept
 
 
+def recorded(path: Path, key: str) -> dict[int, float]:
+    """step -> value of metric `key` in metrics.jsonl `path` (a resumed run's summary covers the
+    steps before the resume too); rows that do not parse or lack it are skipped."""
+    found = {}
+    if Path(path).is_file():
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+                found[int(row["step"])] = float(row[key])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return found
+
+
+class _ClearBar(logging.Filter):
+    """Erases the progress bar before a log record is written to the terminal."""
+
+    def __init__(self, bar: ProgressBar) -> None:
+        super().__init__()
+        self.bar = bar
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.bar.clear()
+        return True
+
+
 class MetricsLogger:
     """Writes metrics on rank 0; a no-op on every other rank."""
 
@@ -122,9 +150,15 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
         kept = _rows_up_to(path, resume_step) if resume_step is not None else []
-        self._jsonl = open(path, "w", encoding="utf-8")
-        self._jsonl.writelines(kept)
-        self._jsonl.flush()
+        # The kept rows go to a new file that replaces the old one in one rename: a kill while
+        # they are written leaves the old history whole (opening it with "w" emptied it first).
+        tmp = path.with_name(f"{path.name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a", encoding="utf-8")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -139,6 +173,11 @@ class MetricsLogger:
                 _warn_no_tensorboard(error)
         if sys.stderr.isatty():
             self._bar = ProgressBar(sys.stderr, total=total_steps)
+            # Log records go to the same terminal: the bar is erased before each one is written
+            # (it is redrawn at the next step), so that no line runs into it.
+            self._clear_bar = _ClearBar(self._bar)
+            for handler in logging.getLogger().handlers:
+                handler.addFilter(self._clear_bar)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record `metrics` for optimizer step `step` (python numbers only)."""
@@ -163,7 +202,8 @@ class MetricsLogger:
         line = format_summary(step, metrics, self.total_steps)
         if self._bar is not None:
             self._bar.clear()
-        print(line, flush=True)
+        if line != format_summary(step, {}, self.total_steps):  # none the console line shows
+            print(line, flush=True)
         if self._bar is not None:
             self._bar.update(step, force=True)
 
@@ -175,6 +215,8 @@ class MetricsLogger:
     def close(self) -> None:
         """Flush and close the files and end the progress bar; safe to call twice."""
         if self._bar is not None:
+            for handler in logging.getLogger().handlers:
+                handler.removeFilter(self._clear_bar)
             self._bar.close()
             self._bar = None
         if self._writer is not None:

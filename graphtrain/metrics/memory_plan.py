@@ -161,13 +161,14 @@ def gated_deltanet_activations_per_token(cfg: Any) -> int:
     return projections + conv + qk + value_dim + 2 * 2 * Hv + 2 * value_dim
 
 
-def check_fits(plan: MemoryPlan, device_bytes: int) -> None:
-    """ValueError naming the biggest item when the plan exceeds HEADROOM of the device."""
+def check_fits(plan: MemoryPlan, device_bytes: int, *, device: str = "the device") -> None:
+    """ValueError naming the biggest item when the plan exceeds HEADROOM of the device
+    (`device`: what device_bytes is, for the message)."""
     if plan.total <= HEADROOM * device_bytes:
         return
     name, size = max(plan.items.items(), key=lambda kv: kv[1])
     raise ValueError(
-        f"the layout needs about {plan.total / 2**30:.1f} GiB per rank but the device has "
+        f"the layout needs about {plan.total / 2**30:.1f} GiB per rank but {device} has "
         f"{device_bytes / 2**30:.1f} GiB ({HEADROOM:.0%} usable); the biggest item is {name} "
         f"({size / 2**30:.1f} GiB): shard more (parallel.dp_shard, parallel.tp), use "
         "training.activation_checkpoint=full or a smaller training.micro_batch_size"

@@ -1,7 +1,8 @@
 """A small progress bar for an interactive terminal.
 
 What: `ProgressBar` draws "[#####.....] 120/1000 12.0% 3.4 step/s ETA 0:04:18" on one line of a
-stream (stderr), redrawing at most every `min_interval_s` seconds.
+stream (stderr), redrawing at most every `min_interval_s` seconds. The rate and the ETA leave out
+the first step (it compiles).
 
 Why our own: tqdm is not a dependency of graphtrain and the trainer needs only this. The metrics
 logger prints its summary lines to stdout on the same terminal, so the bar can be cleared before a
@@ -35,28 +36,35 @@ class ProgressBar:
         self.total = total
         self.width = width
         self.min_interval_s = min_interval_s
-        self._start_time = time.monotonic()
+        self._start_time = time.monotonic()  # for "elapsed"
         self._start_step: int | None = None
+        # The rate (and ETA) counts from the end of the first step after the bar started: that
+        # step compiles the model, which would make a short run's ETA minutes long.
+        self._rate_step: int | None = None
+        self._rate_time = 0.0
         self._step = 0
         self._last_draw = 0.0
         self._drawn_len = 0
 
     def update(self, step: int, *, force: bool = False) -> None:
         """Record that `step` steps are done and redraw if enough time passed."""
+        now = time.monotonic()
         if self._start_step is None:
             self._start_step = step
-            self._start_time = time.monotonic()
+            self._start_time = now
+        elif self._rate_step is None and step > self._start_step:
+            self._rate_step, self._rate_time = step, now
         self._step = step
-        now = time.monotonic()
         if force or now - self._last_draw >= self.min_interval_s:
             self._last_draw = now
             self._draw(now)
 
     def _render(self, now: float) -> str:
         """The bar's text for the current state."""
-        done = self._step - (self._start_step or 0)
         elapsed = now - self._start_time
-        rate = done / elapsed if elapsed > 0 and done > 0 else 0.0
+        rate = 0.0
+        if self._rate_step is not None and self._step > self._rate_step and now > self._rate_time:
+            rate = (self._step - self._rate_step) / (now - self._rate_time)
         if self.total:
             frac = min(1.0, self._step / self.total)
             filled = int(frac * self.width)

@@ -111,6 +111,9 @@ def test_a_checkpoint_of_another_shape_names_keys_and_shapes(saved_run, tmp_path
         train(load_config(bad))
     assert "model.layers.0.feed_forward.w1.weight: model (96, 64), checkpoint" in str(e.value)
     assert "(160, 64)" in str(e.value)
+    # A few tensors and the count, not every tensor of the model.
+    assert "shapes differ in 6 tensors: " in str(e.value) and " and 3 more" in str(e.value)
+    assert len(str(e.value)) < 800
 
 
 @pytest.mark.parametrize(
@@ -137,7 +140,7 @@ def test_a_damaged_checkpoint_is_reported(saved_run, tmp_path, damage):
     else:
         f = ckpt / "trainer-rank0.pt"
         f.write_bytes(f.read_bytes()[:50])
-        match = "trainer-rank0.pt cannot be read"
+        match = r"trainer-rank0.pt was written with \d+ bytes but is 50 bytes"
     args = [a for a in args if not a.startswith("--training.run_dir")]
     config = (copy / "config.toml").read_text()
     with pytest.raises(ValueError, match=match):

@@ -35,10 +35,20 @@ def test_schedule_and_model_changes_are_named():
     new_cfg = replace(CFG, rope_theta=1.0)
     lines = resume_differences(saved(), schedules={"lr_schedule": schedule(20)}, model_cfg=new_cfg)
     assert len(lines) == 2
-    assert lines[0].startswith("lr_schedule differs from the checkpoint's: ")
-    assert "'total_steps': 20" in lines[0]
+    # Old against new, only what changed.
+    assert (
+        lines[0] == "lr_schedule differs from the checkpoint's (saved -> now): total_steps 10 -> 20"
+    )
     assert lines[1] == (
         "the model config differs from the checkpoint's: model.rope_theta: 10000.0 -> 1.0"
+    )
+
+
+def test_extending_a_finished_run_says_the_learning_rate_climbs_back():
+    finished = {**saved(10), "step": 10}  # decayed to min_lr 0 at its last step
+    lines = resume_differences(finished, schedules={"lr_schedule": schedule(20)}, model_cfg=CFG)
+    assert lines[1] == (
+        "the learning rate of step 11 is 0.001 under the new schedule, 0 under the checkpoint's"
     )
 
 

@@ -11,7 +11,12 @@ from conftest import job
 from torch.distributed.checkpoint import FileSystemReader
 
 from graphtrain.checkpoint.hf import export_hf
-from graphtrain.checkpoint.integrity import file_digest
+from graphtrain.checkpoint.integrity import (
+    file_digest,
+    file_entry,
+    read_checksums,
+    write_checksums,
+)
 from graphtrain.checkpoint.safe_load import UnsafeCheckpointError, read_dcp_metadata
 from graphtrain.config import load_config
 from graphtrain.trainer import train
@@ -42,26 +47,37 @@ def _plant(saved_run, tmp_path, target):
     shutil.copytree(run, copy)
     ckpt = copy / "checkpoints" / "step-0000002"
     marker = tmp_path / "code-ran"
-    trainer_file = ckpt / "trainer-rank0.pt"
+    trainer_file, meta_file = ckpt / "trainer-rank0.pt", ckpt / ".metadata"
     state = torch.load(trainer_file, weights_only=True)
     if target == "trainer-rank0.pt":
         torch.save({**state, "extra": _RunsCode(marker)}, trainer_file)
+    elif target == "old-format trainer-rank0.pt":  # a plain pickle, not torch's zip format
+        trainer_file.write_bytes(pickle.dumps({**state, "extra": _RunsCode(marker)}))
     else:
         meta = ckpt / ".metadata"
         meta.write_bytes(pickle.dumps(_RunsCode(marker)))
         # A forger also rewrites the manifest, so only the unpickler stands in the way.
         state["files"][".metadata"] = {"size": meta.stat().st_size, "sha256": file_digest(meta)}
         torch.save(state, trainer_file)
+    # ... and checksums.json (a digest, not a signature).
+    write_checksums(ckpt, read_checksums(ckpt) | file_entry(trainer_file) | file_entry(meta_file))
     return copy, ckpt, marker, [*args, f"--training.run_dir={copy}", "--checkpoint.resume=latest"]
 
 
-@pytest.mark.parametrize("target", ["trainer-rank0.pt", ".metadata"])
+@pytest.mark.parametrize("target", ["trainer-rank0.pt", "old-format trainer-rank0.pt", ".metadata"])
 def test_a_planted_pickle_is_refused_on_resume_and_export(saved_run, tmp_path, target):
     copy, ckpt, marker, resume = _plant(saved_run, tmp_path, target)
-    refused = rf"checkpoint file {ckpt / target} refers to (builtins\.)?exec, which is not"
+    old_format = target.startswith("old-format")
+    target = target.removeprefix("old-format ")
+    refused = (
+        rf"checkpoint file {ckpt / target} is a pickle the safe loader refuses \(.+\): loading "
+        "it any other way could run code"
+        if old_format
+        else rf"checkpoint file {ckpt / target} refers to (builtins\.)?exec, which is not"
+    )
     with pytest.raises(UnsafeCheckpointError, match=refused) as e:
         train(load_config(resume))
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "weights_only" not in str(e.value)
     with pytest.raises(UnsafeCheckpointError, match=refused):
         export_hf(copy, tmp_path / "hf")
     assert not marker.exists()
@@ -69,6 +85,8 @@ def test_a_planted_pickle_is_refused_on_resume_and_export(saved_run, tmp_path, t
     if target == ".metadata":
         with contextlib.suppress(AttributeError):  # exec() returned None, not a Metadata
             FileSystemReader(str(ckpt)).read_metadata()
+    elif old_format:
+        pickle.loads((ckpt / target).read_bytes())
     else:
         torch.load(ckpt / target, weights_only=False)
     assert marker.exists()

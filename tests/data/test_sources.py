@@ -47,6 +47,15 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path: Path, line: str, message: 
         next(docs)
 
 
+def test_jsonl_of_random_bytes_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "random.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n' + bytes([0x80, 0xFE, 0x01, 0x8E]) * 50)
+    docs = iter_documents([str(path)])
+    assert next(docs) == "ok"
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: not valid UTF-8 (byte 0x80")):
+        next(docs)
+
+
 def test_parquet_in_row_batches(tmp_path: Path) -> None:
     texts = [f"row {i}" for i in range(2500)]  # more than one 1024-row batch
     path = tmp_path / "d.parquet"

@@ -131,7 +131,7 @@ def test_build_cached_builds_once_under_concurrency(tmp_path: Path) -> None:
         t.join()
     assert len(calls) == 1
     assert target.read_bytes() == b"payload"
-    assert sorted(os.listdir(tmp_path)) == ["out.bin", "out.bin.lock"]
+    assert sorted(os.listdir(tmp_path)) == ["out.bin"]  # no .lock left behind
 
 
 def _build_as_process(target: Path, log: Path) -> None:
@@ -167,4 +167,4 @@ def test_build_cached_failure_leaves_nothing(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError, match="killed"):
         build_cached(target, crash)
-    assert sorted(os.listdir(tmp_path)) == ["out.bin.lock"]
+    assert sorted(os.listdir(tmp_path)) == []  # not even an empty .lock

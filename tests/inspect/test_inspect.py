@@ -382,3 +382,19 @@ def test_profile_attributes_kernel_time_to_model_lines(profiled):
     page = render_html(profiled)
     assert 'id="profile"' in page and "By source line" in page
     assert "Profile: where the step goes" in render_summary(profiled)
+
+
+def test_inspecting_a_module_leaves_it_as_it_was():
+    """A user who inspects and then trains starts from their own gradients, not the inspection's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 3)
+    )
+    model[0].weight.grad = torch.ones_like(model[0].weight)  # the caller's own accumulation
+    running = model[1].running_mean.clone()
+    x = torch.randn(5, 8, requires_grad=True)
+    inspect(model, x)  # forward and backward: the output needs a gradient
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert model[0].bias.grad is None and model[2].weight.grad is None and x.grad is None
+    assert torch.equal(model[1].running_mean, running)
+    assert model.training

@@ -97,3 +97,21 @@ def test_moe_banner_shows_active_parameters_and_the_final_checkpoint_plan():
     assert _fields(text)["checkpoints"] == (
         "none (checkpoint.interval=0, checkpoint.final=false); resuming from latest"
     )
+
+
+def test_a_dense_fp32_single_rank_banner_leads_with_the_passes_that_can_act():
+    cfg = load_config(["--preset", "debug"])
+    text = start_banner(
+        cfg,
+        run_dir=Path("r"),
+        dims=ParallelDims(world_size=1),
+        num_params=1000,
+        active_params=None,
+        param_dtype="float32",
+        device="cpu",
+        micro_batches_per_step=1,
+    )
+    active, _, idle = _fields(text)["compile"].partition("; nothing to do in this job for: ")
+    assert active.endswith("passes on: canonicalize, fuse_linear_cross_entropy")
+    assert "fuse_moe_router (MoE)" in idle and "overlap_tp_comm (tp > 1)" in idle
+    assert "fp8_cast_once (training.fp8)" in idle

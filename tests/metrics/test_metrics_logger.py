@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import sys
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 import graphtrain.metrics.logger as logger_module
 from graphtrain.metrics import MetricsLogger, ProgressBar, format_summary
+from graphtrain.metrics.hardware import describe_memory
 
 
 def read_jsonl(path):
@@ -69,6 +71,23 @@ def test_resume_supersedes_the_rows_after_the_checkpoint(tmp_path):
     ]
 
 
+def test_a_kill_while_resuming_keeps_the_whole_record(tmp_path, monkeypatch):
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False) as log:
+        for step in range(1, 11):
+            log.log(step, {"loss": float(step)})
+    before = (tmp_path / "metrics.jsonl").read_text()
+    real_rows = logger_module._rows_up_to
+
+    def rows_then_killed(path, step):
+        yield from real_rows(path, step)[:2]
+        raise KeyboardInterrupt  # the process stops half-way through rewriting the record
+
+    monkeypatch.setattr(logger_module, "_rows_up_to", rows_then_killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLogger(tmp_path, rank=0, tensorboard=False, resume_step=5)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
 def test_a_fresh_run_never_appends_to_an_old_record(tmp_path):
     pytest.importorskip("tensorboard")
     with MetricsLogger(tmp_path, rank=0) as log:
@@ -125,3 +144,55 @@ def test_progress_bar_render():
     assert "[#####.....] 5/10  50.0%" in text
     assert "[##########] 10/10 100.0%" in text
     assert text.endswith("\n")
+
+
+def test_recorded_reads_one_metric_of_the_whole_record(tmp_path):
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False) as log:
+        log.log(0, {"val_loss": 7.0})
+        log.log(1, {"loss": 6.5})
+        log.log(2, {"val_loss": 6.0})
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False, resume_step=2) as log:
+        log.log(4, {"val_loss": 5.0})
+    assert logger_module.recorded(tmp_path / "metrics.jsonl", "val_loss") == {
+        0: 7.0,
+        2: 6.0,
+        4: 5.0,
+    }
+
+
+def test_progress_bar_eta_leaves_out_the_compiling_first_step(monkeypatch):
+    clock = iter([0.0, 0.0, 100.0, 101.0, 102.0])  # created, steps 0-3: step 1 compiled 100 s
+    monkeypatch.setattr("graphtrain.metrics.progress.time.monotonic", lambda: next(clock))
+    stream = io.StringIO()
+    bar = ProgressBar(stream, total=10, width=10, min_interval_s=0.0)
+    for step in range(4):
+        bar.update(step)
+    assert "1.00 step/s ETA 0:00:07" in stream.getvalue().split("\r")[-1]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_log_lines_do_not_run_into_the_progress_bar(tmp_path, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(logger_module.sys, "stderr", terminal)
+    handler = logging.StreamHandler(terminal)
+    logging.getLogger().addHandler(handler)
+    try:
+        with MetricsLogger(tmp_path, rank=0, tensorboard=False, total_steps=10) as log:
+            log.progress(1)
+            log.progress(2)
+            logging.getLogger("graphtrain").warning("a log line")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    text = terminal.getvalue()
+    assert "elapsed" in text and "\ra log line\n" in text
+    assert not handler.filters  # taken off again at close
+
+
+def test_memory_is_described_with_units():
+    assert describe_memory({"memory/max_rss_gib": 0.544}) == "peak resident 0.54 GiB"
+    cuda = {"memory/peak_allocated_gib": 1.0, "memory/peak_reserved_gib": 2.0}
+    assert describe_memory(cuda) == "peak allocated 1.00 GiB, peak reserved 2.00 GiB"

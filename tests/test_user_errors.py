@@ -1,0 +1,149 @@
+"""Bad input a new user gives is one clear error naming it, before any work: model numbers that
+would train to NaN, expert parallel on a dense model, keys below a plain value, a memory plan
+that cannot fit this machine, a run directory that is a file or cannot be written; relative
+paths given to launch.sh are the caller's."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import job
+
+from graphtrain.checkpoint import complete_checkpoints
+from graphtrain.config import load_config
+from graphtrain.trainer import train
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--model.norm_eps=-1"],
+            "model.norm_eps must be > 0 (RMSNorm's epsilon, e.g. 1e-5), got -1",
+        ),
+        (["--model.rope_theta=0"], "model.rope_theta must be > 0 (RoPE's base frequency"),
+        (["--model.init_std=-0.02"], "model.init_std must be > 0 (the standard deviation"),
+        (
+            ["--parallel.ep=2"],
+            "parallel.ep=2 splits the routed experts of an MoE model, but preset 'debug' builds "
+            "a dense model",
+        ),
+        (
+            ["--training.steps.x=1"],
+            "config key 'training.steps.x' does not exist: 'training.steps' is a value, not a "
+            "section; set it as --training.steps=...",
+        ),
+        (
+            ["--training.steps=3", "--training.steps.x=1"],
+            "config key 'training.steps.x': 'training.steps' is a value",
+        ),
+    ],
+)
+def test_bad_config_names_the_key(args, message):
+    with pytest.raises(ValueError) as e:
+        load_config(["--preset", "debug", *args])
+    assert message in str(e.value)
+    assert "repeats" not in str(e.value)
+
+
+def test_moe_models_still_take_expert_parallel():
+    assert load_config(["--preset", "moe-tiny", "--parallel.ep=2"]).parallel.ep == 2
+
+
+def test_a_memory_plan_beyond_this_machine_is_refused_before_any_work(corpus, tmp_path):
+    args = job(corpus, tmp_path, "--training.micro_batch_size=10000000", "--training.steps=1")
+    with pytest.raises(ValueError, match=r"needs about .+ GiB per rank but this machine's memory"):
+        train(load_config(args))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_that_is_a_file_or_unwritable_is_named(corpus, tmp_path, monkeypatch):
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    for run_dir, message in [
+        (a_file, "is a file, not a directory"),
+        (a_file / "run", f"cannot be created: {str(a_file)!r} is a file"),
+    ]:
+        args = job(corpus, tmp_path, "--training.steps=1", f"--training.run_dir={run_dir}")
+        with pytest.raises(ValueError, match=f"training.run_dir={str(run_dir)!r}") as e:
+            train(load_config(args))
+        assert message in str(e.value)
+    # (The tests may run as root, whom no permission stops: the check is what is tested.)
+    monkeypatch.setattr("graphtrain.trainer.os.access", lambda path, mode: False)
+    args = job(corpus, tmp_path / "ro", "--training.steps=1")
+    with pytest.raises(ValueError, match="cannot be written: this user may not write to"):
+        train(load_config(args))
+
+
+@pytest.mark.slow  # a training run through launch.sh and its start-up (~70 s on 2 busy cores)
+def test_launch_sh_resolves_relative_paths_where_the_caller_stands(corpus, tmp_path):
+    """`CONFIG=job.toml ../graphtrain/launch.sh --data.paths=docs.jsonl` from the user's own
+    folder: the config, the data and the default runs/ folder are theirs, not the repository's."""
+    repo = Path(__file__).resolve().parent.parent
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(corpus / "docs.jsonl", work / "docs.jsonl")
+    shutil.copy(corpus / "tokenizer.json", work / "tokenizer.json")
+    (work / "job.toml").write_text(
+        'preset = "debug"\n[training]\nsteps = 2\n[metrics]\nval_interval = 0\ntensorboard = false\n'
+    )
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".graphtrain-installed").touch()
+    env = {**os.environ, "VIRTUAL_ENV": str(venv), "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    args = [
+        "--data.paths=docs.jsonl",
+        "--data.tokenizer=tokenizer.json",
+        "--compile.backend=aot_eager",
+    ]
+    args.append(f"--data.cache_dir={tmp_path / 'cache'}")
+    before = set((repo / "runs").iterdir()) if (repo / "runs").is_dir() else set()
+    out = subprocess.run(
+        ["bash", str(repo / "launch.sh"), *args],
+        cwd=work,
+        env={**env, "CONFIG": "job.toml", "NGPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = (work / "runs").iterdir()
+    assert complete_checkpoints(run)
+    after = set((repo / "runs").iterdir()) if (repo / "runs").is_dir() else set()
+    assert after == before
+
+    missing = subprocess.run(
+        ["bash", str(repo / "launch.sh")],
+        cwd=work,
+        env={**env, "CONFIG": "nosuch.toml", "NGPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2
+    assert (
+        f"config file 'nosuch.toml' does not exist (looked for {str(work / 'nosuch.toml')!r})"
+        in missing.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    "command, shown",
+    [
+        ("export", "(default: bf16)"),
+        ("plan", "(default: 80GB)"),
+        ("generate", "(default: 0.95)"),
+        ("eval", "(default: auto)"),
+    ],
+)
+def test_help_shows_the_defaults(command, shown, capsys):
+    from graphtrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert shown in capsys.readouterr().out

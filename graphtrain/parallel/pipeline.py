@@ -27,6 +27,7 @@ order of the per-micro-batch sums (the same order: micro-batches in index order 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
@@ -318,7 +319,10 @@ class PipelineStageModule(nn.Module):
     def forward(self, h: torch.Tensor, *, micro_batch: torch.Tensor) -> torch.Tensor:
         """h: token ids (B, T) on the first stage, else the previous stage's (B, T, dim).
         micro_batch: a CPU tensor holding the micro-batch's index (no device sync)."""
-        inputs = self.micro_batches[int(micro_batch)]
+        return self._forward(h, int(micro_batch))
+
+    def _forward(self, h: torch.Tensor, micro_batch: int) -> torch.Tensor:
+        inputs = self.micro_batches[micro_batch]
         model = self._model
         rope = model.rope[inputs["position_ids"]]  # (B, T, D/2, 2)
         if self.spec.embedding:
@@ -443,6 +447,16 @@ class PipelineRunner:
         self.first = any(s.spec.embedding for s in stages)
         self.last = any(s.spec.head for s in stages)
 
+    def _backward_config(self) -> contextlib.AbstractContextManager[None]:
+        """Zero-bubble schedules run a stage's backward in two parts (input gradients, then
+        weight gradients) with retain_graph=True, which a compiled backward that donates its
+        saved buffers refuses ("PP breaks under compile", torchtitan's users' complaint).
+        AOT autograd reads the flag when a region compiles and again at each backward, both
+        inside the schedule's step; off, the backward only reuses fewer buffers."""
+        if self.schedule_name not in _V_SCHEDULES:
+            return contextlib.nullcontext()
+        return torch._functorch.config.patch(donated_buffer=False)
+
     @staticmethod
     def _loss(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return (output * weight).sum()
@@ -475,12 +489,13 @@ class PipelineRunner:
         index = torch.arange(len(pieces))  # on the CPU: the stages read it without a sync
         args = (torch.cat([i["input_ids"] for i in inputs]),) if self.first else ()
         losses: list[torch.Tensor] = []
-        self.schedule.step(
-            *args,
-            target=weights.to(self.device) if self.last else None,
-            losses=losses if self.last else None,
-            micro_batch=index,
-        )
+        with self._backward_config():
+            self.schedule.step(
+                *args,
+                target=weights.to(self.device) if self.last else None,
+                losses=losses if self.last else None,
+                micro_batch=index,
+            )
         for stage in self.stages:
             stage.micro_batches = []
         loss = torch.zeros((), device=self.device)

@@ -199,7 +199,7 @@ class TrainStep:
             for batch in batches
         )
         with self.forward.autocast:
-            loss = self.pipeline.forward_backward(batches)
+            loss = self.pipeline.forward_backward(batches, self.hooks)
         self.fp32_grads.after_backward()
         return loss, flops // self.pipeline.pp, {}
 

@@ -623,6 +623,10 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
     """The host syncs of a log step: the window's losses (averaged over the data-parallel
     ranks) into result.losses, a non-finite loss stops the run, and one metrics line."""
     dims = run.dims
+    if run.train_step.pipeline is not None:  # every stage's statistics (MoE layers) on rank 0
+        stats = dataclasses.replace(
+            stats, extra=run.train_step.pipeline.merged_statistics(stats.extra)
+        )
     _stop_on_nonfinite_routing(run, stats)  # before the loss check: it names the layer
     losses = _all_reduce(torch.stack(window.losses), run.dp_group) / dims.dp_size
     bad = _all_reduce(window.first_non_finite.clone(), run.dp_group, dist.ReduceOp.MIN).item()

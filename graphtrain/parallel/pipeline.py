@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphtrain.balance import RouterBalance
 from graphtrain.optim import global_norm
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev")
@@ -243,6 +244,17 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
             f"parallel.pp_schedule='interleaved_1f1b' needs micro-batches per step ({n}) to be a "
             f"multiple of parallel.pp={dims.pp}"
         )
+    if (
+        getattr(model_cfg, "global_aux_loss_coef", 0)
+        and cfg.training.activation_checkpoint != "none"
+    ):
+        # The recomputed forward would read step counts that later micro-batches have added to.
+        raise ValueError(
+            f"model.global_aux_loss_coef={model_cfg.global_aux_loss_coef} with parallel.pp="
+            f"{dims.pp} and training.activation_checkpoint="
+            f"{cfg.training.activation_checkpoint!r}: set activation_checkpoint='none' or the "
+            "global aux loss to 0"
+        )
     if dims.tp > 1 or dims.ep > 1 or dims.dp_size > 1:
         raise ValueError(
             f"parallel.pp={dims.pp} with tp={dims.tp}, ep={dims.ep}, data parallel "
@@ -315,6 +327,9 @@ class PipelineStageModule(nn.Module):
         if spec.head:
             self.norm, self.output = model.norm, model.output
         self.micro_batches: list[dict[str, Any]] = []
+        self.weights: list[float] = []  # each micro-batch's loss weight (its token share)
+        self.balance: Any = None  # graphtrain.balance.RouterBalance of an MoE model
+        self.router_layers = {f"layers.{i}" for i in spec.layers}
 
     def forward(self, h: torch.Tensor, *, micro_batch: torch.Tensor) -> torch.Tensor:
         """h: token ids (B, T) on the first stage, else the previous stage's (B, T, dim).
@@ -322,6 +337,14 @@ class PipelineStageModule(nn.Module):
         return self._forward(h, int(micro_batch))
 
     def _forward(self, h: torch.Tensor, micro_batch: int) -> torch.Tensor:
+        if self.balance is None or not self.training:
+            return self._run(h, micro_batch)
+        # MoE: this stage's routers get the micro-batch's aux-loss scale and count its tokens
+        # after its forward (with no activation checkpointing, nothing recomputes it).
+        with self.balance.micro_batch(self.weights[micro_batch], self.router_layers):
+            return self._run(h, micro_batch)
+
+    def _run(self, h: torch.Tensor, micro_batch: int) -> torch.Tensor:
         inputs = self.micro_batches[micro_batch]
         model = self._model
         rope = model.rope[inputs["position_ids"]]  # (B, T, D/2, 2)
@@ -461,7 +484,7 @@ class PipelineRunner:
     def _loss(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return (output * weight).sum()
 
-    def forward_backward(self, batches: list[Any]) -> torch.Tensor:
+    def forward_backward(self, batches: list[Any], hooks: Sequence[Any] = ()) -> torch.Tensor:
         """The step's token-weighted loss (on every pp rank) with its gradients accumulated:
         the rows of `batches` (the step's loader micro-batches) split into the pipeline's
         micro-batches, each weighted by its share of the step's labelled tokens."""
@@ -486,6 +509,9 @@ class PipelineRunner:
         num_labels = [int((p["labels"] != _IGNORE_INDEX).sum()) for p in pieces]
         total = max(sum(num_labels), 1)
         weights = torch.tensor([n / total for n in num_labels], dtype=torch.float32)
+        balance = next((h for h in hooks if isinstance(h, RouterBalance)), None)
+        for stage in self.stages:
+            stage.weights, stage.balance = weights.tolist(), balance
         index = torch.arange(len(pieces))  # on the CPU: the stages read it without a sync
         args = (torch.cat([i["input_ids"] for i in inputs]),) if self.first else ()
         losses: list[torch.Tensor] = []
@@ -497,12 +523,25 @@ class PipelineRunner:
                 micro_batch=index,
             )
         for stage in self.stages:
-            stage.micro_batches = []
+            stage.micro_batches, stage.balance = [], None
         loss = torch.zeros((), device=self.device)
         if self.last:
             loss = torch.stack([x.detach().float().reshape(()) for x in losses]).sum()
         dist.all_reduce(loss, group=self.group)  # from the last stage to every pp rank
         return loss
+
+    def merged_statistics(self, extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every stage's step statistics on every pp rank (log steps only: a host sync). Each
+        name comes from one stage (its layers'), except those all stages have, which are
+        summed (FP8 saturation counts)."""
+        values = {name: value.float().item() for name, value in extra.items()}
+        gathered: list[Any] = [None] * self.pp
+        dist.all_gather_object(gathered, values, group=self.group)
+        merged: dict[str, float] = {}
+        for part in gathered:
+            for name, value in part.items():
+                merged[name] = merged.get(name, 0.0) + value
+        return {name: torch.tensor(merged[name], device=self.device) for name in sorted(merged)}
 
     def forward(self, **inputs: Any) -> torch.Tensor:
         """The mean loss of one batch through every stage in order (validation): point-to-point

@@ -167,14 +167,19 @@ def pipeline_runs(corpus, tmp_path_factory):
     ]
     # Two loader micro-batches of 4 rows per step: gpipe splits the 8 rows in 4.
     two_micro = ["--schedule.batch_size=512"]
+    # MoE: the pipeline's micro-batches are the single process's (the aux losses depend on
+    # them): two loader micro-batches of 2 rows, split back into the same two.
+    moe = ["--preset=moe-debug", "--training.micro_batch_size=2", "--schedule.batch_size=256"]
     single = {
         "one": train(load_config(job(corpus, tmp / "one", *common))),
         "two": train(load_config(job(corpus, tmp / "two", *common, *two_micro))),
+        "moe": train(load_config(job(corpus, tmp / "moe", *common, *moe))),
     }
     layouts = {
         "1f1b": ("one", ["--parallel.pp_microbatches=4"]),
         "gpipe": ("two", [*two_micro, "--parallel.pp_schedule=gpipe",
                           "--parallel.pp_microbatches=4"]),
+        "moe_1f1b": ("moe", [*moe, "--parallel.pp_microbatches=2"]),
     }  # fmt: skip
     jobs = [
         job(corpus, tmp / name, *common, "--parallel.pp=2", *args)
@@ -206,3 +211,53 @@ def test_pp2_follows_the_single_process_curve(pipeline_runs, schedule):
         got = [m[key] for m in metrics if key in m]
         assert len(got) == STEPS
         assert got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+def test_moe_pp2_follows_the_single_process_curve(pipeline_runs):
+    """moe-debug's layers 1 (stage 0) and 2 (stage 1) are MoE: aux losses scaled per
+    micro-batch, global aux over the step's micro-batches, expert bias updated on each stage;
+    every layer's statistics reach the log."""
+    single, metrics = pipeline_runs["moe_1f1b"]
+    _compare(single, metrics)
+    lines = (single.run_dir / "metrics.jsonl").read_text().splitlines()
+    reference = [json.loads(x) for x in lines if '"loss"' in x]
+    got = [m for m in metrics if "loss" in m]
+    names = [k for k in reference[-1] if k.startswith("moe/")]
+    assert {"moe/layers.1/bias_absmax", "moe/layers.2/bias_absmax", "moe/global_aux_loss"} <= set(
+        names
+    )
+    assert reference[-1]["moe/layers.2/bias_absmax"] > 0  # the bias did move
+    for want, have in zip(reference, got, strict=True):
+        for name in names:
+            assert have[name] == pytest.approx(want[name], rel=LOSS_RTOL, abs=1e-7), name
+
+
+MULTI_STAGE = ["interleaved_1f1b", "zbv", "dualpipev"]
+
+
+@pytest.fixture(scope="module")
+def multi_stage_runs(corpus, tmp_path_factory):
+    """Two virtual stages per rank (E|t|t|L on two ranks) for each multi-stage schedule."""
+    tmp = tmp_path_factory.mktemp("pipeline_multi")
+    common = [
+        f"--training.steps={STEPS}",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
+    single = train(load_config(job(corpus, tmp / "one", *common)))
+    layout = ["--parallel.pp=2", "--parallel.pp_layout=E|t|t|L"]
+    jobs = [
+        job(corpus, tmp / name, *common, *layout, f"--parallel.pp_schedule={name}")
+        for name in MULTI_STAGE
+    ]
+    return single, dict(zip(MULTI_STAGE, torchrun_jobs(2, jobs), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", MULTI_STAGE)
+def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs, schedule):
+    """Interleaved 1F1B and the zero-bubble V schedules (split input / weight backward, run
+    compiled: AOT autograd's donated buffers off) give the single-process losses."""
+    single, runs = multi_stage_runs
+    _compare(single, runs[schedule])

@@ -74,7 +74,12 @@ from graphtrain.parallel import (
     parallelize_model,
 )
 from graphtrain.parallel.divergence import check_replicas
-from graphtrain.parallel.pipeline import build_runner, cut_pipeline, norm_over_stages
+from graphtrain.parallel.pipeline import (
+    build_runner,
+    cut_pipeline,
+    norm_over_stages,
+    stage_tp_plan,
+)
 from graphtrain.passes.dump import start_compile_metrics, write_compile_metrics
 from graphtrain.preemption import Preempted, PreemptionHandler
 from graphtrain.step import ForwardLoss, FP8Saturation, StepStats, TrainStep
@@ -382,11 +387,14 @@ def _build_model(
             "cudagraph_mtp": cfg.compile.cudagraph_mtp,
             "device_type": device.type,
         }
+    plan = tp_plan(cfg.model, dims.etp, dims.ep)
+    if dims.pp_enabled:  # the entries of this rank's stages
+        plan = stage_tp_plan(plan, model)
     finish_gradients = parallelize_model(
         model,
         mesh,
         dims,
-        plan=tp_plan(cfg.model, dims.etp, dims.ep),
+        plan=plan,
         ac_mode=training.activation_checkpoint,
         compile_options=compile_options,
         param_dtype=_param_dtype(cfg, device),

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from graphtrain.balance import RouterBalance
 from graphtrain.optim import global_norm
@@ -255,12 +256,28 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
             f"{cfg.training.activation_checkpoint!r}: set activation_checkpoint='none' or the "
             "global aux loss to 0"
         )
-    if dims.tp > 1 or dims.ep > 1 or dims.dp_size > 1:
+    if dims.ep > 1:
         raise ValueError(
-            f"parallel.pp={dims.pp} with tp={dims.tp}, ep={dims.ep}, data parallel "
-            f"{dims.dp_size}: pipeline parallel composes with no other axis yet; set them to 1"
+            f"parallel.pp={dims.pp} with parallel.ep={dims.ep}: expert parallel under pipeline "
+            "parallel is not supported yet; set one of them to 1"
         )
     return specs
+
+
+def stage_tp_plan(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
+    """The tensor-parallel plan's entries that match a module of the cut model (a stage
+    without the embedding has no tok_embeddings to split)."""
+    from fnmatch import fnmatchcase
+
+    names = [name.split(".") for name, _ in model.named_modules() if name]
+
+    def present(pattern: str) -> bool:
+        pats = pattern.split(".")
+        return any(
+            len(parts) == len(pats) and all(map(fnmatchcase, parts, pats)) for parts in names
+        )
+
+    return {pattern: style for pattern, style in plan.items() if present(pattern)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -330,6 +347,7 @@ class PipelineStageModule(nn.Module):
         self.weights: list[float] = []  # each micro-batch's loss weight (its token share)
         self.balance: Any = None  # graphtrain.balance.RouterBalance of an MoE model
         self.router_layers = {f"layers.{i}" for i in spec.layers}
+        self.tp_mesh: Any = None  # set under tensor parallel: activations are Shard(1) on it
 
     def forward(self, h: torch.Tensor, *, micro_batch: torch.Tensor) -> torch.Tensor:
         """h: token ids (B, T) on the first stage, else the previous stage's (B, T, dim).
@@ -350,12 +368,16 @@ class PipelineStageModule(nn.Module):
         rope = model.rope[inputs["position_ids"]]  # (B, T, D/2, 2)
         if self.spec.embedding:
             h = model.tok_embeddings(h)
+        elif self.tp_mesh is not None:
+            # Sequence parallel: the previous stage sent its (B, T/tp, dim) slice, plain (the
+            # schedule's point-to-point needs no DTensor support that way, on any torch).
+            h = DTensor.from_local(h, self.tp_mesh, [Shard(1)], run_check=False)
         for layer in self.layers:
             h = layer(h, rope, inputs["attn_mask"])
         if self.spec.head:
             # (1,): the schedule concatenates stage outputs, which a 0-d loss cannot be.
             return model.head_loss(h, inputs["labels"]).reshape(1)
-        return h
+        return h.to_local() if isinstance(h, DTensor) else h
 
 
 def cut_model(
@@ -428,6 +450,7 @@ class PipelineRunner:
         act_dtype: torch.dtype,
         device: torch.device,
         make_inputs: Callable[[Any], dict[str, Any]],
+        seq_split: int = 1,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -436,12 +459,15 @@ class PipelineRunner:
         self.num_microbatches, self.device = num_microbatches, device
         self.dim, self.act_dtype, self.make_inputs = dim, act_dtype, make_inputs
         self.pp_rank = dist.get_rank(pp_group)
+        self.seq_split = seq_split  # tp: stages exchange (B, T / tp, dim) slices
+        self.rows = micro_batch_size  # of each micro-batch the schedule runs
 
         def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, device="meta")
 
         # requires_grad: the stage metadata says which inputs get a gradient sent back.
-        hidden = meta(micro_batch_size, seq_len, dim, dtype=act_dtype).requires_grad_()
+        hidden = meta(micro_batch_size, seq_len // seq_split, dim, dtype=act_dtype)
+        hidden.requires_grad_()
         pipeline_stages = []
         for stage in stages:
             s = stage.spec
@@ -545,9 +571,30 @@ class PipelineRunner:
 
     def forward(self, **inputs: Any) -> torch.Tensor:
         """The mean loss of one batch through every stage in order (validation): point-to-point
-        activations between the ranks, the loss all-reduced to every pp rank."""
+        activations between the ranks, the loss all-reduced to every pp rank. A batch of a
+        multiple of the pipeline's micro-batch rows runs in pieces of that many: the compiled
+        regions then see one shape only (a second one makes Dynamo compile them with a dynamic
+        batch size, which breaks DTensor regions under tp on torch 2.13)."""
+        B = inputs["input_ids"].shape[0]
+        mask = inputs.get("attn_mask")
+        if B == self.rows or B % self.rows or not (mask is None or isinstance(mask, torch.Tensor)):
+            return self._forward_one(inputs)
+        total = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
+        for i in range(0, B, self.rows):
+            piece = {
+                k: v[i : i + self.rows] if isinstance(v, torch.Tensor) else v
+                for k, v in inputs.items()
+            }
+            n = (piece["labels"] != _IGNORE_INDEX).sum()  # on the device: no sync
+            total = total + self._forward_one(piece) * n
+            count = count + n
+        return total / count.clamp(min=1)
+
+    def _forward_one(self, inputs: dict[str, Any]) -> torch.Tensor:
         input_ids = inputs["input_ids"]
-        shape = (*input_ids.shape, self.dim)
+        B, T = input_ids.shape
+        shape = (B, T // self.seq_split, self.dim)  # sequence parallel: this rank's T slice
         mine = {s.spec.index: s for s in self.stages}
         index = torch.zeros((), dtype=torch.int64)
         h: torch.Tensor | None = input_ids
@@ -585,7 +632,7 @@ def cut_pipeline(cfg: Any, dims: Any, mesh: Any, model: nn.Module) -> list[Pipel
     """cut_model for job config `cfg` on this rank of mesh["pp"] (model on the meta device)."""
     from models import build_model
 
-    return cut_model(
+    stages = cut_model(
         model,
         check_pipeline(cfg, dims),
         mesh["pp"].get_local_rank(),
@@ -593,6 +640,9 @@ def cut_pipeline(cfg: Any, dims: Any, mesh: Any, model: nn.Module) -> list[Pipel
         cfg.parallel.pp_schedule,
         lambda: build_model(cfg.model),
     )
+    for stage in stages:
+        stage.tp_mesh = mesh["tp"] if dims.tp > 1 else None
+    return stages
 
 
 def build_runner(
@@ -619,6 +669,7 @@ def build_runner(
         num_microbatches=num_microbatches,
         micro_batch_size=rows,
         seq_len=cfg.training.seq_len,
+        seq_split=dims.tp,
         dim=cfg.model.dim,
         act_dtype=act_dtype,
         device=device,

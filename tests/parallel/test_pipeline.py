@@ -290,3 +290,37 @@ def test_pp_with_fsdp_and_tp_follows_the_single_process_curve(corpus, tmp_path):
             assert losses == pytest.approx(single.losses, rel=1e-3), name
         else:
             _compare(single, metrics)
+
+
+@pytest.mark.slow
+def test_resume_across_pipeline_sizes(corpus, tmp_path):
+    """A pp=1 checkpoint resumed with pp=2 (interleaved, another layout), and a pp=2 checkpoint
+    resumed with pp=1, continue the uninterrupted single-process curve."""
+    common = [
+        "--training.steps=6",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
+    straight = train(load_config(job(corpus, tmp_path / "one", *common, "--checkpoint.interval=3")))
+    from_single = f"--checkpoint.resume={tmp_path / 'one' / 'run' / 'checkpoints' / 'step-0000003'}"
+    interleaved = ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_layout=E|t|t|L"]
+    resumed_pp, saved_pp = torchrun_jobs(
+        2,
+        [
+            job(corpus, tmp_path / "pp_resumed", *common, "--parallel.pp=2", *interleaved,
+                from_single),
+            job(corpus, tmp_path / "pp_saved", *common, "--parallel.pp=2",
+                "--checkpoint.interval=3"),
+        ],
+    )  # fmt: skip
+    from_pp = (
+        f"--checkpoint.resume={tmp_path / 'pp_saved' / 'run' / 'checkpoints' / 'step-0000003'}"
+    )
+    resumed_single = train(load_config(job(corpus, tmp_path / "one_resumed", *common, from_pp)))
+    tail = straight.losses[3:]
+    assert [m["loss"] for m in saved_pp if "loss" in m] == pytest.approx(
+        straight.losses, rel=LOSS_RTOL
+    )
+    assert [m["loss"] for m in resumed_pp if "loss" in m] == pytest.approx(tail, rel=LOSS_RTOL)
+    assert resumed_single.losses == pytest.approx(tail, rel=LOSS_RTOL)

@@ -114,11 +114,13 @@ class ParallelConfig:
     # How overlap_tp_comm overlaps: auto (torch's symm_mem fused ops where the tp group has
     # symmetric memory, else chunked), chunked, or symm_mem.
     tp_overlap_variant: Literal["auto", "chunked", "symm_mem"] = "auto"
-    # Pipeline parallel (graphtrain.parallel.pipeline): stages on the outermost axis.
+    # Pipeline-parallel ranks, the outermost mesh axis (graphtrain.parallel.pipeline).
     pp: int = 1
+    # The torch.distributed.pipelining schedule; interleaved_1f1b, zbv and dualpipev run two
+    # (or, interleaved, more) virtual stages per rank.
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
-    # Micro-batches per step through the pipeline; 0: the step's micro-batches (batch size over
-    # micro_batch_size x seq_len x data-parallel ranks), which it must equal otherwise.
+    # Micro-batches the pipeline splits each step's rows into (it must divide them); 0: one per
+    # stage (pp, or 2 x pp for the schedules with two stages per rank).
     pp_microbatches: int = 0
     # Stages as a string over E (embedding), t (layer), m (MTP depth), L (norm, head, loss), |
     # (stage boundary), "x*n" repeats x: "Et*2|t*2L". Empty: layers split evenly.

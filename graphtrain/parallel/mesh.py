@@ -33,7 +33,7 @@ EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 class ParallelDims:
     """Sizes of the parallel axes. dp_shard=-1 means "whatever is left" of world_size.
 
-    Later axes (ep, cp, pp) go here as fields, into `_sizes` and MESH_AXES (pp outermost, cp next
+    Later axes (cp) go here as fields, into `_sizes` and MESH_AXES (cp next
     to dp_shard, ep carved out of dp_shard x cp), each with the same validation.
     """
 
@@ -58,12 +58,14 @@ class ParallelDims:
         for name in ("dp_replicate", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        # pp named in the messages only when it is on: the others read as before it existed.
+        pp = f"pp={self.pp} * " if self.pp > 1 else ""
         if self.dp_shard == -1:
             rest = self.pp * self.dp_replicate * self.tp
             if self.world_size % rest:
                 raise ValueError(
                     f"parallel.dp_shard=-1 takes what is left of the world size, but world size "
-                    f"{self.world_size} is not divisible by parallel.pp={self.pp} * dp_replicate="
+                    f"{self.world_size} is not divisible by parallel.{pp}dp_replicate="
                     f"{self.dp_replicate} * tp={self.tp} = {rest}"
                 )
             # Frozen dataclass: __post_init__ is the one place allowed to fill in a field.
@@ -85,7 +87,7 @@ class ParallelDims:
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ValueError(
-                f"parallel.pp={self.pp} * dp_replicate={self.dp_replicate} * dp_shard="
+                f"parallel.{pp}dp_replicate={self.dp_replicate} * dp_shard="
                 f"{self.dp_shard} * tp={self.tp} = {product} != world size {self.world_size}"
             )
 

@@ -324,3 +324,32 @@ def test_resume_across_pipeline_sizes(corpus, tmp_path):
     )
     assert [m["loss"] for m in resumed_pp if "loss" in m] == pytest.approx(tail, rel=LOSS_RTOL)
     assert resumed_single.losses == pytest.approx(tail, rel=LOSS_RTOL)
+
+
+def test_last_stage_compiles_the_fused_loss(tmp_path):
+    """The head stage's head+loss region, compiled with graphtrain's backend, gets the fused
+    linear + cross-entropy op, as in one process (no process group needed to run a stage)."""
+    from graphtrain.compile import apply_compile
+
+    torch._dynamo.reset()
+    cfg = GPTConfig(vocab_size=96, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, ffn_dim=48)
+    specs = parse_layout("", num_layers=2, mtp_depth=0, pp=2, schedule="1f1b")
+    with torch.device("meta"):
+        model = build_model(cfg)
+    (stage,) = cut_model(model, specs, 1, 2, "1f1b", lambda: build_model(cfg))
+    apply_compile(model, inner="aot_eager", dump_dir=tmp_path, regions={"block", "head_loss"})
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    B, T = 2, 16
+    labels = torch.randint(0, cfg.vocab_size, (B, T))
+    positions = torch.arange(T).expand(B, T)
+    stage.micro_batches = [{"labels": labels, "position_ids": positions, "attn_mask": None}]
+    h = torch.randn(B, T, cfg.dim, requires_grad=True)
+    loss = stage(h, micro_batch=torch.tensor([0]))
+    loss.sum().backward()
+    assert loss.shape == (1,) and h.grad is not None
+    fused = 0
+    for summary in tmp_path.glob("*/summary.json"):
+        for step in json.loads(summary.read_text()):
+            fused += step["op_counts"].get("graphtrain.linear_cross_entropy.default", 0)
+    assert fused >= 1

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -84,13 +84,25 @@ class RouterBalance:
         self._micro_batches = 0  # since the last optimizer step
 
     @contextlib.contextmanager
-    def micro_batch(self, weight: float) -> Iterator[None]:
+    def micro_batch(self, weight: float, layers: Collection[str] | None = None) -> Iterator[None]:
+        """layers: only these layers' routers (a pipeline stage's, around its forward alone:
+        graphtrain.parallel.pipeline); None: all of them."""
+        routers = [(n, r) for n, r in self.routers if layers is None or n in layers]
         # The routers' gradients are summed over the token_slices tp ranks: each rank's aux
         # losses (of its slice, or the same whole-sequence ones) count 1/tp.
-        self.model.set_aux_loss_scale(weight / self.token_slices)
+        if layers is None:
+            self.model.set_aux_loss_scale(weight / self.token_slices)
+        else:
+            # A fresh scale per micro-batch: a pipeline runs this micro-batch's backward after
+            # other micro-batches' forwards, and the backward reads the scale its forward saved.
+            for _, router in routers:
+                scale = torch.full(
+                    (), weight / self.token_slices, device=router.aux_loss_scale.device
+                )
+                router.aux_loss_scale = scale
         yield
         self._micro_batches += 1
-        for layer, router in self.routers:
+        for layer, router in routers:
             router.accumulate_counts()
             if router.last_nonfinite is not None:
                 self._nonfinite[layer] = self._nonfinite.get(layer, 0) + router.last_nonfinite

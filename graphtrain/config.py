@@ -114,11 +114,22 @@ class ParallelConfig:
     # How overlap_tp_comm overlaps: auto (torch's symm_mem fused ops where the tp group has
     # symmetric memory, else chunked), chunked, or symm_mem.
     tp_overlap_variant: Literal["auto", "chunked", "symm_mem"] = "auto"
+    # Pipeline-parallel ranks, the outermost mesh axis (graphtrain.parallel.pipeline).
+    pp: int = 1
+    # The torch.distributed.pipelining schedule; interleaved_1f1b, zbv and dualpipev run two
+    # (or, interleaved, more) virtual stages per rank.
+    pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
+    # Micro-batches the pipeline splits each step's rows into (it must divide them); 0: one per
+    # stage (pp, or 2 x pp for the schedules with two stages per rank).
+    pp_microbatches: int = 0
+    # Stages as a string over E (embedding), t (layer), m (MTP depth), L (norm, head, loss), |
+    # (stage boundary), "x*n" repeats x: "Et*2|t*2L". Empty: layers split evenly.
+    pp_layout: str = ""
 
     def __post_init__(self) -> None:
         _check_choices("parallel", self)
-        _positive("parallel", self, "dp_replicate", "tp", "ep", "etp")
-        _positive("parallel", self, "tp_overlap_chunks", allow_zero=True)
+        _positive("parallel", self, "dp_replicate", "tp", "ep", "etp", "pp")
+        _positive("parallel", self, "tp_overlap_chunks", "pp_microbatches", allow_zero=True)
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be >= 1 or -1, got {self.dp_shard}")
 

@@ -125,6 +125,9 @@ class TrainStep:
     micro_batch_size: int
     seq_len: int
     dp_size: int
+    # graphtrain.parallel.pipeline.PipelineRunner under pipeline parallelism: it runs the
+    # micro-batches through its schedule, and clipping takes the norm over every stage.
+    pipeline: Any = None
 
     def num_micro_batches(self, consumed_tokens: int) -> int:
         """Micro-batches per rank of the step that starts after `consumed_tokens`."""
@@ -141,11 +144,19 @@ class TrainStep:
         lr = self.lr_schedule.apply(self.optimizer, step)
         # Installed for every backward too: activation checkpointing recomputes the forward there.
         with self.forward.weights.installed():
-            loss, flops, model_stats = self._forward_backward(batches)
+            if self.pipeline is None:
+                loss, flops, model_stats = self._forward_backward(batches)
+            else:
+                loss, flops, model_stats = self._pipeline_forward_backward(batches)
         self.fp32_grads.finalize()
         self.finish_gradients()
         params = list(self.forward.model.parameters())
-        grad_norm = clip_grad_norm_(params, self.max_norm)
+        if self.pipeline is None:
+            grad_norm = clip_grad_norm_(params, self.max_norm)
+        else:
+            from graphtrain.parallel.pipeline import clip_grad_norm_pp_
+
+            grad_norm = clip_grad_norm_pp_(params, self.max_norm, self.pipeline.group)
         self.optimizer.step()  # step pre-hooks run first (MoE expert biases)
         self.forward.weights.refresh()  # the one cast of the step: masters -> working copies
         self.optimizer.zero_grad(set_to_none=True)
@@ -161,6 +172,24 @@ class TrainStep:
             flops=flops,
             extra=extra,
         )
+
+    def _pipeline_forward_backward(
+        self, batches: list[TensorDict]
+    ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        """_forward_backward through the pipeline's schedule: its micro-batches are the step's,
+        each weighted by its share of the labelled tokens as below; FLOPs: this stage's share."""
+        flops = sum(
+            model_training_flops(
+                self.model_cfg,
+                num_tokens=batch["input_ids"].numel(),
+                num_attention_pairs=int(batch["num_attention_pairs"]),
+            )
+            for batch in batches
+        )
+        with self.forward.autocast:
+            loss = self.pipeline.forward_backward(batches, self.hooks)
+        self.fp32_grads.after_backward()
+        return loss, flops // self.pipeline.pp, {}
 
     def _forward_backward(
         self, batches: list[TensorDict]

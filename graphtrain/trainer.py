@@ -79,6 +79,12 @@ from graphtrain.parallel import (
     parallelize_model,
 )
 from graphtrain.parallel.divergence import check_replicas
+from graphtrain.parallel.pipeline import (
+    build_runner,
+    cut_pipeline,
+    norm_over_stages,
+    stage_tp_plan,
+)
 from graphtrain.passes.dump import start_compile_metrics, write_compile_metrics
 from graphtrain.preemption import (
     PeerLostError,
@@ -248,6 +254,12 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     )
     if isinstance(optimizer, AdamWCopies):
         weights.refresh_in(optimizer)  # its step writes the copies
+    runner = None
+    if dims.pp_enabled:  # its schedule runs the step; model(...) runs every stage (validation)
+        runner = build_runner(
+            cfg, dims, mesh, model, device, _pipeline_act_dtype(cfg, dims, device)
+        )
+        model.forward = runner.forward
     train_step = TrainStep(
         forward=ForwardLoss(model, device, attention, autocast, weights),
         optimizer=optimizer,
@@ -261,6 +273,7 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         micro_batch_size=cfg.training.micro_batch_size,
         seq_len=cfg.training.seq_len,
         dp_size=dims.dp_size,
+        pipeline=runner,
     )
     return Run(
         cfg=cfg,
@@ -419,6 +432,8 @@ def _build_model(
         model = build_model(cfg.model)
     if training.master_dtype != "float32":
         cast_parameters_(model, _DTYPES[training.master_dtype])  # before sharding: FSDP2 keeps it
+    if dims.pp_enabled:  # this rank's pipeline stages only (graphtrain.parallel.pipeline)
+        model.pipeline_stages = cut_pipeline(cfg, dims, mesh, model)
     compile_options, dump_dir = None, None
     if cfg.compile.enable:
         dump_dir = run_dir / "graphs" if cfg.compile.dump_graphs and rank == 0 else None
@@ -433,11 +448,14 @@ def _build_model(
             "cudagraph_mtp": cfg.compile.cudagraph_mtp,
             "device_type": device.type,
         }
+    plan = tp_plan(cfg.model, dims.etp, dims.ep)
+    if dims.pp_enabled:  # the entries of this rank's stages
+        plan = stage_tp_plan(plan, model)
     finish_gradients = parallelize_model(
         model,
         mesh,
         dims,
-        plan=tp_plan(cfg.model, dims.etp, dims.ep),
+        plan=plan,
         ac_mode=training.activation_checkpoint,
         compile_options=compile_options,
         param_dtype=_param_dtype(cfg, device),
@@ -450,6 +468,14 @@ def _build_model(
         load_hf_into(model, Path(cfg.checkpoint.init_from_hf))
     model.train()
     return model, finish_gradients, dump_dir
+
+
+def _pipeline_act_dtype(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> torch.dtype:
+    """The dtype of the activations between pipeline stages: FSDP2's compute dtype, the
+    parameters' with low-precision masters, else fp32 (autocast keeps the residual in fp32)."""
+    if dims.dp_size > 1 or cfg.training.master_dtype != "float32":
+        return _param_dtype(cfg, device)
+    return torch.float32
 
 
 def _autocast(
@@ -667,7 +693,11 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStats) -> None:
     """The host syncs of a log step: the window's losses (averaged over the data-parallel
     ranks) into result.losses, a non-finite loss stops the run, and one metrics line."""
-    dims, model = run.dims, run.model
+    dims = run.dims
+    if run.train_step.pipeline is not None:  # every stage's statistics (MoE layers) on rank 0
+        stats = dataclasses.replace(
+            stats, extra=run.train_step.pipeline.merged_statistics(stats.extra)
+        )
     _stop_on_nonfinite_routing(run, stats)  # before the loss check: it names the layer
     losses = _all_reduce(torch.stack(window.losses), run.dp_group) / dims.dp_size
     bad = _all_reduce(window.first_non_finite.clone(), run.dp_group, dist.ReduceOp.MIN).item()
@@ -684,7 +714,7 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
         "lr": stats.lr,
         "grad_norm": stats.grad_norm.item(),
         # Every rank joins this reduction (a collective), also one with empty shards.
-        "param_norm": global_norm(list(model.parameters())).item(),
+        "param_norm": _param_norm(run).item(),
         "tokens_per_s": window.tokens / elapsed,
         "consumed_tokens": run.progress.consumed_tokens,
         "micro_batches": stats.num_micro_batches,
@@ -712,6 +742,13 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
         entry.update(zip(names, values, strict=True))
     run.metrics.log(run.progress.step, entry)
     window.reset()
+
+
+def _param_norm(run: Run) -> torch.Tensor:
+    norm = global_norm(list(run.model.parameters()))
+    if run.train_step.pipeline is not None:  # each stage holds some of the parameters
+        norm = norm_over_stages(norm, run.train_step.pipeline.group)
+    return norm
 
 
 def _stop_on_nonfinite_routing(run: Run, stats: StepStats) -> None:

@@ -460,6 +460,12 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         shapes = {k: v for k, v in saved_keys.items() if k.startswith("model.")}
         expected = {f"model.{k}": v.shape for k, v in model_sd.items()}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Pipeline stages hold different parts of the model: the checkpoint must fit the
+            # union of every rank's keys (the same keys on every rank without pp).
+            parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, expected)
+            expected = {k: v for part in parts for k, v in part.items()}
         check_shapes(expected, shapes, source=f"checkpoint {path}")
         state = {"model": model_sd, "optim": optim_sd}
         try:

@@ -157,6 +157,8 @@ def parallelize_model(
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             ignored_params=set(expert_params(model)) or None,
+            # Pipeline parallel: the stages the schedule calls are the roots, not the model.
+            roots=getattr(model, "pipeline_stages", None),
         )
 
     # 5. Seeded init must reproduce the unsharded values whatever the layout above.

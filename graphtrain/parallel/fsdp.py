@@ -13,6 +13,8 @@ state dict and the same composition with TP and compile; see graphtrain.parallel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,6 +29,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
+    roots: Sequence[nn.Module] | None = None,
 ) -> None:
     """fully_shard every block of model.layers and every MTP layer, then the model itself.
 
@@ -35,7 +38,9 @@ def apply_fsdp(
     (fp32 keeps the sum over many ranks accurate). reshard_after_forward=False keeps gathered
     parameters from forward to backward (ZeRO-2 like: more memory, one all-gather fewer).
     ignored_params: left alone (the expert-parallel weights, which
-    graphtrain.parallel.expert_parallel shards and reduces itself).
+    graphtrain.parallel.expert_parallel shards and reduces itself). roots: the root units
+    instead of the model (pipeline stages, graphtrain.parallel.pipeline: the modules the
+    schedule calls, each holding its blocks and what else of the model it runs).
     """
     if dp_mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp wants a 1-D (FSDP) or 2-D (HSDP) mesh, got {dp_mesh.ndim}-D")
@@ -55,10 +60,11 @@ def apply_fsdp(
         )
     # The root unit (embedding, norm, head) is the first one backward needs: keep it gathered
     # (FSDP2's own default for the root, stated because an explicit value overrides it).
-    fully_shard(
-        model,
-        mesh=dp_mesh,
-        mp_policy=mp_policy,
-        reshard_after_forward=False,
-        ignored_params=ignored_params,
-    )
+    for root in [model] if roots is None else roots:
+        fully_shard(
+            root,
+            mesh=dp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=False,
+            ignored_params=ignored_params,
+        )

@@ -10,7 +10,9 @@ flattened axis from the root mesh is deprecated.)
 
 Axis order is outer to inner: ranks that differ only in "tp" are neighbours (same node, fastest
 links), then "dp_shard", then "dp_replicate" (the one that may cross slow links: HSDP only
-all-reduces over it).
+all-reduces over it). With pipeline parallelism (pp > 1) a "pp" axis comes first, outermost: a
+stage boundary sends one activation per micro-batch, the least traffic of any axis. It is only
+there when pp > 1, so every other axis slices the same with or without it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 class ParallelDims:
     """Sizes of the parallel axes. dp_shard=-1 means "whatever is left" of world_size.
 
-    Later axes (ep, cp, pp) go here as fields, into `_sizes` and MESH_AXES (pp outermost, cp next
+    Later axes (cp) go here as fields, into `_sizes` and MESH_AXES (cp next
     to dp_shard, ep carved out of dp_shard x cp), each with the same validation.
     """
 
@@ -46,19 +48,24 @@ class ParallelDims:
     # sequence slice) or tp (experts split on their hidden dim over the tp axis; with ep > 1
     # each expert-parallel shard is split so).
     etp: int = 1
+    # Pipeline stages (outermost axis): each pp rank holds some of the layers
+    # (graphtrain.parallel.pipeline); the other axes repeat inside every stage.
+    pp: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world size must be >= 1, got {self.world_size}")
-        for name in ("dp_replicate", "tp"):
+        for name in ("dp_replicate", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        # pp named in the messages only when it is on: the others read as before it existed.
+        pp = f"pp={self.pp} * " if self.pp > 1 else ""
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.tp
+            rest = self.pp * self.dp_replicate * self.tp
             if self.world_size % rest:
                 raise ValueError(
                     f"parallel.dp_shard=-1 takes what is left of the world size, but world size "
-                    f"{self.world_size} is not divisible by parallel.dp_replicate="
+                    f"{self.world_size} is not divisible by parallel.{pp}dp_replicate="
                     f"{self.dp_replicate} * tp={self.tp} = {rest}"
                 )
             # Frozen dataclass: __post_init__ is the one place allowed to fill in a field.
@@ -77,16 +84,20 @@ class ParallelDims:
                 f"parallel.etp={self.etp} must be 1 or parallel.tp={self.tp}: experts are split "
                 "over the whole tp axis or not at all"
             )
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ValueError(
-                f"parallel.dp_replicate={self.dp_replicate} * dp_shard={self.dp_shard} * "
-                f"tp={self.tp} = {product} != world size {self.world_size}"
+                f"parallel.{pp}dp_replicate={self.dp_replicate} * dp_shard="
+                f"{self.dp_shard} * tp={self.tp} = {product} != world size {self.world_size}"
             )
 
     @property
     def _sizes(self) -> tuple[int, ...]:
         return (self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def dp_size(self) -> int:
@@ -130,7 +141,7 @@ def init_distributed(device_choice: str) -> tuple[torch.device, int, int]:
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The mesh ("dp_replicate", "dp_shard", "tp"), with the flattened "dp" axis created (and its
+    """The mesh ("dp_replicate", "dp_shard", "tp"), preceded by "pp" when dims.pp > 1, with the flattened "dp" axis created (and its
     process group with it, collectively, now rather than at first use).
 
     With expert parallelism (dims.ep > 1) "dp_shard" is split into ("dp_shard_mod_ep", "ep"):
@@ -147,13 +158,17 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
             f"ParallelDims was built for world size {dims.world_size}, but torch.distributed "
             f"has {world} ranks"
         )
+    # pp, when on, is the outermost axis: the others are sliced from it by name as without it.
+    pp_sizes, pp_axes = ((dims.pp,), ("pp",)) if dims.pp_enabled else ((), ())
     if dims.ep > 1:
-        sizes = (dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.tp)
-        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=EP_MESH_AXES)
+        sizes = (*pp_sizes, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.tp)
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=(*pp_axes, *EP_MESH_AXES))
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         expert_dp_mesh(mesh)
     else:
-        mesh = init_device_mesh(device_type, dims._sizes, mesh_dim_names=MESH_AXES)
+        mesh = init_device_mesh(
+            device_type, (*pp_sizes, *dims._sizes), mesh_dim_names=(*pp_axes, *MESH_AXES)
+        )
     dp_mesh(mesh)
     return mesh
 
@@ -226,7 +241,12 @@ def check_layout(cfg: Any, world_size: int) -> ParallelDims:
         tp=parallel.tp,
         ep=parallel.ep,
         etp=parallel.etp,
+        pp=parallel.pp,
         world_size=world_size,
     )
     validate_model_for_tp(cfg.model, dims.tp, seq_len=cfg.training.seq_len, etp=dims.etp)
+    if dims.pp_enabled:  # the stages' layout, schedule and micro-batches, before any rank starts
+        from graphtrain.parallel.pipeline import check_pipeline
+
+        check_pipeline(cfg, dims)
     return dims

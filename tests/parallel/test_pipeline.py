@@ -1,0 +1,355 @@
+"""Pipeline parallelism (graphtrain.parallel.pipeline): the layout string and its start checks,
+the stages' init against the whole model's, and pp=2 training on CPU (gloo) against one process.
+
+Training: `debug` (2 layers) compiled with graphtrain's backend (aot_eager inner), 10 steps,
+fp32. The pipeline splits each step's rows into micro-batches weighted by their labelled tokens,
+which is the single-process step's loss written as a sum: losses equal within LOSS_RTOL = 1e-5
+(measured: a few 1e-7 relative, fp32 sums in another order). A gradient missing from one stage,
+scaled twice, or a stage initialised with other values moves the loss by more than 1e-3 within
+a few steps at LR 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import job, torchrun_jobs
+
+from graphtrain.config import load_config
+from graphtrain.parallel import check_layout
+from graphtrain.parallel.pipeline import cut_model, parse_layout, schedule_class, stage_rank
+from graphtrain.trainer import train
+from models import GPTConfig, build_model
+
+REPO = Path(__file__).resolve().parents[2]
+LOSS_RTOL = 1e-5
+STEPS = 10
+
+
+def _parts(specs):
+    return [(s.embedding, s.layers, s.head) for s in specs]
+
+
+def test_even_split_puts_extra_layers_first():
+    specs = parse_layout("", num_layers=5, mtp_depth=0, pp=2, schedule="1f1b")
+    assert _parts(specs) == [(True, (0, 1, 2), False), (False, (3, 4), True)]
+    specs = parse_layout("", num_layers=4, mtp_depth=0, pp=2, schedule="interleaved_1f1b")
+    assert [s.layers for s in specs] == [(0,), (1,), (2,), (3,)]
+    assert specs[0].embedding and specs[-1].head
+
+
+def test_layout_string_with_repeats():
+    specs = parse_layout("Et*3|t*4 | t L", num_layers=8, mtp_depth=0, pp=3, schedule="gpipe")
+    assert _parts(specs) == [
+        (True, (0, 1, 2), False),
+        (False, (3, 4, 5, 6), False),
+        (False, (7,), True),
+    ]
+    # Embedding and head alone in their stages (four virtual stages on two ranks).
+    specs = parse_layout("E|t|t|L", num_layers=2, mtp_depth=0, pp=2, schedule="zbv")
+    assert _parts(specs) == [(True, (), False), (False, (0,), False), (False, (1,), False),
+                             (False, (), True)]  # fmt: skip
+
+
+def test_stage_placement():
+    assert [stage_rank(s, 4, 2, "interleaved_1f1b") for s in range(4)] == [0, 1, 0, 1]
+    assert [stage_rank(s, 4, 2, "zbv") for s in range(4)] == [0, 1, 1, 0]
+    assert [stage_rank(s, 2, 2, "1f1b") for s in range(2)] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("layout", "schedule", "message"),
+    [
+        ("Et*3|tL", "1f1b", r"places 4 transformer layers \(stage 0: 3, stage 1: 1\) but "
+                            r"model.num_layers=2"),
+        ("Et|t|L", "1f1b", r"has 3 stages but parallel.pp=2 with pp_schedule='1f1b' needs 2"),
+        ("Et|tL", "zbv", r"has 2 stages but parallel.pp=2 with pp_schedule='zbv' needs 4"),
+        ("Et|tL", "interleaved_1f1b", r"has 2 stages; interleaved_1f1b with parallel.pp=2 needs"),
+        ("Et||tL", "interleaved_1f1b", r"has 3 stages"),
+        ("Et|t|t|L", "gpipe", r"has 4 stages"),
+        ("Ett||L|", "zbv", r"stage 1 is empty"),
+        ("tt|EL", "1f1b", r"stage 0 starts with 't'"),
+        ("Et|Lt", "1f1b", r"stage 1 has layers after L"),
+        ("Et|tX", "1f1b", r"stage 1 'tX' has 'X' at 1"),
+        ("Ett|t", "1f1b", r"places 3 transformer layers"),
+        ("Et|t", "1f1b", r"the last stage \(1\) must hold L"),
+    ],
+)  # fmt: skip
+def test_bad_layouts_name_the_stage_and_the_count(layout, schedule, message):
+    with pytest.raises(ValueError, match=message):
+        parse_layout(layout, num_layers=2, mtp_depth=0, pp=2, schedule=schedule)
+
+
+def _check(*args: str, world_size: int = 2) -> None:
+    check_layout(load_config(["--preset", "debug", *args]), world_size)
+
+
+def test_start_checks():
+    _check("--parallel.pp=2")  # the default layout of `debug` on two ranks
+    with pytest.raises(ValueError, match=r"pp=2 \* dp_replicate=1 \* dp_shard=1 \* tp=1 = 2 != "):
+        _check("--parallel.pp=2", "--parallel.dp_shard=1", world_size=4)
+    with pytest.raises(ValueError, match=r"pp_microbatches=3 does not divide the 4 rows"):
+        _check("--parallel.pp=2", "--parallel.pp_microbatches=3")
+    with pytest.raises(ValueError, match=r"model.num_layers=2 cannot fill 4 pipeline stages"):
+        _check("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b")
+    with pytest.raises(ValueError, match=r"MTP in a pipeline stage is not supported yet"):
+        _check("--parallel.pp=2", "--model.mtp_depth=1", "--parallel.pp_layout=Et|tLm")
+    with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
+        load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
+
+
+def test_a_schedule_torch_lacks_is_a_clear_error(monkeypatch):
+    import torch.distributed.pipelining as pipelining
+
+    monkeypatch.delattr(pipelining, "ScheduleDualPipeV")
+    with pytest.raises(ValueError, match=r"'dualpipev' needs torch.distributed.pipelining."):
+        schedule_class("dualpipev")
+
+
+def test_launch_sh_check_refuses_a_bad_layout_before_any_rank_starts():
+    env = {
+        **os.environ,
+        "NGPU": "2",
+        "NNODES": "1",
+        "VIRTUAL_ENV": str(Path(os.sys.executable).parents[1]),
+    }
+    out = subprocess.run(
+        ["bash", str(REPO / "launch.sh"), "--preset", "debug", "--parallel.pp=2",
+         "--parallel.pp_layout=Et*3|tL"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "graphtrain: error: parallel.pp_layout='Et*3|tL' places 4 transformer layers "
+        "(stage 0: 3, stage 1: 1) but model.num_layers=2"
+    ]
+    assert "torch.distributed.run" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_stages_start_from_the_whole_models_weights(schedule):
+    """Each rank's cut model, initialised alone, holds the whole model's values (bitwise)."""
+    cfg = GPTConfig(vocab_size=96, dim=32, num_layers=4, num_heads=2, num_kv_heads=1, ffn_dim=48)
+    whole = build_model(cfg)
+    whole.init_weights(seed=3)
+    expected = dict(whole.named_parameters())
+    specs = parse_layout("", num_layers=4, mtp_depth=0, pp=2, schedule=schedule)
+    seen = set()
+    for rank in range(2):
+        with torch.device("meta"):
+            model = build_model(cfg)
+        stages = cut_model(model, specs, rank, 2, schedule, lambda: build_model(cfg))
+        model.to_empty(device="cpu")
+        model.init_weights(seed=3)
+        for name, p in model.named_parameters():
+            assert torch.equal(p, expected[name]), name
+            seen.add(name)
+        assert {s.spec.index for s in stages} == {
+            s.index for s in specs if stage_rank(s.index, len(specs), 2, schedule) == rank
+        }
+    assert seen == set(expected)  # every parameter lives in exactly one rank's stages
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(corpus, tmp_path_factory):
+    """Single-process runs and pp=2 runs of the same jobs (one torchrun launch for all)."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    common = [
+        f"--training.steps={STEPS}",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
+    # Two loader micro-batches of 4 rows per step: gpipe splits the 8 rows in 4.
+    two_micro = ["--schedule.batch_size=512"]
+    # MoE: the pipeline's micro-batches are the single process's (the aux losses depend on
+    # them): two loader micro-batches of 2 rows, split back into the same two.
+    moe = ["--preset=moe-debug", "--training.micro_batch_size=2", "--schedule.batch_size=256"]
+    single = {
+        "one": train(load_config(job(corpus, tmp / "one", *common))),
+        "two": train(load_config(job(corpus, tmp / "two", *common, *two_micro))),
+        "moe": train(load_config(job(corpus, tmp / "moe", *common, *moe))),
+    }
+    layouts = {
+        "1f1b": ("one", ["--parallel.pp_microbatches=4"]),
+        "gpipe": ("two", [*two_micro, "--parallel.pp_schedule=gpipe",
+                          "--parallel.pp_microbatches=4"]),
+        "moe_1f1b": ("moe", [*moe, "--parallel.pp_microbatches=2"]),
+    }  # fmt: skip
+    jobs = [
+        job(corpus, tmp / name, *common, "--parallel.pp=2", *args)
+        for name, (_, args) in layouts.items()
+    ]
+    runs = dict(zip(layouts, torchrun_jobs(2, jobs), strict=True))
+    return {name: (single[ref], runs[name]) for name, (ref, _) in layouts.items()}
+
+
+def _compare(single, metrics) -> None:
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == STEPS
+    assert losses == pytest.approx(single.losses, rel=LOSS_RTOL)
+    vals = {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m}
+    assert vals.keys() == single.val_losses.keys()
+    for step, value in vals.items():
+        assert value == pytest.approx(single.val_losses[step], rel=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp2_follows_the_single_process_curve(pipeline_runs, schedule):
+    single, metrics = pipeline_runs[schedule]
+    _compare(single, metrics)
+    # Gradient and parameter norms are over every stage, not rank 0's alone.
+    lines = (single.run_dir / "metrics.jsonl").read_text().splitlines()
+    reference = [json.loads(x) for x in lines]
+    for key in ("grad_norm", "param_norm"):
+        want = [m[key] for m in reference if key in m]
+        got = [m[key] for m in metrics if key in m]
+        assert len(got) == STEPS
+        assert got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+def test_moe_pp2_follows_the_single_process_curve(pipeline_runs):
+    """moe-debug's layers 1 (stage 0) and 2 (stage 1) are MoE: aux losses scaled per
+    micro-batch, global aux over the step's micro-batches, expert bias updated on each stage;
+    every layer's statistics reach the log."""
+    single, metrics = pipeline_runs["moe_1f1b"]
+    _compare(single, metrics)
+    lines = (single.run_dir / "metrics.jsonl").read_text().splitlines()
+    reference = [json.loads(x) for x in lines if '"loss"' in x]
+    got = [m for m in metrics if "loss" in m]
+    names = [k for k in reference[-1] if k.startswith("moe/")]
+    assert {"moe/layers.1/bias_absmax", "moe/layers.2/bias_absmax", "moe/global_aux_loss"} <= set(
+        names
+    )
+    assert reference[-1]["moe/layers.2/bias_absmax"] > 0  # the bias did move
+    for want, have in zip(reference, got, strict=True):
+        for name in names:
+            assert have[name] == pytest.approx(want[name], rel=LOSS_RTOL, abs=1e-7), name
+
+
+MULTI_STAGE = ["interleaved_1f1b", "zbv", "dualpipev"]
+
+
+@pytest.fixture(scope="module")
+def multi_stage_runs(corpus, tmp_path_factory):
+    """Two virtual stages per rank (E|t|t|L on two ranks) for each multi-stage schedule."""
+    tmp = tmp_path_factory.mktemp("pipeline_multi")
+    common = [
+        f"--training.steps={STEPS}",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
+    single = train(load_config(job(corpus, tmp / "one", *common)))
+    layout = ["--parallel.pp=2", "--parallel.pp_layout=E|t|t|L"]
+    jobs = [
+        job(corpus, tmp / name, *common, *layout, f"--parallel.pp_schedule={name}")
+        for name in MULTI_STAGE
+    ]
+    return single, dict(zip(MULTI_STAGE, torchrun_jobs(2, jobs), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", MULTI_STAGE)
+def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs, schedule):
+    """Interleaved 1F1B and the zero-bubble V schedules (split input / weight backward, run
+    compiled: AOT autograd's donated buffers off) give the single-process losses."""
+    single, runs = multi_stage_runs
+    _compare(single, runs[schedule])
+
+
+FOUR_RANKS = {
+    "pp2_fsdp2": ["--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch_size=2"],
+    "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
+}
+
+
+@pytest.mark.slow
+def test_pp_with_fsdp_and_tp_follows_the_single_process_curve(corpus, tmp_path):
+    """pp=2 x dp_shard=2 (FSDP2 per stage; each dp rank reads 2 of the step's 4 rows) and pp=2
+    x tp=2 (sequence-parallel slices between stages), 4 ranks, against one process."""
+    common = [
+        f"--training.steps={STEPS}",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
+    single = train(load_config(job(corpus, tmp_path / "one", *common)))
+    jobs = [job(corpus, tmp_path / name, *common, *args) for name, args in FOUR_RANKS.items()]
+    for name, metrics in zip(FOUR_RANKS, torchrun_jobs(4, jobs), strict=True):
+        # dp_shard=2 weights each rank's tokens within the rank, then averages the ranks (the
+        # single process weights all tokens of the step together): 1e-3, as the trainer's own
+        # two-process test; tp=2 adds the same numbers in another order only.
+        if name == "pp2_fsdp2":
+            losses = [m["loss"] for m in metrics if "loss" in m]
+            assert losses == pytest.approx(single.losses, rel=1e-3), name
+        else:
+            _compare(single, metrics)
+
+
+@pytest.mark.slow
+def test_resume_across_pipeline_sizes(corpus, tmp_path):
+    """A pp=1 checkpoint resumed with pp=2 (interleaved, another layout), and a pp=2 checkpoint
+    resumed with pp=1, continue the uninterrupted single-process curve."""
+    common = [
+        "--training.steps=6",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
+    straight = train(load_config(job(corpus, tmp_path / "one", *common, "--checkpoint.interval=3")))
+    from_single = f"--checkpoint.resume={tmp_path / 'one' / 'run' / 'checkpoints' / 'step-0000003'}"
+    interleaved = ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_layout=E|t|t|L"]
+    resumed_pp, saved_pp = torchrun_jobs(
+        2,
+        [
+            job(corpus, tmp_path / "pp_resumed", *common, "--parallel.pp=2", *interleaved,
+                from_single),
+            job(corpus, tmp_path / "pp_saved", *common, "--parallel.pp=2",
+                "--checkpoint.interval=3"),
+        ],
+    )  # fmt: skip
+    from_pp = (
+        f"--checkpoint.resume={tmp_path / 'pp_saved' / 'run' / 'checkpoints' / 'step-0000003'}"
+    )
+    resumed_single = train(load_config(job(corpus, tmp_path / "one_resumed", *common, from_pp)))
+    tail = straight.losses[3:]
+    assert [m["loss"] for m in saved_pp if "loss" in m] == pytest.approx(
+        straight.losses, rel=LOSS_RTOL
+    )
+    assert [m["loss"] for m in resumed_pp if "loss" in m] == pytest.approx(tail, rel=LOSS_RTOL)
+    assert resumed_single.losses == pytest.approx(tail, rel=LOSS_RTOL)
+
+
+def test_last_stage_compiles_the_fused_loss(tmp_path):
+    """The head stage's head+loss region, compiled with graphtrain's backend, gets the fused
+    linear + cross-entropy op, as in one process (no process group needed to run a stage)."""
+    from graphtrain.compile import apply_compile
+
+    torch._dynamo.reset()
+    cfg = GPTConfig(vocab_size=96, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, ffn_dim=48)
+    specs = parse_layout("", num_layers=2, mtp_depth=0, pp=2, schedule="1f1b")
+    with torch.device("meta"):
+        model = build_model(cfg)
+    (stage,) = cut_model(model, specs, 1, 2, "1f1b", lambda: build_model(cfg))
+    apply_compile(model, inner="aot_eager", dump_dir=tmp_path, regions={"block", "head_loss"})
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    B, T = 2, 16
+    labels = torch.randint(0, cfg.vocab_size, (B, T))
+    positions = torch.arange(T).expand(B, T)
+    stage.micro_batches = [{"labels": labels, "position_ids": positions, "attn_mask": None}]
+    h = torch.randn(B, T, cfg.dim, requires_grad=True)
+    loss = stage(h, micro_batch=torch.tensor([0]))
+    loss.sum().backward()
+    assert loss.shape == (1,) and h.grad is not None
+    fused = 0
+    for summary in tmp_path.glob("*/summary.json"):
+        for step in json.loads(summary.read_text()):
+            fused += step["op_counts"].get("graphtrain.linear_cross_entropy.default", 0)
+    assert fused >= 1

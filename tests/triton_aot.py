@@ -343,6 +343,21 @@ def _cases() -> None:
             )
         )  # fmt: skip
 
+    # Gated DeltaNet recurrence at Qwen3-Next's head shape (32 value heads of 128, keys 128),
+    # packed documents, sequence 4096 (a constexpr of the kernels).
+    gdr = importlib.import_module("graphtrain.custom_ops.gated_delta_rule")
+    B, T, H, Dk = 1, 4096, 32, 128
+    q, v = _meta(B, T, H, Dk, dtype=bf16), _meta(B, T, H, Dk, dtype=bf16)
+    g, beta = _meta(B, T, H, dtype=f32), _meta(B, T, H, dtype=bf16)
+    seg = _meta(B, T, dtype=torch.int64)
+    opts = gdr.GatedDeltaRuleOptions(scale=Dk**-0.5, chunk_size=64)
+    case("gated_delta_rule fwd bf16 1x4096x32x128 segments", "fast")(
+        lambda: gdr.chunk_gated_delta_rule_triton(q, q, v, g, beta, seg, opts)
+    )
+    case("gated_delta_rule bwd bf16 1x4096x32x128 segments", "fast")(
+        lambda: gdr.chunk_gated_delta_rule_backward_triton(v, q, q, v, g, beta, seg, opts)
+    )
+
     # MoE dispatch (permute / unpermute and its backward).
     for T, k, D, xdt, subset in (
         (16384, 6, 1024, f32, "ci"),

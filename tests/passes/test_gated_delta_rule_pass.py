@@ -32,7 +32,7 @@ def _block_inputs(model, T=70):
     return x, rope, doc
 
 
-def _run(block, x, rope, doc, dump=None, passes=()):
+def _run(block, x, rope, doc, dump=None, passes=("+gated_delta_rule",)):
     """Output and the gradients of x and of every parameter, eager or compiled (aot_eager)."""
     x = x.detach().clone().requires_grad_()
     fn = block
@@ -67,7 +67,7 @@ def test_pass_off_leaves_the_region_and_eager_numerics(tmp_path):
     block = model.layers["1"]
     inputs = _block_inputs(model, T=33)
     out, grads = _run(block, *inputs)
-    out_c, grads_c = _run(block, *inputs, dump=tmp_path, passes=["-gated_delta_rule"])
+    out_c, grads_c = _run(block, *inputs, dump=tmp_path, passes=())
     (summary,) = list(tmp_path.glob("*/summary.json"))
     labels = [s["label"] for s in json.loads(summary.read_text())]
     assert "gated_delta_rule" not in labels
@@ -88,7 +88,8 @@ def test_other_regions_are_left_alone(tmp_path):
 
     torch._dynamo.reset()
     x = torch.randn(4)
-    out = torch.compile(fn, backend=backend(inner="aot_eager", dump_dir=tmp_path))(x)
+    compiled = backend(inner="aot_eager", dump_dir=tmp_path, passes=["+gated_delta_rule"])
+    out = torch.compile(fn, backend=compiled)(x)
     torch.testing.assert_close(out, x.sin() * 2 + 1)
     step = pass_step(tmp_path, "gated_delta_rule")
     assert step["notes"] == ["no Gated DeltaNet recurrence region in this graph"]
@@ -111,7 +112,7 @@ def test_pass_fires_in_every_gdn_block_of_the_compiled_model(tmp_path, preset):
 
     mask = document_causal_mask(doc)
     torch._dynamo.reset()
-    apply_compile(compiled, inner="aot_eager", dump_dir=tmp_path)
+    apply_compile(compiled, inner="aot_eager", dump_dir=tmp_path, passes=["+gated_delta_rule"])
     losses = []
     for model in (eager, compiled):
         loss = model(ids, ids, position_ids=pos, attn_mask=mask, document_ids=doc)

@@ -527,7 +527,9 @@ def test_triton_kernels_under_interpreter():
     run_interpreter_checks(__file__, "interpreter strided ok")
 
 
-def _compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, object]) -> None:
+def _compile_for_sm90(
+    kernel, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4
+) -> None:
     """Compile `kernel` to a Hopper cubin (Triton's NVIDIA backend and its ptxas), no GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -540,7 +542,9 @@ def _compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, objec
         signature=signature,
         constexprs={index[name]: value for name, value in constexprs.items()},
     )
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
     assert compiled.asm["cubin"]
 
 
@@ -590,6 +594,7 @@ def test_kernels_compile_for_hopper(dtype, score, groups, extras):
             BLOCK_T=mr._FWD_TILE // (g_pad * epg_pad),
         ),
     )
+    block_t, block_e, warps = mr._bwd_config(code, 65536, E, extras=extras)
     _compile_for_sm90(
         mr._moe_route_bwd_kernel,
         {
@@ -612,9 +617,10 @@ def test_kernels_compile_for_hopper(dtype, score, groups, extras):
             NORMALIZE=True,
             AUX=extras,
             LSE=extras,
-            BLOCK_T=mr._BWD_TILE_WARPS[code][0] // E,
-            BLOCK_E=E,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
         ),
+        num_warps=warps,
     )
 
 

@@ -133,10 +133,10 @@ _BWD_TILE_WARPS = {_SOFTMAX_PRE: (512, 1), _SOFTMAX_POST: (1024, 2), _SIGMOID: (
 # Backward tile elements per thread (per [BLOCK_T, E] tensor) at most where the swept tiles
 # spill on sm_90 (ptxas -v of the sm_90a cubin; no GPU needed): the sigmoid's 64 with d
 # aux_sums or d lse (x, the softmax, d aux and d scores live at once: 255 registers and 8-276 B
-# of spills at moe-1b's 16384 x 64 and at 65536 x 256; 32 still spilled 4 B there) and one row
-# of 4096 experts (64 spilled up to 1764 B, even without them). The tokens per program stay
-# the sweep's; only the warps grow.
-_BWD_MAX_ELEMS = 16
+# of spills at moe-1b's 16384 x 64 and at 65536 x 256; 32 still spilled 4 B there) and rows
+# of 2048 or more experts (64 spilled 228-1764 B there, even without them; 1024 did not). The
+# tokens per program stay the sweep's; only the warps grow.
+_BWD_MAX_ELEMS, _BWD_WIDE_ROW = 16, 2048
 
 
 # --------------------------------------------------------------------------------------------
@@ -767,7 +767,7 @@ def _bwd_config(code: int, T: int, E: int, *, extras: bool) -> tuple[int, int, i
     tile, warps = _BWD_TILE_WARPS[code]
     block_t = max(1, min(tile // block_e, triton.next_power_of_2(T)))
     elems = tile // (32 * warps)  # per thread and tile tensor, as swept
-    if extras or block_e >= tile:  # block_e >= tile: one row fills the tile (many experts)
+    if extras or block_e >= _BWD_WIDE_ROW:
         elems = min(elems, _BWD_MAX_ELEMS)
     # More warps, not more registers per thread, where a thread would hold more than `elems`.
     warps = min(16, max(warps, block_t * block_e // (32 * elems)))

@@ -130,6 +130,13 @@ _FWD_TILE, _FWD_WARPS = 2048, 8
 # Kernel codes of the score function.
 _SOFTMAX_PRE, _SOFTMAX_POST, _SIGMOID = 0, 1, 2
 _BWD_TILE_WARPS = {_SOFTMAX_PRE: (512, 1), _SOFTMAX_POST: (1024, 2), _SIGMOID: (4096, 2)}
+# Backward tile elements per thread (per [BLOCK_T, E] tensor) at most where the swept tiles
+# spill on sm_90 (ptxas -v of the sm_90a cubin; no GPU needed): the sigmoid's 64 with d
+# aux_sums or d lse (x, the softmax, d aux and d scores live at once: 255 registers and 8-276 B
+# of spills at moe-1b's 16384 x 64 and at 65536 x 256; 32 still spilled 4 B there) and rows
+# of 2048 or more experts (64 spilled 228-1764 B there, even without them; 1024 did not). The
+# tokens per program stay the sweep's; only the warps grow.
+_BWD_MAX_ELEMS, _BWD_WIDE_ROW = 16, 2048
 
 
 # --------------------------------------------------------------------------------------------
@@ -753,6 +760,20 @@ def moe_route_triton(
     return weights, indices, counts, aux_sums, lse, plain_counts
 
 
+def _bwd_config(code: int, T: int, E: int, *, extras: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_E, num_warps) of the backward for score code `code`, T tokens and E
+    experts; extras: d aux_sums or d lse are taken too (more of the tile live at once)."""
+    block_e = triton.next_power_of_2(E)
+    tile, warps = _BWD_TILE_WARPS[code]
+    block_t = max(1, min(tile // block_e, triton.next_power_of_2(T)))
+    elems = tile // (32 * warps)  # per thread and tile tensor, as swept
+    if extras or block_e >= _BWD_WIDE_ROW:
+        elems = min(elems, _BWD_MAX_ELEMS)
+    # More warps, not more registers per thread, where a thread would hold more than `elems`.
+    warps = min(16, max(warps, block_t * block_e // (32 * elems)))
+    return block_t, block_e, warps
+
+
 def moe_route_backward_triton(
     grad_weights: Tensor,
     grad_aux_sums: Tensor | None,
@@ -770,13 +791,9 @@ def moe_route_backward_triton(
     if T == 0:
         return grad_logits
     K = indices.shape[1]
-    block_e = triton.next_power_of_2(E)
     code = o.score_code
-    tile, warps = _BWD_TILE_WARPS[code]
-    block_t = max(1, min(tile // block_e, triton.next_power_of_2(T)))
-    # Rows wider than the tile (many experts) get more warps, not more registers per thread.
-    warps = min(16, max(warps, block_t * block_e * warps // tile))
     aux = grad_aux_sums is not None and o.aux_seq_len > 0
+    block_t, block_e, warps = _bwd_config(code, T, E, extras=aux or grad_lse is not None)
     _moe_route_bwd_kernel[(triton.cdiv(T, block_t),)](
         # Autograd may hand over expanded (stride 0) gradients.
         grad_weights.contiguous(),

@@ -527,8 +527,16 @@ def test_triton_kernels_under_interpreter():
     run_interpreter_checks(__file__, "interpreter strided ok")
 
 
-def _compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, object]) -> None:
-    """Compile `kernel` to a Hopper cubin (Triton's NVIDIA backend and its ptxas), no GPU."""
+def _compile_for_sm90(
+    kernel, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4
+) -> None:
+    """Compile `kernel` to a Hopper cubin (Triton's NVIDIA backend and its ptxas), no GPU, and
+    check that ptxas spills no register (a spill is a local-memory round trip per element)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -540,18 +548,36 @@ def _compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, objec
         signature=signature,
         constexprs={index[name]: value for name, value in constexprs.items()},
     )
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
     assert compiled.asm["cubin"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        cmd = [ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(tmp, "kernel.cubin")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills, log
+    assert spills.groups() == ("0", "0"), f"{kernel.fn.__name__} {constexprs}: {log}"
 
 
 @pytest.mark.parametrize("extras", [False, True])
 @pytest.mark.parametrize(
-    "dtype,score,groups", [("bf16", "sigmoid", 8), ("fp32", "softmax", 1), ("fp16", "post", 1)]
+    "dtype,score,groups,E,K",
+    [
+        ("bf16", "sigmoid", 8, 256, 8),
+        ("fp32", "softmax", 1, 256, 8),
+        ("fp16", "post", 1, 256, 8),
+        ("fp32", "sigmoid", 8, 64, 6),  # moe-1b's router
+    ],
 )
-def test_kernels_compile_for_hopper(dtype, score, groups, extras):
-    """The CUDA codegen (which the interpreter skips) accepts both kernels, on a CPU machine:
-    the benchmark's 256 experts, top-8, with and without the aux sums and the lse."""
-    E, K = 256, 8
+def test_kernels_compile_for_hopper(dtype, score, groups, E, K, extras):
+    """The CUDA codegen (which the interpreter skips) accepts both kernels, on a CPU machine,
+    at the launchers' block sizes and warps, without register spills: the benchmark's 256
+    experts, top-8, and moe-1b's 64, top-6, with and without the aux sums and the lse."""
     code = {"softmax": mr._SOFTMAX_PRE, "post": mr._SOFTMAX_POST, "sigmoid": mr._SIGMOID}[score]
     g_pad, epg, epg_pad = mr._tile(E, groups)
     _compile_for_sm90(
@@ -573,7 +599,7 @@ def test_kernels_compile_for_hopper(dtype, score, groups, extras):
         },
         dict(
             K=K,
-            K_PAD=K,
+            K_PAD=triton.next_power_of_2(K),
             E=E,
             G=groups,
             EPG=epg,
@@ -589,7 +615,9 @@ def test_kernels_compile_for_hopper(dtype, score, groups, extras):
             PLAIN=2 if extras else 0,
             BLOCK_T=mr._FWD_TILE // (g_pad * epg_pad),
         ),
+        num_warps=mr._FWD_WARPS,
     )
+    block_t, block_e, warps = mr._bwd_config(code, 65536, E, extras=extras)
     _compile_for_sm90(
         mr._moe_route_bwd_kernel,
         {
@@ -607,14 +635,15 @@ def test_kernels_compile_for_hopper(dtype, score, groups, extras):
         },
         dict(
             K=K,
-            K_PAD=K,
+            K_PAD=triton.next_power_of_2(K),
             SCORE=code,
             NORMALIZE=True,
             AUX=extras,
             LSE=extras,
-            BLOCK_T=mr._BWD_TILE_WARPS[code][0] // E,
-            BLOCK_E=E,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
         ),
+        num_warps=warps,
     )
 
 

@@ -5,7 +5,7 @@ variant: it compiles; its shared memory is within the 227 KiB a block may have; 
 threads fit the register file; no spills. A variant outside these limits needs an ALLOWED
 entry that says why and bounds it (a worse regression still fails).
 
-Budget (cold Triton cache, 2 shared cores): the fast subset (one case per kernel family, 27
+Budget (cold Triton cache, 2 shared cores): the fast subset (one case per kernel family, ~20
 variants) takes ~20 s of CPU and runs unmarked; sm_100's fast subset and sm_90's "ci" set (every
 kernel, more shapes and dtypes) are slow-marked; "all" (both benchmark shapes of the head, its
 fp32 path, whose ptxas runs with kilobytes of spills take minutes each) runs on request
@@ -62,12 +62,6 @@ ALLOWED = [
         "the step-by-step Gated DeltaNet backward holds a 128 x 128 fp32 state and its gradient "
         "in registers: 540 B per thread at 16 warps on sm_90; its pass is off by default until "
         "chunked tensor-core kernels replace it (docs/design/gated_delta_rule.md)",
-    ),
-    Allowed(
-        "_moe_route_bwd_kernel", (), (90, 100), 252, SMEM_LIMIT,
-        "retune pending: moe_route.py is being edited (the lead retunes it after the merge); "
-        "the router backward spills 8-252 B per thread in every config at moe-1b's shape "
-        "(8 B at BLOCK_T=64 w2)",
     ),
 ]  # fmt: skip
 
@@ -142,7 +136,7 @@ FULL_ONLY = {"_lce_scale_kernel"}
 
 
 def test_fast_subset_compiles_within_the_limits_on_sm90(fast_sm90):
-    assert len(fast_sm90) >= 20, [r["case"] for r in fast_sm90]
+    assert len(fast_sm90) >= 15, [r["case"] for r in fast_sm90]
     assert _problems(fast_sm90) == []
 
 
@@ -159,15 +153,15 @@ def test_the_check_can_fail(fast_sm90):
     record = next(r for r in fast_sm90 if r["kernel"] == "_amax_kernel")
     for change in ({"spill_stores": 4}, {"shared": SMEM_LIMIT + 1}, {"error": "CompilationError"}):
         assert len(_problems([{**record, **change}])) == 1, change
-    spilling_router = next(r for r in fast_sm90 if r["kernel"] == "_moe_route_bwd_kernel")
-    assert _problems([spilling_router]) == []  # allowed, within its bound
-    assert len(_problems([{**spilling_router, "spill_stores": 1000}])) == 1
+    spilling_gdr = next(r for r in fast_sm90 if r["kernel"] == "_gdr_bwd_kernel")
+    assert _problems([spilling_gdr]) == []  # allowed, within its bound
+    assert len(_problems([{**spilling_gdr, "spill_stores": 1000}])) == 1
 
 
 @pytest.mark.slow  # ~25 s of CPU cold
 def test_fast_subset_compiles_within_the_limits_on_sm100(tmp_path_factory):
     records = _compile(tmp_path_factory, "fast", 100)
-    assert len(records) >= 20
+    assert len(records) >= 15
     assert _problems(records) == []
 
 

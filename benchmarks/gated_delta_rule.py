@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from cross_entropy import record  # run as a script: benchmarks/ is on sys.path
+from harness import record  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain.custom_ops.gated_delta_rule  # noqa: F401  (registers the op)
 from graphtrain.compile import backend as graphtrain_backend
@@ -84,7 +84,12 @@ def cpu_smoke() -> None:
     x = torch.randn(2, 40, 32)
     with tempfile.TemporaryDirectory() as dump:
         torch._dynamo.reset()
-        fn = torch.compile(layer, backend=graphtrain_backend(inner="aot_eager", dump_dir=dump))
+        fn = torch.compile(
+            layer,
+            backend=graphtrain_backend(
+                inner="aot_eager", dump_dir=dump, passes=["+gated_delta_rule"]
+            ),
+        )
         torch.testing.assert_close(fn(x), layer(x))
         (summary,) = Path(dump).glob("*/summary.json")
         steps = {s["label"]: s for s in json.loads(summary.read_text())}

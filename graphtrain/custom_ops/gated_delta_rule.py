@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphtrain.custom_ops.utils import interpreting
+from graphtrain.custom_ops.utils import interpreting as _interpreting
 from models.gated_deltanet import chunk_gated_delta_rule as _model_chunk_gated_delta_rule
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -191,7 +191,7 @@ def _gdr_fwd_kernel(
 
 
 def _use_triton(t: Tensor) -> bool:
-    return t.dtype != torch.float64 and (t.is_cuda or interpreting())
+    return t.dtype != torch.float64 and (t.is_cuda or _interpreting())
 
 
 def chunk_gated_delta_rule_triton(

@@ -237,11 +237,18 @@ class Fired:
     saves: str  # what it saves ("" for a rewrite that is no fusion)
     fusion: bool  # a fusion (PASS_SAVES, or it inserted a graphtrain op), not a respelling
 
-    def replaced(self) -> str:
-        """ "-1 a, -1 b -> +1 c": the ops it took out and the ones it put in."""
-        gone = ", ".join(f"{n:+d} {op}" for op, n in self.op_diff.items() if n < 0)
-        new = ", ".join(f"{n:+d} {op}" for op, n in self.op_diff.items() if n > 0)
-        return f"{gone or '-'} -> {new or '-'}"
+    def replaced(self, shown: int | None = None) -> str:
+        """The ops it took out and the ones it put in, "-1 a, -1 b -> +1 c"; `shown`: at most
+        so many kinds on each side, then how many more."""
+
+        def side(items: list[str]) -> str:
+            if shown is not None and len(items) > shown:
+                items = [*items[:shown], f"... {len(items) - shown} more"]
+            return ", ".join(items) or "-"
+
+        gone = [f"{n:+d} {op}" for op, n in self.op_diff.items() if n < 0]
+        new = [f"{n:+d} {op}" for op, n in self.op_diff.items() if n > 0]
+        return f"{side(gone)} -> {side(new)}"
 
 
 @dataclass

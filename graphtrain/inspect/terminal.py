@@ -46,7 +46,7 @@ def _passes(report: Report, paint: Callable[[str, str], str]) -> list[str]:
         out.append(f"{paint(f.name, 'green')} in {', '.join(f.graphs)}")
         for site in f.sites:
             out.append(f"  at {site.module_path or '(root)'}, {site.source or '?'}")
-        out.append(f"  replaced {f.replaced()}")
+        out.append(f"  replaced {f.replaced(shown=6)}")  # all of it in the page
         for saving in [f.saves, *measured(report, f.name)]:
             if saving:
                 out.append(f"  saves: {saving}")
@@ -56,7 +56,7 @@ def _passes(report: Report, paint: Callable[[str, str], str]) -> list[str]:
     rewrites = [f for f in done if not f.fusion]
     if rewrites:
         out += ["", paint("Other rewrites", "bold")]
-        out += [f"{f.name} in {', '.join(f.graphs)}: {f.replaced()}" for f in rewrites]
+        out += [f"{f.name} in {', '.join(f.graphs)}: {f.replaced(shown=4)}" for f in rewrites]
     nothing = unmatched(report)
     off = [p for p in report.passes if not p.enabled]
     if nothing or off:

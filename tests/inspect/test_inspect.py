@@ -2,12 +2,14 @@
 compile times, HTML, CLI, trace; on the MoE debug model: its own block graphs and the fused
 router; with Inductor: the generated code in the page and the profile's attribution."""
 
+import dataclasses
 import json
 import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +19,8 @@ from graphtrain.config import load_config, to_toml
 from graphtrain.inspect import inspect, inspect_config, load_report, write_report
 from graphtrain.inspect.cli import default_out_dir
 from graphtrain.inspect.html import render_html
-from graphtrain.inspect.report import PASS_NEEDS, fired, unmatched
+from graphtrain.inspect.profile import PassTime
+from graphtrain.inspect.report import PASS_NEEDS, fired, measured, unmatched
 from graphtrain.inspect.terminal import render_summary
 from graphtrain.passes import all_passes
 
@@ -176,6 +179,9 @@ def test_summary_and_page_lead_with_what_fired(report):
     ]
     gone, new = lce.replaced().split(" -> ")
     assert "-1 torch.nn.functional.cross_entropy" in gone and f"+1 {FUSED}" in new
+    assert lce.replaced(shown=1) == (
+        "-1 torch.nn.functional.cross_entropy, ... 2 more -> +1 Tensor.reshape, ... 1 more"
+    )
     assert "logits" in lce.saves and "mode='fast'" in lce.notes[0]
     assert [f.name for f in fired(report) if not f.fusion] == ["canonicalize"] * 2
     nothing = {u.name: u for u in unmatched(report)}
@@ -186,6 +192,12 @@ def test_summary_and_page_lead_with_what_fired(report):
     assert nothing["overlap_tp_comm"].notes == [PASS_NEEDS["overlap_tp_comm"]]
     # every AOT graph: forward of all four, backward of the two training ones
     assert len(nothing["overlap_tp_comm"].graphs) == 6
+
+    # What it saves in time, where --profile timed the region with the pass off and on.
+    assert measured(report, lce.name) == []
+    timing = PassTime(lce.name, "head_loss", after_ms=1.0, before_ms=2.5)
+    timed = dataclasses.replace(report, profile=SimpleNamespace(passes=[timing]))
+    assert measured(timed, lce.name) == ["head_loss: 2.500 -> 1.000 ms/step kernel time (2.50x)"]
 
     lines = render_summary(report).splitlines()
     lead = lines.index("Fusions that fired")

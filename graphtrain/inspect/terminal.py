@@ -47,9 +47,9 @@ def _passes(report: Report, paint: Callable[[str, str], str]) -> list[str]:
         for site in f.sites:
             out.append(f"  at {site.module_path or '(root)'}, {site.source or '?'}")
         out.append(f"  replaced {f.replaced(shown=6)}")  # all of it in the page
-        for saving in [f.saves, *measured(report, f.name)]:
-            if saving:
-                out.append(f"  saves: {saving}")
+        if f.saves:
+            out.append(f"  saves: {f.saves}")
+        out += [f"  {m}" for m in measured(report, f.name)]  # on CPU, the ops' torch reference
         out += [f"  note: {n}" for n in f.notes]
     if not fusions:
         out.append("(none)")

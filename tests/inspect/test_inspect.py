@@ -197,7 +197,9 @@ def test_summary_and_page_lead_with_what_fired(report):
     assert measured(report, lce.name) == []
     timing = PassTime(lce.name, "head_loss", after_ms=1.0, before_ms=2.5)
     timed = dataclasses.replace(report, profile=SimpleNamespace(passes=[timing]))
-    assert measured(timed, lce.name) == ["head_loss: 2.500 -> 1.000 ms/step kernel time (2.50x)"]
+    assert measured(timed, lce.name) == [
+        "measured in head_loss: 2.500 ms/step kernel time without the pass, 1.000 with it (2.50x)"
+    ]
 
     lines = render_summary(report).splitlines()
     lead = lines.index("Fusions that fired")

@@ -7,15 +7,8 @@ import logging
 import os
 import sys
 
-from graphtrain.parallel.divergence import ReplicaDivergenceError
-from graphtrain.preemption import (
-    EXIT_PREEMPTED,
-    STATUS_DIR,
-    PeerLostError,
-    Preempted,
-    StartupStopped,
-    report_status,
-)
+# Nothing here imports torch at module level (nor does `import graphtrain`): `graphtrain --help`
+# and the argparse help of export and plan answer without it.
 
 USAGE = """usage: graphtrain COMMAND ...
 
@@ -117,10 +110,26 @@ def _export(args: list[str]) -> int:
     return 0
 
 
-def _presets() -> str:
-    from graphtrain.config import JOB_PRESETS
+# The job presets (graphtrain.config.JOB_PRESETS, checked equal by a test), spelled out so that
+# the usage text needs no import of the config, which imports the models and so torch.
+PRESET_NAMES = (
+    "tiny",
+    "debug",
+    "125m",
+    "1b",
+    "moe-tiny",
+    "moe-debug",
+    "moe-1b",
+    "hybrid-debug",
+    "hybrid-moe-debug",
+    "hybrid-1b",
+    "3b",
+    "8b",
+)
 
-    return ", ".join(JOB_PRESETS)
+
+def _presets() -> str:
+    return ", ".join(PRESET_NAMES)
 
 
 def _plan(args: list[str]) -> int:
@@ -187,6 +196,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     _setup_logging()
+    if "-h" in rest or "--help" in rest:
+        # A command's help needs none of the handlers below, whose imports bring in torch
+        # (export's and plan's help answer without it).
+        try:
+            return COMMANDS[command](rest)
+        except (ValueError, OSError) as e:  # a bad override beside train --help
+            print(f"graphtrain: error: {e}", file=sys.stderr)
+            return 2
+    from graphtrain.parallel.divergence import ReplicaDivergenceError
+    from graphtrain.preemption import (
+        EXIT_PREEMPTED,
+        STATUS_DIR,
+        PeerLostError,
+        Preempted,
+        StartupStopped,
+        report_status,
+    )
+
     try:
         return COMMANDS[command](rest)
     except PeerLostError as e:  # another rank died: its own output says why

@@ -1,9 +1,11 @@
 """The Report as one self-contained HTML page: inline CSS and JS, no network resource.
 
-Sections: summary, the profile (with `--profile`: where the step goes by source line, per
-graph, per kernel, each fusing pass before/after), passes (result per graph, notes, op-count
-diff), graphtrain custom ops, graph breaks, recompiles, compile time per stage, caches, then
-every compiled graph with each step's diff, its full graph text and Inductor's generated code.
+Sections: summary; passes, led by the fusions that fired (where: graphs, module, source line;
+what they replaced and save; their notes), then the other rewrites, the passes that found
+nothing (one line each, collapsed) and every pass on every graph (collapsed); the profile
+(with `--profile`: where the step goes by source line, per graph, per kernel, each fusing pass
+before/after); graphtrain custom ops, graph breaks, recompiles, compile time per stage,
+caches, then every compiled graph with each step's diff, its full graph text and Inductor's generated code.
 Built for a laptop screen: one-column diffs and code in panes that scroll (or wrap, with the
 header's switch) inside the page width; long things are collapsed until opened.
 The search box keeps the lines (and the graphs and steps) that contain the text typed.
@@ -15,7 +17,16 @@ import os
 from collections import Counter
 from html import escape
 
-from graphtrain.inspect.report import CompiledGraph, GeneratedCode, Report, Step
+from graphtrain.inspect.report import (
+    CompiledGraph,
+    GeneratedCode,
+    Report,
+    Step,
+    fired,
+    measured,
+    result_notes,
+    unmatched,
+)
 
 # Generated modules longer than this are cut in the page (the dump keeps them whole).
 MAX_CODE_CHARS = 150_000
@@ -165,8 +176,8 @@ def _ms(ms: float | None) -> str:
 
 
 _SECTIONS = (
-    ("profile", "Profile"),
     ("passes", "Passes"),
+    ("profile", "Profile"),
     ("custom-ops", "Custom ops"),
     ("breaks", "Graph breaks"),
     ("recompiles", "Recompiles"),
@@ -378,21 +389,75 @@ def _graph(report: Report, g: CompiledGraph) -> list[str]:
     return out
 
 
-def render_html(report: Report) -> str:
-    out = [
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        "<title>graphtrain inspect</title>",
-        f"<style>{_CSS}</style></head><body>",
-        _header(report),
-        "<main>",
-        f"<p>{len(report.graphs)} compiled graph(s) in regions "
-        f"<b>{escape(', '.join(report.regions) or '-')}</b>; inner backend "
-        f"{escape(report.inner or 'unknown')}; dumps in <code>{escape(report.dump_dir)}</code></p>",
-    ]
-    if report.profile is not None:
-        out += _profile(report)
-    out.append('<h2 id="passes">Passes</h2>')
+def _diff_cell(op_diff: dict[str, int]) -> str:
+    return escape(", ".join(f"{n:+d} {op}" for op, n in op_diff.items()) or "-")
+
+
+def _passes(report: Report) -> list[str]:
+    """The page's lead: the fusions that fired, where and what they save; then the other
+    rewrites; the passes that found nothing summarised and collapsed; every pass on every
+    graph last, collapsed."""
+    done = fired(report)
+    out = ['<h2 id="passes">Passes: what fired</h2>']
+    fusions = [f for f in done if f.fusion]
+    rows = []
+    for f in fusions:
+        where = "<br>".join(
+            f"{escape(s.module_path or '(root)')}, {_source_cell(s.source)}" for s in f.sites
+        )
+        saves = [escape(f.saves)] if f.saves else []
+        saves += [f"<b>{escape(m)}</b>" for m in measured(report, f.name)]
+        rows.append(
+            [
+                f'<span class="ok">{escape(f.name)}</span>',
+                escape(", ".join(f.graphs)) + (f"<br>{where}" if where else ""),
+                escape(f.replaced()),
+                "<br>".join(saves) or "-",
+                "<br>".join(escape(n) for n in f.notes),
+            ]
+        )
+    headers = ["fusion", "where (graphs; module, source)", "replaced", "saves", "notes"]
+    out.append(
+        _table(headers, rows, {4: "small"}) if rows else "<p>No fusion fired in these graphs.</p>"
+    )
+    rewrites = [f for f in done if not f.fusion]
+    if rewrites:
+        rows = [
+            [
+                escape(f.name),
+                escape(", ".join(f.graphs)),
+                escape(f.replaced()),
+                "; ".join(map(escape, f.notes)),
+            ]
+            for f in rewrites
+        ]
+        out.append(
+            f"<details><summary>Other rewrites: {escape(', '.join(dict.fromkeys(f.name for f in rewrites)))}"
+            "</summary>"
+            + _table(["pass", "graphs", "replaced", "notes"], rows, {3: "small"})
+            + "</details>"
+        )
+    nothing = unmatched(report)
+    off = [p for p in report.passes if not p.enabled]
+    if nothing:
+        rows = [
+            [
+                escape(u.name),
+                f"{len(u.graphs)}: {escape(', '.join(u.graphs))}",
+                escape("; ".join(u.notes)),
+            ]
+            for u in nothing
+        ]
+        out.append(
+            f"<details><summary>{len(nothing)} pass(es) found nothing to rewrite: "
+            f"{escape(', '.join(u.name for u in nothing))}</summary>"
+            + _table(["pass", "graphs", "why"], rows)
+            + "</details>"
+        )
+    for p in off:
+        out.append(
+            f'<p class="note"><span class="off">{escape(p.name)} off</span>: {escape(p.reason)}</p>'
+        )
     rows = []
     for p in report.passes:
         if not p.enabled:
@@ -405,11 +470,33 @@ def render_html(report: Report) -> str:
                 if r.matched
                 else '<span class="no">no match</span>'
             )
-            diff = ", ".join(f"{n:+d} {op}" for op, n in r.op_diff.items()) or "-"
+            notes = "; ".join(result_notes(r))
             rows.append(
-                [escape(p.name), escape(r.graph), escape(diff), status, escape("; ".join(r.notes))]
+                [escape(p.name), escape(r.graph), _diff_cell(r.op_diff), status, escape(notes)]
             )
-    out.append(_table(["pass", "graph", "op diff", "result", "notes"], rows))
+    out.append(
+        f"<details><summary>Every pass on every graph ({len(rows)} rows)</summary>"
+        + _table(["pass", "graph", "op diff", "result", "notes"], rows)
+        + "</details>"
+    )
+    return out
+
+
+def render_html(report: Report) -> str:
+    out = [
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        "<title>graphtrain inspect</title>",
+        f"<style>{_CSS}</style></head><body>",
+        _header(report),
+        "<main>",
+        f"<p>{len(report.graphs)} compiled graph(s) in regions "
+        f"<b>{escape(', '.join(report.regions) or '-')}</b>; inner backend "
+        f"{escape(report.inner or 'unknown')}; dumps in <code>{escape(report.dump_dir)}</code></p>",
+    ]
+    out += _passes(report)
+    if report.profile is not None:
+        out += _profile(report)
     out.append('<h2 id="custom-ops">graphtrain custom ops</h2>')
     rows = [
         [

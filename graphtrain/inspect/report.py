@@ -9,6 +9,8 @@ the graph breaks with their reasons and source lines, Inductor's generated code 
 kernel's provenance, the compile time of every stage, the recompiles with torch's reason, and
 the caches' hits and misses (torch's compile metrics, compile_metrics.json in the dump). A
 registered pass that appears in no dump was switched off (compile.passes) and is reported as such.
+`fired(report)` and `unmatched(report)` digest the pass results for the two renderings: what
+fired, where and what it saves, then the passes that found nothing, each with a reason.
 """
 
 from __future__ import annotations
@@ -181,6 +183,142 @@ class Report:
             "regions": self.regions,
             "custom_ops": dict(self.custom_ops),
         }
+
+
+# What each fusion saves, for the lead of the page and the summary (the profile, when there is
+# one, adds the measured time). A pass not named here that inserts a graphtrain op still counts
+# as a fusion; canonicalize and other respellings are "other rewrites".
+PASS_SAVES = {
+    "fuse_linear_cross_entropy": "the (tokens x vocab) logits and their gradient are never "
+    "held in memory: the loss and the gradient come from one op, the gradient computed in the "
+    "forward",
+    "fuse_moe_router": "one op, forward and backward, for scores, group limit, top-k, weights "
+    "and expert counts instead of a chain of small ops",
+    "fuse_moe_dispatch": "the token permutation and the weighted combine as one op each, with "
+    "their own backward, instead of indexing ops and their autograd",
+    "fuse_sibling_grouped_mm": "one grouped GEMM instead of two over the same input rows (read "
+    "once, one launch)",
+    "gated_delta_rule": "the chunked recurrence kernel instead of the plain PyTorch recurrence",
+    "fp8_linear": "the selected GEMMs (forward, dgrad, wgrad) in FP8 with current scaling",
+    "fp8_all_gather": "the tensor-parallel all-gather moves FP8 bytes instead of bf16",
+    "overlap_tp_comm": "the tensor-parallel collective runs while the GEMM next to it computes",
+    "fp8_cast_once": "each activation cast to FP8 once for all the linears that read it",
+}
+
+# Said for a pass that found nothing and left no note: what it needs to fire.
+PASS_NEEDS = {
+    "fp8_all_gather": "nothing to rewrite: it needs sequence-parallel TP (tp > 1) with the "
+    "fp8_linear pass on",
+    "overlap_tp_comm": "nothing to rewrite: it needs tensor-parallel collectives (tp > 1)",
+    "fp8_cast_once": "nothing to rewrite: it needs the fp8_linear pass on",
+}
+NO_NOTE = "nothing to rewrite in this graph (the pass gave no reason)"
+
+
+def result_notes(result: PassResult) -> list[str]:
+    """A pass result's notes, never empty: what a silent pass needs, or that it said nothing."""
+    if result.notes:
+        return result.notes
+    if result.matched:
+        return ["changed the graph (the pass gave no note)"]
+    return [PASS_NEEDS.get(result.name, NO_NOTE)]
+
+
+@dataclass
+class Fired:
+    """One pass's rewrite, the same on every graph in `graphs` (training's and validation's
+    compile of one region usually)."""
+
+    name: str
+    graphs: list[str]
+    op_diff: dict[str, int]
+    notes: list[str]  # distinct, never empty
+    sites: list[CustomOpSite]  # the graphtrain ops it inserted: module path, source line
+    saves: str  # what it saves ("" for a rewrite that is no fusion)
+    fusion: bool  # a fusion (PASS_SAVES, or it inserted a graphtrain op), not a respelling
+
+    def replaced(self, shown: int | None = None) -> str:
+        """The ops it took out and the ones it put in, "-1 a, -1 b -> +1 c"; `shown`: at most
+        so many kinds on each side, then how many more."""
+
+        def side(items: list[str]) -> str:
+            if shown is not None and len(items) > shown:
+                items = [*items[:shown], f"... {len(items) - shown} more"]
+            return ", ".join(items) or "-"
+
+        gone = [f"{n:+d} {op}" for op, n in self.op_diff.items() if n < 0]
+        new = [f"{n:+d} {op}" for op, n in self.op_diff.items() if n > 0]
+        return f"{side(gone)} -> {side(new)}"
+
+
+@dataclass
+class Unmatched:
+    """A pass that ran and changed nothing, summarised over the graphs."""
+
+    name: str
+    graphs: list[str]
+    notes: list[str]  # distinct, never empty
+
+
+def fired(report: Report) -> list[Fired]:
+    """The passes that changed a graph, fusions first, in pass order; one entry per pass and
+    distinct op diff, with the graphs where it was so and their distinct notes."""
+    groups: dict[tuple[Any, ...], Fired] = {}
+    for r in report.pass_results:
+        if not r.matched:
+            continue
+        # Not keyed on the notes: they can differ in numbers alone (the memory budget of the
+        # cross-entropy mode, read at each compile).
+        key = (r.name, tuple(r.op_diff.items()))
+        if key in groups:
+            groups[key].graphs.append(r.graph)
+            groups[key].notes += [n for n in result_notes(r) if n not in groups[key].notes]
+            continue
+        inserts = any(n > 0 and op.startswith("graphtrain.") for op, n in r.op_diff.items())
+        groups[key] = Fired(
+            name=r.name,
+            graphs=[r.graph],
+            op_diff=dict(r.op_diff),
+            notes=result_notes(r),
+            sites=[],
+            saves=PASS_SAVES.get(r.name, ""),
+            fusion=inserts or r.name in PASS_SAVES,
+        )
+    for f in groups.values():
+        seen = set()
+        for site in report.custom_op_sites:
+            where = (site.op, site.module_path, site.source)
+            if site.graph in f.graphs and f.op_diff.get(site.op, 0) > 0 and where not in seen:
+                seen.add(where)
+                f.sites.append(site)
+    return sorted(groups.values(), key=lambda f: not f.fusion)  # stable: pass order kept
+
+
+def measured(report: Report, name: str) -> list[str]:
+    """The profile's kernel time per step of each region with pass `name` off and on (none
+    without --profile, or where the pass was not timed)."""
+    if report.profile is None:
+        return []
+    return [
+        f"measured in {t.region}: {t.before_ms:.3f} ms/step kernel time without the pass, "
+        f"{t.after_ms:.3f} with it ({t.before_ms / t.after_ms:.2f}x)"
+        for t in report.profile.passes
+        if t.name == name and t.before_ms and t.after_ms
+    ]
+
+
+def unmatched(report: Report) -> list[Unmatched]:
+    """The enabled passes that changed no graph, each with the graphs and its distinct notes
+    (a pass that matched somewhere is in `fired`, its other graphs left out)."""
+    matched = {r.name for r in report.pass_results if r.matched}
+    out: dict[str, Unmatched] = {}
+    for r in report.pass_results:
+        if r.matched or r.name in matched:
+            continue
+        entry = out.setdefault(r.name, Unmatched(r.name, [], []))
+        entry.graphs.append(r.graph)
+        entry.notes += [n for n in result_notes(r) if n not in entry.notes]
+    return list(out.values())
 
 
 def _read_steps(directory: Path) -> list[Step]:

@@ -1,12 +1,19 @@
-"""The terminal summary of a Report: plain-text tables, ANSI colours only on a terminal."""
+"""The terminal summary of a Report: plain-text tables, ANSI colours only on a terminal.
+
+It opens on what fired: each fusion with its graphs, module and source line, what it replaced,
+what it saves (measured, with --profile) and its notes; then the other rewrites, one line per
+pass that changed nothing (with its reason, or what it needs to fire) and the passes switched
+off; then compiled graphs, custom ops, graph breaks, recompiles and the profile. Every pass on
+every graph is in the page.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from graphtrain.inspect.report import Report
+from graphtrain.inspect.report import Report, fired, measured, unmatched
 
 _COLOURS = {"green": "32", "yellow": "33", "red": "31", "bold": "1", "dim": "2"}
 
@@ -30,6 +37,38 @@ def _diff_text(op_diff: dict[str, int]) -> str:
     return ", ".join(f"{n:+d} {op}" for op, n in op_diff.items()) or "-"
 
 
+def _passes(report: Report, paint: Callable[[str, str], str]) -> list[str]:
+    """What fired, where and what it saves first; the passes that found nothing one line each."""
+    done = fired(report)
+    out = ["", paint("Fusions that fired", "bold")]
+    fusions = [f for f in done if f.fusion]
+    for f in fusions:
+        out.append(f"{paint(f.name, 'green')} in {', '.join(f.graphs)}")
+        for site in f.sites:
+            out.append(f"  at {site.module_path or '(root)'}, {site.source or '?'}")
+        out.append(f"  replaced {f.replaced(shown=6)}")  # all of it in the page
+        if f.saves:
+            out.append(f"  saves: {f.saves}")
+        out += [f"  {m}" for m in measured(report, f.name)]  # on CPU, the ops' torch reference
+        out += [f"  note: {n}" for n in f.notes]
+    if not fusions:
+        out.append("(none)")
+    rewrites = [f for f in done if not f.fusion]
+    if rewrites:
+        out += ["", paint("Other rewrites", "bold")]
+        out += [f"{f.name} in {', '.join(f.graphs)}: {f.replaced(shown=4)}" for f in rewrites]
+    nothing = unmatched(report)
+    off = [p for p in report.passes if not p.enabled]
+    if nothing or off:
+        out += ["", paint("Passes that changed nothing", "bold")]
+        for u in nothing:
+            count = f"{len(u.graphs)} graph(s)"
+            out.append(f"{u.name} ({paint('no match', 'yellow')}, {count}): {'; '.join(u.notes)}")
+        out += [f"{p.name} ({paint('off', 'dim')}): {p.reason}" for p in off]
+        out.append("(every pass on every graph: report.html, section Passes)")
+    return out
+
+
 def render_summary(report: Report, *, color: bool = False) -> str:
     def paint(text: str, colour: str) -> str:
         return f"\033[{_COLOURS[colour]}m{text}\033[0m" if color else text
@@ -39,6 +78,7 @@ def render_summary(report: Report, *, color: bool = False) -> str:
         f"{len(report.graphs)} compiled graph(s) in {len(report.regions)} region(s): "
         f"{', '.join(report.regions) or '-'}; inner backend: {report.inner or 'unknown'}"
     )
+    out += _passes(report, paint)
     out.append("")
     out.append(paint("Compiled graphs", "bold"))
     rows = []
@@ -60,18 +100,6 @@ def render_summary(report: Report, *, color: bool = False) -> str:
         total = "-" if g.times is None or g.times.total is None else f"{g.times.total:.1f}"
         rows.append([g_name, str(ops), aot, total, code])
     out += _table(["graph", "ops", "AOT graphs", "compile s", "generated code"], rows)
-
-    out.append("")
-    out.append(paint("Passes", "bold"))
-    rows = []
-    for p in report.passes:
-        if not p.enabled:
-            rows.append([p.name, p.stage, "-", paint("off", "dim"), p.reason])
-            continue
-        for r in (r for r in report.pass_results if r.name == p.name):
-            status = paint("matched", "green") if r.matched else paint("no match", "yellow")
-            rows.append([p.name, r.graph, _diff_text(r.op_diff), status, "; ".join(r.notes)])
-    out += _table(["pass", "graph", "op diff", "result", "notes"], rows) if rows else ["(none)"]
 
     out.append("")
     out.append(paint("graphtrain custom ops", "bold"))

@@ -2,12 +2,14 @@
 compile times, HTML, CLI, trace; on the MoE debug model: its own block graphs and the fused
 router; with Inductor: the generated code in the page and the profile's attribution."""
 
+import dataclasses
 import json
 import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from graphtrain.config import load_config, to_toml
 from graphtrain.inspect import inspect, inspect_config, load_report, write_report
 from graphtrain.inspect.cli import default_out_dir
 from graphtrain.inspect.html import render_html
+from graphtrain.inspect.profile import PassTime
+from graphtrain.inspect.report import PASS_NEEDS, fired, measured, unmatched
 from graphtrain.inspect.terminal import render_summary
 from graphtrain.passes import all_passes
 
@@ -163,6 +167,60 @@ def test_pass_results_in_order_with_reasons(report):
     assert not block.matched
     assert block.notes == ["no cross_entropy in this graph: nothing to fuse"]
     assert [p.name for p in report.passes] == [p.name for p in all_passes()]
+
+
+def test_summary_and_page_lead_with_what_fired(report):
+    """The one fusion that fired comes first, with where and what it saves; the passes that
+    found nothing follow, one line each and collapsed in the page, none without a reason."""
+    (lce,) = [f for f in fired(report) if f.fusion]
+    assert (lce.name, lce.graphs) == ("fuse_linear_cross_entropy", ["head_loss-0", "head_loss-1"])
+    assert [(s.module_path, s.source) for s in lce.sites] == [
+        ("output", f"{GPT_SOURCE}:{_head_loss_line()} in head_loss")
+    ]
+    gone, new = lce.replaced().split(" -> ")
+    assert "-1 torch.nn.functional.cross_entropy" in gone and f"+1 {FUSED}" in new
+    assert lce.replaced(shown=1) == (
+        "-1 torch.nn.functional.cross_entropy, ... 2 more -> +1 Tensor.reshape, ... 1 more"
+    )
+    assert "logits" in lce.saves and "mode='fast'" in lce.notes[0]
+    assert [f.name for f in fired(report) if not f.fusion] == ["canonicalize"] * 2
+    nothing = {u.name: u for u in unmatched(report)}
+    enabled = {p.name for p in report.passes if p.enabled}
+    assert set(nothing) == enabled - {"canonicalize", "fuse_linear_cross_entropy"}
+    assert all(u.notes and all(u.notes) for u in nothing.values())
+    # A post-grad pass that says nothing on a single-rank run: what it needs to fire.
+    assert nothing["overlap_tp_comm"].notes == [PASS_NEEDS["overlap_tp_comm"]]
+    # every AOT graph: forward of all four, backward of the two training ones
+    assert len(nothing["overlap_tp_comm"].graphs) == 6
+
+    # What it saves in time, where --profile timed the region with the pass off and on.
+    assert measured(report, lce.name) == []
+    timing = PassTime(lce.name, "head_loss", after_ms=1.0, before_ms=2.5)
+    timed = dataclasses.replace(report, profile=SimpleNamespace(passes=[timing]))
+    assert measured(timed, lce.name) == [
+        "measured in head_loss: 2.500 ms/step kernel time without the pass, 1.000 with it (2.50x)"
+    ]
+
+    lines = render_summary(report).splitlines()
+    lead = lines.index("Fusions that fired")
+    assert lead < 5 and lines[lead + 1] == "fuse_linear_cross_entropy in head_loss-0, head_loss-1"
+    block = lines[lead + 1 : lines.index("Other rewrites")]
+    assert f"  at output, {GPT_SOURCE}:{_head_loss_line()} in head_loss" in block
+    assert any(line.startswith("  saves: the (tokens x vocab) logits") for line in block)
+    rest = lines[lines.index("Passes that changed nothing") :]
+    assert "no match" not in "\n".join(lines[: len(lines) - len(rest)])
+    for name in nothing:
+        assert sum(line.startswith(f"{name} (no match, ") for line in rest) == 1, name
+    assert not [line for line in lines if line.rstrip().endswith(":")]  # no empty note
+
+    page = render_html(report)
+    passes = page[page.index('<h2 id="passes">') : page.index('<h2 id="custom-ops">')]
+    shown = re.sub(r"<details>.*?</details>", "", passes, flags=re.S)  # what is open
+    assert '<span class="ok">fuse_linear_cross_entropy</span>' in shown and "logits" in shown
+    assert "gpt.py:" in shown and "no match" not in shown and "canonicalize" not in shown
+    assert passes.count("<details>") == 3  # other rewrites, nothing to rewrite, every pass
+    assert "<td></td>" not in passes
+    assert passes.index("fuse_linear_cross_entropy") < passes.index("no match")
 
 
 def test_pass_switched_off(report_off):

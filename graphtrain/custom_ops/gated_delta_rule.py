@@ -140,6 +140,40 @@ def chunk_gated_delta_rule_backward_ref(
 
 
 @triton.jit
+def _gdr_load_step(
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    seg_ptr,
+    b,
+    t,
+    row,
+    offs_k,
+    offs_v,
+    mask_k,
+    mask_v,
+    ok,
+    T: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
+):
+    """k, v, the decay a = exp(g) (0 where position t starts a new document) and beta of
+    position t, fp32; `ok` False (past the end) loads zeros, which leave the state unchanged."""
+    k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + row, mask=ok, other=0.0).to(tl.float32))
+    beta = tl.load(beta_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    if HAS_SEGMENTS:
+        if t > 0:
+            cur = tl.load(seg_ptr + b * T + t, mask=ok, other=0)
+            prev = tl.load(seg_ptr + b * T + t - 1, mask=ok, other=0)
+            decay = tl.where(cur == prev, decay, 0.0)  # a new document: the state restarts
+    return k, v, decay, beta
+
+
+@triton.jit
 def _gdr_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -168,20 +202,13 @@ def _gdr_fwd_kernel(
     mask_k = offs_k < DK
     mask_v = offs_v < DV
     state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    prev = 0
-    if HAS_SEGMENTS:
-        prev = tl.load(seg_ptr + b * T)
     for t in range(T):
         row = (b * T + t) * H + h  # (b, t, h)
         q = tl.load(q_ptr + row * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32) * scale
-        k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + row).to(tl.float32))
-        beta = tl.load(beta_ptr + row).to(tl.float32)
-        if HAS_SEGMENTS:
-            seg = tl.load(seg_ptr + b * T + t)
-            decay = tl.where(seg == prev, decay, 0.0)  # a new document: the state restarts
-            prev = seg
+        k, v, decay, beta = _gdr_load_step(
+            k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v, mask_k, mask_v,
+            True, T, DK, DV, HAS_SEGMENTS,
+        )  # fmt: skip
         state = state * decay
         read = tl.sum(state * k[:, None], axis=0)  # S^T k, (BLOCK_V,)
         write = beta * (v - read)
@@ -279,14 +306,10 @@ def _gdr_bwd_kernel(
         if t % CHUNK == 0:
             tl.store(h_base + (t // CHUNK) * size + tile, state)
         row = (b * T + t) * H + pid % H
-        k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + row).to(tl.float32))
-        beta = tl.load(beta_ptr + row).to(tl.float32)
-        if HAS_SEGMENTS:
-            if t > 0:
-                same = tl.load(seg_ptr + b * T + t) == tl.load(seg_ptr + b * T + t - 1)
-                decay = tl.where(same, decay, 0.0)
+        k, v, decay, beta = _gdr_load_step(
+            k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v, mask_k, mask_v,
+            True, T, DK, DV, HAS_SEGMENTS,
+        )  # fmt: skip
         state = state * decay
         write = beta * (v - tl.sum(state * k[:, None], axis=0))
         state = state + k[:, None] * write[None, :]
@@ -300,15 +323,10 @@ def _gdr_bwd_kernel(
             ok = t < T  # the last chunk may be partial: zero k, beta and g leave S unchanged
             tl.store(s_base + i * size + tile, state)
             row = (b * T + t) * H + pid % H
-            k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
-            decay = tl.exp(tl.load(g_ptr + row, mask=ok, other=0.0).to(tl.float32))
-            beta = tl.load(beta_ptr + row, mask=ok, other=0.0).to(tl.float32)
-            if HAS_SEGMENTS:
-                if t > 0:
-                    cur = tl.load(seg_ptr + b * T + t, mask=ok, other=0)
-                    prev = tl.load(seg_ptr + b * T + t - 1, mask=ok, other=0)
-                    decay = tl.where(cur == prev, decay, 0.0)
+            k, v, decay, beta = _gdr_load_step(
+                k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v, mask_k,
+                mask_v, ok, T, DK, DV, HAS_SEGMENTS,
+            )  # fmt: skip
             state = state * decay
             write = beta * (v - tl.sum(state * k[:, None], axis=0))
             state = state + k[:, None] * write[None, :]
@@ -320,16 +338,11 @@ def _gdr_bwd_kernel(
             prev_state = tl.load(s_base + i * size + tile)  # S_{t-1}
             row = (b * T + t) * H + pid % H
             q = tl.load(q_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + row * DK + offs_k, mask=mask_k & ok, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
             do = tl.load(do_ptr + row * DV + offs_v, mask=mask_v & ok, other=0.0).to(tl.float32)
-            decay = tl.exp(tl.load(g_ptr + row, mask=ok, other=0.0).to(tl.float32))
-            beta = tl.load(beta_ptr + row, mask=ok, other=0.0).to(tl.float32)
-            if HAS_SEGMENTS:
-                if t > 0:
-                    cur = tl.load(seg_ptr + b * T + t, mask=ok, other=0)
-                    prev = tl.load(seg_ptr + b * T + t - 1, mask=ok, other=0)
-                    decay = tl.where(cur == prev, decay, 0.0)
+            k, v, decay, beta = _gdr_load_step(
+                k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v, mask_k,
+                mask_v, ok, T, DK, DV, HAS_SEGMENTS,
+            )  # fmt: skip
             decayed = prev_state * decay  # S' = a S_{t-1}
             read = tl.sum(decayed * k[:, None], axis=0)  # r = S'^T k
             write = beta * (v - read)  # w

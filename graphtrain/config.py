@@ -438,6 +438,13 @@ class JobConfig:
 # Job presets: a model preset plus training settings that suit it. Warm-up is a fraction of the
 # steps, so `--training.steps=N` keeps the preset's schedule shape at any length. "tiny" is the default run:
 # it learns the embedded corpus on a 2-core CPU in a few minutes.
+# The training settings of the small presets the tests use (debug, moe-debug, hybrid-*-debug).
+_DEBUG_JOB: dict[str, Any] = {
+    "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
+    "optim": {"lr": 1e-3},
+    "schedule": {"warmup_ratio": 0.1, "decay_ratio": 0.25, "min_lr": 1e-4},
+    "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
+}
 JOB_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         # About 180 x 4096 tokens: ~3.5 min of training at ~3.4k tokens/s on 2 CPU cores, which
@@ -448,13 +455,7 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         "schedule": {"warmup_ratio": 0.11, "decay_ratio": 0.4, "min_lr": 2e-4},
         "metrics": {"log_interval": 10, "val_interval": 60, "val_rows": 128},
     },
-    "debug": {
-        "model": "debug",
-        "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
-        "optim": {"lr": 1e-3},
-        "schedule": {"warmup_ratio": 0.1, "decay_ratio": 0.25, "min_lr": 1e-4},
-        "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
-    },
+    "debug": {"model": "debug", **_DEBUG_JOB},
     "125m": {
         "model": "125m",
         "training": {"steps": 10000, "seq_len": 2048, "micro_batch_size": 8},
@@ -475,13 +476,7 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         "schedule": {"warmup_ratio": 0.133, "decay_ratio": 0.4, "min_lr": 2e-4},
         "metrics": {"log_interval": 10, "val_interval": 50, "val_rows": 128},
     },
-    "moe-debug": {
-        "model": "moe-debug",
-        "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
-        "optim": {"lr": 1e-3},
-        "schedule": {"warmup_ratio": 0.1, "decay_ratio": 0.25, "min_lr": 1e-4},
-        "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
-    },
+    "moe-debug": {"model": "moe-debug", **_DEBUG_JOB},
     "moe-1b": {
         "model": "moe-1b",
         "training": {"steps": 20000, "seq_len": 4096, "micro_batch_size": 4},
@@ -489,20 +484,8 @@ JOB_PRESETS: dict[str, dict[str, Any]] = {
         "schedule": {"warmup_ratio": 0.05, "min_lr": 3e-5},
     },
     # Hybrids (models/hybrid.py): Gated DeltaNet and attention blocks by model.layer_pattern.
-    "hybrid-debug": {
-        "model": "hybrid-debug",
-        "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
-        "optim": {"lr": 1e-3},
-        "schedule": {"warmup_ratio": 0.1, "decay_ratio": 0.25, "min_lr": 1e-4},
-        "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
-    },
-    "hybrid-moe-debug": {
-        "model": "hybrid-moe-debug",
-        "training": {"steps": 20, "seq_len": 64, "micro_batch_size": 4},
-        "optim": {"lr": 1e-3},
-        "schedule": {"warmup_ratio": 0.1, "decay_ratio": 0.25, "min_lr": 1e-4},
-        "metrics": {"log_interval": 5, "val_interval": 10, "val_rows": 8},
-    },
+    "hybrid-debug": {"model": "hybrid-debug", **_DEBUG_JOB},
+    "hybrid-moe-debug": {"model": "hybrid-moe-debug", **_DEBUG_JOB},
     "hybrid-1b": {
         "model": "hybrid-1b",
         "training": {"steps": 20000, "seq_len": 4096, "micro_batch_size": 2},

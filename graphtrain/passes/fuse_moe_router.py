@@ -182,38 +182,14 @@ class _Matcher(SelectionMatcher):
             ]
         order = {n: i for i, n in enumerate(anchor.graph.nodes)}
         token, per_seq, seq_len = [], [], 0
-
-        def is_sum(node: Node, dim: int, shape: tuple) -> bool:
-            c = fx.is_call(node, "sum")
-            return (
-                c is not None
-                and c.arg(1, "dim") in (dim, (dim,), [dim])
-                and not c.arg(2, "keepdim", False)
-                and c.kwargs.get("dtype") is None
-                and fx.shape(node) == shape
-                and order[node] > order[anchor]
-            )
-
         for p in probs:
             if fx.dtype(p) != torch.float32 or fx.shape(p) != (T, E):
                 continue
-            for u in p.users:
-                if is_sum(u, 0, (E,)):
-                    token.append(u)
-                    self.take(p, u)
-                    continue
-                c = fx.call(u)
-                view = fx.shape(u)
-                if c is None or not fx.is_reinterpret(c) or view is None or len(view) != 3:
-                    continue
-                B, L = view[0], view[1]
-                if B * L != T or view[2] != E or (seq_len and L != seq_len):
-                    continue
-                sums = [v for v in u.users if is_sum(v, 1, (B, E))]
-                if sums:
-                    seq_len = L
-                    per_seq += sums
-                    self.take(p, u, *sums)
+            t, q, views, seq_len = self._map_sums(p, T, E, order[anchor], seq_len)
+            if t or q:
+                token += t
+                per_seq += q
+                self.take(p, *t, *views, *q)
         if score_func == "sigmoid":  # the row sums of the folded p's go with them
             self.take(*(p.args[1] for p in probs if p in self.nodes))
         if not token and not per_seq:

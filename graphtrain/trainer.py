@@ -738,7 +738,8 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
         )
     if stats.extra:  # one host sync for all of them
         names = list(stats.extra)
-        values = torch.stack([stats.extra[name].float() for name in names]).tolist()
+        values = torch.stack([stats.extra[name].to(run.device, torch.float32) for name in names])
+        values = values.tolist()
         entry.update(zip(names, values, strict=True))
     run.metrics.log(run.progress.step, entry)
     window.reset()

@@ -48,7 +48,8 @@ Kernel
                   names, with COL_MAP: y_t is zero-filled first). The byte is built by hand
                   because Triton's interpreter converts fp32 to FP8 without round-to-even and
                   turns NaN into a number; the result equals torch's conversion bit for bit
-                  (fp8_cast_ref), NaN's sign included.
+                  (fp8_cast_ref), the sign of an input NaN included (a NaN made by -inf * 0
+                  takes the hardware's sign).
 """
 
 from __future__ import annotations
@@ -87,10 +88,12 @@ def fp8_saturation_stats(reset: bool = True) -> dict[str, Tensor]:
     """Fraction of values clipped at the FP8 maximum and of nonzero values flushed to zero,
     per tensor class, since the last reset: {"fp8/clipped/activation": 0-d float64 tensor, ...,
     "fp8/flushed/gradient": ...}, summed over devices, on the device (no host sync until
-    the caller reads them). {} when no FP8 op ran."""
+    the caller reads them; on the accelerator when a cast ran there, whatever ran first, e.g. a
+    CPU reference in the same process). {} when no FP8 op ran."""
     if not _COUNTERS:
         return {}
-    total = sum(c.to(next(iter(_COUNTERS))) for c in _COUNTERS.values())
+    device = max(_COUNTERS, key=lambda d: d.type != "cpu")
+    total = sum(c.to(device) for c in _COUNTERS.values())
     stats = {}
     for i, name in enumerate(TENSOR_CLASSES):
         n = total[i, 2].clamp_min(1).double()

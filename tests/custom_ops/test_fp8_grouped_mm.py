@@ -163,15 +163,17 @@ def emulated_scaled_grouped_mm(
     return out
 
 
-def close_to_bf16(got, want):
+def close_to_bf16(got, want, cancel=2.0**-20):
     """got within one bf16 rounding of want: the grouped path rounds each GEMM's result to
     bf16 (relative 2^-9), and its fp32 sums run in another order than the reference's, which
     can move a result across a bf16 rounding boundary (one bf16 step, relative 2^-7 at most);
     results that nearly cancel differ by fp32 rounding of the sum, hence 2^-20 of the largest
-    value (seen: ~2^-28). The FP8 operands themselves carry errors of 2^-4."""
+    value (seen: ~2^-28) on CPU; on Hopper the FP8 tensor cores accumulate in about 14 mantissa bits
+    (see tests/custom_ops/test_fp8_linear.py), so `cancel` is 2^-12 there. The FP8 operands
+    themselves carry errors of 2^-4."""
     want = want.double()
     err = (got.double() - want).abs()
-    return bool((err <= 2**-7 * want.abs() + 2**-20 * want.abs().max()).all())
+    return bool((err <= 2**-7 * want.abs() + cancel * want.abs().max()).all())
 
 
 def _bytes(t):
@@ -281,9 +283,9 @@ def test_cuda_matches_cpu_reference():
     x, w, grad = x.bfloat16(), w.bfloat16(), grad.bfloat16()
     want = _run(x, w, offs, grad, e4m3_grads=grouped)  # the grouped kernel's grads: E4M3
     got = _run(x.cuda(), w.cuda(), offs.cuda(), grad.cuda())
-    assert close_to_bf16(got[0].cpu(), want[0])
+    assert close_to_bf16(got[0].cpu(), want[0], cancel=2.0**-12)
     for g, r in zip(got[1], want[1], strict=True):
-        assert close_to_bf16(g.cpu(), r)
+        assert close_to_bf16(g.cpu(), r, cancel=2.0**-12)
 
 
 def test_loop_meets_cuda_scaled_mm_alignment(monkeypatch):

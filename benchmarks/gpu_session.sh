@@ -172,6 +172,12 @@ stages() {
         # the time is the three builds and compiles (plain ~15 s, graphtrain ~10-30 s,
         # torchtitan with CUDA graphs ~1-2 min) and the default corpus's tokenisation: ~3-4 min.
         bench e2e-1b 200 e2e.py --model 1b --steps 15 --warmup 4
+        # The A/B behind auto's unfused loss on CUDA (RESULTS.md, first contact): the fused
+        # fast mode forced, and the working weights off (autocast's casts instead): ~1 min each.
+        bench e2e-1b-lce-fast 90 e2e.py --model 1b --steps 10 --warmup 3 \
+            --set=--compile.lce_mode=fast
+        bench e2e-1b-no-working-weights 90 e2e.py --model 1b --steps 10 --warmup 3 \
+            --set=--training.working_weights=false
         # moe-1b with random balanced routing, batch 4 (16384 tokens a step, ~0.1 s): plain
         # (warm-up ~40 s) and graphtrain (~15-30 s), torchtitan not run (dense only): ~2 min.
         bench e2e-moe-1b 130 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \

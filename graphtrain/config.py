@@ -142,8 +142,9 @@ class CompileConfig:
     passes: list[str] = field(default_factory=list)  # ["-name", "+name"] switches
     dump_graphs: bool = False  # write every region's graph before/after each pass to run_dir/graphs
     # The fused linear + cross-entropy's mode: "fast" (three GEMMs, a [token chunk, V] logits
-    # buffer), "low_memory" (four GEMMs), or "auto": fast unless its extra bytes exceed
-    # lce_memory_budget.
+    # buffer), "low_memory" (four GEMMs), or "auto": on CUDA without tp, Inductor's unfused loss
+    # where its logits fit lce_memory_budget (faster there); else fast unless its extra bytes
+    # exceed lce_memory_budget.
     lce_mode: Literal["auto", "fast", "low_memory"] = "auto"
     # Bytes the fused cross-entropy's fast mode may use beyond the low-memory mode's; 0: a
     # quarter of the free device memory at compile time (on CPU, of the available memory).

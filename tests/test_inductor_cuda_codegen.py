@@ -45,7 +45,17 @@ def _generate(tmp_path: Path, preset: str, *overrides: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HELPER.parents[1])}
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run(
-        [sys.executable, str(HELPER), "--out", str(out), preset, *overrides],
+        # lce_mode fast: on CUDA auto leaves these small heads to Inductor; the fused op's
+        # regions are the ones to generate.
+        [
+            sys.executable,
+            str(HELPER),
+            "--out",
+            str(out),
+            preset,
+            "--compile.lce_mode=fast",
+            *overrides,
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -23,9 +23,11 @@ one rank of the configured layout:
   output and gated norm (`gated_deltanet_activations_per_token`); with
   activation_checkpoint=full only each block's input (dim) plus one block's full set during
   recompute;
-- fused-loss buffers: the head's gradient accumulated in fp32 (V/tp x dim, the fused op's fast
+- loss buffers: the head's gradient accumulated in fp32 (V/tp x dim, the fused op's fast
   mode), the hidden gradient (tokens x dim, fp32) and its logits chunk (the op's own figure,
-  linear_cross_entropy.fast_mode_extra_bytes: about 512 MiB at a large vocab).
+  linear_cross_entropy.fast_mode_extra_bytes: about 512 MiB at a large vocab); or, where the
+  pass may leave the loss unfused (compile.lce_mode auto, no tp: CUDA where the logits fit its
+  budget), the unfused logits and their gradient (unfused_extra_bytes) when that is more.
 
 An estimate, not a measurement: allocator fragmentation, NCCL buffers, the CUDA context (~0.5-1
 GiB) and compiler workspaces come on top, so `check_fits` keeps 10% of the device as headroom.
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 from graphtrain.config import JobConfig
-from graphtrain.custom_ops.linear_cross_entropy import fast_mode_extra_bytes
+from graphtrain.custom_ops.linear_cross_entropy import fast_mode_extra_bytes, unfused_extra_bytes
 from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, check_layout
 from models import MoEConfig, build_model, tp_plan
@@ -145,7 +147,10 @@ def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
     compute_dtype = torch.bfloat16 if compute == 2 else torch.float32
     vocab = m.vocab_size // dims.tp
     chunk = fast_mode_extra_bytes(tokens, m.dim, vocab, compute_dtype, torch.float32, True)
-    items["fused-loss buffers"] = int(vocab * m.dim * 4 + tokens * m.dim * 4 + chunk)
+    loss = vocab * m.dim * 4 + tokens * m.dim * 4 + chunk
+    if cfg.compile.lce_mode == "auto" and dims.tp == 1:
+        loss = max(loss, unfused_extra_bytes(tokens, vocab, compute_dtype))
+    items["loss buffers"] = int(loss)
     return MemoryPlan(items)
 
 

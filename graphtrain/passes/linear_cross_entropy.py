@@ -9,10 +9,12 @@ What
     linear_cross_entropy_vocab_parallel on the local shards: the logits are never gathered.
     A plain-torch top-1 accuracy on the same logits is folded into the op's statistics
     (linear_cross_entropy_accuracy.py). The op: graphtrain/custom_ops/linear_cross_entropy/.
-    Mode: compile.lce_mode; "auto" takes fast unless fast_mode_extra_bytes exceeds
-    compile.lce_memory_budget (0: a quarter of the free memory; under tensor parallelism the
-    smallest over the tp group, so all its ranks decide alike). Each refusal and the chosen
-    mode are stated in a note. Matched model line: GPT.head_loss (models/gpt.py).
+    Mode: compile.lce_mode; "auto" on CUDA without tensor parallelism first leaves the loss to
+    Inductor where its unfused logits fit compile.lce_memory_budget (it is faster there:
+    benchmarks/RESULTS.md, the 1b profile on an H200); else, and on CPU, it takes fast unless
+    fast_mode_extra_bytes exceeds the budget (0: a quarter of the free memory; under tensor
+    parallelism the smallest over the tp group, so all its ranks decide alike). Each refusal and
+    the chosen mode are stated in a note. Matched model line: GPT.head_loss (models/gpt.py).
 
 Invariant and numerics
     Only the matched nodes are replaced; the graph's outputs keep their values and dtypes up to
@@ -381,12 +383,16 @@ def _group_budget(
 
 def _choose_mode(
     options: Mapping[str, Any], m: _Match, gm: torch.fx.GraphModule
-) -> tuple[dict[str, Any], str]:
-    """The op's mode keywords for compile.lce_mode, and why (for the pass note).
+) -> tuple[dict[str, Any] | None, str]:
+    """The op's mode keywords for compile.lce_mode (None: leave the loss unfused), and why (for
+    the pass note).
 
-    auto: fast mode (three GEMMs) unless its extra bytes over low-memory mode exceed the
-    budget; for a 16-bit weight first with an fp32 grad_weight buffer, then with 16-bit
-    accumulation over at most four chunks (fast_mode_extra_bytes)."""
+    auto: on CUDA without tensor parallelism, unfused where unfused_extra_bytes fits the budget
+    (Inductor's loss was faster than fast mode's on an H200: its grad_weight GEMM accumulating
+    in fp32 runs in Triton, ~10 ms against ~6 for cuBLAS at 8192 x 2048 x 128256); then fast
+    mode (three GEMMs) unless its extra bytes over low-memory mode exceed the budget; for a
+    16-bit weight first with an fp32 grad_weight buffer, then with 16-bit accumulation over at
+    most four chunks (fast_mode_extra_bytes)."""
     choice = options.get("lce_mode", "auto")
     if choice not in ("auto", "fast", "low_memory"):
         raise ValueError(f"compile.lce_mode must be 'auto', 'fast' or 'low_memory', got {choice!r}")
@@ -408,6 +414,14 @@ def _choose_mode(
     if m.group_name is not None:  # one decision for the whole tp group
         budget, source = _group_budget(budget, source, m.group_name, hidden_val.device)
     gib = 1 << 30
+    if choice == "auto" and hidden_val.device.type == "cuda" and m.group_name is None:
+        unfused = lce_op.unfused_extra_bytes(N, V, m.compute_dtype)
+        if unfused <= budget:
+            return None, (
+                f"auto: Inductor's unfused loss ({unfused / gib:.2f} GiB of logits and their "
+                f"gradient) fits the budget of {budget / gib:.2f} GiB ({source}) and is faster on "
+                "CUDA; compile.lce_mode = 'fast' or 'low_memory' fuses anyway"
+            )
     tried = []
     # fp32 accumulation first; a 16-bit weight's own dtype (four roundings) only if needed.
     for acc in (True, False) if weight_val.dtype in _AUTOCAST_DTYPES else (True,):
@@ -455,6 +469,11 @@ def fuse_linear_cross_entropy_pass(
             ctx.note(f"left {ce.name} unchanged: {why}")
             continue
         mode, why = _choose_mode(ctx.options, m, gm)
+        if mode is None:
+            if acc is not None:
+                acc.argmax.replace_input_with(acc.target, acc.logits)
+            ctx.note(f"left {ce.name} unchanged: {why}")
+            continue
         fused = _rewrite(gm, ce, m, mode)
         if acc is not None:
             why += f"; the top-1 count {acc.reduce.name} comes from the op's statistics"

@@ -67,7 +67,7 @@ def test_plan_command_prints_a_layout_and_refuses_one_that_does_not_fit(capsys):
     assert _plan(["--preset", "8b", "--ngpu", "64", "--parallel.tp=8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("predicted memory per rank (GiB): parameters ")
-    assert "activations per micro-batch" in out and "fused-loss buffers" in out
+    assert "activations per micro-batch" in out and "loss buffers" in out
     with pytest.raises(ValueError, match=r"the biggest item is optimizer states \(\d+\.\d GiB\)"):
         _plan(["--preset", "8b", "--ngpu", "8", "--parallel.tp=8", "--device-memory", "10GB"])
     full = plan_memory(load_config(["--preset", "8b", "--training.activation_checkpoint=full"]), 64)

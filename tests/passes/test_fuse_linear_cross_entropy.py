@@ -387,6 +387,37 @@ def test_mode_chosen_from_the_budget(options, mode, why, tmp_path):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "device,options,mode,why",
+    [
+        ("cuda", {"lce_memory_budget": 4 << 30}, None, "Inductor's unfused loss (3.91 GiB"),
+        ("cuda", {"lce_memory_budget": 3 << 30}, "fast", "fast mode's 0.49 GiB extra"),
+        ("cuda", {"lce_mode": "fast", "lce_memory_budget": 4 << 30}, "fast", "fits the budget"),
+        ("cpu", {"lce_memory_budget": 4 << 30}, "fast", "fast mode's 0.49 GiB extra"),
+    ],
+)
+def test_auto_leaves_the_loss_unfused_on_cuda_where_it_fits(device, options, mode, why):
+    """The 1b head (8192 tokens x 2048 x 128256, bf16 logits, fp32 weight) on fake CUDA tensors:
+    auto leaves it to Inductor when the unfused logits and their gradient (2 x 2 bytes per
+    logit: 3.91 GiB) fit the budget, and takes fast mode when they do not; an explicit mode
+    and the CPU keep the fused op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import graphtrain.passes.linear_cross_entropy as lce_pass
+
+    graph = torch.fx.Graph()
+    hidden, weight, target = (graph.placeholder(n) for n in ("h", "w", "t"))
+    graph.output(None)
+    with FakeTensorMode():
+        hidden.meta["example_value"] = torch.empty(
+            2, 4096, 2048, device=device, dtype=torch.bfloat16
+        )
+        weight.meta["example_value"] = torch.empty(128256, 2048, device=device)
+    m = lce_pass._Match(hidden, weight, target, [], None, -100, 0.0, "mean", torch.bfloat16)
+    got, note = lce_pass._choose_mode(options, m, torch.fx.GraphModule({}, graph))
+    assert (got if got is None else got["mode"]) == mode and why in note, (got, note)
+
+
 def test_autocast_fast_mode_takes_the_fp32_weight(tmp_path):
     """Under autocast, fast mode gets the fp32 master weight itself (no cast node before the
     op) and its fp32 gradient equals autocast's unfused computation up to bf16 rounding."""

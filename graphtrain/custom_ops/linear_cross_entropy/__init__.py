@@ -38,6 +38,7 @@ from graphtrain.custom_ops.linear_cross_entropy.options import (
     SWEEP_A_BUFFER_BYTES,
     LCEOptions,
     fast_mode_extra_bytes,
+    unfused_extra_bytes,
 )
 from graphtrain.custom_ops.linear_cross_entropy.reference import (
     linear_cross_entropy_backward_ref,
@@ -68,4 +69,5 @@ __all__ = [
     "linear_cross_entropy_backward_ref",
     "linear_cross_entropy_forward",
     "linear_cross_entropy_ref",
+    "unfused_extra_bytes",
 ]

@@ -60,8 +60,8 @@ from graphtrain.attention import resolve_attention
 from graphtrain.config import JOB_PRESETS, JobConfig, load_config
 from graphtrain.metrics import model_training_flops, peak_flops
 from graphtrain.optim import WorkingWeights, optimizer_from_config
+from graphtrain.run import build_run
 from graphtrain.step import ForwardLoss
-from graphtrain.trainer import build_run
 from models import MODEL_PRESETS, build_model
 from models.moe import MoEConfig
 

@@ -72,7 +72,7 @@ def test_a_run_dir_that_is_a_file_or_unwritable_is_named(corpus, tmp_path, monke
             train(load_config(args))
         assert message in str(e.value)
     # (The tests may run as root, whom no permission stops: the check is what is tested.)
-    monkeypatch.setattr("graphtrain.trainer.os.access", lambda path, mode: False)
+    monkeypatch.setattr("graphtrain.run.os.access", lambda path, mode: False)
     args = job(corpus, tmp_path / "ro", "--training.steps=1")
     with pytest.raises(ValueError, match="cannot be written: this user may not write to"):
         train(load_config(args))

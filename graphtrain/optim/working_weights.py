@@ -4,7 +4,7 @@ What
     working_weight_params(model): the parameters that get a working copy (see "Which").
     WorkingWeights(model, masters, dtype): for each parameter of `masters` (fp32: those of
         working_weight_params(model), the expert-parallel weights under FSDP, or none to turn
-        the copies off; graphtrain.trainer chooses) a Parameter of `dtype` holding the master's
+        the copies off; graphtrain.run chooses) a Parameter of `dtype` holding the master's
         value rounded to nearest (the working copy). The fp32 master stays the model's Parameter
         everywhere outside the forward and backward: the optimizer, clipping, norms, replica
         checks, checkpoints and export see only masters.

@@ -6,23 +6,26 @@ attention within documents and positions reset at their starts), so the number i
 with the run's val_loss. Every full micro-batch of rows is evaluated once.
 
 Numerics: each micro-batch's mean cross-entropy is weighted by its labelled tokens, so the
-result is the mean over all labelled tokens (accumulated in float64 on the host); perplexity is
-exp(loss).
+result is the mean over all labelled tokens, summed as validation sums it (graphtrain.step.
+loss_sums: fp32 on the device); perplexity is exp(loss).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import tempfile
 from dataclasses import dataclass
 
 import torch
 
-from graphtrain.attention import build_attention_mask, resolve_attention
+from graphtrain.attention import resolve_attention
 from graphtrain.checkpoint.trained import TrainedModel, load_trained
 from graphtrain.cli import DefaultsHelp
 from graphtrain.data import build_data
+from graphtrain.optim import WorkingWeights
+from graphtrain.step import ForwardLoss, loss_sums
 
 
 @dataclass
@@ -71,18 +74,11 @@ def evaluate(
     # A run trained with FlexAttention (CUDA) evaluates with SDPA on a CPU: the same mask.
     kind = "auto" if cfg.training.attention in ("auto", "flex") else cfg.training.attention
     attention = resolve_attention(kind, device)
-    total, tokens = 0.0, 0
-    for _ in range(batches):
-        td = next(loader).to(device)
-        mask = build_attention_mask(td["document_ids"], attention)
-        loss = trained.model(
-            td["input_ids"], td["labels"], td["position_ids"], mask, document_ids=td["document_ids"]
-        )
-        n = int(td["num_label_tokens"])
-        total += float(loss) * n
-        tokens += n
+    no_copies = WorkingWeights(trained.model, [], torch.float32)  # the model's weights as loaded
+    forward = ForwardLoss(trained.model, device, attention, contextlib.nullcontext(), no_copies)
+    total, tokens = loss_sums(forward, (next(loader) for _ in range(batches))).tolist()
     mean = total / max(tokens, 1)
-    return EvalResult(loss=mean, perplexity=math.exp(mean), tokens=tokens, batches=batches)
+    return EvalResult(loss=mean, perplexity=math.exp(mean), tokens=int(tokens), batches=batches)
 
 
 def main(args: list[str]) -> int:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -109,6 +109,20 @@ class ForwardLoss:
         inputs = model_inputs(batch, self.device, self.attention)
         with self.autocast:
             return self.model(**inputs, stats=stats)
+
+
+def loss_sums(forward: ForwardLoss, batches: Iterable[TensorDict]) -> torch.Tensor:
+    """[sum of the batches' token losses, labelled tokens] in fp32 on the device, with no host
+    sync: each batch's mean loss weighted by its labelled tokens, so that sum / tokens is the
+    loss per token for any micro-batch size (validation, `graphtrain eval`). The caller holds
+    no_grad and the model's eval mode."""
+    total = torch.zeros(2, device=forward.device)
+    for batch in batches:
+        loss, n = forward(batch).float(), batch["num_label_tokens"]
+        if n:  # a batch of padding only (every rank runs it) has a 0/0 loss
+            total[0] += loss * n
+        total[1] += n
+    return total
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,7 @@ from graphtrain.preemption import (
     stop_during_startup,
 )
 from graphtrain.run import Run, build_run
-from graphtrain.step import StepStats
+from graphtrain.step import StepStats, loss_sums
 
 logger = logging.getLogger("graphtrain")
 
@@ -304,13 +304,8 @@ def _validate(run: Run, result: TrainResult, *, step: int) -> None:
     cfg, model = run.cfg, run.model
     rows = cfg.metrics.val_rows or cfg.metrics.val_batches * cfg.training.micro_batch_size
     model.eval()
-    total = torch.zeros(2, device=run.device)  # (sum of token losses, labelled tokens)
     with torch.no_grad(), run.train_step.forward.weights.installed():
-        for batch in val.eval_batches(rows):
-            loss, n = run.train_step.forward(batch).float(), batch["num_label_tokens"]
-            if n:  # a batch of padding only (every rank runs it) has a 0/0 loss
-                total[0] += loss * n
-            total[1] += n  # n: a host int
+        total = loss_sums(run.train_step.forward, val.eval_batches(rows))
     model.train()
     total = _all_reduce(total, run.dp_group)
     val_loss = (total[0] / total[1]).item()  # host sync: validation steps only

@@ -14,7 +14,6 @@ runs it: graphtrain.trainer.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -54,7 +53,6 @@ from graphtrain.optim import (
     cast_parameters_,
     optimizer_from_config,
     optimizer_state_bytes,
-    working_weight_params,
 )
 from graphtrain.parallel import (
     GradientFinisher,
@@ -62,7 +60,6 @@ from graphtrain.parallel import (
     build_mesh,
     check_layout,
     dp_mesh,
-    expert_params,
     parallelize_model,
 )
 from graphtrain.parallel.pipeline import (
@@ -70,13 +67,12 @@ from graphtrain.parallel.pipeline import (
     cut_pipeline,
     stage_tp_plan,
 )
+from graphtrain.precision import Precision
 from graphtrain.step import ForwardLoss, TrainStep
 from models import build_model, tp_plan
 from models.moe import MoEConfig, active_params
 
 logger = logging.getLogger("graphtrain")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass
@@ -115,6 +111,7 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     """Check, build and (when asked) resume the job; nothing large is allocated before the
     layout, run-directory and data checks pass."""
     dims, mesh = _layout_and_mesh(cfg, device, world_size)
+    precision = Precision.of(cfg, dims, device)  # every dtype decision, once
     memory_plan = _memory_plan(cfg, device, rank, world_size)
     dp_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
     run_dir = _prepare_run_dir(cfg, rank, world_size)
@@ -127,8 +124,10 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         rank=rank,
     )
     data, batch_schedule = _build_data(cfg, dims, mesh)
-    model, finish_gradients, dump_dir = _build_model(cfg, dims, mesh, device, run_dir, rank)
-    optimizer, fp32_grads, lr_schedule, optim_state = _build_optimizer(cfg, model, rank)
+    model, finish_gradients, dump_dir = _build_model(
+        cfg, dims, mesh, device, precision, run_dir, rank
+    )
+    optimizer, fp32_grads, lr_schedule, optim_state = _build_optimizer(cfg, model, precision, rank)
     balance = install_router_balance(
         model, optimizer, mesh, dims, bias_update_rate=getattr(cfg.model, "bias_update_rate", 0.0)
     )
@@ -145,7 +144,9 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         progress = _resume(cfg, checkpoints, model, optimizer, data, schedules, rank)
     _describe_run_dir(cfg, run_dir, dims, data, rank)
     if rank == 0:
-        logger.info("\n%s", _banner(cfg, run_dir, dims, model, batch_schedule, device, progress))
+        logger.info(
+            "\n%s", _banner(cfg, run_dir, dims, model, batch_schedule, precision, device, progress)
+        )
     metrics = MetricsLogger(
         run_dir,
         rank=rank,
@@ -157,7 +158,7 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     metrics.log(progress.step, optim_state)
     # After the resume: the working copies start from the masters the run continues with.
     train_step = _build_step(
-        cfg, dims, mesh, device, model, optimizer,
+        cfg, dims, mesh, device, precision, model, optimizer,
         fp32_grads=fp32_grads, lr_schedule=lr_schedule, batch_schedule=batch_schedule,
         finish_gradients=finish_gradients, hooks=[balance] if balance else [],
     )  # fmt: skip
@@ -176,7 +177,7 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         peak_flops=(
             cfg.metrics.peak_tflops * 1e12
             if cfg.metrics.peak_tflops
-            else peak_flops(device, _param_dtype(cfg, device))
+            else peak_flops(device, precision.compute)
         ),
         dump_dir=dump_dir,
         progress=progress,
@@ -203,6 +204,7 @@ def _build_step(
     dims: ParallelDims,
     mesh: DeviceMesh | None,
     device: torch.device,
+    precision: Precision,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
@@ -214,20 +216,16 @@ def _build_step(
 ) -> TrainStep:
     """The step: the forward with its attention, autocast and working copies (taken from the
     masters as they are now), the pipeline's runner under pp, and the step hooks."""
-    weights = WorkingWeights(
-        model, _working_masters(cfg, dims, device, model), _param_dtype(cfg, device)
-    )
+    weights = WorkingWeights(model, precision.working_masters(model), precision.compute)
     if isinstance(optimizer, AdamWCopies):
         weights.refresh_in(optimizer)  # its step writes the copies
     runner = None
     if dims.pp_enabled:  # its schedule runs the step; model(...) runs every stage (validation)
-        runner = build_runner(
-            cfg, dims, mesh, model, device, _pipeline_act_dtype(cfg, dims, device)
-        )
+        runner = build_runner(cfg, dims, mesh, model, device, precision.pipeline)
         model.forward = runner.forward
     attention = resolve_attention(cfg.training.attention, device)
     return TrainStep(
-        forward=ForwardLoss(model, device, attention, _autocast(cfg, dims, device), weights),
+        forward=ForwardLoss(model, device, attention, precision.autocast_context(device), weights),
         optimizer=optimizer,
         lr_schedule=lr_schedule,
         batch_schedule=batch_schedule,
@@ -350,20 +348,12 @@ def _build_data(
     return data, batch_schedule
 
 
-def _param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
-    """The compute dtype of the parameters."""
-    if cfg.training.master_dtype != "float32":  # pure low-precision: compute in it too
-        return _DTYPES[cfg.training.master_dtype]
-    if cfg.training.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[cfg.training.dtype]
-
-
 def _build_model(
     cfg: JobConfig,
     dims: ParallelDims,
     mesh: DeviceMesh | None,
     device: torch.device,
+    precision: Precision,
     run_dir: Path,
     rank: int,
 ) -> tuple[torch.nn.Module, GradientFinisher, Path | None]:
@@ -373,8 +363,8 @@ def _build_model(
     training = cfg.training
     with torch.device("meta"):
         model = build_model(cfg.model)
-    if training.master_dtype != "float32":
-        cast_parameters_(model, _DTYPES[training.master_dtype])  # before sharding: FSDP2 keeps it
+    if precision.master != torch.float32:
+        cast_parameters_(model, precision.master)  # before sharding: FSDP2 keeps it
     if dims.pp_enabled:  # this rank's pipeline stages only (graphtrain.parallel.pipeline)
         model.pipeline_stages = cut_pipeline(cfg, dims, mesh, model)
     compile_options, dump_dir = None, None
@@ -401,8 +391,8 @@ def _build_model(
         plan=plan,
         ac_mode=training.activation_checkpoint,
         compile_options=compile_options,
-        param_dtype=_param_dtype(cfg, device),
-        reduce_dtype=_DTYPES[training.reduce_dtype],
+        param_dtype=precision.compute,
+        reduce_dtype=precision.reduce,
         fp8_all_gather=cfg.fp8 if cfg.fp8.fsdp_all_gather_fp8 else None,
     )
     model.to_empty(device=device)
@@ -413,44 +403,8 @@ def _build_model(
     return model, finish_gradients, dump_dir
 
 
-def _pipeline_act_dtype(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> torch.dtype:
-    """The dtype of the activations between pipeline stages: FSDP2's compute dtype, the
-    parameters' with low-precision masters, else fp32 (autocast keeps the residual in fp32)."""
-    if dims.dp_size > 1 or cfg.training.master_dtype != "float32":
-        return _param_dtype(cfg, device)
-    return torch.float32
-
-
-def _autocast(
-    cfg: JobConfig, dims: ParallelDims, device: torch.device
-) -> contextlib.AbstractContextManager:
-    """FSDP2 casts parameters for compute itself; without it, autocast does, and the fp32
-    parameters stay the master weights either way."""
-    param_dtype = _param_dtype(cfg, device)
-    if dims.dp_size > 1 or param_dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=param_dtype)
-
-
-def _working_masters(
-    cfg: JobConfig, dims: ParallelDims, device: torch.device, model: torch.nn.Module
-) -> list[torch.nn.Parameter]:
-    """The fp32 master weights that get bf16 working copies, as they would otherwise be cast on
-    every use: the matmul weights under autocast (no data parallelism), or under FSDP2 the
-    expert-parallel weights it leaves alone (the experts cast them to the activations' dtype);
-    FSDP2 casts its own shards once per all-gather. None with fp32 compute, bf16 masters, or
-    training.working_weights off."""
-    if not cfg.training.working_weights or _param_dtype(cfg, device) == torch.float32:
-        return []
-    if cfg.training.master_dtype != "float32":  # bf16 parameters: nothing to copy
-        return []
-    if dims.dp_size == 1:  # autocast computes (_autocast)
-        return working_weight_params(model)
-    return expert_params(model)
-
-
 def _build_optimizer(
-    cfg: JobConfig, model: torch.nn.Module, rank: int
+    cfg: JobConfig, model: torch.nn.Module, precision: Precision, rank: int
 ) -> tuple[torch.optim.Optimizer, FP32GradAccumulator, LRSchedule, dict[str, int]]:
     """The optimizer, the fp32 gradient accumulator, the learning-rate schedule, and what the
     optimizer's moments cost on this rank (logged once)."""
@@ -459,8 +413,8 @@ def _build_optimizer(
     fp32_grads = FP32GradAccumulator(model, optim.fp32_grad_accum)
     optim_state = optimizer_state_bytes(
         model,
-        state_dtype=_DTYPES[optim.state_dtype],
-        master_dtype=_DTYPES[cfg.training.master_dtype],
+        state_dtype=precision.state,
+        master_dtype=precision.master,
     )
     if rank == 0:
         logger.info(
@@ -519,6 +473,7 @@ def _banner(
     dims: ParallelDims,
     model: torch.nn.Module,
     batch_schedule: BatchSizeSchedule,
+    precision: Precision,
     device: torch.device,
     progress: Progress,
 ) -> str:
@@ -530,7 +485,7 @@ def _banner(
         dims=dims,
         num_params=sum(p.numel() for p in model.parameters()),  # DTensor: global numel
         active_params=active_params(cfg.model) if isinstance(cfg.model, MoEConfig) else None,
-        param_dtype=str(_param_dtype(cfg, device)).removeprefix("torch."),
+        param_dtype=str(precision.compute).removeprefix("torch."),
         device=device.type,
         micro_batches_per_step=batch_schedule.micro_batches_per_step(
             progress.consumed_tokens,

@@ -119,7 +119,7 @@ def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
             * compute
             / (dims.ep if ".experts." in name else 1)
             for name, p in model.named_parameters()
-            # The trainer's choice (graphtrain.run._working_masters).
+            # The trainer's choice (graphtrain.precision.Precision.working_masters).
             if (dims.dp_size == 1 and id(p) in matmul)
             or (dims.dp_size > 1 and dims.ep > 1 and ".experts." in name)
         )

@@ -223,7 +223,7 @@ def _topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-# Router.forward is matched by the fuse_moe_router pass (graphtrain/passes/fuse_moe_router.py).
+# Router.forward is matched by the fuse_moe_router pass (graphtrain/passes/moe_route.py).
 class Router(nn.Module):
     """Token -> top_k experts, their weights, tokens per expert and the auxiliary losses.
 

@@ -183,7 +183,6 @@ def build_data(
             "so attention and labels run across documents. Pass tokenizer_path or eos_id.",
             stacklevel=2,
         )
-
     train_loader, val_loader = _loaders(
         train_streams,
         val_streams,
@@ -196,15 +195,13 @@ def build_data(
         dp_world_size=dp_world_size,
         seed=seed,
     )
-
+    # The vocabulary the model needs: the tokenizer's, or the largest token id of the shards.
     if tokenizer is not None:
-        vocab_size_needed = tokenizer.vocab_size
+        needed = tokenizer.vocab_size
     else:
-        vocab_size_needed = (
-            max(train_loader.max_token_id, getattr(val_loader, "max_token_id", 0)) + 1
-        )
+        needed = max(train_loader.max_token_id, getattr(val_loader, "max_token_id", 0)) + 1
     return DataBundle(
-        tokenizer=tokenizer, train=train_loader, val=val_loader, vocab_size_needed=vocab_size_needed
+        tokenizer=tokenizer, train=train_loader, val=val_loader, vocab_size_needed=needed
     )
 
 

@@ -10,13 +10,11 @@ What
     sigmoid), the biased selection, the group limit, the top-k, the weights, the tokens per
     expert, and what the balance losses and the z-loss need; step by step in moe_route_ref's
     docstring. moe_route_backward(...) -> grad_logits is the backward, an op of its own.
-    The pass that inserts it: graphtrain/passes/moe_route.py. Why, the CUDA algorithm and its
-    costs: docs/design/moe_route.md.
+    The pass: graphtrain/passes/moe_route.py. Why and the CUDA algorithm: docs/design/moe_route.md.
 
 Contract
-    Ties (in sel and in the group scores) go to the lower expert/group index, in the reference
-    and in the kernels alike. weights, aux_sums and lse are differentiable w.r.t. logits.
-    Bad options or tensors: ValueError naming the bad value, at trace time.
+    Ties go to the lower expert/group index, in the reference and the kernels alike; weights,
+    aux_sums, lse differentiable w.r.t. logits; bad input: ValueError naming it, at trace time.
 
 Numerics
     fp32 from the logits (bf16/fp16 upcast on load; fp64 stays fp64). The kernels' softmax sums

@@ -117,7 +117,6 @@ LONG_FUNCTIONS = {
 LONG_DOCSTRINGS = {
     "graphtrain/balance.py",
     "graphtrain/checkpoint/manager.py",
-    "graphtrain/compile.py",
     "graphtrain/custom_ops/gated_delta_rule.py",
     "graphtrain/custom_ops/linear_cross_entropy/__init__.py",
     "graphtrain/metrics/memory_plan.py",

@@ -115,10 +115,8 @@ LONG_FUNCTIONS = {
     "graphtrain/trainer.py::build_run",
 }
 LONG_DOCSTRINGS = {
-    "graphtrain/checkpoint/manager.py",
     "graphtrain/custom_ops/gated_delta_rule.py",
     "graphtrain/custom_ops/linear_cross_entropy/__init__.py",
-    "graphtrain/metrics/memory_plan.py",
     "graphtrain/parallel/activation_checkpoint.py",
     "graphtrain/parallel/expert_parallel.py",
     "graphtrain/parallel/fp8_all_gather.py",

@@ -125,7 +125,6 @@ LONG_DOCSTRINGS = {
     "graphtrain/step.py",
     "models/gpt_plan.py",
     "models/moe.py",
-    "models/moe_hf.py",
 }
 
 

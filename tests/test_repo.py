@@ -124,7 +124,6 @@ LONG_DOCSTRINGS = {
     "graphtrain/passes/gated_delta_rule.py",
     "graphtrain/step.py",
     "models/gpt_plan.py",
-    "models/moe.py",
 }
 
 

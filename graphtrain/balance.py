@@ -1,39 +1,26 @@
 """MoE routing balance across a training step: count reduction, expert-bias updates, metrics.
 
 What
-    install_router_balance(model, optimizer, mesh, dims, bias_update_rate) drives the routers of
-    an MoE model (models.moe.Router, found through model.routers(); a dense model has none and
-    gets None). It returns a RouterBalance, a step hook of graphtrain.step.TrainStep:
-        reduce_counts  each router's count reducer = an all-reduce (sum) over the ranks that
-                  route different tokens, a functional collective, so it traces into the
-                  compiled block: the data-parallel ranks (expert-parallel ranks included: they
-                  are carved out of dp_shard) and, under tensor parallelism with expert TP size
-                  1, the tp ranks too (each routes its own sequence slice; the aux losses are
-                  then per slice). The routers' gradients are summed over tp either way;
+    install_router_balance(model, optimizer, mesh, dims, bias_update_rate) drives the routers
+    of an MoE model (models.moe.Router, through model.routers(); a dense model gets None). It
+    returns a RouterBalance, a step hook of graphtrain.step.TrainStep:
+        reduce_counts  each router's count reducer: a functional all-reduce (sum) over the
+                  ranks that route different tokens (data-parallel and expert-parallel ranks
+                  and, with expert TP size 1, the tp ranks), traced into the compiled block;
         micro_batch(weight)  around one micro-batch's forward and backward: before, the
-                  micro-batch's loss weight / tp becomes the routers' aux-loss scale (the aux
-                  losses are averaged over the micro-batches like the loss, and count 1/tp on
-                  each of the tp ranks whose router gradients are summed); after, the router's
-                  step_counts buffer += the dispatch counts of this micro-batch (for the bias
-                  update) and, with global_aux, step_plain_counts += its plain top-k counts
-                  (what the balance losses count: docs/design/moe_balance.md), and the
-                  aux-loss values are summed for logging;
-        optimizer step pre-hook  once per optimizer step, before optimizer.step() (as
-                  torchtitan's MoE load balancing): per-layer load and bias statistics of the
-                  step, then Router.update_bias: the expert bias moves by
-                  rate * sign(mean_load - load_e) and step_counts reset;
+                  micro-batch's loss weight / tp becomes the routers' aux-loss scale; after,
+                  step_counts += its dispatch counts (for the bias update), with global_aux
+                  step_plain_counts += its plain top-k counts, and the aux losses are summed
+                  for logging;
+        optimizer step pre-hook  once per step, before optimizer.step(): per-layer load and
+                  bias statistics, then Router.update_bias (the bias moves by
+                  rate * sign(mean_load - load_e)) and step_counts reset;
         statistics()  the last step's statistics as detached device tensors (no host sync),
                   among them each layer's count of tokens whose router logits were not finite
-                  (moe/<layer>/nonfinite_router_tokens, from Router.last_nonfinite): the loop
-                  stops at the next log step naming the layer.
-
-Why the counts are accumulated after the backward and not in the forward: under activation
-checkpointing the block's forward runs again in the backward, and global_aux reads
-step_plain_counts; counting there would count twice and change the recomputed loss. Why the counts
-are reduced in the forward rather than in the pre-hook: global_aux needs the counts of every
-rank during the forward. The bias is a buffer the optimizer never reads, so updating it before
-optimizer.step() gives the same numbers as after it. The model file imports no distributed
-code: the reducer is injected from here.
+                  (the loop stops at the next log step naming the layer).
+    The model file imports no distributed code: the reducer is injected from here. Why the
+    counts are accumulated after the backward and reduced in the forward, and the aux-loss
+    scale under tp: docs/design/moe_balance.md.
 """
 
 from __future__ import annotations

@@ -9,33 +9,15 @@
 `torch.compile(m, backend="graphtrain")` works after `import graphtrain` (default passes,
 Inductor); `backend(passes=[...], inner="aot_eager", dump_dir=...)` gives a configured one.
 
-Regions (`apply_compile`): every transformer block is compiled on its own, all blocks sharing one
-backend so that identical blocks share one compiled graph, plus one region for the final norm,
-output head and loss (`head_loss`). Per-block regions are what FSDP2 needs (it gathers parameters
-block by block, around the compiled code) and keep compile time flat in depth.
-
-Multi-token prediction (models/mtp.py): each MTP depth's layer (norms, projection, block) is a
-region of its own with its own backend ("mtp_1", "mtp_2", ...), so each depth gets its own
-compiled code and, on CUDA, its own CUDA graphs; every depth's head and loss go through the
-shared `head_loss` region, where the fused cross-entropy pass replaces them as the main head's.
-
+Regions (`apply_compile`): every transformer block on its own, all blocks sharing one backend
+(identical blocks share one compiled graph), one region for the final norm, output head and loss
+(`head_loss`), and one per MTP depth ("mtp_1", ...), whose head and loss go through `head_loss`.
 CUDA graphs for the MTP regions (`cudagraph_mtp`): Inductor's cudagraph trees, switched on for
-those regions only (the config patch "triton.cudagraphs", what mode="reduce-overhead" sets).
-Chosen over torch.cuda.make_graphed_callables because the trees capture the compiled forward AND
-backward after a warm-up run, replay them every step, take all their memory from one pool shared
-by every graphed region, re-record when a static input (a parameter) moves, and skip a graph
-with a logged reason where capture is unsafe (CPU tensors, mutated inputs, dynamic shapes);
-make_graphed_callables needs plain-tensor inputs (no DTensor) and gives none of that. Where the
-layout rules it out before any capture, `cudagraph_fallback_reason` names why and the regions run
-as ordinary compiled code, announced by one log line (and where Inductor itself skips a capture
-later, watch_cudagraph_skips says so once, with Inductor's reason):
-  * not CUDA, or the aot_eager inner backend (the graphs come from Inductor);
-  * expert parallel (fullgraph=False): the all-to-all has data-dependent sizes;
-  * FSDP2: it allocates the gathered parameters per step, so their addresses move and the trees
-    would re-record every step;
-  * activation checkpointing: the region's forward would run again inside backward, replaying a
-    captured forward out of the order the trees expect.
-Tensor parallel composes: its collectives are inside the graphs, on NCCL, which is capturable.
+those regions only; where the layout rules them out before any capture (not CUDA, aot_eager,
+expert parallel, FSDP2, activation checkpointing), `cudagraph_fallback_reason` names why and
+the regions run as ordinary compiled code, announced by one log line.
+Why per-block regions, why cudagraph trees over make_graphed_callables, and each fallback:
+docs/design/compile.md.
 """
 
 from __future__ import annotations

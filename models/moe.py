@@ -10,33 +10,11 @@ What: the dense Llama-style model of models/gpt.py in which every block after th
 The router and the token permutation / weighted combine are written the obvious way because
 compiler passes (graphtrain.passes) find them in the graph and replace them with fused kernels;
 the semantics they must keep are those of `Router.forward` (the spec all MoE code shares) and
-`routed_experts`.
-
-Why the auxiliary losses never appear in the returned loss: they reach the gradient through
-AuxLossInjector (Megatron's MoEAuxLossAutoScaler), so the model keeps the dense model's contract
-(forward returns the plain cross-entropy) and the trainer's logged loss stays comparable.
-
-Balancing state, driven by graphtrain.balance (this file imports no distributed code): around
-each training micro-batch it sets the aux-loss scale and accumulates the counts, and an optimizer
-step pre-hook calls update_bias. Per router:
-    expert_bias      fp32 [E] buffer, saved in checkpoints, kept fp32 under .to(bfloat16)
-    step_counts      fp32 [E] buffer, not saved: counts of the optimizer step so far
-    step_plain_counts  fp32 [E] buffer, not saved: the step's plain top-k counts (global_aux)
-    aux_loss_scale   fp32 scalar buffer, not saved: the micro-batch's loss weight
-    reduce_counts    None, or Tensor -> Tensor (an all-reduce over data-parallel ranks)
-    last_counts      tokens per expert of the last forward, reduced (detached)
-    last_plain_counts  the same for the plain top-k (global_aux only, else None)
-    last_aux         {"aux" | "seq_aux" | "global_aux" | "z": detached value} of the last forward
-    accumulate_counts()  step_counts += last_counts (and the plain ones), after each
-                         micro-batch's backward
-    update_bias(rate)    expert_bias += rate * sign(mean - step_counts); both counts = 0
-The forward only assigns attributes (no in-place updates), so re-running it (activation
-checkpoint recompute) changes nothing.
-
-Balance losses count as DeepSeek-V3 (f_i) and Megatron-Core do: for each token the experts in
-the plain top-k of its scores, without the expert bias and the group limit (those change the
-dispatch, not what the losses count), so the losses keep pushing the scores towards balance
-once the bias balances the dispatch; docs/design/moe_balance.md.
+`routed_experts`. The auxiliary losses reach the gradient through AuxLossInjector, never the
+returned loss (forward returns the plain cross-entropy, as the dense model's). The balancing
+state each Router keeps, driven by graphtrain.balance (this file imports no distributed code):
+Router's docstring. Balance losses count as DeepSeek-V3 (f_i) and Megatron-Core do: the plain
+top-k of the scores, without the expert bias and the group limit (docs/design/moe_balance.md).
 
 Numerics: routing in fp32 (logits are cast up after the gate); experts in the input's dtype, or
 in the autocast dtype under autocast; the weighted combine in fp32, cast back.
@@ -223,7 +201,7 @@ def _topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-# Router.forward is matched by the fuse_moe_router pass (graphtrain/passes/fuse_moe_router.py).
+# Router.forward is matched by the fuse_moe_router pass (graphtrain/passes/moe_route.py).
 class Router(nn.Module):
     """Token -> top_k experts, their weights, tokens per expert and the auxiliary losses.
 
@@ -231,6 +209,23 @@ class Router(nn.Module):
     or inf in the gate or its input: their scores, weights and choices mean nothing), an int64
     scalar left on the device (no host sync in the step) for the trainer to sum and check at
     its log steps.
+
+    Balancing state, driven by graphtrain.balance (this file imports no distributed code):
+    around each training micro-batch it sets the aux-loss scale and accumulates the counts, and
+    an optimizer step pre-hook calls update_bias. Per router:
+        expert_bias      fp32 [E] buffer, saved in checkpoints, kept fp32 under .to(bfloat16)
+        step_counts      fp32 [E] buffer, not saved: counts of the optimizer step so far
+        step_plain_counts  fp32 [E] buffer, not saved: the step's plain top-k counts (global_aux)
+        aux_loss_scale   fp32 scalar buffer, not saved: the micro-batch's loss weight
+        reduce_counts    None, or Tensor -> Tensor (an all-reduce over data-parallel ranks)
+        last_counts      tokens per expert of the last forward, reduced (detached)
+        last_plain_counts  the same for the plain top-k (global_aux only, else None)
+        last_aux         {"aux" | "seq_aux" | "global_aux" | "z": detached value}, last forward
+        accumulate_counts()  step_counts += last_counts (and the plain ones), after each
+                             micro-batch's backward
+        update_bias(rate)    expert_bias += rate * sign(mean - step_counts); both counts = 0
+    The forward only assigns attributes (no in-place updates), so re-running it (activation
+    checkpoint recompute) changes nothing.
     """
 
     def __init__(self, cfg: MoEConfig) -> None:

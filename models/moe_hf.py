@@ -3,9 +3,8 @@ Qwen2MoeForCausalLM for softmax routing; tensor names, config.json, and what nei
 
 What: the same four functions as models/gpt_hf.py (hf_config, config_mismatches, to_hf_state,
 from_hf_state), which graphtrain.checkpoint.hf calls for an MoEConfig. Attention, norms,
-embeddings, head and the dense first layers keep gpt_hf's Llama names (both architectures use
-them). An MoE layer i is written as the published GLM-4.5 and Qwen MoE checkpoints are, and as
-transformers' save_pretrained writes them: one tensor per expert,
+embeddings, head and the dense first layers keep gpt_hf's Llama names. An MoE layer i is
+written as the published GLM-4.5 and Qwen MoE checkpoints are, one tensor per expert,
     model.layers.i.mlp.gate.weight                      router.gate.weight           [E, D]
     model.layers.i.mlp.gate.e_score_correction_bias     router.expert_bias (Glm4Moe) [E] fp32
     model.layers.i.mlp.experts.j.gate_proj.weight       experts.w1[j]                [F, D]
@@ -13,45 +12,16 @@ transformers' save_pretrained writes them: one tensor per expert,
     model.layers.i.mlp.experts.j.down_proj.weight       experts.w2[j]                [D, F]
     model.layers.i.mlp.shared_experts.{gate,up,down}_proj.weight   (Glm4Moe; Qwen2Moe:
         mlp.shared_expert.* and mlp.shared_expert_gate.weight [1, D])   shared_experts.w1/w3/w2
-transformers >= 5 stacks the per-expert tensors into its fused experts when loading
-(conversion_mapping.py, the "qwen2_moe" entry, used by glm4_moe and qwen2_moe alike).
+Refused with a ValueError naming the option: softmax with model.expert_bias, with
+group-limited routing or with model.route_scale != 1; sigmoid with one expert per group.
+Not exported: the training-only options (aux loss coefficients, bias_update_rate,
+force_balance).
 
-Why these two (read in transformers 5.23; the round-trip test compares logits):
-  attention  Both are Llama's attention once configured: rotate-half RoPE over the whole head,
-             grouped-query attention, no biases, no q/k norm. Glm4Moe needs
-             partial_rotary_factor=1.0 (its default 0.5 rotates half of each head),
-             attention_bias=False, use_qk_norm=False; Qwen2Moe needs qkv_bias=False and no
-             sliding window. Qwen3Moe and OLMoE normalise q and k, DeepSeek-V3 has MLA: none
-             of them computes our attention.
-  sigmoid    Glm4MoeTopkRouter is Router's sigmoid branch step for step: fp32 logits, selection
-             on sigmoid + e_score_correction_bias (zeros when model.expert_bias is off), groups
-             scored by their top-2 sum, weights gathered without the bias, / (sum + 1e-20) when
-             norm_topk_prob, * routed_scaling_factor; n_shared_experts shared SwiGLUs of
-             moe_intermediate_size each beside the routed ones; first_k_dense_replace dense
-             layers first. (DeepSeek-V3's router is the same code, its attention is not ours.)
-  softmax    Qwen2MoeTopKRouter: softmax over all experts, top-k, / sum when norm_topk_prob;
-             model.first_k_dense -> mlp_only_layers. Softmax after top-k (pre_softmax=false)
-             is written as the normalised softmax: the same function up to rounding (the top-k
-             softmax values are those of the top-k logits, and softmax over the k equals their
-             probabilities over their sum). Qwen2Moe gates its shared expert with
-             sigmoid(shared_expert_gate x), ours is ungated: the gate is written as zeros
-             (sigmoid(0) = 0.5 exactly) and the shared down_proj doubled (exact in binary
-             floating point), which computes the ungated expert bit for bit; import undoes it
-             and refuses a checkpoint whose gate is not zero.
-Refused with a ValueError naming the option: softmax with model.expert_bias, with group-limited
-routing or with model.route_scale != 1 (Qwen2Moe has none of them; Ernie4_5_Moe has a softmax
-selection bias, but interleaved RoPE and always-normalised weights, and is not used); sigmoid
-with one expert per group (Glm4Moe scores a group by its top 2; model.num_groups=1 routes the
-same).
-
-Not exported: the training-only options (the auxiliary loss coefficients, bias_update_rate,
-force_balance), which do not change what the model computes at inference.
-
-Numerics: an fp32 export computes our logits up to summation order. Exact ties between experts
-may route differently (transformers uses torch.topk, we take the lower index). In bf16, Glm4Moe
-computes the router logits in fp32 from the bf16 activations, we in bf16 then cast up, so
-near-ties may route differently. e_score_correction_bias stays fp32 in every export (the
-buffers are not cast, and transformers keeps it fp32).
+Numerics: an fp32 export computes our logits up to summation order; exact ties between
+experts may route differently (torch.topk there, the lower index here), and in bf16 so may
+near-ties. e_score_correction_bias stays fp32 in every export. Why these two architectures,
+how each is configured to compute ours, and Qwen2Moe's shared-expert gate:
+docs/design/hf_export.md.
 """
 
 from __future__ import annotations

@@ -130,11 +130,33 @@ def test_describe_keys_lists_every_field_with_a_description(preset):
         if dataclasses.is_dataclass(section):
             for g in dataclasses.fields(section):
                 assert f"--{f.name}.{g.name}=" in text
-                # The description is the comment at the field's definition: every key has one.
+                # Every key has a description: graphtrain's sections in their fields' metadata,
+                # the model configs in the comment on the field's line.
                 help_line = describe_key(
                     section, g.name, typing.get_type_hints(type(section))[g.name]
                 )
                 assert re.fullmatch(r"\([^)]+\) \S.*", help_line), (f.name, g.name, help_line)
+
+
+def test_help_text_of_sections_is_field_metadata_and_of_models_the_line_comment():
+    from graphtrain.config import sections
+
+    for f in dataclasses.fields(sections.JobConfig):
+        cls = f.type if isinstance(f.type, type) else getattr(sections, str(f.type), None)
+        if cls is None or not dataclasses.is_dataclass(cls) or f.name == "model":
+            continue
+        for g in dataclasses.fields(cls):  # a key written without option(...) has no help
+            assert g.metadata.get("help"), f"{f.name}.{g.name} has no help metadata"
+    text = describe_keys(load_config(["--preset", "hybrid-moe-debug"]))
+    # A section's help over several source lines, joined; model keys, inherited ones too.
+    assert (
+        "(str: float32 | bfloat16) Storage (and update) dtype of the parameters: float32 keeps "
+        "fp32 master weights; bfloat16 is pure bf16 training (half the parameter and gradient "
+        "memory; see optim.fp32_grad_accum)." in " ".join(text.split())
+    )
+    assert "  --model.top_k=2\n      (int) routed experts per token k\n" in text
+    assert "  --model.dim=64\n      (int) model width\n" in text
+    assert '--model.layer_pattern="GGG*"\n      (str) token mixer per block, repeated' in text
 
 
 def test_help_shows_type_default_choices_and_the_comment():

@@ -106,3 +106,87 @@ def test_layering_check_sees_an_import():
     step = _graphtrain_imports(REPO / "graphtrain" / "step.py")
     assert "graphtrain.optim" in step
     assert _breaches("graphtrain/step.py", ("graphtrain.optim",))
+
+
+# Size limits of the library's sources (graphtrain/ and models/): files, functions outside the
+# Triton kernels, module docstrings (what, contract, numerics; design prose goes to
+# docs/design/). Each allowlist holds what is over today and only shrinks: an entry that is
+# back under its limit must leave the list.
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_DOCSTRING_LINES = 600, 80, 25
+LONG_FILES = {"graphtrain/parallel/pipeline.py"}
+LONG_FUNCTIONS = {
+    "graphtrain/parallel/__init__.py::parallelize_model",
+    "graphtrain/parallel/pipeline.py::parse_layout",
+}
+LONG_DOCSTRINGS = {
+    "graphtrain/custom_ops/gated_delta_rule.py",
+    "graphtrain/custom_ops/linear_cross_entropy/__init__.py",
+    "graphtrain/parallel/activation_checkpoint.py",
+    "graphtrain/parallel/expert_parallel.py",
+    "graphtrain/parallel/fp8_all_gather.py",
+    "graphtrain/parallel/init.py",
+    "graphtrain/passes/gated_delta_rule.py",
+    "graphtrain/step.py",
+    "models/gpt_plan.py",
+}
+
+
+def _sources() -> list[Path]:
+    return sorted((*REPO.glob("graphtrain/**/*.py"), *REPO.glob("models/**/*.py")))
+
+
+def _is_triton_kernel(node) -> bool:
+    import ast
+
+    def name(d):
+        d = d.func if isinstance(d, ast.Call) else d
+        return d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", "")
+
+    return any(name(d) in ("jit", "autotune", "heuristics") for d in node.decorator_list)
+
+
+def _oversized() -> dict[str, set[str]]:
+    """{"files"|"functions"|"docstrings": the sources over their limit}."""
+    import ast
+
+    out: dict[str, set[str]] = {"files": set(), "functions": set(), "docstrings": set()}
+    for path in _sources():
+        rel, text = str(path.relative_to(REPO)), path.read_text(encoding="utf-8")
+        if text.count("\n") > MAX_FILE_LINES:
+            out["files"].add(rel)
+        tree = ast.parse(text)
+        doc = ast.get_docstring(tree, clean=False) or ""
+        if len(doc.splitlines()) > MAX_DOCSTRING_LINES:
+            out["docstrings"].add(rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and not _is_triton_kernel(node):
+                    out["functions"].add(f"{rel}::{node.name}")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "allowed", "limit"),
+    [
+        ("files", LONG_FILES, MAX_FILE_LINES),
+        ("functions", LONG_FUNCTIONS, MAX_FUNCTION_LINES),
+        ("docstrings", LONG_DOCSTRINGS, MAX_DOCSTRING_LINES),
+    ],
+)
+def test_sizes_stay_under_their_limits(kind, allowed, limit):
+    found = _oversized()[kind]
+    assert not found - allowed, f"{kind} over {limit} lines (split them): {sorted(found - allowed)}"
+    assert not allowed - found, f"back under {limit} lines: remove {sorted(allowed - found)}"
+
+
+def test_size_check_sees_a_long_function(tmp_path, monkeypatch):
+    """The check itself: a long plain function is found, a long Triton kernel is not."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    pkg = tmp_path / "graphtrain"
+    pkg.mkdir()
+    (pkg / "long.py").write_text(
+        f"import triton\n\n\ndef plain():\n{body}\n\n@triton.jit\ndef _kernel():\n{body}"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert _oversized()["functions"] == {"graphtrain/long.py::plain"}

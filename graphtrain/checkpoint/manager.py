@@ -1,36 +1,24 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): save, retention, resume.
 
-Layout: <run_dir>/checkpoints/step-0000100/ holds the DCP shards of the model and optimizer
-(every rank writes its own shards, `__<rank>_<i>.distcp`, rank 0 also `.metadata`) and
-trainer-rank<r>.pt with what the trainer hands over (step, consumed tokens, data loader position,
-LR and batch-size schedule state), this rank's RNG states and the sizes and SHA-256 digests of the
-files it wrote; rank 0 adds checksums.json over every file, the trainer files included
-(integrity.py; verified on load before anything is unpickled, see read_trainer_files).
+Layout
+    <run_dir>/checkpoints/step-0000100/ holds the DCP shards of the model and optimizer (every
+    rank writes its own, rank 0 also `.metadata`), trainer-rank<r>.pt (step, consumed tokens,
+    data loader position, schedule state, this rank's RNG states, the sizes and SHA-256
+    digests of the files it wrote) and, from rank 0, checksums.json over every file
+    (integrity.py; verified on load before anything is unpickled).
 
-Never losing work:
-- a save is written under step-N.tmp and renamed to step-N only after every rank finished (the
-  rename is atomic, so the final name is the completion marker); `latest` is the newest name
-  without a suffix, so a save killed half-way is never loaded, and its .tmp is removed by the next
-  save (which also overwrites a .tmp of its own step);
-- a failed save (disk full, permission) raises CheckpointSaveError on every rank, naming the
-  path and the previous checkpoint, which is untouched: nothing is deleted before a newer
-  checkpoint is complete;
-- a checkpoint damaged after it was written (a changed byte in any file) is refused on load,
-  naming the file and the previous intact checkpoint; with fallback_on_corruption, `latest`
-  resumes from that one instead;
-- weights holding a NaN or an Inf are never saved (NonFiniteWeightsError, nothing written), so a
-  diverging run's saves cannot push its last finite checkpoint out;
-- retention: after a save completes, checkpoints are deleted except the last `keep_last` and
-  those whose step is a multiple of `retain_interval`.
-- durability: before the rename every rank's files are fsynced (DCP syncs its shards, we sync
-  the trainer file) and rank 0 fsyncs the folder; after it, the checkpoints folder: a power
-  loss right after the rename cannot leave a complete-looking checkpoint whose data was still
-  in the page cache.
-
-Async save (DCP async_save, checkpoint.async_save): the state is staged to host memory and written
-by a background thread while training goes on; the rename and retention happen at the next save
-or at `wait()` (the end of training), so the completion marker still comes last. The background
-collectives run on a gloo group, which works next to NCCL.
+Contract (never losing work)
+    A save is written under step-N.tmp and renamed to step-N only after every rank finished,
+    its files fsynced: the final name is the completion marker, so a save killed half-way is
+    never loaded (`latest` is the newest name without a suffix). A failed save raises
+    CheckpointSaveError on every rank, naming the path and the untouched previous checkpoint.
+    A checkpoint damaged after it was written is refused on load, naming the file (with
+    fallback_on_corruption, `latest` resumes from the newest intact one). Weights holding a
+    NaN or an Inf are never saved (NonFiniteWeightsError). Retention deletes, after a save
+    completes, all but the last keep_last and the multiples of retain_interval.
+    Async save (checkpoint.async_save) stages to host memory and writes in the background; the
+    rename and retention happen at the next save or at wait(), so the marker still comes last.
+    Each guarantee in full: docs/design/checkpoint.md.
 """
 
 from __future__ import annotations

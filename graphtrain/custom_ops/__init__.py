@@ -1,4 +1,5 @@
-"""Custom ops: one module per op (Triton kernels, launchers, torch.library registration, <op>_ref).
+"""Custom ops: one module or package per op (options, <op>_ref, Triton kernels, launchers,
+torch.library registration).
 
 Importing this package registers the ops under torch.ops.graphtrain.
 """

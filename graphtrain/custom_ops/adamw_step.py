@@ -8,40 +8,19 @@ What
     root), with `step` the step count after this update (1 on the first step, shared by the
     list), and writes each param's new value rounded to nearest-even into copies[i] (bf16) when
     `copies` is given (empty: no copies). Grads are fp32. The moments are fp32, or bf16 with the
-    maths of graphtrain.optim.adamw_bf16: they are widened to fp32, updated, the fp32 values give
-    the parameter's update, and they are stored rounded to nearest-even.
-
-Why
-    graphtrain.optim.working_weights keeps bf16 copies of the fp32 masters, refreshed after each
-    step by a foreach copy that reads the master again (4 bytes) and writes the copy (2 bytes).
-    Writing the copy from the value the step just computed saves the re-read: per weight, torch's
-    fused AdamW + refresh move 4+4+4+4 read + 4+4+4 written + 4 read + 2 written = 34 bytes; this
-    kernel moves 30 (16 read, 14 written with the copy's 2). With bf16 moments it moves 12 read
-    + 10 written = 22 (graphtrain.optim.adamw_copies has the comparison).
-
-Kernel
-    _adamw_step_kernel  one program per BLOCK elements of one tensor. The tensors' addresses are
-                        a table (one row of five int64 per tensor: param, grad, exp_avg,
-                        exp_avg_sq, copy), the blocks a table of (tensor, block) pairs, so one
-                        launch covers any number of tensors of any sizes (as torch's
-                        multi_tensor_apply does with its chunk lists). The address table is built
-                        on the host each call (gradients are new tensors every step) and copied
-                        from pinned memory without a synchronisation; the block table depends only
-                        on the sizes and is cached. A full block runs with a constant mask and,
-                        when every address is 16-byte aligned (checked on the host), pointers
-                        declared so: 16-byte vector accesses (addresses read from memory carry
-                        no alignment the compiler could use); the last block of a tensor is
-                        masked.
-    bf16 values are read and written as their 16 bits (widened by a shift; rounded to
-    nearest-even with integer adds): the same bits as torch's .to(torch.bfloat16) on the GPU, and
-    under TRITON_INTERPRET=1, whose own fp32 -> bf16 conversion truncates.
+    maths of graphtrain.optim.adamw_bf16: widened to fp32, updated, stored rounded to
+    nearest-even. One launch of _adamw_step_kernel covers every tensor of the list (tables of
+    addresses and of (tensor, block) pairs); the CPU kernel is adamw_step_ref (torch's foreach
+    ops: the reference).
 
 Numerics
     fp32 arithmetic in torch's order of operations (on the GPU Triton may contract a multiply
-    and an add into one rounding: not bitwise torch's fused kernel, within the bound); tests compare several steps with a float64
-    AdamW on odd sizes within a few fp32 roundings (tests/custom_ops/test_adamw_step.py states
-    the bound), and the copies bitwise with the fp32 result rounded by torch. The CPU
-    kernel is adamw_step_ref (torch's foreach ops: the reference).
+    and an add into one rounding: not bitwise torch's fused kernel, within the bound); tests
+    compare several steps with a float64 AdamW on odd sizes within a few fp32 roundings
+    (tests/custom_ops/test_adamw_step.py states the bound), and the copies bitwise with the
+    fp32 result rounded by torch. bf16 values are read and written as their 16 bits, the same
+    bits as torch's .to(torch.bfloat16), under TRITON_INTERPRET=1 too.
+    The bytes it saves and the kernel's tables: docs/design/working_weights.md.
 """
 
 from __future__ import annotations

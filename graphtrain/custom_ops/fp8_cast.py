@@ -6,50 +6,21 @@ What
     with (scale, scale_inv) = fp8_scale(amax, float8_dtype, pow2_scale):
         scale = fp8_max / max(amax, EPS)      (optionally rounded down to a power of two)
         y = saturate(x * scale) rounded to nearest-even in float8_dtype, y_t = y.T
-        counts = [values clipped, nonzero values flushed to 0] (int64); clipped means beyond
-                 fp8_max by more than half the top spacing (a non-saturating cast would have
-                 made them inf or NaN), so amax itself landing a rounding above fp8_max is not
-                 counted
-    amax is a 0-d float32 device tensor (graphtrain::fp8_amax, max-reduced over the tp group
-    where the tensor is a shard); scale_inv = 1 / scale is what torch._scaled_mm takes.
-    Per slice: x [E, R, C] with amax [E] (fp8_amax(x, per_slice=True)) casts each x[e] with
-    its own scale: y [E, R, C], y_t [E, C, R] (y_t[e] = y[e].T), scale_inv [E], counts summed
-    over the slices; bit for bit what E calls on x[e], amax[e] give, in one launch of the
-    kernel instead of E (the MoE experts' weights, graphtrain::fp8_grouped_mm).
-    Columns moved: with t_cols (int64 [R], distinct, each below t_width; 2-D x, transpose),
-    y_t is [C, t_width] with y_t[:, t_cols[r]] = y[r] and zeros in the other columns: the
-    layout torch._scaled_grouped_mm wants when the groups (of x's rows) lie along its
-    contraction, each padded to a multiple of 16 (graphtrain::fp8_grouped_mm's wgrad), written
-    by the same read of x instead of a copy afterwards.
-    Formats: E4M3 (float8_e4m3fn, max 448, 3 mantissa bits) for activations and weights, E5M2
-    (max 57344, 2 mantissa bits) for gradients in the hybrid recipe.
+        counts = [values clipped, nonzero values flushed to 0] (int64)
+    amax is a 0-d float32 device tensor (graphtrain::fp8_amax); scale_inv = 1 / scale is what
+    torch._scaled_mm takes. x [E, R, C] with amax [E] casts each slice with its own scale in
+    one launch. t_cols (int64 [R], 2-D x, transpose) writes row r of y to column t_cols[r] of a
+    zero-filled y_t [C, t_width] (fp8_grouped_mm's padded wgrad layout). record ("activation",
+    "weight" or "gradient") adds the counts to the device-side counters fp8_saturation_stats
+    turns into fractions, with no host synchronisation.
 
 Numerics
-    An all-zero tensor has amax 0 and gets scale fp8_max / EPS (finite): zeros, never NaN or
-    inf. A NaN anywhere makes amax NaN, so every element is NaN; an inf makes amax inf, scale
-    0 and the inf element NaN: the GEMM's output is NaN and the trainer's non-finite check
-    stops the run with the step named. Power-of-two scales make the scaling itself exact (only
-    the FP8 rounding remains) at the cost of up to one bit of range.
-
-Why
-    _scaled_mm wants its first operand row-major and its second column-major, so every GEMM of
-    a linear's forward and backward needs the other layout of one operand: the kernel writes
-    both from one read of x. The counts feed the saturation statistics: with record (the
-    tensor class, "activation", "weight" or "gradient") the cast adds them to device-side
-    counters (record_saturation), which fp8_saturation_stats turns into fractions, with no
-    host synchronisation in the step.
-
-Kernel
-    _cast_kernel  one program per [BLOCK_R, BLOCK_C] tile of a slice (a 2-D x is one slice),
-                  with that slice's scale: load, scale, saturate, round to the FP8 grid in
-                  fp32 arithmetic (add and subtract 2^(e - m + 23), which rounds to
-                  nearest-even at the FP8 spacing, subnormals included), encode the byte with
-                  integer ops, store the tile and its transpose (to the columns t_cols
-                  names, with COL_MAP: y_t is zero-filled first). The byte is built by hand
-                  because Triton's interpreter converts fp32 to FP8 without round-to-even and
-                  turns NaN into a number; the result equals torch's conversion bit for bit
-                  (fp8_cast_ref), the sign of an input NaN included (a NaN made by -inf * 0
-                  takes the hardware's sign).
+    An all-zero x casts to zeros, never NaN. A NaN makes every element NaN; an inf makes that
+    element NaN: the trainer's non-finite check stops the run with the step named. Power-of-two
+    scales make the scaling exact at the cost of up to one bit of range. The kernel builds the
+    FP8 byte by hand and equals torch's conversion bit for bit (fp8_cast_ref), an input
+    NaN's sign too.
+    Why both layouts, the per-slice and moved-column casts, the kernel: docs/design/fp8.md.
 """
 
 from __future__ import annotations

@@ -6,93 +6,22 @@ What
         -> (out [M, N], x8_t, x_scale_inv, w8_t, w_scale_inv)
     out[rows of e] = x[rows of e] @ weight[e]^T, rows of e = offs[e-1]:offs[e] (offs[-1] = 0),
     i.e. torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs) (models/moe.py's experts),
-    with both operands in E4M3 and fp32 accumulation; out in out_dtype (default x's). Output 0
-    is the result; the others are the FP8 copies the backward uses (x8_t [K, W], x's rows
-    as columns in the wgrad's padded groups, W = ceil16(M) + 16 E (padded_columns); w8_t
-    [E, K, N]) and their inverse scales.
-    Backward (graphtrain::fp8_grouped_mm_backward): the output gradient is cast once (E5M2, or
-    E4M3 with e4m3_grads; always E4M3 on the grouped kernel, below), then per expert e
-        dgrad  grad_x[rows of e] = g8[rows of e] @ w8_t[e]^T      (grad_out W_e)
-        wgrad  grad_w[e] = g8_t[:, rows of e] @ x8_t[:, rows of e]^T   (grad_out^T x)
-    An expert without rows gets a zero weight gradient.
+    both operands in E4M3, fp32 accumulation, out in out_dtype (default x's). The other outputs
+    are the FP8 copies and inverse scales graphtrain::fp8_grouped_mm_backward uses: it casts
+    the output gradient once, then per expert dgrad and wgrad. An expert without rows gets a
+    zero weight gradient.
+    Two paths, the same casts and FP8 bytes: the reference (the CPU kernel and the oracle;
+    CUDA other than sm90) runs torch._scaled_mm per expert and reads offs on the host; sm90
+    runs three torch._scaled_grouped_mm calls, no host synchronisation, with the wgrad's
+    groups padded to multiples of 16 columns by the cast itself.
 
-Scaling
-    x and grad_out: per tensor (one amax over all rows, graphtrain::fp8_amax). The weight: per
-    expert (one amax per expert matrix: fp8_amax(weight, per_slice=True), then one
-    graphtrain::fp8_cast of [E, N, K] with an [E] amax writes w8 and w8_t, each expert with
-    its own scale, bit for bit what a cast per expert gives). torch._scaled_grouped_mm takes
-    only row-wise scales, and both are written as such: a per-tensor scale repeated over the
-    rows (or, in the wgrad, over each group's rows) and an expert's scale repeated over its
-    output columns, so the grouped kernel computes the same recipe as the reference loop.
-    Numerics otherwise as graphtrain::fp8_linear.
-
-Two paths (the same casts, the same FP8 bytes; they differ in the GEMMs)
-    reference (the CPU kernel and the oracle; CUDA devices other than sm90): per expert one
-        torch._scaled_mm (per-tensor scales) in a loop over the groups; it reads offs on the
-        host (one synchronisation per call; the wgrad also the padded groups' offsets). On
-        CUDA, torch._scaled_mm needs the wgrad's inner dimension (a group's rows) a multiple
-        of 16: the loop's wgrad runs over each expert's whole padded group (its rows and
-        zero columns up to ceil16(rows)), so any row counts work on every device.
-        Only sm90 takes the grouped path: torch builds the row-wise FP8 grouped kernel for
-        sm90 alone (sm100's grouped FP8 kernels are block-scaled, another recipe).
-    grouped (CUDA sm90, fp8_grouped_mm_cuda / fp8_grouped_mm_backward_cuda): three
-        torch._scaled_grouped_mm calls, no host synchronisation, no loop over the experts'
-        GEMMs:
-            forward  2d-3d: x8 [M, K] row-major x w8 [E, N, K] viewed [E, K, N] column-major,
-                     scale_a [M] = x's scale, scale_b [E, N] = each expert's scale
-            dgrad    2d-3d: g8 [M, N] x w8_t [E, K, N] viewed [E, N, K] column-major,
-                     scale_a [M], scale_b [E, K]
-            wgrad    2d-2d with the groups along the contraction: g8_t [N, Mp] row-major x
-                     x8_t [K, Mp] viewed [Mp, K] column-major -> [E, N, K], scale_a [E * N],
-                     scale_b [E * K] (group-major)
-        What torch._scaled_grouped_mm takes (torch 2.11 to 2.14, aten GroupedBlas.cpp and the
-        Meta kernel in torch/_meta_registrations.py): both operands float8_e4m3fn (sm90's
-        row-wise kernel has no E5M2), the first row-major, the second column-major; K and N
-        multiples of 16 (and every leading stride a multiple of 16 bytes); float32 scales,
-        contiguous; out_dtype bfloat16 only; at most 1023 groups. In the 2d-3d case groups of
-        any size, empty ones included, are fine (the kernel's device-side checks look at a
-        dynamic K or N only; its first version asserted multiples of 16 on every dynamic
-        dimension: the GPU test, with groups of 40, 0, 7 and 81 rows, checks the installed
-        torch); in the 2d-2d case (groups along K) every group but the last must be a
-        multiple of 16 (TMA's 16-byte alignment of each group's start) and, in some
-        versions, none may be empty (device asserts). So g8_t and x8_t are padded on the
-        device (padded_columns, both paths): each expert's rows go to a group of max(16,
-        ceil16(rows)) columns, the rest zeros (which add nothing), in buffers of a static
-        width ceil16(M) + 16 E, offsets from a cumsum; rows past offs[-1] go after the last
-        group, where no group reads them. The cast writes them there (fp8_cast's t_cols):
-        the same read of x or grad_out that writes x8 or g8, no copy afterwards.
-        What differs from the reference: the gradient is E4M3 whatever e4m3_grads says (with
-        its per-tensor scale from the current amax, values below about 2^-10 / 448 of the
-        amax flush to zero, counted in fp8/flushed/gradient, where E5M2 keeps values down to
-        2^-17 / 57344 of it); each GEMM's result is rounded to bf16 before out_dtype
-        (relative 2^-9, against the FP8 operands' 2^-4); rows past offs[-1] of out and
-        grad_x are left as the kernel leaves them (its output is allocated uninitialised,
-        as torch._grouped_mm's), zeros in the reference (the models' offs always end at M).
-        fp32 accumulation (use_fast_accum=False), as the reference.
-    Launches of the weight casts (both paths; Triton on CUDA, no sync): one per-slice
-    fp8_amax (its kernel and the partials' torch.amax) and one fp8_cast (clamp, reciprocal
-    and multiply for the scales, 3 more with pow2_scale, the reciprocal, the counts' zeros,
-    the kernel, the counts' sum), then the 2 adds of the saturation counters: 11 launches
-    (14 with pow2_scale) whatever E. Before, the same per expert plus 3 torch.stack: 11 E +
-    3 = 707 at moe-1b's E = 64 (899 with pow2_scale), with 2 E = 128 custom-op calls from
-    Python.
-    The bytes are the same (the weight read twice, w8 and w8_t written: 6 bytes an element of
-    a bf16 weight, 0.4 GB for the w1|w3 [64, 1024, 1024], ~0.13 ms at 3 TB/s); the kernels do not
-    change. Prediction, unmeasured (no GPU where this was written): the weight casts of one
-    call go from host-bound, ~700 launches at ~5 us of host time each plus the Python of
-    128 op calls (~3-6 ms), to device-bound (~0.15 ms), i.e. ~3-6 ms less per expert GEMM
-    call and layer; benchmarks/fp8_linear.py's grouped rows measure the whole.
-    Bytes of the padding: a copy after the casts read g8_t and x8_t (N M + K M bytes) and
-    wrote the padded buffers twice over (zeros, then the columns), (N + K)(W + 2 M) bytes:
-    at moe-1b's fused w1|w3 experts (M = 98304 rows, N = K = 1024, W = M + 1024) ~0.6 GB.
-    The cast writing the padded layout leaves the zero fill of the buffers, (N + K) W
-    bytes ~0.2 GB, and the cast's read of t_cols (8 M bytes per 64 columns of x, ~13 MB);
-    padded_columns (about ten small launches over offs and M rows) runs twice, in the
-    forward and in the backward, once before. Prediction, unmeasured: ~0.4 GB, ~0.13 ms at
-    3 TB/s less per wgrad, beside ~0.16 ms for the wgrad GEMM (2 M N K = 206 GFLOP at 1271
-    TFLOP/s) and ~0.5 ms for the three; x8_t saved is 16 E columns (1 MB) larger.
-    benchmarks/fp8_linear.py's grouped rows measure the whole. Not built: zeroing only the
-    at most 16 E gap columns instead of the whole buffers.
+Numerics
+    x and grad_out are scaled per tensor, the weight per expert (fp8_amax per slice, one
+    fp8_cast); otherwise as graphtrain::fp8_linear. The sm90 path casts the gradient to E4M3
+    whatever e4m3_grads says and rounds each GEMM's result to bf16 before out_dtype; rows past
+    offs[-1] of out and grad_x are left uninitialised there (zeros in the reference).
+    Scaling, both paths, what torch._scaled_grouped_mm takes, launch and byte counts:
+    docs/design/fp8.md.
 """
 
 from __future__ import annotations

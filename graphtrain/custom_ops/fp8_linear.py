@@ -4,58 +4,22 @@ What
     fp8_linear(x [..., K], weight [N, K], bias [N] or None, *, e4m3_grads=False,
                pow2_scale=False, tp_group=None, out_dtype=None)
         -> (out [..., N], x8_t, x_scale_inv, w8_t, w_scale_inv)
-    out = x W^T + b computed as torch._scaled_mm(x8, w8^T) * x_scale_inv * w_scale_inv with fp32
-    accumulation, in out_dtype (default x's: the pass passes autocast's dtype under autocast).
-    The other four outputs are the FP8 copies the backward needs (x8_t [K, M], w8_t [K, N]) and
-    their inverse scales: saving them instead of x halves (bf16) or quarters (fp32) the
-    activation memory of the layer. The pass uses output 0 only.
-    Backward (graphtrain::fp8_linear_backward, its own op): the output gradient is cast once
-    (E5M2, or E4M3 with e4m3_grads) into g8 [M, N] and g8_t [N, M]; then
-        dgrad  grad_x = _scaled_mm(g8, w8_t^T)   (grad_out W)       in x's dtype
-        wgrad  grad_w = _scaled_mm(g8_t, x8_t^T) (grad_out^T x)     in the weight's dtype
-        grad_b = grad_out summed over rows in fp32.
-    With grad_scale_inv (and grad_counts, this rank's cast counts), grad_out arrives cast
-    already (before a tensor-parallel all-gather, graphtrain/passes/fp8_all_gather.py): the
-    same bits as the cast here, given the same global amax; no bias then.
-    Every scale is per tensor, from the tensor's current amax (graphtrain::fp8_amax, then
-    graphtrain::fp8_cast); nothing goes to the host.
-    Compiled, the post-grad pass fp8_cast_once (graphtrain/passes/fp8_cast_once.py) takes the
-    op and its backward apart into these same casts and _scaled_mm calls, so that an input
-    shared by several linears is cast once and each amax is fused into its producer.
-
-Operands in FP8 already (graphtrain::fp8_linear_precast, forward only)
-    fp8_linear_precast(x, x_scale_inv, x_counts, weight, w_scale_inv, bias, *, pow2_scale,
-                       tp_group, out_dtype) -> the same five outputs
-    is fp8_linear's forward where an operand with a scale_inv is E4M3 already, cast before an
-    all-gather: x under tensor parallelism (graphtrain/passes/fp8_all_gather.py puts the op in
-    the post-grad forward graph in place of fp8_linear, whose backward is fp8_linear_backward
-    there; x_counts are the [clipped, flushed] counts of this rank's 1/tp of x's rows), the
-    weight under FSDP2 (graphtrain/parallel/fp8_all_gather.py). Given the bytes and the scale
-    fp8_linear would have made, its outputs are the same bits: both run _fp8_linear_forward.
-
-Tensor parallel
-    With tp_group (a process-group name), x, weight and grad_out are the rank's shards: each
-    amax is max-reduced over the group with a functional all_reduce before its cast, so every
-    shard is scaled exactly as the unsharded tensor would be and the sharded result equals the
-    single-rank one (tests/custom_ops/test_fp8_linear.py, tp=2 on gloo). Reducing the partial
-    outputs or input gradients stays the caller's (DTensor's) job.
+    out = x W^T + b as torch._scaled_mm(x8, w8^T) * x_scale_inv * w_scale_inv with fp32
+    accumulation, in out_dtype (default x's). The other outputs are the FP8 copies and inverse
+    scales the backward saves instead of x. graphtrain::fp8_linear_backward casts the output
+    gradient once (E5M2, or E4M3 with e4m3_grads) for its dgrad and wgrad GEMMs; grad_b in fp32.
+    graphtrain::fp8_linear_precast is the forward with an operand cast before an all-gather (x
+    under tp, the weight under FSDP2): the same bits. Every scale is per tensor, from the
+    current amax (fp8_amax, then fp8_cast); nothing goes to the host. With tp_group each amax
+    is max-reduced over the group, so a shard is scaled as the unsharded tensor would be.
 
 Numerics
-    Each operand is rounded once to FP8 (relative error up to 2^-4 for E4M3, 2^-3 for E5M2 per
-    element); after that the products are exact and the sums accumulate in the GEMM's
-    accumulator: fp32 on CPU, about 14 mantissa bits between promotions to fp32 in Hopper's FP8
-    tensor cores. Against float64 on the same FP8 operands the results agree to fp32 rounding on
-    CPU and to ~1e-4 relative on an H200 (K = 128); against the unquantised linear the signal-to-noise ratio is about 26 dB for out
-    (two E4M3 operands: RMS rounding error 2^-3 / sqrt(12) of each value, the two error powers
-    add) and about 22 dB for the gradients (an E5M2 operand); 28 and 24 dB are measured on
-    Gaussian data (tests/custom_ops/test_fp8_linear.py).
-
-Saturation statistics
-    Every cast returns [clipped, flushed-to-zero] counts and adds them to device-side counters
-    per tensor class (activation, weight, gradient; graphtrain/custom_ops/fp8_cast.py) without
-    a host sync; fp8_saturation_stats() there turns them into fractions and resets them: the
-    trainer's FP8Saturation step hook reads them once per step (device tensors; the host reads
-    them at log steps).
+    Each operand is rounded once to FP8 (up to 2^-4 relative for E4M3, 2^-3 for E5M2); the
+    products are exact in fp32 and summed in fp32. Against the unquantised linear: about 26 dB
+    SQNR for out, 22 dB for the gradients (28 and 24 measured on Gaussian data). Every cast adds
+    its [clipped, flushed] counts to device-side counters (fp8_cast.fp8_saturation_stats).
+    The backward, the precast op, tensor parallelism and the statistics in full:
+    docs/design/fp8.md.
 """
 
 from __future__ import annotations

@@ -1,45 +1,26 @@
 """graphtrain::moe_permute and graphtrain::moe_unpermute: MoE token dispatch and weighted combine.
 
 What
-    The two data movements around the experts (models/moe.py, routed_experts), for
-    T tokens routed to k experts each, slot s = t * k + j being token t's j-th choice, and
-    `order` [T*k] int64 a permutation of the slots (argsort of the flattened expert indices, so
-    that each expert's slots are contiguous):
+    The two data movements around the experts (models/moe.py, routed_experts), for T tokens
+    routed to k experts each, slot s = t * k + j being token t's j-th choice, and `order`
+    [T*k] int64 a permutation of the slots (argsort of the flattened expert indices, so that
+    each expert's slots are contiguous):
         moe_permute(x [T, D], order, top_k, *, dtype=None) -> xs [T*k, D]
             xs[r] = x[order[r] // k]                  (cast to dtype, default x's)
         moe_unpermute(ys [T*k, D], order, weights [T, k] or None, top_k, *, dtype=None)
             -> out [T, D],  out[t] = sum_j ys[inv[t*k + j]] * weights[t, j]
                (inv the inverse permutation; weights None: a plain sum; the sum in fp32, then
                cast to dtype, default the promotion of ys's and weights' dtypes)
-    They are each other's backward: d x of moe_permute is moe_unpermute of d xs without weights
-    (each token sums the gradients of its k copies); d ys of moe_unpermute is moe_permute of
-    d out scaled by the slot's weight, and d weights[t, j] = <d out[t], ys[inv[t*k + j]]>, both
-    from moe_unpermute_backward. `order` must be a permutation of range(T*k): the op does not
-    check it (that would synchronise with the host); the pass only inserts it where `order`
-    is an argsort.
+    They are each other's backward; d weights comes from moe_unpermute_backward. `order` must
+    be a permutation of range(T*k): the op does not check it (that would synchronise with the
+    host); the pass only inserts it where `order` is an argsort. CPU: the *_ref functions;
+    CUDA: two Triton kernels shared by the pair (_scatter_kernel, _gather_kernel), one program
+    per token, no atomics.
 
-Why
-    The plain code gathers x[order // k] (whose backward, under autograd and Inductor, is a
-    scatter-add with one fp32 atomic per element into a zeroed [T, D] buffer), scatters the
-    expert outputs back with index_copy into a fresh [T*k, D] buffer, then reads that again
-    for the weighted sum (and the backward gathers and multiplies in separate passes). Here
-    every pass walks the tokens, reads each row once and writes each row once, without
-    atomics (so deterministic) and without the intermediate [T*k, D] buffers.
-
-Layers (the pair shares its two kernels, so both ops live in this file)
-    moe_permute, moe_unpermute, moe_unpermute_backward
-                           torch.library.custom_op with register_fake (and register_autograd
-                           for the first two); CPU: the *_ref functions; CUDA: Triton
-    _scatter_kernel        one program per token: its row to its k slot rows inv[t*k + j]
-                           (times the slot's weight; optionally the dot with the slot's row
-                           of another [T*k, D] tensor: d weights)
-    _gather_kernel         one program per token: the sum of its k slot rows (times the
-                           weights), accumulated in fp32
-    Both walk tokens, not slots: a token's row is read (or written) once, its k slot rows are
-    whole contiguous rows anywhere in [T*k, D]. Walking slots instead reads each token row k
-    times (x [T, D] does not fit in L2 at moe-1b's 16384 x 1024 fp32): 0.18 ms against
-    0.09 ms for the permute on an H100. inv (slot -> row) is computed from `order` by each
-    launch (one scatter of T*k int64).
+Numerics
+    The permutation is exact; the sums (over k, and the weights' gradient over D) are fp32 and
+    deterministic. Why the ops walk tokens and not slots, with measurements:
+    docs/design/moe_dispatch.md.
 """
 
 from __future__ import annotations

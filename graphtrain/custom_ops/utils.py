@@ -7,6 +7,8 @@ What
                               name it; (0, 1) for None
     group_size(name)          its size; 1 for None
     all_reduce(x, op, name)   functional all-reduce, waited on
+    schema_arguments(cls, names, ...)  an op schema's arguments written from the fields of its
+                              options dataclass (one list of options per op)
 
 Contract
     Host-side and static: the group lookups read the registered process group, never the
@@ -17,7 +19,9 @@ Contract
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -57,3 +61,27 @@ def all_reduce(x: Tensor, op: str, group_name: str) -> Tensor:
     """`x` reduced with `op` ("sum", "max", ...) over the group, as a functional collective."""
     out = torch.ops._c10d_functional.all_reduce(x, op, group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
+
+
+# Python annotations of the options dataclasses' fields -> torch.library schema types.
+_SCHEMA_TYPES = {"int": "int", "float": "float", "str": "str", "bool": "bool", "str | None": "str?"}
+
+
+def schema_arguments(
+    options: type, names: Sequence[str], *, first_default: str | None, int_type: str = "int"
+) -> str:
+    """The schema's arguments for these fields of the dataclass `options`, in order: "int
+    top_k, str score_func=\"softmax\", ...". Defaults are written from the field
+    `first_default` on (None: none). int_type: "SymInt" where torch.library would infer it."""
+    fields = {f.name: f for f in dataclasses.fields(options)}
+    out, defaulted = [], False
+    for name in names:
+        f = fields[name]
+        defaulted = defaulted or name == first_default
+        kind = _SCHEMA_TYPES[f.type]
+        kind = int_type if kind == "int" else kind
+        default = ""
+        if defaulted:
+            default = f'="{f.default}"' if isinstance(f.default, str) else f"={f.default!r}"
+        out.append(f"{kind} {name}{default}")
+    return ", ".join(out)

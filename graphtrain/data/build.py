@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,6 +154,68 @@ def build_data(
         shards are read as one unbroken document (a warning says so).
     weights: one per entry of ``paths``: a blend (see blend.py), each entry a source of its own.
     """
+    _check_args(
+        paths, weights, token_dtype, seq_len, micro_batch_size, dp_rank, dp_world_size, seed
+    )
+    cache_dir = Path(cache_dir)
+    files, val_files, pretokenized = _inputs(paths, val_paths)
+    tokenizer = _tokenizer(
+        tokenizer_path, vocab_size, pretokenized=pretokenized, cache_dir=cache_dir
+    )
+    streams = functools.partial(
+        _streams,
+        val_files=val_files,
+        pretokenized=pretokenized,
+        tokenizer=tokenizer,
+        cache_dir=cache_dir,
+        token_dtype=token_dtype,
+        seq_len=seq_len,
+    )
+    if weights:  # a blend: each entry of paths is a source of its own, with its own hold-out
+        train_streams, val_streams = _blend_streams(streams, paths, held_out=val_files is not None)
+    else:
+        train_streams, val_streams = streams(files)
+    if tokenizer is not None:
+        eos_id = tokenizer.eos_id
+    elif eos_id is None:
+        warnings.warn(
+            "pre-tokenized data without a tokenizer or eos_id: no document boundaries are known, "
+            "so attention and labels run across documents. Pass tokenizer_path or eos_id.",
+            stacklevel=2,
+        )
+    train_loader, val_loader = _loaders(
+        train_streams,
+        val_streams,
+        weights,
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        vocab_size=vocab_size,
+        eos_id=eos_id,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        seed=seed,
+    )
+    # The vocabulary the model needs: the tokenizer's, or the largest token id of the shards.
+    if tokenizer is not None:
+        needed = tokenizer.vocab_size
+    else:
+        needed = max(train_loader.max_token_id, getattr(val_loader, "max_token_id", 0)) + 1
+    return DataBundle(
+        tokenizer=tokenizer, train=train_loader, val=val_loader, vocab_size_needed=needed
+    )
+
+
+def _check_args(
+    paths: Sequence[str] | None,
+    weights: Sequence[float] | None,
+    token_dtype: str,
+    seq_len: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    seed: int,
+) -> None:
+    """build_data's argument checks, before any file is read."""
     if weights and (paths is None or len(weights) != len(paths)):
         raise ValueError(
             f"data.weights {list(weights)} needs one weight per entry of data.paths "
@@ -168,7 +230,12 @@ def build_data(
     )
     if token_dtype not in TOKEN_DTYPES:
         raise ValueError(f"token_dtype must be one of {TOKEN_DTYPES}, got {token_dtype!r}")
-    cache_dir = Path(cache_dir)
+
+
+def _inputs(
+    paths: Sequence[str] | None, val_paths: Sequence[str] | None
+) -> tuple[list[Path] | None, list[Path] | None, bool]:
+    """(train files, held-out files, whether they are token shards); None: not given."""
     files = None if paths is None else expand_paths(paths)
     val_files = None if val_paths is None else expand_paths(val_paths)
     pretokenized = files is not None and is_pretokenized(files)
@@ -177,7 +244,14 @@ def build_data(
             f"val_paths {list(val_paths)} and paths {list(paths or [])} must be the same kind "
             "(both text or both pre-tokenized shards)"
         )
+    return files, val_files, pretokenized
 
+
+def _tokenizer(
+    tokenizer_path: str | None, vocab_size: int, *, pretokenized: bool, cache_dir: Path
+) -> Tokenizer | None:
+    """The user's tokenizer, else the default BPE for text (None for token shards), checked to
+    fit the model's vocabulary."""
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     if tokenizer is None and not pretokenized:
         tokenizer = default_tokenizer(vocab_size, cache_dir=cache_dir)
@@ -187,56 +261,18 @@ def build_data(
             f"{vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size} or use "
             "another tokenizer"
         )
+    return tokenizer
 
-    streams = functools.partial(
-        _streams,
-        val_files=val_files,
-        pretokenized=pretokenized,
-        tokenizer=tokenizer,
-        cache_dir=cache_dir,
-        token_dtype=token_dtype,
-        seq_len=seq_len,
-    )
-    if weights:
-        # A blend: each entry of paths is a source of its own, with its own hold-out.
-        per_source = [streams(expand_paths([path])) for path in paths]
-        train_streams = [train for train, _ in per_source]  # one stream list per source
-        val_streams = (
-            per_source[0][1] if val_files is not None else [v for _, val in per_source for v in val]
-        )
-    else:
-        train_streams, val_streams = streams(files)
-    if tokenizer is not None:
-        eos_id = tokenizer.eos_id
-    elif eos_id is None:
-        warnings.warn(
-            "pre-tokenized data without a tokenizer or eos_id: no document boundaries are known, "
-            "so attention and labels run across documents. Pass tokenizer_path or eos_id.",
-            stacklevel=2,
-        )
 
-    train_loader, val_loader = _loaders(
-        train_streams,
-        val_streams,
-        weights,
-        seq_len=seq_len,
-        micro_batch_size=micro_batch_size,
-        vocab_size=vocab_size,
-        eos_id=eos_id,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        seed=seed,
-    )
-
-    if tokenizer is not None:
-        vocab_size_needed = tokenizer.vocab_size
-    else:
-        vocab_size_needed = (
-            max(train_loader.max_token_id, getattr(val_loader, "max_token_id", 0)) + 1
-        )
-    return DataBundle(
-        tokenizer=tokenizer, train=train_loader, val=val_loader, vocab_size_needed=vocab_size_needed
-    )
+def _blend_streams(
+    streams: Callable[..., tuple], paths: Sequence[str], *, held_out: bool
+) -> tuple[list, list]:
+    """(one train stream list per source, the validation streams) of a blend: the held-out
+    files' streams when given (held_out), else every source's own hold-out."""
+    per_source = [streams(expand_paths([path])) for path in paths]
+    train_streams = [train for train, _ in per_source]
+    val_streams = per_source[0][1] if held_out else [v for _, val in per_source for v in val]
+    return train_streams, val_streams
 
 
 def _loaders(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from html import escape
+from typing import TYPE_CHECKING
 
 from graphtrain.inspect.report import (
     CompiledGraph,
@@ -27,6 +28,9 @@ from graphtrain.inspect.report import (
     result_notes,
     unmatched,
 )
+
+if TYPE_CHECKING:
+    from graphtrain.inspect.profile import Profile
 
 # Generated modules longer than this are cut in the page (the dump keeps them whole).
 MAX_CODE_CHARS = 150_000
@@ -200,6 +204,11 @@ def _header(report: Report) -> str:
     )
 
 
+def _collapsed(summary: str, body: str) -> str:
+    """`body` folded under a clickable `summary` (both HTML)."""
+    return f"<details><summary>{summary}</summary>{body}</details>"
+
+
 def _profile(report: Report) -> list[str]:
     prof = report.profile
     share = prof.attributed_ms / prof.kernel_ms if prof.kernel_ms else 0.0
@@ -211,32 +220,7 @@ def _profile(report: Report) -> list[str]:
         f"{share:.0%} of that attributed to generated kernels and extern calls.</p>",
     ]
     out += [f'<p class="note brk">{escape(n)}</p>' for n in prof.notes]
-    out.append("<h3>By source line</h3>")
-
-    def line_rows(lines: list) -> list[list[str]]:
-        return [
-            [
-                f'<span class="bar" style="width:{max(1, round(line.share * 120))}px"></span>'
-                f"{line.share:.1%}",
-                _ms(line.ms),
-                _source_cell(line.source),
-                escape(line.code),
-                escape(_kernel_list(line.kernels)),
-            ]
-            for line in lines
-        ]
-
-    cells = {0: "src", 1: "num", 2: "src", 3: "code", 4: "small"}
-    headers = ["share", "ms/step", "source", "code", "kernels"]
-    major = [line for line in prof.lines if line.share >= MINOR_SHARE]
-    minor = [line for line in prof.lines if line.share < MINOR_SHARE]
-    out.append(_table(headers, line_rows(major), cells))
-    if minor:
-        out.append(
-            f"<details><summary>{len(minor)} more line(s), each under {MINOR_SHARE:.0%}</summary>"
-            + _table(headers, line_rows(minor), cells)
-            + "</details>"
-        )
+    out += _profile_lines(prof)
     out.append("<h3>By graph</h3>")
     rows = [[escape(g), _ms(ms)] for g, ms in prof.graphs.items()]
     out.append(_table(["graph", "kernel ms/step"], rows, cells=(1,)))
@@ -255,7 +239,42 @@ def _profile(report: Report) -> list[str]:
         ]
         headers = ["pass", "region", "before ms/step", "after ms/step", "speed-up", "what"]
         out.append(_table(headers, rows, cells=(2, 3, 4)))
-    out.append("<h3>By kernel</h3>")
+    return out + _profile_kernels(prof)
+
+
+def _profile_lines(prof: Profile) -> list[str]:
+    """The profile by source line: the lines of at least MINOR_SHARE, the rest collapsed."""
+
+    def line_rows(lines: list) -> list[list[str]]:
+        return [
+            [
+                f'<span class="bar" style="width:{max(1, round(line.share * 120))}px"></span>'
+                f"{line.share:.1%}",
+                _ms(line.ms),
+                _source_cell(line.source),
+                escape(line.code),
+                escape(_kernel_list(line.kernels)),
+            ]
+            for line in lines
+        ]
+
+    cells = {0: "src", 1: "num", 2: "src", 3: "code", 4: "small"}
+    headers = ["share", "ms/step", "source", "code", "kernels"]
+    major = [line for line in prof.lines if line.share >= MINOR_SHARE]
+    minor = [line for line in prof.lines if line.share < MINOR_SHARE]
+    out = ["<h3>By source line</h3>", _table(headers, line_rows(major), cells)]
+    if minor:
+        out.append(
+            _collapsed(
+                f"{len(minor)} more line(s), each under {MINOR_SHARE:.0%}",
+                _table(headers, line_rows(minor), cells),
+            )
+        )
+    return out
+
+
+def _profile_kernels(prof: Profile) -> list[str]:
+    """The profile by kernel: the TOP_KERNELS first, the rest collapsed."""
 
     def kernel_rows(kernels: list) -> list[list[str]]:
         return [
@@ -272,13 +291,11 @@ def _profile(report: Report) -> list[str]:
 
     headers = ["graph", "kernel", "ms/step", "calls", "FX nodes", "source lines"]
     cells = {2: "num", 3: "num", 4: "small"}
-    out.append(_table(headers, kernel_rows(prof.kernels[:TOP_KERNELS]), cells))
+    out = ["<h3>By kernel</h3>", _table(headers, kernel_rows(prof.kernels[:TOP_KERNELS]), cells)]
     if len(prof.kernels) > TOP_KERNELS:
         rest = prof.kernels[TOP_KERNELS:]
         out.append(
-            f"<details><summary>{len(rest)} more kernel(s)</summary>"
-            + _table(headers, kernel_rows(rest), cells)
-            + "</details>"
+            _collapsed(f"{len(rest)} more kernel(s)", _table(headers, kernel_rows(rest), cells))
         )
     return out
 
@@ -398,10 +415,55 @@ def _passes(report: Report) -> list[str]:
     rewrites; the passes that found nothing summarised and collapsed; every pass on every
     graph last, collapsed."""
     done = fired(report)
-    out = ['<h2 id="passes">Passes: what fired</h2>']
-    fusions = [f for f in done if f.fusion]
+    out = ['<h2 id="passes">Passes: what fired</h2>', _fusions(report, done)]
+    rewrites = [f for f in done if not f.fusion]
+    if rewrites:
+        rows = [
+            [
+                escape(f.name),
+                escape(", ".join(f.graphs)),
+                escape(f.replaced()),
+                "; ".join(map(escape, f.notes)),
+            ]
+            for f in rewrites
+        ]
+        out.append(
+            _collapsed(
+                f"Other rewrites: {escape(', '.join(dict.fromkeys(f.name for f in rewrites)))}",
+                _table(["pass", "graphs", "replaced", "notes"], rows, {3: "small"}),
+            )
+        )
+    nothing = unmatched(report)
+    if nothing:
+        rows = [
+            [
+                escape(u.name),
+                f"{len(u.graphs)}: {escape(', '.join(u.graphs))}",
+                escape("; ".join(u.notes)),
+            ]
+            for u in nothing
+        ]
+        out.append(
+            _collapsed(
+                f"{len(nothing)} pass(es) found nothing to rewrite: "
+                f"{escape(', '.join(u.name for u in nothing))}",
+                _table(["pass", "graphs", "why"], rows),
+            )
+        )
+    for p in report.passes:
+        if not p.enabled:
+            out.append(
+                f'<p class="note"><span class="off">{escape(p.name)} off</span>: '
+                f"{escape(p.reason)}</p>"
+            )
+    return [*out, _every_pass(report)]
+
+
+def _fusions(report: Report, done: list) -> str:
+    """The table of the fusions that fired: graphs, module and source, what they replaced and
+    what they save."""
     rows = []
-    for f in fusions:
+    for f in (f for f in done if f.fusion):
         where = "<br>".join(
             f"{escape(s.module_path or '(root)')}, {_source_cell(s.source)}" for s in f.sites
         )
@@ -417,47 +479,13 @@ def _passes(report: Report) -> list[str]:
             ]
         )
     headers = ["fusion", "where (graphs; module, source)", "replaced", "saves", "notes"]
-    out.append(
+    return (
         _table(headers, rows, {4: "small"}) if rows else "<p>No fusion fired in these graphs.</p>"
     )
-    rewrites = [f for f in done if not f.fusion]
-    if rewrites:
-        rows = [
-            [
-                escape(f.name),
-                escape(", ".join(f.graphs)),
-                escape(f.replaced()),
-                "; ".join(map(escape, f.notes)),
-            ]
-            for f in rewrites
-        ]
-        out.append(
-            f"<details><summary>Other rewrites: {escape(', '.join(dict.fromkeys(f.name for f in rewrites)))}"
-            "</summary>"
-            + _table(["pass", "graphs", "replaced", "notes"], rows, {3: "small"})
-            + "</details>"
-        )
-    nothing = unmatched(report)
-    off = [p for p in report.passes if not p.enabled]
-    if nothing:
-        rows = [
-            [
-                escape(u.name),
-                f"{len(u.graphs)}: {escape(', '.join(u.graphs))}",
-                escape("; ".join(u.notes)),
-            ]
-            for u in nothing
-        ]
-        out.append(
-            f"<details><summary>{len(nothing)} pass(es) found nothing to rewrite: "
-            f"{escape(', '.join(u.name for u in nothing))}</summary>"
-            + _table(["pass", "graphs", "why"], rows)
-            + "</details>"
-        )
-    for p in off:
-        out.append(
-            f'<p class="note"><span class="off">{escape(p.name)} off</span>: {escape(p.reason)}</p>'
-        )
+
+
+def _every_pass(report: Report) -> str:
+    """Every pass on every graph (and the passes that are off), collapsed."""
     rows = []
     for p in report.passes:
         if not p.enabled:
@@ -474,12 +502,10 @@ def _passes(report: Report) -> list[str]:
             rows.append(
                 [escape(p.name), escape(r.graph), _diff_cell(r.op_diff), status, escape(notes)]
             )
-    out.append(
-        f"<details><summary>Every pass on every graph ({len(rows)} rows)</summary>"
-        + _table(["pass", "graph", "op diff", "result", "notes"], rows)
-        + "</details>"
+    return _collapsed(
+        f"Every pass on every graph ({len(rows)} rows)",
+        _table(["pass", "graph", "op diff", "result", "notes"], rows),
     )
-    return out
 
 
 def render_html(report: Report) -> str:

@@ -1,58 +1,22 @@
 """Exact training FLOPs of a Llama-style decoder, for tokens/s -> MFU.
 
-What: `training_flops` counts the floating-point operations of one forward + backward pass of a
-decoder with RMSNorm, RoPE, grouped-query attention (GQA), a SwiGLU feed-forward network and an
-output head (tied or untied: the count is the same), over `num_tokens` tokens whose attention mask
-allows `num_attention_pairs` (query, key) pairs.
+What
+    training_flops counts the floating-point operations of one forward + backward pass of a
+    decoder with RMSNorm, RoPE, grouped-query attention, a SwiGLU feed-forward network and an
+    output head (tied or untied: the same count), over num_tokens tokens whose attention mask
+    allows num_attention_pairs (query, key) pairs; model_training_flops adds what a model
+    config has besides (MoE routed and shared experts, MTP depths, Gated DeltaNet blocks).
+        forward        = num_tokens * (num_layers * layer_matmul + head)
+                         + num_attention_pairs * num_layers * 4 * head_dim * num_heads
+        training_flops = 3 * forward    (a matmul's backward is two matmuls of its size)
 
-Why exact: MFU is compared across runs, frameworks and attention masks; the usual "6 * params"
-ignores attention, and a dense T^2 attention count overstates causal and packed-document masks.
-
-Derivation. A matmul of (m x k) @ (k x n) costs 2*m*n*k FLOPs (one multiply and one add per
-term). With head_dim = dim // num_heads, q_dim = num_heads * head_dim and
-kv_dim = num_kv_heads * head_dim, per token and per layer the forward pass runs
-    wq: dim -> q_dim,  wk: dim -> kv_dim,  wv: dim -> kv_dim,  wo: q_dim -> dim
-    w1: dim -> ffn_dim,  w3: dim -> ffn_dim,  w2: ffn_dim -> dim
-    layer_matmul = 2*dim*q_dim + 2*2*dim*kv_dim + 2*q_dim*dim + 3*2*dim*ffn_dim
-and once per token the output head dim -> vocab_size: head = 2*dim*vocab_size.
-Attention, per layer, per query head and per allowed (query, key) pair: the score q.k costs
-2*head_dim, and adding p * v to the output costs 2*head_dim, so 4*head_dim*num_heads per pair.
-    forward = num_tokens * (num_layers * layer_matmul + head)
-              + num_attention_pairs * num_layers * 4 * head_dim * num_heads
-The backward pass of a matmul Y = X @ W computes dX = dY @ W^T and dW = X^T @ dY, two matmuls
-of the same size, so backward = 2 * forward and
-    training_flops = 3 * forward.
-This is "model FLOPs" (PaLM's MFU definition): the recompute of attention scores in a
-flash-attention backward and activation checkpointing are not counted.
-
-Multi-token prediction (models/mtp.py, cfg.mtp_depth = D): each depth runs, per token, one more
-block of the kind of the trunk's last layer (over the same document mask, so the same attention
-pairs), the projection eh_proj: 2*dim -> dim and the shared output head again:
-    mtp_forward = D * (num_tokens * (layer_matmul + 2*2*dim*dim + head)
-                       + num_attention_pairs * 4 * head_dim * num_heads)
-counted as the model with D more layers plus D * num_tokens * (2*2*dim*dim + head).
-
-Hybrid models (models/hybrid.py): a Gated DeltaNet block replaces its attention's matmuls and
-attention pairs by, per token, the projections in_proj_qkvz dim -> 2*key_dim + 2*value_dim,
-in_proj_ba dim -> 2*Hv, out_proj value_dim -> dim, and per value head the matmuls of the chunked
-rule (chunk C, key/value head dims Dk, Dv): per chunk, k_beta k^T and q k^T (2*C*C*Dk each), the
-segment-masked decay sum (2*C*C), the unit-triangular solve for C x (Dv + Dk) right-hand sides
-(C*C*(Dv + Dk)), the state reads and the state update (3 * 2*C*Dk*Dv) and the intra-chunk
-product (2*C*C*Dv): per token C*(5*Dk + 3*Dv + 2) + 6*Dk*Dv. The convolution is O(dim).
-
-Not counted (each is O(dim) per token, under 1% of the total for real models): the embedding
-lookup (a gather, 0 FLOPs), RMSNorm, RoPE, SiLU and the SwiGLU product, softmax, residual adds,
-the cross-entropy loss, and the optimizer step.
-
-Worked example: dim 2048, 16 layers, 16 heads, 8 kv heads (head_dim 128, kv_dim 1024),
-ffn_dim 8192, vocab 128256, one causal sequence of 4096 tokens:
-    layer_matmul = 2*2048*2048*2 + 2*2048*1024*2 + 3*2*2048*8192  = 125,829,120
-    head         = 2*2048*128256                                   = 525,336,576
-    pairs        = 4096 * 4097 / 2                                 = 8,390,656
-    forward      = 4096 * (16*125,829,120 + 525,336,576)           = 10,398,115,823,616
-                   + 8,390,656 * 16 * 4 * 128 * 16                 =  1,099,780,063,232
-    training     = 3 * 11,497,895,886,848                          = 34,493,687,660,544
-which is about 8.42 GFLOPs per token.
+Contract
+    "Model FLOPs" (PaLM's MFU definition): the recompute of attention scores in a
+    flash-attention backward and activation checkpointing are not counted. Exact for the
+    matmuls and attention pairs (so causal and packed-document masks are counted as they
+    are); the O(dim)-per-token work (embedding lookup, norms, RoPE, activations, softmax, the
+    loss, the optimizer step) is left out: under 1% of the total for real models.
+    The derivation, MTP and hybrid blocks, and a worked example: docs/design/flops.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,22 @@
 """Memory plan: the predicted per-rank device memory of a job, before anything is allocated.
 
-`plan_memory(cfg, world_size)` builds the model on the meta device (no memory) and adds up, for
-one rank of the configured layout:
+What
+    plan_memory(cfg, world_size) builds the model on the meta device (no memory) and adds up,
+    for one rank of the configured layout: the parameters (the master copy, sharded over
+    dp_shard by FSDP2 and over tp / etp / ep as the layout splits them), the gradients (the
+    same shards), AdamW's two moments (optim.state_dtype), the bf16 working copies where the
+    layout has them, FSDP's gathered parameters (the largest block's, twice: running and
+    prefetched), the activations per micro-batch (per block, what autograd keeps per token of
+    the rank's sequence slice; with activation_checkpoint=full only each block's input plus
+    one block's recompute) and the loss's buffers (the fused op's own figure,
+    linear_cross_entropy.fast_mode_extra_bytes, or the unfused logits where compile.lce_mode
+    auto may leave the loss to Inductor).
 
-- parameters: the master copy (training.master_dtype), sharded over dp_shard (FSDP2) and, for
-  the parameters tensor parallel splits (colwise/rowwise/embedding/head, expert hidden dims), over
-  tp (experts: etp); with ep > 1 the routed experts are split over ep instead and replicated
-  over the remaining dp ranks (expert_parallel.py);
-- gradients: the same shards in the master dtype (FSDP2 reduces into them);
-- optimizer states: AdamW's two moments per element (optim.state_dtype, at most the master's size);
-- working copies: fp32 master weights under a 16-bit compute dtype, training.working_weights
-  on: the bf16 copies (graphtrain.optim.working_weights) of the matmul weights without data
-  parallelism, or of the routed experts' weights under FSDP with ep > 1, split as their masters;
-- gathered parameters: with FSDP, the largest block's full parameters in the compute dtype, twice
-  (the block running and the one prefetched);
-- activations per micro-batch: per block, the tensors autograd keeps per token of the rank's
-  sequence slice (sequence parallel divides by tp), counted for a Llama block with SDPA/flash
-  attention (no T x T scores): 7 dim + 2 kv_dim + 4 ffn_dim elements in the compute dtype; a
-  Gated DeltaNet block of a hybrid (models/hybrid.py) keeps, instead of q, k, v and the
-  attention output, its projections, the convolution's input and output, the normalised q and k
-  (and their copies per value head), v, g and beta (fp32) that the fused op saves, and the
-  output and gated norm (`gated_deltanet_activations_per_token`); with
-  activation_checkpoint=full only each block's input (dim) plus one block's full set during
-  recompute;
-- loss buffers: the head's gradient accumulated in fp32 (V/tp x dim, the fused op's fast
-  mode), the hidden gradient (tokens x dim, fp32) and its logits chunk (the op's own figure,
-  linear_cross_entropy.fast_mode_extra_bytes: about 512 MiB at a large vocab); or, where the
-  pass may leave the loss unfused (compile.lce_mode auto, no tp: CUDA where the logits fit its
-  budget), the unfused logits and their gradient (unfused_extra_bytes) when that is more.
-
-An estimate, not a measurement: allocator fragmentation, NCCL buffers, the CUDA context (~0.5-1
-GiB) and compiler workspaces come on top, so `check_fits` keeps 10% of the device as headroom.
-The trainer logs it at start and the measured peak beside it after the first log step.
+Contract
+    An estimate, not a measurement: allocator fragmentation, NCCL buffers, the CUDA context
+    (~0.5-1 GiB) and compiler workspaces come on top, so check_fits keeps 10% of the device as
+    headroom. The trainer logs it at start and the measured peak beside it after the first
+    log step. What each term counts, element by element: docs/design/memory_plan.md.
 """
 
 from __future__ import annotations

@@ -8,37 +8,16 @@ What
     into its copy, in the same pass; the foreach refresh after the step is then not needed.
     Each step is one graphtrain::adamw_step launch per (param group, step count, with or without
     copies): four or so for the trainer's decay / no-decay and plain / DTensor groups.
-
-Why
-    Bytes per weight with a copy: torch's fused AdamW reads param, grad and both moments (16)
-    and writes param and moments (12), then the refresh reads the param again (4) and writes
-    the copy (2): 34 bytes in two passes. This step: 16 read, 12 + 2 written, 30 bytes in one
-    pass (the master is not read again). The weights without a copy (norms, the embedding, the
-    head) move torch's 28. It launches one kernel per bucket where torch's fused step launches
-    one per chunk of tensors and the foreach refresh more on top, and its full blocks use
-    16-byte accesses like torch's (tests/custom_ops/test_adamw_step.py compiles it for sm_90).
-    So it moves fewer bytes with no more launches. It is opt-in (optim.implementation =
-    "graphtrain") until benchmarks/adamw_step.py has measured it against torch's fused step on a
-    GPU; "auto" keeps torch's. moe-1b (1,046M parameters, 979M with copies),
-    predicted, unmeasured: 31.2 GB against 35.2 GB a step, 10.4 against 11.7 ms at 3.0 TB/s.
-    The remaining risk, also unmeasured, is a Triton elementwise kernel reaching a lower share
-    of the bandwidth than torch's multi_tensor_apply; the host builds an address table per
-    step (a loop over the parameters, no device sync). With bf16 moments: 12 read + 10
-    written = 22 bytes in one pass, where AdamWBF16 runs about fifteen elementwise kernels per
-    parameter (about 100 bytes) and the refresh.
-
-    The gradient stays fp32 in .grad. Reading the bf16 micro-batch gradient directly (one
-    micro-batch a step) would save the widening's 6 bytes (2 read + 4 written) and 2 of the
-    step's 4-byte read: 8 of the 36 bytes a weight then costs (widening + step). It is not
-    done: clipping's norm, GradientFinisher's reductions, the replica and non-finite checks all
-    read the masters' fp32 .grad, and each would need a second path for a bf16 gradient held
-    elsewhere (and with more micro-batches the fp32 sum is needed anyway).
+    Opt-in (optim.implementation = "graphtrain") until benchmarks/adamw_step.py has measured
+    it against torch's fused step on a GPU; "auto" keeps torch's.
 
 State dict
     torch.optim.AdamW's: per parameter "step" (a float32 tensor), "exp_avg", "exp_avg_sq"; the
     param groups carry AdamW's keys (fused True: a torch AdamW resuming from it runs fused).
     Checkpoints resume across the switch both ways; loading keeps "step" on the host (reading it
     costs no device sync) and the moments in state_dtype.
+    The bytes per weight against torch's step, predictions and what is not done:
+    docs/design/working_weights.md.
 """
 
 from __future__ import annotations

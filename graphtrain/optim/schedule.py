@@ -1,36 +1,19 @@
 """Learning-rate (warmup-stable-decay) and batch-size schedules.
 
-What:
-- `LRSchedule`: linear warmup, constant ("stable") phase, and a decay over the last `decay_steps`
-  steps with a linear, cosine, exponential or minus_sqrt shape (Megatron-Core's WSD styles, its
-  formulas), or an inverse-square-root decay from the end of warmup (Megatron's
-  "inverse-square-root").
-- `BatchSizeSchedule`: the global batch size (in tokens) as a step function of the number of
-  tokens consumed so far, e.g. "0:256K 50M:512K 200M:1M".
+What
+    LRSchedule: linear warmup, a constant ("stable") phase, and a decay over the last
+    decay_steps steps with a linear, cosine, exponential or minus_sqrt shape (Megatron-Core's
+    WSD styles, its formulas), or an inverse-square-root decay from the end of warmup
+    (Megatron's "inverse-square-root"); the step convention and the formulas are in its
+    docstring.
+    BatchSizeSchedule: the global batch size (in tokens) as a step function of the number of
+    tokens consumed so far, e.g. "0:256K 50M:512K 200M:1M".
 
-Why: both are pure functions of the step / consumed tokens, so resuming from a checkpoint only
-needs the step and the token count; `state_dict` stores the configuration so a resumed run can
-check or restore it. The values are python floats/ints computed on the host, so setting them
-costs no device sync.
-
-Step convention (0-based optimizer steps, `total_steps` of them, the last one is total_steps - 1):
-- warmup, step < warmup_steps: lr * (step + 1) / warmup_steps, so step 0 trains at
-  lr / warmup_steps (not 0, which would waste a step; torchtitan's warmup);
-- stable, warmup_steps <= step < total_steps - decay_steps: lr;
-- decay, step >= decay_start = total_steps - decay_steps: progress r = (step - decay_start) /
-  decay_steps, so the first decay step trains at lr and the last step (total_steps - 1) at
-  r = (D-1)/D, one step short of min_lr: the value Megatron-Core (num_steps = step) and
-  torchtitan (its "virtual last step") give the same step, so with min_lr = 0 the last step
-  still trains. Steps past the end use r = 1 (min_lr). decay_steps = 0: no decay, lr throughout.
-  Shapes, with r in [0, 1] (Megatron-Core's WSD decay styles, min_lr = 0 allowed for all):
-    linear:      min + (max - min) * (1 - r)
-    cosine:      min + (max - min) * 0.5 * (1 + cos(pi * r))
-    exponential: min + (max - min) * (2 * 0.5 ** r - 1)
-    minus_sqrt:  min + (max - min) * (1 - sqrt(r))
-- inverse_sqrt (replaces the stable phase and the decay; decay_steps is not used): every step
-  from warmup_steps on trains at max(min, max * sqrt(max(W, 1) / max(step, 1))), W =
-  warmup_steps, Megatron's formula at its num_steps = step (step W trains at lr); past the end
-  (step > total_steps), min_lr.
+Contract
+    Both are pure functions of the step / consumed tokens, so resuming from a checkpoint only
+    needs the step and the token count; state_dict stores the configuration so a resumed run
+    can check or restore it. The values are Python floats/ints computed on the host: setting
+    them costs no device sync.
 """
 
 from __future__ import annotations
@@ -45,7 +28,28 @@ DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt", "inverse_sqrt")
 
 
 class LRSchedule:
-    """Warmup-stable-decay learning rate, a pure function of the optimizer step."""
+    """Warmup-stable-decay learning rate, a pure function of the optimizer step.
+
+    Step convention (0-based optimizer steps, `total_steps` of them, the last total_steps - 1):
+    - warmup, step < warmup_steps: lr * (step + 1) / warmup_steps, so step 0 trains at
+      lr / warmup_steps (not 0, which would waste a step; torchtitan's warmup);
+    - stable, warmup_steps <= step < total_steps - decay_steps: lr;
+    - decay, step >= decay_start = total_steps - decay_steps: progress
+      r = (step - decay_start) / decay_steps, so the first decay step trains at lr and the last
+      step (total_steps - 1) at r = (D-1)/D, one step short of min_lr: the value Megatron-Core
+      (num_steps = step) and torchtitan (its "virtual last step") give the same step, so with
+      min_lr = 0 the last step still trains. Steps past the end use r = 1 (min_lr).
+      decay_steps = 0: no decay, lr throughout.
+      Shapes, with r in [0, 1] (Megatron-Core's WSD decay styles, min_lr = 0 allowed for all):
+        linear:      min + (max - min) * (1 - r)
+        cosine:      min + (max - min) * 0.5 * (1 + cos(pi * r))
+        exponential: min + (max - min) * (2 * 0.5 ** r - 1)
+        minus_sqrt:  min + (max - min) * (1 - sqrt(r))
+    - inverse_sqrt (replaces the stable phase and the decay; decay_steps is not used): every
+      step from warmup_steps on trains at max(min, max * sqrt(max(W, 1) / max(step, 1))), W =
+      warmup_steps, Megatron's formula at its num_steps = step (step W trains at lr); past the end
+      (step > total_steps), min_lr.
+    """
 
     def __init__(
         self,

@@ -7,9 +7,9 @@ from graphtrain.passes import (  # noqa: F401  (each registers its pass)
     fp8_cast_once,
     fp8_linear,
     fuse_moe_dispatch,
-    fuse_moe_router,
     fuse_sibling_grouped_mm,
     gated_delta_rule,
+    moe_route,  # fuse_moe_router
     overlap_tp_comm,
 )
 from graphtrain.passes.registry import (

@@ -3,33 +3,23 @@
 What
     In the Dynamo graph (pre-grad, torch IR), before every fusion, it rewrites nodes in place
     (same node, name and provenance; only the spelling changes):
-        methods    x.softmax(d), x.sigmoid(), x.topk(k), x.sort(), x.argsort(), x.gather(d, i),
-                   x.logsumexp(d), x.amax(d), x.masked_fill(m, v), x.scatter(d, i, v),
-                   x.scatter_add(d, i, s), x.index_add(d, i, s), x.bincount(), x.histc(),
-                   x.logical_not()  ->  torch.<name>(x, ...)  (the same arguments; in-place
-                   methods stay: they are a different op)
-        functional F.softmax(x, d, dtype=...) -> torch.softmax(x, d, dtype=...), F.sigmoid ->
-                   torch.sigmoid
-        reshapes   x.view(...), x.reshape(...), x.flatten(...), x.unflatten(...),
-                   torch.flatten / torch.reshape / torch.unflatten  ->  torch.reshape(x, shape)
-                   with the static output shape the node recorded
-        casts      x.float(), .double(), .half(), .bfloat16(), .int(), .long(), .short(),
-                   .bool(), x.to(dtype), x.to(dtype=dtype), x.type(dtype), x.type_as(y) (y on
-                   x's device)  ->  x.to(dtype); a cast to the dtype x already has is removed
-                   (its users read x)
+        methods    x.softmax(d), x.topk(k), x.gather(d, i), x.masked_fill(m, v), ... ->
+                   torch.<name>(x, ...) (the same arguments; in-place methods stay)
+        functional F.softmax(x, d, dtype=...) -> torch.softmax(...), F.sigmoid -> torch.sigmoid
+        reshapes   view / reshape / flatten / unflatten, method or function ->
+                   torch.reshape(x, shape) with the static output shape the node recorded
+        casts      x.float(), .half(), ..., x.to(dtype=...), x.type(dtype), x.type_as(y) ->
+                   x.to(dtype); a cast to the dtype x already has is removed
     Only nodes whose input is a plain tensor with static shape are touched (not DTensors,
-    whose view and reshape propagate placements differently); everything else is left as it is.
-
-Why
-    The fusion passes match by meaning; each spelling they had to know was a place to miss
-    one (Megatron's router writes softmax(...).type_as(logits), a no-op cast on fp32 logits
-    that hid the softmax from fuse_moe_router). With one spelling each, matchers stay short.
+    whose view and reshape propagate placements differently). The fusion passes match by
+    meaning; with one spelling each, matchers stay short.
 
 Invariant and numerics (preserves_numerics=True)
     Every rewrite calls the same ATen kernel with the same arguments, or is an identity: a
     view-able reshape is a view, as the view was; a cast to the tensor's own dtype returns the
     tensor itself (removing it keeps aliasing as it was). Outputs are bitwise equal, in
-    forward and backward. The pass is idempotent.
+    forward and backward. The pass is idempotent. Every spelling it reads and why:
+    docs/design/passes.md.
 """
 
 from __future__ import annotations

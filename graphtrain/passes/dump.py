@@ -4,30 +4,20 @@ Layout under the dump root (one folder per graph the backend compiles; a region 
 or breaks into several graphs gets region-1, region-2, ...):
 
     <region>-<k>/
-        00_captured.txt            the graph as Dynamo handed it over
-        01_<pass>.txt              the graph after that pass ...
-        01_<pass>.diff.txt         unified diff of the code against the step before
-        summary.json               [{label, file, op_counts, op_diff, notes, seconds}, ...] in
-                                   order (seconds: how long that pass took);
-                                   entries also carry custom_ops (every graphtrain::* node:
-                                   op, node, module_path, source, options) and the first one
-                                   compile_reason (why Dynamo ended this graph: a graph break
-                                   with its reason and user stack, or the return)
-        sources.json               {node: [source line, code]} of the graph after the last
-                                   step (the profile joins kernels to lines through it)
-        compile.json               the compile: Dynamo's compile id ("0/1": frame 0, its
-                                   second compile, a recompile) and whether autograd was on
-                                   (off: compiled under no_grad, e.g. validation: forward only)
-        forward/, backward/        the same for the AOT forward and backward graphs (aten IR),
-                                   as partitioned and after each post-grad pass; with Inductor
-                                   also output_code_<k>.py (the module Inductor generated) and
-                                   kernels.json (per kernel: the FX nodes it computes and their
-                                   source lines, from Inductor's provenance tracking)
-    compile_metrics.json           torch's compile metrics per compile id (stage times, recompile
-                                   reasons, cache hits) and the cache counters: written at the
-                                   end (write_compile_metrics), not per graph
+        00_captured.txt, 01_<pass>.txt, 01_<pass>.diff.txt   the graph as Dynamo handed it
+                                   over, after each pass, and the diff against the step before
+        summary.json               per step: label, file, op counts and diff, notes, seconds,
+                                   the graphtrain::* ops; the first entry: compile_reason
+        sources.json               {node: [source line, code]} after the last step
+        compile.json               Dynamo's compile id and whether autograd was on
+        forward/, backward/        the same for the AOT forward and backward graphs; with
+                                   Inductor also output_code_<k>.py and kernels.json (per
+                                   kernel: its FX nodes and their source lines)
+    compile_metrics.json           torch's compile metrics per compile id and the cache
+                                   counters, written at the end (write_compile_metrics)
 
 `graphtrain inspect` reads these; they are plain text so `diff` and `grep` work on them too.
+Every file's fields in full: docs/design/passes.md.
 """
 
 from __future__ import annotations

@@ -2,47 +2,25 @@
 
 What
     Under sequence-parallel TP a column-parallel linear's input is gathered over the tp ranks
-    (fx.match_sequence_gather: all_gather_into_tensor(x [B, S, D]) -> wait -> split -> cat
-    [B, T, D]) and, with the fp8_linear pass on, every consumer (q, k, v; w1, w3) is
-    graphtrain::fp8_linear, which casts the whole gathered x to E4M3 with the amax max-reduced
-    over tp. In the post-grad forward graph this pass rewrites the gather to
-        amax = all_reduce(fp8_amax(x), "max", tp)         the global amax: every rank, one scale
-        x8, scale_inv, counts = fp8_cast(x, amax, E4M3)   this rank's shard only
-        all_gather(x8 viewed as uint8) -> split -> cat -> view as E4M3   [B, T, D]
-    and each consumer to graphtrain::fp8_linear_precast(x8, scale_inv, counts, W, ...): the
-    same five outputs (the FP8 copy and scale fp8_linear_backward reads are x8's). The bytes
-    move as uint8 because gloo has no float8 type; NCCL moves them as they are either way.
-    As TransformerEngine does with per-tensor current scaling.
-    The backward's mirror, the output gradient of a row-parallel linear (wo, w2) gathered for
-    graphtrain::fp8_linear_backward, is rewritten the same way: cast to E5M2 (E4M3 with
-    fp8.e4m3_grads) before the gather, the op given the bytes and scale (grad_scale_inv).
-
-Why
-    The gather moves 1 byte per element instead of 2 (bf16) or 4 (fp32): half of a bf16
-    gather's bytes (B * T * D * (tp - 1) / tp per rank). The cast also runs once on 1/tp of the
-    rows instead of once per consumer on all of them. Predicted saving at Llama-3-8B's shapes
-    (B * T = 8192 tokens, D = 4096, tp = 8, bf16, NVLink ~ 450 GB/s per direction): a gather
-    of 8192 * 4096 * 2 B * 7/8 = 58.7 MB (~130 us) becomes 29.4 MB (~65 us), twice per
-    block forward (attention and MLP inputs) and twice in its backward (the gradients of wo's
-    and w2's outputs). Unmeasured (no multi-GPU machine here).
-
-Refusals (left alone with a note)
-    a gather whose gathered tensor has any user other than fp8_linear / fp8_linear_backward
-    (directly or through a view) as its first input: that user needs the high-precision
-    values, so the gather stays; consumers whose op or options differ from each other or
-    whose group is not the gather's; a backward with a bias (its gradient sums the
-    unquantised rows); a gather not in the [B, S, D] sequence layout (fx.match_sequence_gather).
-    overlap_tp_comm, which runs after this pass, chunks the forward's FP8 gathers into row
-    blocks, each block's GEMMs running as it arrives; it leaves the backward's alone (with a
-    note: fp8_linear_backward's wgrad sums over all rows in the same op as its dgrad).
+    (fx.match_sequence_gather) and, with the fp8_linear pass on, every consumer (q, k, v; w1,
+    w3) is graphtrain::fp8_linear. In the post-grad forward graph this pass rewrites the gather
+    to: the global amax (fp8_amax max-reduced over tp), this rank's shard cast to E4M3, the
+    bytes gathered as uint8 (gloo has no float8 type) and viewed as E4M3; each consumer becomes
+    graphtrain::fp8_linear_precast on them. The backward's mirror, the output gradient of a
+    row-parallel linear gathered for fp8_linear_backward, is cast to E5M2 (E4M3 with
+    fp8.e4m3_grads) before its gather the same way. As TransformerEngine does with per-tensor
+    current scaling: the gather moves 1 byte per element instead of 2 or 4.
+    Left alone with a note: a gathered tensor with any user that needs its high-precision
+    values, consumers whose options or group differ, a backward with a bias, a gather not in
+    the [B, S, D] sequence layout.
 
 Invariant and numerics (preserves_numerics=True: bitwise)
     The max of the shards' amaxes is the gathered tensor's amax exactly, the cast is
-    elementwise with that one scale, and a gather copies bytes: x8 and scale_inv are the
-    bits fp8_linear (fp8_linear_backward) computed from the gathered tensor, and the ops run
-    the same GEMMs from there (tests/parallel/test_overlap_tp_comm.py: losses and every gradient
-    equal to the FP8 run without this pass, bit for bit). Only the saturation statistics
-    change: the activation counts are those of the rank's shard, counted once per consumer.
+    elementwise with that one scale, and a gather copies bytes: x8 and scale_inv are the bits
+    fp8_linear (fp8_linear_backward) computed from the gathered tensor
+    (tests/parallel/test_overlap_tp_comm.py). Only the saturation statistics change: the
+    activation counts are those of the rank's shard, counted once per consumer.
+    The rewrite in full, the predicted saving and the refusals: docs/design/fp8.md.
 """
 
 from __future__ import annotations

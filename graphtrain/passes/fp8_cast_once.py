@@ -2,55 +2,24 @@
 cast once for all the linears that read it and its amax is computed by the kernel that makes it.
 
 What
-    graphtrain::fp8_linear computes the amax of x and of the weight, casts both (fp8_cast writes
-    each operand and its transpose from one read) and runs torch._scaled_mm; its backward,
-    graphtrain::fp8_linear_backward, does the same for the output gradient before its dgrad and
-    wgrad GEMMs. In the post-grad forward graph this pass rewrites every group of fp8_linear
-    nodes that read the same x (the same node, or reshapes of it with the same last dim: q, k,
-    v; w1, w3) and have the same pow2_scale and tp_group to
-        ax  = amax(abs(x [M, K])) in aten ops                 once for the group
-        aw  = amax(abs(W)) in aten ops                        once per weight
-        (tp_group: ax and every aw max-reduced over the group in one functional all_reduce)
-        x8, x8_t, sx = fp8_cast(x, ax, E4M3, transpose)        once for the group
-        w8, w8_t, sw = fp8_cast(W, aw, E4M3, transpose)        once per weight
-        out = _scaled_mm(x8, w8.t(), sx, sw, out_dtype) (+ bias), viewed as the op's output
-    and hands the op's other outputs (x8_t, sx, w8_t, sw: what the backward saves) over from
-    the casts. In the backward graph each fp8_linear_backward without a bias becomes
-        ag = amax(abs(grad_out [M, N])) in aten ops (tp_group: max-reduced)
-        g8, g8_t, sg = fp8_cast(grad_out, ag, E5M2 (E4M3 with e4m3_grads), transpose)
-        grad_x = _scaled_mm(g8, w8_t.t(), sg, sw, x_dtype); grad_w = _scaled_mm(g8_t, x8_t.t(),
-        sg, sx, w_dtype)
-    Each fp8_cast records its saturation counts (record=...), once per cast, as the op did.
-
-Why
-    Two reads of each activation disappear:
-      - the amax, an aten reduction now, is fused by Inductor into the kernel that produces the
-        tensor where that is a kernel of its own (the SwiGLU product, the RMSNorm output, the
-        residual gradient, the SwiGLU and RoPE backward): that kernel writes the tensor and a
-        partial max in the same pass (seen in Inductor's Triton code for sm_90: the
-        SwiGLU's product and its amax are one reduction kernel that stores the product; the
-        RMSNorm's kernel stores a max per row). The op's own amax kernel reads the tensor
-        again: 2 bytes per bf16 element.
-      - sibling linears share x's cast: fp8_linear casts its x whatever the others do, so w1
-        and w3 read and write it twice (6 bytes per element each time), q, k and v three times.
-    Predicted, 3b preset (dim 4096, ffn 14336, wq, wo, w1, w2, w3 in FP8, 4096 tokens a
-    micro-batch, 3.0 TB/s): 620 MB less traffic per layer (w1/w3's shared cast 101 MB; the
-    amax reads of the producer-fused inputs 184 MB forward and 335 MB backward), 0.21 ms a
-    layer, 2.1 ms of a ~94 ms FP8 step (~2%). Unmeasured (no GPU where it was written):
-    `benchmarks/e2e.py --fp8 --model 3b`, with and without this pass, measures it.
-
-Refusals (left as the op, with a note)
-    an empty x or gradient; an fp8_linear_backward with a bias (grad_b sums the unquantised gradient inside the op) or with
-    its gradient cast already (fp8_all_gather's rewrite); fp8_linear_precast nodes (their
-    operand was cast before a gather) are not this pass's.
+    In the post-grad forward graph every group of graphtrain::fp8_linear nodes that read the
+    same x (the same node, or reshapes of it with the same last dim: q, k, v; w1, w3) with the
+    same pow2_scale and tp_group becomes: the amax of x and of each weight as aten reductions
+    (max-reduced over tp_group in one functional all_reduce), one fp8_cast of x for the group
+    and one per weight, and torch._scaled_mm (+ bias) per linear; the op's other outputs (what
+    the backward saves) come from the casts. In the backward graph each fp8_linear_backward
+    without a bias becomes the amax of grad_out, one fp8_cast (E5M2, or E4M3 with e4m3_grads)
+    and the dgrad and wgrad _scaled_mm calls. Each cast records its saturation counts once,
+    as the op did. Inductor then fuses each amax into the kernel that produces its tensor.
+    Left as the op, with a note: an empty x or gradient, a backward with a bias or with its
+    gradient cast already (fp8_all_gather), fp8_linear_precast nodes.
 
 Invariant and numerics (preserves_numerics=True: bitwise)
     A maximum is exact in any order, so the aten amax equals graphtrain::fp8_amax; the casts and
-    the _scaled_mm calls are the op's own with the same arguments (the ops' reference code in
-    graphtrain/custom_ops/fp8_linear.py), so the outputs and gradients are the same bits
-    (tests/passes/test_fp8_cast_once.py: a model compiled with and without this pass).
-    Runs after fp8_all_gather (5) and overlap_tp_comm (10), which rewrite the gathered
-    fp8_linear inputs themselves.
+    the _scaled_mm calls are the op's own with the same arguments, so outputs and gradients are
+    the same bits (tests/passes/test_fp8_cast_once.py). Runs after fp8_all_gather and
+    overlap_tp_comm, which rewrite the gathered fp8_linear inputs themselves.
+    The rewrite in full and the traffic it saves: docs/design/fp8.md.
 """
 
 from __future__ import annotations

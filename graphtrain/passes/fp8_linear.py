@@ -1,69 +1,25 @@
 """Pass fp8_linear: selected linears and expert grouped GEMMs -> graphtrain::fp8_linear / fp8_grouped_mm.
 
 What
-    In the Dynamo graph (pre-grad, torch IR) it finds
-        linears        F.linear(x, W, b) / torch._C._nn.linear (what an nn.Linear becomes with
-                       Dynamo's inlined modules) / x @ W.t(), x @ W.T, torch.matmul(x, W.t()),
-                       plain or under autocast (the output dtype is then autocast's)
-        experts        torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), W [E, N, K]
-                       (models/moe.py's experts; after fuse_sibling_grouped_mm, W = cat(w1, w3))
-    and replaces each one the filters allow with output 0 of graphtrain::fp8_linear(x, W, b,
-    out_dtype=...) or graphtrain::fp8_grouped_mm(x, W, offs, out_dtype=...): all three GEMMs
-    of the layer (forward, dgrad, wgrad) in FP8 with per-tensor current scaling.
-
-Filters (the [fp8] config section, graphtrain.config.Fp8Config, handed over by pass_options as
-"fp8.<key>"; its defaults also serve a compile without a job config)
-    include / exclude    fnmatch globs over the module path of the GEMM ("layers.0.attention.wq"
-                         under whole-model compile, "attention.wq" in a per-block region); a
-                         GEMM is rewritten when it matches an include glob and no exclude glob.
-                         Default exclude: "*output" (the head: its logits feed the loss, and
-                         FP8 logits hurt it most) and "*router*" (routing decisions are
-                         discontinuous in the scores).
-    multiple_of 16       K and N (and the rows M of a linear) must be multiples of 16: what
-                         torch._scaled_mm requires on CUDA (M is the inner dim of the wgrad).
-    min_dim 4096         M, K and N must each be at least this (the experts: K and N, their
-                         rows per expert are not known when compiling). Below it FP8 is
-                         slower than bf16: the casts cost memory traffic ~ MK + KN + MN while
-                         the GEMM saves time ~ MKN, so the smallest dimension decides. The
-                         anchors (one H100, plain compiled FP8 recipe against bf16): 1.31x at
-                         16384x4096x4096, 1.43x at 16384x8192x8192, 0.96x at 8192x2048x8192:
-                         a dimension of 2048 loses, 4096 wins. Not measured with this pass's
-                         kernels yet (no GPU where it was written): benchmarks/fp8_linear.py
-                         is the check, and the default should follow its numbers.
-    experts true         rewrite the experts' grouped GEMMs too.
-    e4m3_grads false     gradients in E4M3 instead of E5M2; pow2_scale false: power-of-two scales.
-
-Refusals (the GEMM is left as it was and ctx.note says why; `graphtrain inspect` shows them)
-    a module path the globs exclude; a dimension (of the rank's shard) not a multiple of 16 or
-    below min_dim; DTensor GEMMs other than column- and row-parallel linears (below); symbolic
-    shapes; dtypes other than fp32/bf16/fp16; a matmul whose second operand is not a transposed
-    2-D weight; a grouped GEMM with a bias or an out_dtype, without 2-D rows and offs, or whose
-    weight is not W.transpose(-2, -1) of a 3-D W; anything the op's own argument checks refuse
-    (their message is the note).
-
-Tensor parallel
-    A column-parallel linear (ColwiseParallel: x Replicate, W Shard(0), output Shard(-1) made
-    local by .to_local()) becomes fp8_linear(x.to_local(grad_placements=[Partial()]),
-    W.to_local(), tp_group=...) in place of that .to_local(): the op max-reduces every amax over
-    the tp group, so each rank scales its shard as the unsharded tensor. Row-parallel linears
-    (RowwiseParallel: x Shard(-1) made by DTensor.from_local, W Shard(1)) become the op on
-    from_local's input and W.to_local(), its output wrapped back as the Partial DTensor that
-    RowwiseParallel reduce-scatters. Other layouts (2-D meshes, biases) are refused.
-    The gather of a column-parallel input moves FP8 bytes where all its consumers are
-    fp8_linear (the post-grad pass fp8_all_gather). Under FSDP2 the compiled block sees the
-    gathered weight, cast once per micro-batch; with fp8.fsdp_all_gather_fp8 it is gathered
-    in FP8 already (graphtrain/parallel/fp8_all_gather.py) and the op takes its bytes.
+    In the Dynamo graph (pre-grad, torch IR) it finds linears (F.linear, torch._C._nn.linear,
+    x @ W.t() and its spellings, plain or under autocast) and the experts' grouped GEMMs
+    (torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), W [E, N, K], after
+    fuse_sibling_grouped_mm) and replaces each one the filters allow with output 0 of
+    graphtrain::fp8_linear(x, W, b, out_dtype=...) or graphtrain::fp8_grouped_mm(x, W, offs,
+    out_dtype=...): the three GEMMs of the layer in FP8 with per-tensor current scaling.
+    Filters: the [fp8] config section (graphtrain.config.Fp8Config, as pass_options'
+    "fp8.<key>"): include / exclude globs over module paths (default exclude: the head and the
+    router), dimensions multiples of multiple_of and at least min_dim, experts on or off.
+    Column- and row-parallel linears under tp become the op on the local shards with tp_group;
+    other DTensor layouts are refused. Every refusal leaves the GEMM and is stated in a note.
 
 Invariant and numerics (preserves_numerics=False)
-    Only the matched GEMMs (and transposes left unused) change; every other node and the graph's
-    outputs (shapes, dtypes) stay. Each operand of each GEMM is rounded to FP8 once: against
-    the unrewritten layer, outputs agree to about 26 dB SQNR and input/weight gradients to about
-    22 dB per GEMM (E4M3 x E4M3 forward, E5M2 x E4M3 backward; see the ops' docstrings). The
-    tolerance stated for a model is on its loss: the debug and moe-debug models trained with
-    FP8 stay within 0.05 nats of the fp32 loss over 24 steps (seen: 0.022 at most, the loss
-    falling from 6.8 to 1.0); a small network's output within 20 dB SQNR of the unrewritten
-    one and its gradients within 15 dB (errors of stacked layers add up); tp=2 runs equal the
-    single-rank FP8 computation to fp32 rounding (tests/passes/test_fp8_linear_pass.py).
+    Only the matched GEMMs (and transposes left unused) change; the graph's outputs keep their
+    shapes and dtypes. Each operand of each GEMM is rounded to FP8 once: about 26 dB SQNR for
+    outputs and 22 dB for gradients per GEMM. The debug and moe-debug models trained with FP8
+    stay within 0.05 nats of the fp32 loss over 24 steps; tp=2 equals the single-rank FP8
+    computation to fp32 rounding (tests/passes/test_fp8_linear_pass.py).
+    The filters' reasons, every refusal and the tensor-parallel rewrite: docs/design/fp8.md.
 """
 
 from __future__ import annotations

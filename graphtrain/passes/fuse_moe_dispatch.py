@@ -3,39 +3,21 @@
 What
     In the Dynamo graph (pre-grad, torch IR) it finds the two data movements around the
     experts and replaces each with its op (graphtrain/custom_ops/moe_permute.py):
-        permute    xs = x[order // k]  (indexing, x.index_select(0, ...) or torch.index_select)
-                   -> graphtrain.moe_permute(x, order, k); when every user of xs casts it to
-                   one dtype (autocast's explicit casts before the grouped GEMMs), the casts
-                   are folded in: moe_permute(x, order, k, dtype=...)
-        unpermute  y = torch.empty_like(ys).index_copy_(0, order, ys) (zeros_like, or the
-                   out-of-place index_copy) -> y.view(T, k, D) (reshape, view(T, k, -1),
-                   unflatten(0, (T, k))) -> optionally .float() / .to(float32) ->
-                   * weights.unsqueeze(-1) (weights [T, k]; also weights[..., None] or a view
-                   to [T, k, 1]; either operand order) -> .sum(1) (dim=1 or -2) -> optionally
-                   a cast  ->  graphtrain.moe_unpermute(ys, order, weights, k, dtype=...)
-    where `order` must be a permutation of the T*k slots: an argsort (torch.argsort, .argsort,
-    or the indices of a sort) of a 1-D tensor of T*k elements, x being [T, D]; `order // k`
-    written with //, torch.div(..., rounding_mode="floor") or floor_divide.
-    models/moe.py's routed_experts is written exactly so.
-
-Why
-    The plain gather's backward is a scatter-add with an fp32 atomic per element into a zeroed
-    [T, D] buffer; the combine materialises the [T*k, D] slots twice (index_copy, then the
-    weighted view) and its backward gathers again. The ops move each row once, gather-only
-    (deterministic), both directions. Measured on moe-1b in benchmarks/RESULTS.md.
-
-Refusals (the graph is left as it was and ctx.note says why)
-    an index that is not provably a permutation (any gather of x[idx // k] whose idx is not
-    an argsort of a 1-D tensor of T*k elements); a slot buffer or an intermediate of the
-    combine with other users (the [T*k, D] or [T, k, D] tensors are returned or read again);
-    a combine that is not a sum over the k axis of slots times weights; DTensors; symbolic
-    shapes.
+        permute    xs = x[order // k] (indexing or index_select) -> moe_permute(x, order, k),
+                   with a cast of every user of xs to one dtype folded in (dtype=...)
+        unpermute  empty_like(ys).index_copy_(0, order, ys) viewed [T, k, D], optionally cast
+                   to float32, times weights[..., None], summed over k, optionally cast
+                   -> moe_unpermute(ys, order, weights, k, dtype=...)
+    where `order` must be an argsort of a 1-D tensor of T*k elements, x being [T, D].
+    models/moe.py's routed_experts is written exactly so. Every refusal leaves the graph as
+    it was and is stated in a note.
 
 Invariant and numerics (preserves_numerics=False)
     Only the matched nodes are replaced; the graph's outputs keep their values and dtypes.
     The permutation's forward is exact; the sums (the combine over k, the gradient of x over
     its k copies, the weights' gradient over D) are fp32 in another order than Inductor's:
-    results agree to rounding.
+    results agree to rounding. The spellings it reads and its refusals:
+    docs/design/moe_dispatch.md.
 """
 
 from __future__ import annotations

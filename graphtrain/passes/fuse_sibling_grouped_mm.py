@@ -5,28 +5,18 @@ What
     the same input rows with the same group offsets,
         a = torch._grouped_mm(x, Wa.transpose(-2, -1), offs=offs)      Wa [E, Fa, D]
         b = torch._grouped_mm(x, Wb.transpose(-2, -1), offs=offs)      Wb [E, Fb, D]
-    (the gate and up projections of SwiGLU experts: models/moe.py's w1 and w3, once
-    fuse_moe_dispatch has given both the same permuted input) and replaces them with
+    (SwiGLU experts' w1 and w3, once fuse_moe_dispatch has given both the same permuted
+    input) and replaces them with
         ab = torch._grouped_mm(x, torch.cat([Wa, Wb], 1).transpose(-2, -1), offs=offs)
         a, b = ab.narrow(-1, 0, Fa), ab.narrow(-1, Fa, Fb)
-    The weights' producers (autocast's casts) are moved before the first GEMM when they came
-    after it; the cast and the concatenation fuse into one kernel under Inductor.
-
-Why
-    The backward of two GEMMs of one input ends in an add of their two [N, D] input gradients
-    (a full extra pass over the [T*k, D] slots at moe-1b's shape); one GEMM with the
-    concatenated weight produces that gradient directly, and its GEMMs are twice as wide.
-
-Refusals (the graph is left as it was and ctx.note says why)
-    a bias or an out_dtype on either GEMM; weights that are not [E, F, D] tensors transposed
-    on their last two dims with one layout and dtype between them; a transposed weight with
-    another user; a weight whose producers (after the first GEMM) are not side-effect-free
-    or depend on the first GEMM; DTensors; symbolic shapes. Inputs with a single grouped GEMM
-    get no note.
+    The weights' producers (autocast's casts) move before the first GEMM when they came after
+    it. Every refusal leaves the graph as it was and is stated in a note; inputs with a single
+    grouped GEMM get none.
 
 Invariant and numerics (preserves_numerics=False)
     Only the two GEMMs, their transposes and their uses change; every element of a and b is
     the same dot product, but the GEMM kernel (tile shape, hence summation order) may differ.
+    Why and the refusals: docs/design/moe_dispatch.md.
 """
 
 from __future__ import annotations

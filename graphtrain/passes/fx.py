@@ -1,35 +1,22 @@
 """Shared FX helpers of graphtrain's passes: node values, call matching, new nodes, aliasing,
 and the one way a matcher refuses.
 
-Node values
-    `val`, `shape`, `dtype` read the fake tensors Dynamo records on every node
-    (meta["example_value"]); `plain_tensor` refuses a value the ops are not wired for (missing,
-    a DTensor, symbolic shape).
-Call matching
-    `call(node)` is one view of a call in any spelling: x.topk(k), torch.topk(x, k), an in-place
-    method (x.div_(y)) or operator (x /= y) give a `Call` with the method's name (in-place
-    underscore removed), its arguments as the method receives them (input first) and an
-    `inplace` flag; `is_call(node, *names)` tests the name. The canonicalize pass has already
-    brought reshapes to one spelling and casts to x.to(dtype) (it runs first); the tables here
-    still read the remaining variety (operators, function/method twins, in-place forms), and
-    DTensor's to_local / redistribute / from_local in both ways Dynamo records them (torch
-    2.11's closures, `DYNAMO_DTENSOR_CLOSURES`); `emit_from_local` writes a from_local.
-    `transpose_of` finds W under W.t(), W.T, W.mT, W.transpose(...) (torch 2.14 records W.T and
-    W.mT as aten calls, earlier versions as getattr).
-New nodes
-    `emit` inserts a call and records its example_value by running it on the fake values, and
-    copies the provenance (`META_KEYS`, what the dumps and `graphtrain inspect` show) from the
-    node it replaces: every pass's rewritten nodes point at the model's source line.
-Post-grad (aten) graphs
-    `is_op`, `only_user`, `AtenBuilder` (inserts aten nodes with their meta["val"], what
-    Inductor lowers from) and `match_sequence_gather`, the all-gather of a sequence-sharded
-    activation as AOT autograd writes it: read by overlap_tp_comm and fp8_all_gather.
-Aliasing
-    `alias_root` / `aliases` follow views and in-place ops, for the checks that erasing or moving
-    a sub-graph cannot change what another node reads.
-Refusals
-    A matcher raises `Refuse(reason)` wherever it stops; the pass catches it and writes
-    ctx.note(f"left {node} unchanged: {reason}"), so every refusal carries its reason.
+What
+    Node values: `val`, `shape`, `dtype` read the fake tensors Dynamo records on every node;
+        `plain_tensor` refuses a value the ops are not wired for.
+    Call matching: `call(node)` is one view of a call in any spelling (method, function,
+        in-place method or operator) as a `Call` with the method's name, its arguments input
+        first and an `inplace` flag; `is_call(node, *names)` tests the name; DTensor's
+        to_local / redistribute / from_local in both ways Dynamo records them; `transpose_of`
+        finds W under W.t(), W.T, W.mT, W.transpose(...).
+    New nodes: `emit` inserts a call, records its example_value from the fake values and
+        copies the provenance of the node it replaces (what `graphtrain inspect` shows).
+    Post-grad (aten) graphs: `is_op`, `only_user`, `AtenBuilder`, `match_sequence_gather`.
+    Aliasing: `alias_root` / `aliases` follow views and in-place ops, for the checks that
+        erasing or moving a sub-graph cannot change what another node reads.
+    Refusals: a matcher raises `Refuse(reason)` wherever it stops; the pass catches it and
+        writes ctx.note(f"left {node} unchanged: {reason}"), so every refusal carries its
+        reason. Each helper in full: docs/design/passes.md.
 """
 
 from __future__ import annotations

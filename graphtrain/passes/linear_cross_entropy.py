@@ -164,8 +164,9 @@ def _logits_chain(ce: torch.fx.Node, logits_in: torch.fx.Node) -> list[torch.fx.
             raise Refuse(f"{consumer.name} does not read a graph value")
 
 
-def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
-    """The matched pattern ending in `ce`; Refuse with the reason it does not match."""
+def _ce_arguments(ce: torch.fx.Node) -> tuple[int, str, float, torch.fx.Node, torch.fx.Node]:
+    """(ignore_index, reduction, label_smoothing, logits, target) of the cross_entropy `ce`;
+    Refuse where the fused op cannot take them."""
     try:
         bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
     except TypeError as e:
@@ -186,10 +187,14 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
     logits_in, target = a["input"], a["target"]
     if not isinstance(logits_in, torch.fx.Node) or not isinstance(target, torch.fx.Node):
         raise Refuse("its input or target is not a graph value")
+    return ignore_index, reduction, float(smoothing), logits_in, target
 
-    chain = _logits_chain(ce, logits_in)
-    head = chain[-1]
 
+def _head_operands(
+    gm: torch.fx.GraphModule, head: torch.fx.Node
+) -> tuple[torch.fx.Node, torch.fx.Node | str, torch.fx.Node | None]:
+    """(hidden, weight node or parameter name, the W.t() node of a matmul head) of the linear
+    head `head`; Refuse when it is not a bias-free linear."""
     transpose = None
     weight: torch.fx.Node | str
     if head.op == "call_function" and head.target in fx.LINEAR_TARGETS:
@@ -215,23 +220,14 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
         raise Refuse(f"its input does not come from a linear head (found {head.op} {head.target})")
     if not isinstance(hidden, torch.fx.Node):
         raise Refuse(f"the head {head.name} does not read a graph value")
+    return hidden, weight, transpose
 
-    # Shapes, dtypes, tensor kinds: from the fake values Dynamo recorded.
-    hidden_val, logits_val, target_val, head_val = (
-        fx.val(hidden),
-        fx.val(logits_in),
-        fx.val(target),
-        fx.val(head),
-    )
-    weight_val = fx.val(weight) if isinstance(weight, torch.fx.Node) else gm.get_parameter(weight)
-    vals = (hidden_val, weight_val, logits_val, target_val, head_val)
-    if any(v is None for v in vals):
-        raise Refuse("example_value meta is missing (not a Dynamo graph?)")
-    group_name = None
-    if any(fx.is_dtensor(v) for v in vals):
-        group_name, hidden_val, weight_val = _tp_head(
-            hidden_val, weight_val, head_val, logits_val, chain
-        )
+
+def _check_values(
+    hidden_val: Any, weight_val: Any, head_val: Any, logits_val: Any, target_val: Any, tp: int
+) -> None:
+    """Refuse unless the recorded values are what the fused op computes: a 2-D static weight,
+    the head's dtype reproducible, [N, V] logits, 1-D int64 class ids."""
     if weight_val.dim() != 2:
         raise Refuse("the weight is not 2-D")
     V, H = weight_val.shape  # under tp: the local shard
@@ -248,7 +244,7 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
             f"the head computes in {head_val.dtype} from {hidden_val.dtype} x {weight_val.dtype}: "
             "the fused op would not reproduce it"
         )
-    if logits_val.dim() != 2 or logits_val.shape[1] != V * _tp_size(group_name):
+    if logits_val.dim() != 2 or logits_val.shape[1] != V * tp:
         raise Refuse(f"cross_entropy's input has shape {tuple(logits_val.shape)}, not [N, {V}]")
     if logits_val.dtype not in (torch.float32, head_val.dtype):
         raise Refuse(f"the logits reach cross_entropy as {logits_val.dtype}")
@@ -256,6 +252,31 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
         raise Refuse(
             "the target is not a 1-D int64 tensor of class ids (probabilities are not supported)"
         )
+
+
+def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
+    """The matched pattern ending in `ce`; Refuse with the reason it does not match."""
+    ignore_index, reduction, smoothing, logits_in, target = _ce_arguments(ce)
+    chain = _logits_chain(ce, logits_in)
+    head = chain[-1]
+    hidden, weight, transpose = _head_operands(gm, head)
+    # Shapes, dtypes, tensor kinds: from the fake values Dynamo recorded.
+    hidden_val, logits_val, target_val, head_val = (
+        fx.val(hidden),
+        fx.val(logits_in),
+        fx.val(target),
+        fx.val(head),
+    )
+    weight_val = fx.val(weight) if isinstance(weight, torch.fx.Node) else gm.get_parameter(weight)
+    vals = (hidden_val, weight_val, logits_val, target_val, head_val)
+    if any(v is None for v in vals):
+        raise Refuse("example_value meta is missing (not a Dynamo graph?)")
+    group_name = None
+    if any(fx.is_dtensor(v) for v in vals):
+        group_name, hidden_val, weight_val = _tp_head(
+            hidden_val, weight_val, head_val, logits_val, chain
+        )
+    _check_values(hidden_val, weight_val, head_val, logits_val, target_val, _tp_size(group_name))
     return _Match(
         hidden,
         weight,
@@ -263,7 +284,7 @@ def _match(gm: torch.fx.GraphModule, ce: torch.fx.Node) -> _Match:
         chain,
         transpose,
         ignore_index,
-        float(smoothing),
+        smoothing,
         reduction,
         head_val.dtype,
         group_name,

@@ -1,64 +1,28 @@
 """Pass overlap_tp_comm: tensor-parallel all-gathers and reduce-scatters overlapped with their GEMMs.
 
 What
-    After AOT autograd, sequence-parallel TP (graphtrain.parallel.tensor_parallel) is explicit
-    in the forward and backward graphs (aten IR, functional collectives). Two shapes occur:
-
-    gather -> GEMM   x [B, S, D] (this rank's S = T/tp tokens)
-                         ag = all_gather_into_tensor(x, tp, group); w = wait_tensor(ag)
-                         full = cat(split(w, B), dim=1)                     [B, T, D]
-                         y_i = mm(full.view(B*T, D), W_i)  for each consumer GEMM i
-                     (q, k, v and w1, w3 share one gather in the forward; in the backward the
-                     gathered gradient feeds the row GEMM's dgrad, and its wgrad reads `full`
-                     transposed);
-    GEMM -> scatter  y = mm(a.view(B*T, K), W).view(B, T, N)
-                         rs = reduce_scatter_tensor(cat(split(y, S, dim=1)), sum, tp, group)
-                     (wo and w2 in the forward).
-
-    Each is rewritten so that communication and compute overlap, in one of two variants:
-      chunked    (any process group, gloo on CPU included) the tp-shard's rows are split into
-                 `chunks` blocks; every block's collective is started first (functional
-                 collectives are asynchronous until their wait), then each block's GEMMs run
-                 as soon as that block has arrived (gather) or before the next block's
-                 collective (scatter). The outputs are reassembled in the original row order.
-      symm_mem   (CUDA groups with symmetric memory enabled) torch's fused
-                 symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter, which
-                 pipeline the same way over NVLink peers without the reassembly copies.
+    After AOT autograd, sequence-parallel TP is explicit in the forward and backward graphs
+    (aten IR, functional collectives). Two shapes occur: gather -> GEMM (x [B, S, D] gathered
+    to [B, T, D], read by one or more row-wise GEMMs: q, k, v; w1, w3; the backward's dgrad)
+    and GEMM -> scatter (a GEMM's output reduce-scattered: wo, w2). Each is rewritten so that
+    communication and compute overlap:
+      chunked    (any process group, gloo included) the shard's rows in `chunks` blocks: every
+                 block's collective starts first, each block's GEMMs run as it arrives (or
+                 before the next scatter); the outputs are put back in row order.
+      symm_mem   (CUDA groups with symmetric memory) torch's fused_all_gather_matmul /
+                 fused_matmul_reduce_scatter.
     Options (PassContext.options): "tp_overlap_chunks" (0: the tp size), "tp_overlap_variant"
-    ("auto": symm_mem where the group can have it, enabling it there (choose_symm_mem: CUDA,
-    NCCL, one node, P2P), else chunked; or "chunked", "symm_mem").
-
-FP8 gathers (written by fp8_all_gather, which runs first)
-    x's shard cast to E4M3 with the tp-global amax, gathered as uint8 and read by
-    graphtrain::fp8_linear_precast (q, k, v; w1, w3) is chunked too: each row block of the
-    shard is cast (elementwise, the one scale: the same bytes) and its gather started; as
-    block j arrives its GEMMs run, block 0 through fp8_linear_precast (it casts the weight once,
-    all-reducing its amax, and returns the weight's FP8 copy and scale), the later blocks as
-    the same torch._scaled_mm on that copy. The outputs the backward saves are assembled
-    whole: x8_t is the transpose of the blocks put back in sequence order (one copy shared by
-    the consumers, where the unchunked ops made one each), x_scale_inv the cast's, w8_t and
-    w_scale_inv block 0's op's. Saturation counts: the weight's once (block 0's op), the
-    activation's from this rank's block 0 only (its counts over its element count: a sample
-    of 1/chunks of the rows, where the unchunked op counted the rank's shard). The symm_mem
-    variant has no FP8 form here yet (torch's symm_mem.fused_all_gather_scaled_matmul needs
-    the weights cast before it, outside the op that records their statistics): chunked.
-
-Refusals (left alone with a note)
-    a gather whose result has no row-wise GEMM consumer; a scatter whose input is not one
-    GEMM's output used only by it (the backward's sum of several dgrads); rows that do not
-    split into `chunks` blocks; shapes other than the [B, S, ...] sequence sharding above.
-    FP8: a scatter of fp8_linear's output (wo, w2) or of fp8_linear_backward's dgrads (the op
-    casts all rows with one amax); the backward's FP8 gradient gather (fp8_linear_backward
-    runs its dgrad and its wgrad, a sum over all rows, in one op); an FP8 gather read by
-    anything but fp8_linear_precast's x, or with a bias.
+    ("auto": symm_mem where the group can have it, else chunked; "chunked"; "symm_mem").
+    FP8 gathers (fp8_all_gather's, which runs first) are chunked too: each row block of the
+    shard cast with the one scale, block 0 through fp8_linear_precast, the later blocks as
+    the same torch._scaled_mm. Refusals are left alone with a note.
 
 Invariant and numerics (preserves_numerics=True up to the GEMM's row blocking)
     Every output element is the same dot product over the same K values, and every
-    reduce-scatter sums the same per-rank values; a GEMM over fewer rows may pick another
-    kernel tile but not another K order on the CPU BLAS we test (the tests assert bitwise
-    equality at tp=2 and state their tolerance elsewhere). FP8 gathers likewise: the bytes
-    and the scale are the unchunked cast's, and each output row is the same _scaled_mm row
-    (tests/parallel/test_overlap_tp_comm.py: bitwise against the unchunked FP8 gather).
+    reduce-scatter sums the same per-rank values; the tests assert bitwise equality at tp=2,
+    FP8 gathers included (tests/parallel/test_overlap_tp_comm.py). Only the FP8 activation
+    saturation counts change (a sample: block 0's rows).
+    The rewrites in full, the FP8 form and every refusal: docs/design/tp_overlap.md.
 """
 
 from __future__ import annotations

@@ -212,21 +212,36 @@ def _lce_triton_low_memory(
         grad_hidden = _finalize_dh(acc, weight, t_idx, coef_a, b_final, coef_c, opts, hidden)
         del acc  # free the fp32 accumulator before grad_weight exists: the peak is sweep B's
 
-    # ---- sweep B: grad_weight, one full-N GEMM per vocab chunk ------------------------------
     if want_gw:
-        grad_weight = torch.empty_like(weight)
-        buf = torch.empty(N * min(chunk_b, V), dtype=hidden.dtype, device=dev)
-        lse_c = lse.contiguous()
-        coefs = _grad_coefs(lse_c, row_scale, opts, v_global)
-        for v0 in range(0, V, chunk_b):
-            vc = min(chunk_b, V - v0)
-            logits = buf[: N * vc].view(N, vc)
-            torch.mm(hidden, weight[v0 : v0 + vc].t(), out=logits)
-            _grad_launch(logits, target, lse_c, coefs, v_start + v0)
-            # fp32 accumulation over all N tokens inside the GEMM, one rounding on store.
-            torch.mm(logits.t(), hidden, out=grad_weight[v0 : v0 + vc])
-        del buf, logits
+        grad_weight = _sweep_b(hidden, weight, target, lse, row_scale, opts, v_start, chunk_b)
     return loss_tok, lse, grad_hidden, grad_weight, stats
+
+
+def _sweep_b(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    lse: Tensor,
+    row_scale: Tensor,
+    opts: LCEOptions,
+    v_start: int,
+    chunk_b: int,
+) -> Tensor:
+    """Low-memory mode's sweep B: grad_weight, one full-N GEMM per vocab chunk."""
+    N, V = hidden.shape[0], weight.shape[0]
+    v_global = V * _group_rank_size(opts.group_name)[1]
+    grad_weight = torch.empty_like(weight)
+    buf = torch.empty(N * min(chunk_b, V), dtype=hidden.dtype, device=hidden.device)
+    lse_c = lse.contiguous()
+    coefs = _grad_coefs(lse_c, row_scale, opts, v_global)
+    for v0 in range(0, V, chunk_b):
+        vc = min(chunk_b, V - v0)
+        logits = buf[: N * vc].view(N, vc)
+        torch.mm(hidden, weight[v0 : v0 + vc].t(), out=logits)
+        _grad_launch(logits, target, lse_c, coefs, v_start + v0)
+        # fp32 accumulation over all N tokens inside the GEMM, one rounding on store.
+        torch.mm(logits.t(), hidden, out=grad_weight[v0 : v0 + vc])
+    return grad_weight
 
 
 def _finalize_dh(
@@ -335,20 +350,33 @@ def _lce_triton_fast(
             continue
         coefs = _grad_coefs(lse[a:b], row_scale[a:b], opts, v_global)
         _grad_launch(logits, t, lse[a:b], coefs, v_start, col_chunk)  # G in place of L
-        if want_gh:  # GEMM 2
-            if tp > 1:  # partial sums over the vocab shards, all-reduced in fp32
-                gh = _all_reduce(torch.mm(logits, w_in).float(), "sum", opts.group_name)
-                grad_hidden[a:b] = gh
-            else:
-                torch.mm(logits, w_in, out=grad_hidden[a:b])
-        if want_gw:  # GEMM 3
-            if gw_acc.dtype == hidden.dtype:  # fp32 inside the GEMM, one rounding per chunk
-                gw_acc.addmm_(logits.t(), h)
-            else:  # 16-bit operands, accumulated in fp32 in place
-                _launch_dh(logits.t(), h, gw_acc, gw_acc, first=False, has_alpha=False)
+        gh_rows = grad_hidden[a:b] if want_gh else None
+        _fast_chunk_grads(logits, h, w_in, gh_rows, gw_acc, opts.group_name if tp > 1 else None)
     del buf
     grad_weight = None if gw_acc is None else gw_acc.to(weight.dtype)
     return loss_tok, lse, grad_hidden, grad_weight, stats
+
+
+def _fast_chunk_grads(
+    logits: Tensor,
+    h: Tensor,
+    w_in: Tensor,
+    grad_hidden: Tensor | None,
+    gw_acc: Tensor | None,
+    group_name: str | None,
+) -> None:
+    """Fast mode's GEMMs 2 and 3 for one token chunk whose logits hold G: its rows of
+    grad_hidden (written in place) and its share of grad_weight (added to gw_acc)."""
+    if grad_hidden is not None:  # GEMM 2
+        if group_name is not None:  # partial sums over the vocab shards, all-reduced in fp32
+            grad_hidden.copy_(_all_reduce(torch.mm(logits, w_in).float(), "sum", group_name))
+        else:
+            torch.mm(logits, w_in, out=grad_hidden)
+    if gw_acc is not None:  # GEMM 3
+        if gw_acc.dtype == h.dtype:  # fp32 inside the GEMM, one rounding per chunk
+            gw_acc.addmm_(logits.t(), h)
+        else:  # 16-bit operands, accumulated in fp32 in place
+            _launch_dh(logits.t(), h, gw_acc, gw_acc, first=False, has_alpha=False)
 
 
 def _lce_triton(

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from graphtrain.custom_ops.utils import schema_arguments
+
 REDUCTIONS = ("mean", "sum", "none")
 MODES = ("low_memory", "fast")
 
@@ -193,7 +195,6 @@ def unfused_extra_bytes(N: int, V: int, input_dtype: torch.dtype) -> int:
 # the op schemas' option arguments, generated from LCEOptions' fields
 # --------------------------------------------------------------------------------------------
 
-_SCHEMA_TYPES = {"int": "int", "float": "float", "str": "str", "bool": "bool", "str | None": "str?"}
 # The options the user-facing ops take as keywords; the others (the tp group, which gradients to
 # compute) the public wrappers set.
 USER_OPTIONS = tuple(
@@ -212,15 +213,5 @@ def schema_options(names: tuple[str, ...], *, all_defaults: bool, int_type: str 
     """The schema's arguments for these LCEOptions fields, in order: "int ignore_index=-100,
     ...". all_defaults=False gives defaults only from _FIRST_DEFAULTED on. int_type: "SymInt"
     where torch.library would infer it (the positional forward and backward ops)."""
-    fields = {f.name: f for f in dataclasses.fields(LCEOptions)}
-    out, defaulted = [], all_defaults
-    for name in names:
-        f = fields[name]
-        defaulted = defaulted or name == _FIRST_DEFAULTED
-        kind = _SCHEMA_TYPES[f.type]
-        kind = int_type if kind == "int" else kind
-        default = ""
-        if defaulted:
-            default = f'="{f.default}"' if isinstance(f.default, str) else f"={f.default!r}"
-        out.append(f"{kind} {name}{default}")
-    return ", ".join(out)
+    first = names[0] if all_defaults else _FIRST_DEFAULTED
+    return schema_arguments(LCEOptions, names, first_default=first, int_type=int_type)

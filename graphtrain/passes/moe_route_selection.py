@@ -1,9 +1,9 @@
 """How fuse_moe_router reads a router's selection: from the expert top-k back through the
 group limit and the expert bias to the scores and the logits.
 
-Not a pass: the first half of fuse_moe_router's matcher (fuse_moe_router.py reads the outputs
-side: weights, counts, aux sums, logsumexps). The spellings it reads, its refusals and the
-numerics of the fused op are documented there. Every method raises Refuse with the reason
+Not a pass: the first half of fuse_moe_router's matcher (moe_route_outputs.py reads the
+outputs side: weights, counts, aux sums, logsumexps; moe_route.py is the pass). The spellings
+it reads and its refusals: docs/design/moe_route.md. Every method raises Refuse with the reason
 where the graph is not what the op computes.
 """
 

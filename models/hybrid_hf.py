@@ -1,0 +1,180 @@
+"""The Hugging Face Qwen3-Next layout (Qwen3NextForCausalLM) of the dense hybrid models
+(models/hybrid.py): tensor names, value changes and config.json.
+
+What: the four functions graphtrain.checkpoint.hf calls on a layout module (see models/gpt_hf.py):
+hf_config, config_mismatches, to_hf_state, from_hf_state. Names are Llama's (gpt_hf) for the
+embedding, head, norms, attention projections and dense FFNs; a GDN mixer's
+`linear_attention.X` is Qwen3-Next's `linear_attn.X`, attention's q_norm/k_norm keep theirs.
+Three value changes, each exact or inverted on import:
+  norms      Qwen3-Next's RMSNorm multiplies by (1 + w) (zero-centred), ours by w: every block
+             norm, the final norm and q_norm/k_norm are written as w - 1 (import adds 1; in
+             fp32 the round trip is exact to an ulp). The GDN output norm (RMSNormGated) is
+             plain w in both.
+  conv1d     our channels are grouped by key head (q, k, v of each; models/gated_deltanet.py),
+             Qwen3-Next's are all q, all k, all v: reordered.
+  the rest   renamed only: in_proj_qkvz / in_proj_ba grouped by key head, and wq's per-head
+             [query, gate] rows, are Qwen3-Next's layouts; A_log, dt_bias as they are.
+What it needs (else ValueError naming the option): model.gated_attention=true (Qwen3-Next's
+attention: output gate, q/k norms; the hybrid presets set it), a dense model, no MTP layers
+(model.mtp_depth=0: the MTP side file's per-layer configs are not hybrid-aware yet). Qwen3-Next's MoE
+(Qwen3NextSparseMoeBlock) routes by softmax over all experts with no groups, bias or scale and
+gates its one shared expert by sigmoid(shared_expert_gate x); our MoE options that differ are
+not mapped yet, so an MoE hybrid is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from models import gpt_hf
+from models.hybrid import ATTENTION, GDN, HybridConfig
+
+MODEL_TYPE = "qwen3_next"
+_LAYER_TYPES = {GDN: "linear_attention", ATTENTION: "full_attention"}
+# Norms Qwen3-Next stores zero-centred (w - 1), by our name's ending.
+_CENTRED = re.compile(
+    r"^(norm|layers\.\d+\.(attention_norm|ffn_norm|attention\.q_norm|attention\.k_norm))\.weight$"
+)
+_CONV = re.compile(r"^layers\.\d+\.linear_attention\.conv1d\.weight$")
+_GDN_NAMES = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log")
+_GDN_NAMES += ("norm.weight", "out_proj.weight")
+_QK_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")
+# The config.json keys of the hybrid part, and Qwen3NextConfig's defaults where one is left out.
+_HYBRID_KEYS = ("layer_types", "num_experts", "partial_rotary_factor", "linear_num_key_heads")
+_HYBRID_KEYS += ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+_HYBRID_KEYS += ("linear_conv_kernel_dim",)
+_HF_DEFAULTS = {"num_experts": 512, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def check_exportable(cfg: HybridConfig) -> None:
+    """ValueError naming the option unless Qwen3NextForCausalLM computes `cfg`'s model."""
+    if hasattr(cfg, "num_experts"):
+        raise ValueError(
+            "Hugging Face export of MoE hybrids (model.num_experts="
+            f"{cfg.num_experts}) is not implemented: Qwen3-Next's MoE routes by softmax over "
+            "all experts (no groups, expert bias or route scale) and gates its single shared "
+            "expert by sigmoid(shared_expert_gate x), which our MoE options do not map onto "
+            "yet; the dense hybrids export"
+        )
+    if cfg.mtp_depth:
+        raise ValueError(
+            f"Hugging Face export of hybrids with MTP layers (model.mtp_depth={cfg.mtp_depth}) "
+            "is not implemented; export a model.mtp_depth=0 config of the run"
+        )
+    if ATTENTION in cfg.layer_pattern and not cfg.gated_attention:
+        raise ValueError(
+            f"Hugging Face export of a hybrid needs model.gated_attention=true (Qwen3-Next's "
+            f"attention: output gate and q/k norms), got model.gated_attention=false with "
+            f"attention blocks in model.layer_pattern={cfg.layer_pattern!r}"
+        )
+
+
+def conv_widths(cfg: HybridConfig) -> tuple[int, int, int]:
+    """The q, k and v channels of one key head in conv1d: Dk, Dk and r * Dv."""
+    r = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    return cfg.linear_key_head_dim, cfg.linear_key_head_dim, r * cfg.linear_value_head_dim
+
+
+def conv_to_hf(weight: torch.Tensor, num_key_heads: int, widths: tuple[int, ...]) -> torch.Tensor:
+    """conv1d's (C, 1, K) weight, channels grouped by key head (each: `widths` = q, k, v
+    channels, conv_widths) -> all q, all k, all v (Qwen3-Next's order)."""
+    parts = weight.unflatten(0, (num_key_heads, -1)).split(list(widths), dim=1)
+    return torch.cat([p.flatten(0, 1) for p in parts])
+
+
+def conv_from_hf(weight: torch.Tensor, num_key_heads: int, widths: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of conv_to_hf."""
+    parts = weight.split([num_key_heads * w for w in widths])
+    return torch.cat([p.unflatten(0, (num_key_heads, -1)) for p in parts], dim=1).flatten(0, 1)
+
+
+def to_hf_name(name: str) -> str:
+    m = _LAYER.match(name)
+    if m and m.group(2).startswith("linear_attention.") and m.group(2)[17:] in _GDN_NAMES:
+        return f"model.layers.{m.group(1)}.linear_attn.{m.group(2)[17:]}"
+    if m and m.group(2) in _QK_NORMS:
+        return f"model.layers.{m.group(1)}.self_attn.{m.group(2).removeprefix('attention.')}"
+    return gpt_hf.to_hf_name(name)
+
+
+def from_hf_name(name: str) -> str:
+    m = _HF_LAYER.match(name)
+    if m and m.group(2).startswith("linear_attn.") and m.group(2)[12:] in _GDN_NAMES:
+        return f"layers.{m.group(1)}.linear_attention.{m.group(2)[12:]}"
+    if m and m.group(2) in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        return f"layers.{m.group(1)}.attention.{m.group(2).removeprefix('self_attn.')}"
+    try:
+        return gpt_hf.from_hf_name(name)
+    except KeyError:
+        msg = f"the hybrid model has no parameter for the Hugging Face tensor {name!r}"
+        raise KeyError(msg) from None
+
+
+def to_hf_state(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
+    """Our state dict -> Qwen3-Next's tensors (module docstring)."""
+    check_exportable(cfg)
+    out = {}
+    for name, t in state.items():
+        if _CENTRED.match(name):
+            t = t - 1
+        elif _CONV.match(name):
+            t = conv_to_hf(t, cfg.linear_num_key_heads, conv_widths(cfg))
+        out[to_hf_name(name)] = t
+    return out
+
+
+def from_hf_state(tensors: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's tensors -> our state dict; KeyError for a tensor we have no slot for."""
+    check_exportable(cfg)
+    out = {}
+    for hf_name, t in tensors.items():
+        name = from_hf_name(hf_name)
+        if _CENTRED.match(name):
+            t = t.to(torch.promote_types(t.dtype, torch.float32)) + 1  # 1 + w: not in bf16
+        elif _CONV.match(name):
+            t = conv_from_hf(t, cfg.linear_num_key_heads, conv_widths(cfg))
+        out[name] = t
+    return out
+
+
+def hf_config(cfg: HybridConfig, *, dtype: str, eos_token_id: int | None) -> dict[str, Any]:
+    """config.json of Qwen3NextForCausalLM for `cfg`; ValueError where it computes another
+    model (check_exportable)."""
+    check_exportable(cfg)
+    llama = gpt_hf.hf_config(cfg, dtype=dtype, eos_token_id=eos_token_id)
+    drop = ("architectures", "model_type", "mlp_bias", "rope_theta", "rope_parameters")
+    return {k: v for k, v in llama.items() if k not in drop} | {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": MODEL_TYPE,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+        },
+        "layer_types": [_LAYER_TYPES[cfg.mixer(i)] for i in range(cfg.num_layers)],
+        "linear_num_key_heads": cfg.linear_num_key_heads,
+        "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim,
+        "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel,
+        "num_experts": 0,  # every layer a dense Qwen3NextMLP of intermediate_size
+    }
+
+
+def config_mismatches(cfg: HybridConfig, hf: dict[str, Any]) -> list[str]:
+    """'model.dim=32 but dim=64' (the Llama keys, as gpt_hf compares them) or 'layer_types=[..]
+    but layer_types=[..]' (the hybrid keys) for each a Qwen3-Next config.json sets otherwise
+    than `cfg`."""
+    ours = hf_config(cfg, dtype="float32", eos_token_id=None)
+    ours["partial_rotary_factor"] = cfg.partial_rotary_factor
+    theirs = {k: hf.get(k, _HF_DEFAULTS.get(k)) for k in ours if k in _HYBRID_KEYS}
+    theirs["partial_rotary_factor"] = (hf.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", _HF_DEFAULTS["partial_rotary_factor"]
+    )
+    differ = [f"{k}={ours[k]} but {k}={v}" for k, v in theirs.items() if ours[k] != v]
+    return gpt_hf.config_mismatches(cfg, hf, MODEL_TYPE) + differ

@@ -1,0 +1,101 @@
+"""Export of the dense hybrid models to Hugging Face Qwen3-Next and back: transformers'
+Qwen3NextForCausalLM loads hybrid-debug with our logits and loss (fp32), an import into a fresh
+model gives back the state bit for bit, and what Qwen3-Next does not compute is refused before
+anything is written."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+
+from graphtrain.checkpoint.hf import export_hf, load_hf_into
+from graphtrain.config import JobConfig, TrainingConfig, to_toml
+from models import MODEL_PRESETS, build_model
+from models.hybrid_hf import conv_from_hf, conv_to_hf, conv_widths
+
+transformers = pytest.importorskip("transformers")
+
+DEBUG = MODEL_PRESETS["hybrid-debug"]  # "GGG*", Qwen3-Next's attention, 4 value on 2 key heads
+TOKENS = torch.randint(0, DEBUG.vocab_size, (2, 80), generator=torch.Generator().manual_seed(0))
+
+
+def build(cfg, seed: int) -> torch.nn.Module:
+    """A random model whose 1-D weights (norms, A_log, dt_bias) are perturbed too: at init the
+    norms are all ones, which would hide a norm mapped the wrong way."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.mul_(torch.empty(p.shape).uniform_(0.6, 1.4, generator=g))
+    return model.eval()
+
+
+def make_run(tmp_path, cfg, preset: str = "hybrid-debug"):
+    model = build(cfg, seed=1)
+    run = tmp_path / "run"
+    run.mkdir()
+    job = JobConfig(preset=preset, model=cfg, training=TrainingConfig(seq_len=64))
+    (run / "config.toml").write_text(to_toml(job))
+    ckpt = run / "checkpoints" / "step-0000001"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    return run, model
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_transformers_computes_our_logits_and_loss_and_import_is_exact(tie, tmp_path):
+    cfg = replace(DEBUG, tie_embeddings=tie)
+    run, model = make_run(tmp_path, cfg)
+    out = export_hf(run, tmp_path / "hf", dtype="fp32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3NextForCausalLM"
+    with torch.no_grad():
+        theirs = hf(TOKENS, labels=TOKENS)
+        ours = model(TOKENS)
+    loss = F.cross_entropy(ours[:, :-1].flatten(0, 1), TOKENS[:, 1:].flatten())
+    # fp32 both sides; the recurrences are both chunked (64), summed in other orders.
+    assert theirs.loss.item() == pytest.approx(loss.item(), abs=1e-4)
+    torch.testing.assert_close(theirs.logits, ours, rtol=1e-4, atol=1e-4)
+
+    fresh = build(cfg, seed=2)
+    load_hf_into(fresh, out)
+    expected, got = model.state_dict(), fresh.state_dict()
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+def test_conv_channels_are_reordered_to_theirs_and_back():
+    cfg = DEBUG
+    Hk, Dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    rDv = cfg.linear_num_value_heads // Hk * cfg.linear_value_head_dim
+    # Channel c of ours holds the value c: key head h's q, k, v sit at h * (2 Dk + rDv).
+    ours = torch.arange(Hk * (2 * Dk + rDv), dtype=torch.float32).view(-1, 1, 1)
+    theirs = conv_to_hf(ours, Hk, conv_widths(cfg)).flatten()
+    width = 2 * Dk + rDv
+    q = torch.cat([torch.arange(h * width, h * width + Dk) for h in range(Hk)])
+    v = torch.cat([torch.arange(h * width + 2 * Dk, (h + 1) * width) for h in range(Hk)])
+    assert torch.equal(theirs, torch.cat([q, q + Dk, v]).float())
+    assert torch.equal(conv_from_hf(theirs.view(-1, 1, 1), Hk, conv_widths(cfg)), ours)
+
+
+@pytest.mark.parametrize(
+    "preset, change, message",
+    [
+        ("hybrid-moe-debug", {}, r"export of MoE hybrids \(model.num_experts=8\)"),
+        ("hybrid-debug", {"gated_attention": False}, r"needs model.gated_attention=true"),
+        ("hybrid-debug", {"mtp_depth": 1}, r"MTP layers \(model.mtp_depth=1\)"),
+    ],
+)
+def test_what_qwen3_next_does_not_compute_is_refused_before_writing(
+    preset, change, message, tmp_path
+):
+    run, _ = make_run(tmp_path, replace(MODEL_PRESETS[preset], **change), preset)
+    with pytest.raises(ValueError, match=message):
+        export_hf(run, tmp_path / "hf", dtype="fp32")
+    assert not (tmp_path / "hf").exists()

@@ -4,7 +4,9 @@ dense (models/gpt.py) or MoE (models/moe.py) feed-forward networks. Qwen3-Next's
 What: `model.layer_pattern` names each block's token mixer with one letter, read as Megatron's
 hybrid patterns read:
     G   Gated DeltaNet (models/gated_deltanet.py), a linear-attention recurrence
-    *   attention (models.gpt.Attention: RoPE, grouped-query, packed documents by the mask)
+    *   attention (models.gpt.Attention: RoPE, grouped-query, packed documents by the mask;
+        with model.gated_attention, which the presets set, Qwen3-Next's GatedAttention: an
+        output gate, q/k norms, RoPE on model.partial_rotary_factor of each head)
 The pattern is repeated to num_layers blocks (its length must divide num_layers): "GGG*" with
 8 layers is G G G * G G G *, Qwen3-Next's three GDN layers to one attention layer. The
 feed-forward network of a block is dense, or MoE after the first `first_k_dense` blocks in the
@@ -14,9 +16,9 @@ blocks, as Qwen3-Next's MTP layer is.
 Packed documents: a GDN block is called with the batch's document_ids (GPT.block_inputs), its
 recurrence and convolution restart at every document; attention blocks keep using the mask.
 
-Parameter names: Llama's for attention and FFN (layers.N.attention.wq, ...), Qwen3-Next's
-inside a GDN mixer (layers.N.linear_attention.in_proj_qkvz, conv1d, A_log, dt_bias, norm,
-out_proj), so the Hugging Face export is a renaming.
+Parameter names: Llama's for attention and FFN (layers.N.attention.wq, ..., q_norm, k_norm),
+Qwen3-Next's inside a GDN mixer (layers.N.linear_attention.in_proj_qkvz, conv1d, A_log,
+dt_bias, norm, out_proj); models/hybrid_hf.py maps them onto Qwen3NextForCausalLM.
 """
 
 from __future__ import annotations

@@ -42,10 +42,18 @@ _CONV = re.compile(r"^layers\.\d+\.linear_attention\.conv1d\.weight$")
 _GDN_NAMES = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log")
 _GDN_NAMES += ("norm.weight", "out_proj.weight")
 _QK_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")
-# The config.json keys of the hybrid part, and Qwen3NextConfig's defaults where one is left out.
-_HYBRID_KEYS = ("layer_types", "num_experts", "partial_rotary_factor", "linear_num_key_heads")
-_HYBRID_KEYS += ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
-_HYBRID_KEYS += ("linear_conv_kernel_dim",)
+# The config.json keys of the hybrid part -> the model option each comes from (None: a constant
+# of the layout), and Qwen3NextConfig's defaults where a config.json leaves one out.
+_HYBRID_KEYS = {
+    "layer_types": "layer_pattern",
+    "partial_rotary_factor": "partial_rotary_factor",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads",
+    "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim",
+    "linear_conv_kernel_dim": "linear_conv_kernel",
+    "num_experts": None,
+}
 _HF_DEFAULTS = {"num_experts": 512, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -167,14 +175,18 @@ def hf_config(cfg: HybridConfig, *, dtype: str, eos_token_id: int | None) -> dic
 
 
 def config_mismatches(cfg: HybridConfig, hf: dict[str, Any]) -> list[str]:
-    """'model.dim=32 but dim=64' (the Llama keys, as gpt_hf compares them) or 'layer_types=[..]
-    but layer_types=[..]' (the hybrid keys) for each a Qwen3-Next config.json sets otherwise
-    than `cfg`."""
+    """'model.dim=32 but dim=64' for each option a Qwen3-Next config.json sets otherwise than
+    `cfg` (the Llama keys as gpt_hf compares them, then the hybrid keys)."""
     ours = hf_config(cfg, dtype="float32", eos_token_id=None)
     ours["partial_rotary_factor"] = cfg.partial_rotary_factor
-    theirs = {k: hf.get(k, _HF_DEFAULTS.get(k)) for k in ours if k in _HYBRID_KEYS}
+    theirs = {k: hf.get(k, _HF_DEFAULTS.get(k)) for k in _HYBRID_KEYS}
     theirs["partial_rotary_factor"] = (hf.get("rope_parameters") or {}).get(
         "partial_rotary_factor", _HF_DEFAULTS["partial_rotary_factor"]
     )
-    differ = [f"{k}={ours[k]} but {k}={v}" for k, v in theirs.items() if ours[k] != v]
-    return gpt_hf.config_mismatches(cfg, hf, MODEL_TYPE) + differ
+    differ = gpt_hf.config_mismatches(cfg, hf, MODEL_TYPE)
+    for key, option in _HYBRID_KEYS.items():
+        if ours[key] == theirs[key]:
+            continue
+        ours_text = f"model.{option}={getattr(cfg, option)!r}" if option else "a dense model"
+        differ.append(f"{ours_text} but {key}={theirs[key]}")
+    return differ

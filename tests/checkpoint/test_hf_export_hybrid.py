@@ -99,3 +99,36 @@ def test_what_qwen3_next_does_not_compute_is_refused_before_writing(
     with pytest.raises(ValueError, match=message):
         export_hf(run, tmp_path / "hf", dtype="fp32")
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_import_into_another_model_names_the_options_that_differ(tmp_path):
+    run, _ = make_run(tmp_path, DEBUG)
+    out = export_hf(run, tmp_path / "hf", dtype="bf16")
+    other = replace(DEBUG, layer_pattern="G*", linear_num_key_heads=4, dim=128)
+    with pytest.raises(ValueError, match="does not match the model config") as e:
+        load_hf_into(build(other, seed=0), out)
+    for part in (
+        "model.dim=128 but dim=64",
+        "model.layer_pattern='G*' but layer_types=['linear_attention', 'linear_attention', "
+        "'linear_attention', 'full_attention']",
+        "model.linear_num_key_heads=4 but linear_num_key_heads=2",
+    ):
+        assert part in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_trained_hybrid_run_exports_and_a_new_run_starts_from_it(corpus, tmp_path):
+    """Through the trainer and the CLI's export: train hybrid-debug, export, start a new run
+    with --checkpoint.init_from_hf: its step-0 validation sees exactly the trained weights."""
+    from conftest import job
+
+    from graphtrain.config import load_config
+    from graphtrain.trainer import train
+
+    hybrid = ("--preset=hybrid-debug", "--training.steps=3", "--metrics.val_interval=3")
+    first = train(load_config(job(corpus, tmp_path / "a", *hybrid, "--checkpoint.interval=3")))
+    out = export_hf(tmp_path / "a" / "run", tmp_path / "hf", dtype="fp32")
+    again = train(
+        load_config(job(corpus, tmp_path / "b", *hybrid, f"--checkpoint.init_from_hf={out}"))
+    )
+    assert again.val_losses[0] == first.val_losses[3]

@@ -125,22 +125,14 @@ def tp_ranks(rank: int, world_size: int, names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_ranks(tp_ranks, 2, ["tp"])
+    return run_ranks(tp_ranks, 2, sorted(SPECS))
 
 
-@pytest.fixture(scope="module")
-def slow_ranks() -> list[dict]:
-    return run_ranks(tp_ranks, 2, ["tp_compile", "tp_moe"])
-
-
-def test_tp2_equals_one_process(ranks):
-    _check(ranks, "tp")
-
-
+# ~70 s on 2 cores for the three (one spawn of 2 ranks, three models, one compiled).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp_compile", "tp_moe"])
-def test_tp2_equals_one_process_compiled_and_moe(slow_ranks, name):
-    _check(slow_ranks, name)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_tp2_equals_one_process(ranks, name):
+    _check(ranks, name)
 
 
 def _check(ranks: list[dict], name: str) -> None:

@@ -1,7 +1,7 @@
-"""Export of the dense hybrid models to Hugging Face Qwen3-Next and back: transformers'
-Qwen3NextForCausalLM loads hybrid-debug with our logits and loss (fp32), an import into a fresh
-model gives back the state bit for bit, and what Qwen3-Next does not compute is refused before
-anything is written."""
+"""Export of the hybrid models to Hugging Face Qwen3-Next and back: transformers'
+Qwen3NextForCausalLM loads hybrid-debug, and hybrid-moe-debug with Qwen3-Next's softmax routing,
+with our logits and loss (fp32); an import into a fresh model gives back the state bit for bit;
+what Qwen3-Next does not compute is refused before anything is written."""
 
 from dataclasses import replace
 
@@ -18,6 +18,19 @@ from models.hybrid_hf import conv_from_hf, conv_to_hf, conv_widths
 transformers = pytest.importorskip("transformers")
 
 DEBUG = MODEL_PRESETS["hybrid-debug"]  # "GGG*", Qwen3-Next's attention, 4 value on 2 key heads
+# Softmax over all 8 experts, top-2 normalised, a shared expert, block 0 dense: Qwen3-Next's MoE.
+MOE = replace(
+    MODEL_PRESETS["hybrid-moe-debug"],
+    score_func="softmax",
+    expert_bias=False,
+    num_groups=1,
+    topk_groups=1,
+)
+CASES = {
+    "dense": (DEBUG, "hybrid-debug"),
+    "dense-tied": (replace(DEBUG, tie_embeddings=True), "hybrid-debug"),
+    "moe": (MOE, "hybrid-moe-debug"),
+}
 TOKENS = torch.randint(0, DEBUG.vocab_size, (2, 80), generator=torch.Generator().manual_seed(0))
 
 
@@ -47,10 +60,10 @@ def make_run(tmp_path, cfg, preset: str = "hybrid-debug"):
     return run, model
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_transformers_computes_our_logits_and_loss_and_import_is_exact(tie, tmp_path):
-    cfg = replace(DEBUG, tie_embeddings=tie)
-    run, model = make_run(tmp_path, cfg)
+@pytest.mark.parametrize("case", CASES)
+def test_transformers_computes_our_logits_and_loss_and_import_is_exact(case, tmp_path):
+    cfg, preset = CASES[case]
+    run, model = make_run(tmp_path, cfg, preset)
     out = export_hf(run, tmp_path / "hf", dtype="fp32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3NextForCausalLM"
@@ -87,7 +100,7 @@ def test_conv_channels_are_reordered_to_theirs_and_back():
 @pytest.mark.parametrize(
     "preset, change, message",
     [
-        ("hybrid-moe-debug", {}, r"export of MoE hybrids \(model.num_experts=8\)"),
+        ("hybrid-moe-debug", {}, r"needs Qwen3-Next's routing.*got model.score_func='sigmoid'"),
         ("hybrid-debug", {"gated_attention": False}, r"needs model.gated_attention=true"),
         ("hybrid-debug", {"mtp_depth": 1}, r"MTP layers \(model.mtp_depth=1\)"),
     ],

@@ -2,7 +2,8 @@
 
 What: `GatedDeltaNet` maps (B, T, dim) -> (B, T, dim): projections q/k/v/z (in_proj_qkvz, grouped
 by key head as Qwen3-Next stores them) and b/a (in_proj_ba); a causal depthwise convolution of
-width conv_kernel over q, k, v (channels grouped by key head) followed by SiLU; L2-normalised q and k; per value head
+width conv_kernel over q, k, v (channels grouped by key head) followed by SiLU; L2-normalised q
+and k; per value head
     g = -exp(A_log) * softplus(a + dt_bias) (the log decay, < 0),   beta = sigmoid(b);
 the gated delta rule on a state S (key_head_dim x value_head_dim) per value head,
     S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,   a_t = exp(g_t),
@@ -224,7 +225,7 @@ class GatedDeltaNet(nn.Module):
     as Qwen3-Next stores them; conv1d's channels are grouped by key head too (q, k and the r
     value heads' v of key head 0, then of head 1, ...) where Qwen3-Next orders them all q, all
     k, all v. So every per-head tensor is a contiguous block per key head, and tensor
-    parallelism splits each on its first dim (models/hybrid.py); the Hugging Face export
+    parallelism splits each on its first dim (models/hybrid_plan.py); the Hugging Face export
     reorders conv1d (models/hybrid_hf.py)."""
 
     def __init__(

@@ -8,8 +8,8 @@ embedding, head, norms, attention projections and dense FFNs; a GDN mixer's
 Three value changes, each exact or inverted on import:
   norms      Qwen3-Next's RMSNorm multiplies by (1 + w) (zero-centred), ours by w: every block
              norm, the final norm and q_norm/k_norm are written as w - 1 (import adds 1,
-             in fp32 at least: the round trip is exact for w in [0.5, 2]). The GDN output norm (RMSNormGated) is
-             plain w in both.
+             in fp32 at least: the round trip is exact for w in [0.5, 2]). The GDN output
+             norm (RMSNormGated) is plain w in both.
   conv1d     our channels are grouped by key head (q, k, v of each; models/gated_deltanet.py),
              Qwen3-Next's are all q, all k, all v: reordered.
   the rest   renamed only: in_proj_qkvz / in_proj_ba grouped by key head, and wq's per-head

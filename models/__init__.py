@@ -3,6 +3,7 @@
 from models.gpt import GPT, PRESETS, GPTConfig, build_gpt
 from models.gpt_plan import GPT_TP_PLAN, mtp_tp_plan
 from models.hybrid import HYBRID_PRESETS, HybridConfig, HybridMoEConfig, build_hybrid
+from models.hybrid_plan import hybrid_tp_plan
 from models.moe import MOE_PRESETS, MoEConfig, MoEGPT, active_params, build_moe
 from models.moe_plan import moe_tp_plan
 
@@ -23,10 +24,10 @@ def build_model(cfg: GPTConfig) -> GPT:
 def tp_plan(cfg: GPTConfig, etp: int = 1, ep: int = 1) -> dict[str, str]:
     """The tensor-parallel plan (module pattern -> style name) of the model for `cfg`; `etp`,
     `ep`: expert tensor-parallel (1 or tp) and expert-parallel sizes of an MoE model."""
-    # A hybrid's plan is its attention blocks' (Gated DeltaNet blocks are refused under tp > 1
-    # by graphtrain.parallel.mesh.validate_model_for_tp until their split exists).
     moe = isinstance(cfg, MoEConfig)
     plan = moe_tp_plan(cfg, etp, ep) if moe else dict(GPT_TP_PLAN)
+    if isinstance(cfg, HybridConfig):
+        return hybrid_tp_plan(cfg, plan, moe=moe)
     if cfg.mtp_depth:
         # The MTP block is of the kind of the trunk's last layer.
         plan |= mtp_tp_plan(plan, moe_block=moe)

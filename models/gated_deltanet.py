@@ -2,7 +2,8 @@
 
 What: `GatedDeltaNet` maps (B, T, dim) -> (B, T, dim): projections q/k/v/z (in_proj_qkvz, grouped
 by key head as Qwen3-Next stores them) and b/a (in_proj_ba); a causal depthwise convolution of
-width conv_kernel over q, k, v followed by SiLU; L2-normalised q and k; per value head
+width conv_kernel over q, k, v (channels grouped by key head) followed by SiLU; L2-normalised q
+and k; per value head
     g = -exp(A_log) * softplus(a + dt_bias) (the log decay, < 0),   beta = sigmoid(b);
 the gated delta rule on a state S (key_head_dim x value_head_dim) per value head,
     S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,   a_t = exp(g_t),
@@ -33,6 +34,15 @@ from torch import nn
 
 # The annotation key of the recurrence region (gated_delta_rule): a compiler pass looks for it.
 REGION_KEY = "gated_delta_rule_region"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a parameter that tensor parallelism split by heads (a DTensor, whose
+    to_local() keeps autograd), t itself otherwise. The layer computes on plain per-rank
+    tensors, as attention does after its column-wise projections; duck-typed, so models/
+    imports no distributed code. The type is asked, not t: Dynamo (torch 2.13) answers hasattr
+    on a tensor without its subclass's methods."""
+    return t.to_local() if hasattr(type(t), "to_local") else t
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -210,8 +220,13 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """The token mixer of a GDN block (Qwen3-Next's Qwen3NextGatedDeltaNet, same parameter
-    names and layouts, so export is a renaming)."""
+    """The token mixer of a GDN block: Qwen3-Next's Qwen3NextGatedDeltaNet, with its parameter
+    names and, but for one, its layouts. in_proj_qkvz and in_proj_ba are grouped by key head
+    as Qwen3-Next stores them; conv1d's channels are grouped by key head too (q, k and the r
+    value heads' v of key head 0, then of head 1, ...) where Qwen3-Next orders them all q, all
+    k, all v. So every per-head tensor is a contiguous block per key head, and tensor
+    parallelism splits each on its first dim (models/hybrid_plan.py); the Hugging Face export
+    reorders conv1d (models/hybrid_hf.py)."""
 
     def __init__(
         self,
@@ -233,7 +248,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = nn.Linear(dim, 2 * key_dim + 2 * value_dim, bias=False)
         self.in_proj_ba = nn.Linear(dim, 2 * num_value_heads, bias=False)
         conv_dim = 2 * key_dim + value_dim
-        # Only the weight is used (causal_conv1d): nn.Conv1d keeps Qwen3-Next's name and layout.
+        # Only the weight is used (causal_conv1d): nn.Conv1d keeps Qwen3-Next's name and shape;
+        # its channels grouped by key head (class docstring).
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(num_value_heads))
         self.A_log = nn.Parameter(torch.empty(num_value_heads))
@@ -244,28 +260,31 @@ class GatedDeltaNet(nn.Module):
         """x: (B, T, dim); document_ids: (B, T) or None (each row one document)."""
         B, T, _ = x.shape
         Dk, Dv, r = self.key_head_dim, self.value_head_dim, self.ratio
+        mixed_width = 2 * Dk + r * Dv  # one key head's q, k and its r value heads' v
         # -1 heads: under tensor parallelism each rank holds a slice of the key heads.
-        qkvz = self.in_proj_qkvz(x).view(B, T, -1, 2 * Dk + 2 * r * Dv)  # (B, T, Hk, ...)
-        q, k, v, z = qkvz.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
-        ba = self.in_proj_ba(x).view(B, T, -1, 2 * r)
+        qkvz = self.in_proj_qkvz(x).view(B, T, -1, mixed_width + r * Dv)  # (B, T, Hk, ...)
         # Slices, not split: split's backward is a cat whose output strides eager and fake
         # tensors disagree on here (transposed gradients in), and the compiled backward's view
         # of it then fails (torch 2.13, aot_eager).
+        mixed, z = qkvz[..., :mixed_width], qkvz[..., mixed_width:]
+        ba = self.in_proj_ba(x).view(B, T, -1, 2 * r)
         b, a = ba[..., :r], ba[..., r:]
         z = z.reshape(B, T, -1, Dv)  # (B, T, Hv, Dv)
         b, a = b.reshape(B, T, -1), a.reshape(B, T, -1)  # (B, T, Hv)
         segments = None if document_ids is None else segment_ids(document_ids)
-        mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
-        mixed = F.silu(causal_conv1d(mixed, self.conv1d.weight, segments))
-        key_dim = q.shape[2] * Dk
-        q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
-        q, k = l2norm(q.unflatten(-1, (-1, Dk))), l2norm(k.unflatten(-1, (-1, Dk)))
-        v = v.unflatten(-1, (-1, Dv))
+        # The convolution's channels are grouped by key head (q, k, v of head 0, then head 1,
+        # ...; class docstring), so (B, T, Hk, mixed_width) flattens onto them.
+        weight = local_tensor(self.conv1d.weight)
+        mixed = F.silu(causal_conv1d(mixed.reshape(B, T, -1), weight, segments))
+        q, k, v = mixed.unflatten(-1, (-1, mixed_width)).split([Dk, Dk, r * Dv], dim=-1)
+        q, k = l2norm(q), l2norm(k)  # (B, T, Hk, Dk)
+        v = v.reshape(B, T, -1, Dv)  # (B, T, Hv, Dv)
         if r > 1:
             q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
         beta = b.sigmoid()
         # fp32: exp(A_log) and softplus in bf16 lose the small decays that matter over a chunk.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        A_log, dt_bias = local_tensor(self.A_log), local_tensor(self.dt_bias)
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
         o = gated_delta_rule(q, k, v, g, beta, segments, self.chunk_size, Dk**-0.5)
         o = self.norm(o, z)  # (B, T, Hv, Dv)
         return self.out_proj(o.flatten(2))

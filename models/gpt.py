@@ -72,6 +72,11 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
+    @property
+    def rope_dim(self) -> int:
+        """The width of each head RoPE rotates (models.hybrid may rotate part of it)."""
+        return self.head_dim
+
 
 PRESETS: dict[str, GPTConfig] = {
     # About 7.3M parameters: learns the default corpus on a 2-core CPU within minutes.
@@ -180,6 +185,22 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.type_as(x)
 
 
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
+) -> torch.Tensor:
+    """Causal grouped-query attention: q (B, T, H, D), k and v (B, T, Hkv, D) -> (B, T, H * D).
+    attn_mask: None (causal), a bool (B, 1, T, T) mask (SDPA) or a BlockMask (FlexAttention)."""
+    B, T = q.shape[:2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+    if isinstance(attn_mask, BlockMask):
+        out = flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=True
+        )
+    return out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -198,15 +219,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        if isinstance(attn_mask, BlockMask):
-            out = flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=True
-            )
-        out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
-        return self.wo(out)
+        return self.wo(attend(q, k, v, attn_mask))
 
     def init_weights(self, std: float, out_std: float) -> None:
         for w in (self.wq, self.wk, self.wv):
@@ -282,7 +295,7 @@ class GPT(nn.Module):
             )
         # Recomputed by init_weights, never saved: a function of the config alone.
         self.register_buffer(
-            "rope", rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
+            "rope", rope_cache(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
         )
 
     def build_block(self, layer_id: int) -> nn.Module:
@@ -324,7 +337,7 @@ class GPT(nn.Module):
             torch.manual_seed(seed)
         with torch.no_grad():
             self.rope.copy_(
-                rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope.device)
+                rope_cache(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, self.rope.device)
             )
         std = cfg.init_std
         out_std = std / math.sqrt(2 * cfg.num_layers)

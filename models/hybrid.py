@@ -4,7 +4,9 @@ dense (models/gpt.py) or MoE (models/moe.py) feed-forward networks. Qwen3-Next's
 What: `model.layer_pattern` names each block's token mixer with one letter, read as Megatron's
 hybrid patterns read:
     G   Gated DeltaNet (models/gated_deltanet.py), a linear-attention recurrence
-    *   attention (models.gpt.Attention: RoPE, grouped-query, packed documents by the mask)
+    *   attention (models.gpt.Attention: RoPE, grouped-query, packed documents by the mask;
+        with model.gated_attention, which the presets set, Qwen3-Next's GatedAttention: an
+        output gate, q/k norms, RoPE on model.partial_rotary_factor of each head)
 The pattern is repeated to num_layers blocks (its length must divide num_layers): "GGG*" with
 8 layers is G G G * G G G *, Qwen3-Next's three GDN layers to one attention layer. The
 feed-forward network of a block is dense, or MoE after the first `first_k_dense` blocks in the
@@ -14,9 +16,9 @@ blocks, as Qwen3-Next's MTP layer is.
 Packed documents: a GDN block is called with the batch's document_ids (GPT.block_inputs), its
 recurrence and convolution restart at every document; attention blocks keep using the mask.
 
-Parameter names: Llama's for attention and FFN (layers.N.attention.wq, ...), Qwen3-Next's
-inside a GDN mixer (layers.N.linear_attention.in_proj_qkvz, conv1d, A_log, dt_bias, norm,
-out_proj), so the Hugging Face export is a renaming.
+Parameter names: Llama's for attention and FFN (layers.N.attention.wq, ..., q_norm, k_norm),
+Qwen3-Next's inside a GDN mixer (layers.N.linear_attention.in_proj_qkvz, conv1d, A_log,
+dt_bias, norm, out_proj); models/hybrid_hf.py maps them onto Qwen3NextForCausalLM.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from models.gated_deltanet import GatedDeltaNet
-from models.gpt import GPT, GPTConfig, RMSNorm, TransformerBlock
+from models.gpt import GPT, GPTConfig, RMSNorm, TransformerBlock, apply_rope, attend
 from models.moe import MoEBlock, MoEConfig, MoEGPT
 from models.mtp import MTPLayer
 
@@ -45,9 +47,22 @@ class HybridConfig(GPTConfig):
     linear_value_head_dim: int = 64  # GDN value head width
     linear_conv_kernel: int = 4  # width of GDN's causal depthwise convolution
     linear_chunk_size: int = 64  # positions per chunk of the chunked recurrence
+    # Qwen3-Next's attention (GatedAttention): an output gate and RMSNorm on q and k per head.
+    gated_attention: bool = False
+    partial_rotary_factor: float = 1.0  # the fraction of each head RoPE rotates (Qwen3-Next 0.25)
+
+    @property
+    def rope_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)  # transformers' rounding
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not 0 < self.partial_rotary_factor <= 1 or self.rope_dim < 2 or self.rope_dim % 2:
+            raise ValueError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] "
+                f"and rotate an even number >= 2 of head_dim={self.head_dim}'s dims "
+                f"(it rotates {self.rope_dim})"
+            )
         for name in (
             "linear_num_key_heads",
             "linear_num_value_heads",
@@ -87,6 +102,9 @@ class HybridMoEConfig(MoEConfig, HybridConfig):
     """A hybrid with MoE feed-forward networks after the first first_k_dense blocks."""
 
 
+# The hybrid presets' attention blocks are Qwen3-Next's, so they export to it (models/hybrid_hf.py).
+_QWEN3_NEXT_ATTENTION = {"gated_attention": True, "partial_rotary_factor": 0.25}
+
 HYBRID_PRESETS: dict[str, HybridConfig] = {
     # For fast tests: 3 GDN blocks and 1 attention block, GVA (4 value heads on 2 key heads).
     "hybrid-debug": HybridConfig(
@@ -98,6 +116,7 @@ HYBRID_PRESETS: dict[str, HybridConfig] = {
         ffn_dim=160,
         max_seq_len=256,
         layer_pattern="GGG*",
+        **_QWEN3_NEXT_ATTENTION,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=16,
@@ -114,6 +133,7 @@ HYBRID_PRESETS: dict[str, HybridConfig] = {
         ffn_dim=160,
         max_seq_len=256,
         layer_pattern="GGG*",
+        **_QWEN3_NEXT_ATTENTION,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=16,
@@ -128,9 +148,10 @@ HYBRID_PRESETS: dict[str, HybridConfig] = {
         aux_loss_coef=1e-2,
         seq_aux_loss_coef=1e-3,
     ),
-    # A ~1B hybrid for one GPU (982,519,680 parameters, tests/models/test_hybrid.py): 12 GDN
+    # A ~1B hybrid for one GPU (999,297,920 parameters, tests/models/test_hybrid.py): 12 GDN
     # blocks with Qwen3-Next's head shapes halved in count (8 key heads, 16 value heads of 128)
-    # and 4 attention blocks, SwiGLU 6144; vocabulary 32768 so the head does not dominate.
+    # and 4 Qwen3-Next attention blocks, SwiGLU 6144; vocabulary 32768 so the head does not
+    # dominate.
     "hybrid-1b": HybridConfig(
         vocab_size=32768,
         dim=2048,
@@ -141,12 +162,62 @@ HYBRID_PRESETS: dict[str, HybridConfig] = {
         max_seq_len=4096,
         rope_theta=500000.0,
         layer_pattern="GGG*",
+        **_QWEN3_NEXT_ATTENTION,
         linear_num_key_heads=8,
         linear_num_value_heads=16,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
     ),
 }
+
+
+def apply_partial_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first 2 * rope.shape[-2] dims of each head of x (B, T, H, D), the rest as it
+    is (Qwen3-Next's partial rotary embedding; rope_cache built for that width)."""
+    d = 2 * rope.shape[-2]
+    if d == x.shape[-1]:
+        return apply_rope(x, rope)
+    return torch.cat([apply_rope(x[..., :d], rope), x[..., d:]], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Qwen3-Next's attention (Qwen3NextAttention): q/k RMSNorm per head before the (partial)
+    RoPE, grouped-query attention, and the output gated per element by sigmoid of a second
+    projection. wq's rows are Qwen3-Next's q_proj: per head its query, then its gate (2 x
+    head_dim), so tensor parallelism splits wq by heads as it splits Attention's."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.head_dim = hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, 2 * cfg.num_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * hd, cfg.dim, bias=False)
+        # One weight (head_dim) shared by the heads. Qwen3-Next stores it zero-centred (it
+        # multiplies by 1 + w): the export subtracts one.
+        self.q_norm = RMSNorm(hd, cfg.norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q, gate = self.wq(x).view(B, T, -1, 2 * hd).chunk(2, dim=-1)  # (B, T, H, D) each
+        q = self.q_norm(q)
+        k = self.k_norm(self.wk(x).view(B, T, -1, hd))  # (B, T, Hkv, D)
+        v = self.wv(x).view(B, T, -1, hd)
+        q, k = apply_partial_rope(q, rope), apply_partial_rope(k, rope)
+        out = attend(q, k, v, attn_mask) * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.wo(out)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        self.q_norm.init_weights()
+        self.k_norm.init_weights()
 
 
 def build_gated_deltanet(cfg: HybridConfig) -> GatedDeltaNet:
@@ -195,10 +266,16 @@ class GatedDeltaNetMoEBlock(GatedDeltaNetBlock, MoEBlock):
     """Gated DeltaNet mixer, MoE feed-forward network (`moe`, found by MoEGPT.routers)."""
 
 
-def block_class(mixer: str, moe: bool) -> type[TransformerBlock]:
+def build_hybrid_block(cfg: HybridConfig, mixer: str, moe: bool) -> TransformerBlock:
+    """A block with token mixer `mixer` and an MoE (`moe`) or dense FFN."""
     if mixer == GDN:
-        return GatedDeltaNetMoEBlock if moe else GatedDeltaNetBlock
-    return MoEBlock if moe else TransformerBlock
+        return (GatedDeltaNetMoEBlock if moe else GatedDeltaNetBlock)(cfg)
+    block = (MoEBlock if moe else TransformerBlock)(cfg)
+    if cfg.gated_attention:
+        # Swapped in place of the block's Attention (same name and position, so the same
+        # parameter order, and models/gpt.py stays as it is); it has no values yet.
+        block.attention = GatedAttention(cfg)
+    return block
 
 
 class HybridGPT(GPT):
@@ -210,12 +287,12 @@ class HybridGPT(GPT):
         return False
 
     def build_block(self, layer_id: int) -> nn.Module:
-        return block_class(self.cfg.mixer(layer_id), self.is_moe_layer(layer_id))(self.cfg)
+        return build_hybrid_block(self.cfg, self.cfg.mixer(layer_id), self.is_moe_layer(layer_id))
 
     def build_mtp_layer(self) -> MTPLayer:
         # An attention block (Qwen3-Next's MTP layer), of the last layer's FFN kind.
         cfg = self.cfg
-        block = block_class(ATTENTION, self.is_moe_layer(cfg.num_layers - 1))(cfg)
+        block = build_hybrid_block(cfg, ATTENTION, self.is_moe_layer(cfg.num_layers - 1))
         return MTPLayer(
             RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps), cfg.dim, block
         )

@@ -11,7 +11,8 @@ the run directory (config.toml and tokenizer.json, which the trainer writes at s
 
 Layouts: the dense GPT is LlamaForCausalLM (models/gpt_hf.py); an MoE model is Glm4MoeForCausalLM
 or Qwen2MoeForCausalLM by its routing, and an MoE config neither computes is refused before
-anything is read or written (models/moe_hf.py says which and why).
+anything is read or written (models/moe_hf.py says which and why); a dense hybrid is
+Qwen3NextForCausalLM (models/hybrid_hf.py, which says what it refuses).
 
 Import (`--checkpoint.init_from_hf DIR`): the same files read back, converted, shape-checked
 against the model and copied into its (possibly sharded) parameters.
@@ -47,7 +48,7 @@ from graphtrain.checkpoint.integrity import (
 )
 from graphtrain.checkpoint.manager import read_trainer_files, resolve, single_process_quiet
 from graphtrain.checkpoint.safe_load import brief
-from models import GPTConfig, MoEConfig, build_model, gpt_hf, moe_hf
+from models import GPTConfig, HybridConfig, MoEConfig, build_model, gpt_hf, hybrid_hf, moe_hf
 from models.mtp_hf import MTP_FILE, mtp_from_hf_state, mtp_to_hf_state
 
 logger = logging.getLogger(__name__)
@@ -77,14 +78,12 @@ def parse_size(text: str) -> int:
 
 
 def _layout(cfg: GPTConfig) -> ModuleType:
-    """The module that maps the model onto Hugging Face: models.moe_hf for an MoE model,
-    models.gpt_hf (Llama) for the dense one. Both have hf_config, config_mismatches,
-    to_hf_state and from_hf_state."""
-    if "G" in getattr(cfg, "layer_pattern", ""):
-        raise ValueError(
-            f"Hugging Face export of hybrid models (model.layer_pattern={cfg.layer_pattern!r}, "
-            "Gated DeltaNet blocks) is not implemented yet"
-        )
+    """The module that maps the model onto Hugging Face: models.hybrid_hf (Qwen3-Next) for a
+    hybrid, models.moe_hf for an MoE model, models.gpt_hf (Llama) for the dense one. All have
+    hf_config, config_mismatches, to_hf_state and from_hf_state."""
+    if isinstance(cfg, HybridConfig):
+        hybrid_hf.check_exportable(cfg)  # before anything is read or written
+        return hybrid_hf
     return moe_hf if isinstance(cfg, MoEConfig) else gpt_hf
 
 

@@ -203,7 +203,8 @@ def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None, etp: int = 1) -> None:
     """Raise ValueError unless every dimension the TP plan (models/gpt_plan.py) splits is
-    divisible by tp: heads (wq/wk/wv/wo), ffn_dim (w1/w2/w3), vocab (embedding, output) and,
+    divisible by tp: heads (wq/wk/wv/wo; a hybrid's Gated DeltaNet key heads, whose value
+    heads are a multiple of them), ffn_dim (w1/w2/w3), vocab (embedding, output) and,
     when given, the sequence length (sequence parallel shards activations on it); with expert
     TP (etp > 1) the experts' hidden size too."""
     if tp < 1:
@@ -216,11 +217,8 @@ def validate_model_for_tp(cfg: Any, tp: int, *, seq_len: int | None = None, etp:
     ]
     if seq_len is not None:
         checks.append(("training.seq_len", seq_len))
-    if tp > 1 and "G" in getattr(cfg, "layer_pattern", ""):
-        raise ValueError(
-            f"parallel.tp={tp}: tensor parallelism of Gated DeltaNet blocks (model.layer_pattern="
-            f"{cfg.layer_pattern!r}) is not implemented yet; use parallel.tp=1"
-        )
+    if "G" in getattr(cfg, "layer_pattern", ""):  # Gated DeltaNet mixers split by key head
+        checks.append(("model.linear_num_key_heads", cfg.linear_num_key_heads))
     if etp > 1:  # MoE experts split on their hidden dim (models/moe_plan.py)
         if not hasattr(cfg, "moe_ffn_dim"):
             raise ValueError(f"parallel.etp={etp} splits routed experts: it needs an MoE model")

@@ -126,6 +126,12 @@ STYLES: dict[str, Callable[[nn.Module], ParallelStyle]] = {
     # Stacked experts (models.moe.GroupedExperts) split on their hidden dim: w1/w3 (E, F, D)
     # on F, w2 (E, D, F) on F; each rank's grouped GEMMs give partial sums over tp.
     "experts_hidden": lambda m: _SplitExperts(),
+    # Per-head parameters the module reads itself, not through a linear (Gated DeltaNet's
+    # conv1d weight, A_log, dt_bias; models/hybrid_plan.py): its own parameters split on dim 0
+    # with the heads; the module computes with their local blocks (to_local()).
+    "split_rows": lambda m: _SplitRows(),
+    # gather_sequence, and the module's own parameters split as split_rows.
+    "gather_sequence_split_rows": lambda m: _SplitRows(_gather_sequence(m)),
 }
 
 # Styles whose parameters get a partial gradient on each tp rank (reduce_partial_grads).
@@ -149,6 +155,18 @@ class _SplitExperts(ParallelStyle):
             shard = distribute_tensor(full.detach(), device_mesh, [Shard(dim)], src_data_rank=None)
             setattr(module, name, nn.Parameter(shard, full.requires_grad))
         return module
+
+
+class _SplitRows(ParallelStyle):
+    def __init__(self, then: ParallelStyle | None = None) -> None:
+        self.then = then
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, full in list(module.named_parameters(recurse=False)):
+            # Each rank cuts its own block, as _SplitExperts does.
+            shard = distribute_tensor(full.detach(), device_mesh, [Shard(0)], src_data_rank=None)
+            setattr(module, name, nn.Parameter(shard, full.requires_grad))
+        return module if self.then is None else self.then._apply(module, device_mesh)
 
 
 def _match(name: str, pattern: str) -> bool:

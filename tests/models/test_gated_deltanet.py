@@ -160,10 +160,13 @@ def test_layer_keeps_documents_apart():
 
 
 def test_layer_equals_hugging_face_qwen3_next_layer():
-    """Same parameter names and layouts as transformers' Qwen3NextGatedDeltaNet: a state dict
-    copied across gives the same output and input gradient (no documents)."""
+    """Same parameter names as transformers' Qwen3NextGatedDeltaNet, and its layouts once conv1d
+    is reordered (models/hybrid_hf.py): a state dict copied across gives the same output and
+    input gradient (no documents)."""
     hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     from transformers import Qwen3NextConfig
+
+    from models.hybrid_hf import conv_to_hf
 
     layer = _layer(chunk_size=64)
     config = Qwen3NextConfig(
@@ -178,7 +181,10 @@ def test_layer_equals_hugging_face_qwen3_next_layer():
         layer_types=["linear_attention"],
     )
     theirs = hf.Qwen3NextGatedDeltaNet(config, layer_idx=0).double()
-    missing, unexpected = theirs.load_state_dict(layer.state_dict(), strict=False)
+    state = layer.state_dict()
+    # Our conv1d channels are grouped by key head (for tensor parallelism), theirs by q/k/v.
+    state["conv1d.weight"] = conv_to_hf(state["conv1d.weight"], 2, (8, 8, 2 * 6))
+    missing, unexpected = theirs.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
     x = torch.randn(2, 70, 32, dtype=torch.float64, requires_grad=True)
     ours = layer(x)

@@ -6,25 +6,8 @@ Qwen3-Next's attention (model.gated_attention) adds q_norm and k_norm, "replicat
 weight shared by the heads; gradients summed over tp); its wq, query and gate rows per head,
 splits by heads with the dense plan's colwise.
 
-Layouts over the tp axis of a GDN mixer (`layers.*.linear_attention`), h a DTensor Shard(1):
-
-    linear_attention   gather_sequence_split_rows  all-gather x on T -> Replicate; document_ids
-                                                   (B, T) passes untouched; A_log, dt_bias
-                                                   (one per value head) split with the heads
-      in_proj_qkvz     colwise                     rows grouped by key head: each rank gets
-                                                   Hk/tp key heads' q, k and their value
-                                                   heads' v, z
-      in_proj_ba       colwise                     grouped by key head the same way
-      conv1d           split_rows                  channels grouped by key head
-                                                   (models/gated_deltanet.py): the same heads
-      norm             replicate                   one weight (value_head_dim) shared by all
-                                                   heads: each rank's gradient is the sum over
-                                                   its heads, summed over tp by
-                                                   reduce_partial_grads
-      out_proj         rowwise                     split on value heads (its input dim); the
-                                                   partial outputs reduce-scattered onto T
-
-The recurrence runs per value head on plain local tensors: no communication inside the mixer.
+The Gated DeltaNet mixers' layouts are GDN_TP_PLAN, each entry explained beside it. The
+recurrence runs per value head on plain local tensors: no communication inside the mixer.
 Needs linear_num_key_heads divisible by tp (graphtrain.parallel.mesh.validate_model_for_tp).
 """
 
@@ -33,12 +16,20 @@ from __future__ import annotations
 from models.gpt_plan import mtp_tp_plan
 from models.hybrid import ATTENTION, GDN, HybridConfig
 
+# Over the tp axis of a GDN mixer, h a DTensor Shard(1):
 GDN_TP_PLAN: dict[str, str] = {
+    # all-gather x on T -> Replicate; document_ids (B, T) pass untouched; A_log and dt_bias (one
+    # per value head) split with the heads
     "layers.*.linear_attention": "gather_sequence_split_rows",
+    # rows grouped by key head: each rank gets Hk/tp key heads' q, k and their value heads' v, z
     "layers.*.linear_attention.in_proj_qkvz": "colwise",
-    "layers.*.linear_attention.in_proj_ba": "colwise",
+    "layers.*.linear_attention.in_proj_ba": "colwise",  # grouped by key head the same way
+    # channels grouped by key head (models/gated_deltanet.py): the same heads
     "layers.*.linear_attention.conv1d": "split_rows",
+    # one weight (value_head_dim) shared by all heads: each rank's gradient is the sum over its
+    # heads, summed over tp by reduce_partial_grads
     "layers.*.linear_attention.norm": "replicate",
+    # split on value heads (its input dim); the partial outputs reduce-scattered onto T
     "layers.*.linear_attention.out_proj": "rowwise",
 }
 

@@ -255,11 +255,6 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
             f"{cfg.training.activation_checkpoint!r}: set activation_checkpoint='none' or the "
             "global aux loss to 0"
         )
-    if dims.ep > 1:
-        raise ValueError(
-            f"parallel.pp={dims.pp} with parallel.ep={dims.ep}: expert parallel under pipeline "
-            "parallel is not supported yet; set one of them to 1"
-        )
     return specs
 
 

@@ -159,12 +159,7 @@ def test_stages_start_from_the_whole_models_weights(schedule):
 def pipeline_runs(corpus, tmp_path_factory):
     """Single-process runs and pp=2 runs of the same jobs (one torchrun launch for all)."""
     tmp = tmp_path_factory.mktemp("pipeline")
-    common = [
-        f"--training.steps={STEPS}",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-        f"--data.val_paths={corpus / 'docs.jsonl'}",
-    ]
+    common = common_args(corpus)
     # Two loader micro-batches of 4 rows per step: gpipe splits the 8 rows in 4.
     two_micro = ["--schedule.batch_size=512"]
     # MoE: the pipeline's micro-batches are the single process's (the aux losses depend on
@@ -189,7 +184,17 @@ def pipeline_runs(corpus, tmp_path_factory):
     return {name: (single[ref], runs[name]) for name, (ref, _) in layouts.items()}
 
 
-def _compare(single, metrics) -> None:
+def common_args(corpus, steps: int = STEPS) -> list[str]:
+    """A short fp32 run logging every step, validated at its start and end."""
+    return [
+        f"--training.steps={steps}",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
+
+
+def compare(single, metrics) -> None:
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == STEPS
     assert losses == pytest.approx(single.losses, rel=LOSS_RTOL)
@@ -202,7 +207,7 @@ def _compare(single, metrics) -> None:
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pp2_follows_the_single_process_curve(pipeline_runs, schedule):
     single, metrics = pipeline_runs[schedule]
-    _compare(single, metrics)
+    compare(single, metrics)
     # Gradient and parameter norms are over every stage, not rank 0's alone.
     lines = (single.run_dir / "metrics.jsonl").read_text().splitlines()
     reference = [json.loads(x) for x in lines]
@@ -218,7 +223,7 @@ def test_moe_pp2_follows_the_single_process_curve(pipeline_runs):
     micro-batch, global aux over the step's micro-batches, expert bias updated on each stage;
     every layer's statistics reach the log."""
     single, metrics = pipeline_runs["moe_1f1b"]
-    _compare(single, metrics)
+    compare(single, metrics)
     lines = (single.run_dir / "metrics.jsonl").read_text().splitlines()
     reference = [json.loads(x) for x in lines if '"loss"' in x]
     got = [m for m in metrics if "loss" in m]
@@ -239,12 +244,7 @@ MULTI_STAGE = ["interleaved_1f1b", "zbv", "dualpipev"]
 def multi_stage_runs(corpus, tmp_path_factory):
     """Two virtual stages per rank (E|t|t|L on two ranks) for each multi-stage schedule."""
     tmp = tmp_path_factory.mktemp("pipeline_multi")
-    common = [
-        f"--training.steps={STEPS}",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-        f"--data.val_paths={corpus / 'docs.jsonl'}",
-    ]
+    common = common_args(corpus)
     single = train(load_config(job(corpus, tmp / "one", *common)))
     layout = ["--parallel.pp=2", "--parallel.pp_layout=E|t|t|L"]
     jobs = [
@@ -260,70 +260,7 @@ def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs,
     """Interleaved 1F1B and the zero-bubble V schedules (split input / weight backward, run
     compiled: AOT autograd's donated buffers off) give the single-process losses."""
     single, runs = multi_stage_runs
-    _compare(single, runs[schedule])
-
-
-FOUR_RANKS = {
-    "pp2_fsdp2": ["--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch_size=2"],
-    "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
-}
-
-
-@pytest.mark.slow
-def test_pp_with_fsdp_and_tp_follows_the_single_process_curve(corpus, tmp_path):
-    """pp=2 x dp_shard=2 (FSDP2 per stage; each dp rank reads 2 of the step's 4 rows) and pp=2
-    x tp=2 (sequence-parallel slices between stages), 4 ranks, against one process."""
-    common = [
-        f"--training.steps={STEPS}",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-        f"--data.val_paths={corpus / 'docs.jsonl'}",
-    ]
-    single = train(load_config(job(corpus, tmp_path / "one", *common)))
-    jobs = [job(corpus, tmp_path / name, *common, *args) for name, args in FOUR_RANKS.items()]
-    for name, metrics in zip(FOUR_RANKS, torchrun_jobs(4, jobs), strict=True):
-        # dp_shard=2 weights each rank's tokens within the rank, then averages the ranks (the
-        # single process weights all tokens of the step together): 1e-3, as the trainer's own
-        # two-process test; tp=2 adds the same numbers in another order only.
-        if name == "pp2_fsdp2":
-            losses = [m["loss"] for m in metrics if "loss" in m]
-            assert losses == pytest.approx(single.losses, rel=1e-3), name
-        else:
-            _compare(single, metrics)
-
-
-@pytest.mark.slow
-def test_resume_across_pipeline_sizes(corpus, tmp_path):
-    """A pp=1 checkpoint resumed with pp=2 (interleaved, another layout), and a pp=2 checkpoint
-    resumed with pp=1, continue the uninterrupted single-process curve."""
-    common = [
-        "--training.steps=6",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-        f"--data.val_paths={corpus / 'docs.jsonl'}",
-    ]
-    straight = train(load_config(job(corpus, tmp_path / "one", *common, "--checkpoint.interval=3")))
-    from_single = f"--checkpoint.resume={tmp_path / 'one' / 'run' / 'checkpoints' / 'step-0000003'}"
-    interleaved = ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_layout=E|t|t|L"]
-    resumed_pp, saved_pp = torchrun_jobs(
-        2,
-        [
-            job(corpus, tmp_path / "pp_resumed", *common, "--parallel.pp=2", *interleaved,
-                from_single),
-            job(corpus, tmp_path / "pp_saved", *common, "--parallel.pp=2",
-                "--checkpoint.interval=3"),
-        ],
-    )  # fmt: skip
-    from_pp = (
-        f"--checkpoint.resume={tmp_path / 'pp_saved' / 'run' / 'checkpoints' / 'step-0000003'}"
-    )
-    resumed_single = train(load_config(job(corpus, tmp_path / "one_resumed", *common, from_pp)))
-    tail = straight.losses[3:]
-    assert [m["loss"] for m in saved_pp if "loss" in m] == pytest.approx(
-        straight.losses, rel=LOSS_RTOL
-    )
-    assert [m["loss"] for m in resumed_pp if "loss" in m] == pytest.approx(tail, rel=LOSS_RTOL)
-    assert resumed_single.losses == pytest.approx(tail, rel=LOSS_RTOL)
+    compare(single, runs[schedule])
 
 
 def test_last_stage_compiles_the_fused_loss(tmp_path):

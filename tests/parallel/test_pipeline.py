@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -22,7 +23,14 @@ from conftest import job, torchrun_jobs
 
 from graphtrain.config import load_config
 from graphtrain.parallel import check_layout
-from graphtrain.parallel.pipeline import cut_model, parse_layout, schedule_class, stage_rank
+from graphtrain.parallel.pipeline import (
+    bubble_fraction,
+    cut_model,
+    in_flight_micro_batches,
+    parse_layout,
+    schedule_class,
+    stage_rank,
+)
 from graphtrain.trainer import train
 from models import GPTConfig, build_model
 
@@ -101,6 +109,39 @@ def test_start_checks():
         _check("--parallel.pp=2", "--model.mtp_depth=1", "--parallel.pp_layout=Et|tLm")
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
+
+
+def test_bubble_and_in_flight_micro_batches_of_each_schedule():
+    # (pp - 1) / (v n + pp - 1): 3 / 11 for 1F1B at pp=4, n=8; 3 / 19 interleaved with v=2.
+    assert bubble_fraction("1f1b", 4, 8, 1) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 4, 8, 1) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("zbv", 4, 8, 2) == 0.0  # n >= 2 pp
+    assert bubble_fraction("dualpipev", 4, 6, 2) == pytest.approx(3 / 9)  # at most 1F1B's
+    assert [in_flight_micro_batches("1f1b", 4, r, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_micro_batches("gpipe", 4, r, 8) for r in range(4)] == [8] * 4
+    # Interleaved warm-up, v=2: (v - 1) pp + 2 (pp - 1 - r) + 1 stage forwards, over v.
+    assert in_flight_micro_batches("interleaved_1f1b", 4, 0, 8) == pytest.approx(11 / 2)
+    assert in_flight_micro_batches("interleaved_1f1b", 4, 3, 8) == pytest.approx(5 / 2)
+
+
+def test_plan_gives_each_pipeline_rank_and_the_bubble():
+    """`graphtrain plan` under pp: the stages' parameters add up to the whole model's, the
+    first 1F1B rank keeps pp micro-batches' activations of its layers, the last the head."""
+    from graphtrain.metrics.memory_plan import plan_memory
+
+    args = ["--preset", "1b", "--schedule.batch_size=131072", "--training.micro_batch_size=4"]
+    whole = plan_memory(load_config(args), 1)
+    piped = plan_memory(load_config([*args, "--parallel.pp=4"]), 4)
+    (note,) = piped.notes
+    assert "1f1b, pp=4, 4 stages, 4 micro-batches of 8 rows" in note
+    assert f"predicted bubble {3 / 7:.1%}" in note
+    totals = [float(x) for x in re.findall(r"rank \d ([\d.]+)", note)]
+    assert len(totals) == 4 and totals[0] == max(totals)  # 4 micro-batches in flight
+    assert piped.items["activations of 4"] > 0 and "fused-loss buffers" not in piped.items
+    # Rank 0 holds the embedding and 4 of the 16 layers: more than a quarter of the model.
+    assert whole.items["parameters"] / 4 < piped.items["parameters"] < whole.items["parameters"]
+    assert whole.notes == ()
 
 
 def test_a_schedule_torch_lacks_is_a_clear_error(monkeypatch):
@@ -208,6 +249,9 @@ def compare(single, metrics) -> None:
 def test_pp2_follows_the_single_process_curve(pipeline_runs, schedule):
     single, metrics = pipeline_runs[schedule]
     compare(single, metrics)
+    # The schedule's predicted bubble beside tokens/s and MFU: (pp - 1) / (n + pp - 1).
+    bubbles = [m["pp/bubble_predicted"] for m in metrics if "loss" in m]
+    assert bubbles == [pytest.approx(1 / (4 + 1))] * STEPS
     # Gradient and parameter norms are over every stage, not rank 0's alone.
     lines = (single.run_dir / "metrics.jsonl").read_text().splitlines()
     reference = [json.loads(x) for x in lines]

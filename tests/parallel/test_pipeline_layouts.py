@@ -25,31 +25,39 @@ from graphtrain.trainer import train
 EXPORT_RTOL, EXPORT_ATOL = 1e-5, 1e-6
 EP = ["--preset=moe-debug", "--training.micro_batch_size=1", "--schedule.batch_size=256",
       "--parallel.dp_shard=2", "--parallel.ep=2"]  # fmt: skip
+# moe-debug with tp=2 (expert TP 1: each tp rank routes its sequence slice, the routers'
+# counts summed over the stage's dp and tp ranks, never over the other stage's).
+TP_MOE = ["--preset=moe-debug", "--training.micro_batch_size=2", "--schedule.batch_size=256",
+          "--parallel.tp=2"]  # fmt: skip
+# The 2-rank references of the pipelined MoE runs.
+TWO_RANKS = {"ep2": EP, "tp2_moe": TP_MOE}
 FOUR_RANKS = {
     "pp2_fsdp2": ["--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch_size=2"],
     "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
     "pp2_ep2": [*EP, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
+    "pp2_tp2_moe": [*TP_MOE, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
 }
 
 
 @pytest.fixture(scope="module")
 def four_rank_runs(corpus, tmp_path_factory):
-    """The single-process debug run, the 2-rank expert-parallel moe-debug run, and the 4-rank
-    pipelined runs of FOUR_RANKS (one launch): name -> logged lines."""
+    """The single-process debug run, and name -> logged lines of the 2-rank runs of TWO_RANKS
+    and the 4-rank pipelined runs of FOUR_RANKS (one launch each)."""
     tmp = tmp_path_factory.mktemp("pipeline_four")
     common = common_args(corpus)
     single = train(load_config(job(corpus, tmp / "one", *common)))
-    (ep2,) = torchrun_jobs(2, [job(corpus, tmp / "ep2", *common, *EP)])
-    jobs = [job(corpus, tmp / name, *common, *args) for name, args in FOUR_RANKS.items()]
-    runs = dict(zip(FOUR_RANKS, torchrun_jobs(4, jobs), strict=True))
-    return single, ep2, runs
+    runs = {}
+    for ranks, layouts in ((2, TWO_RANKS), (4, FOUR_RANKS)):
+        jobs = [job(corpus, tmp / name, *common, *args) for name, args in layouts.items()]
+        runs |= dict(zip(layouts, torchrun_jobs(ranks, jobs), strict=True))
+    return single, runs
 
 
 @pytest.mark.slow
 def test_pp_with_fsdp_and_tp_follows_the_single_process_curve(four_rank_runs):
     """pp=2 x dp_shard=2 (FSDP2 per stage; each dp rank reads 2 of the step's 4 rows) and pp=2
     x tp=2 (sequence-parallel slices between stages), 4 ranks, against one process."""
-    single, _, runs = four_rank_runs
+    single, runs = four_rank_runs
     # dp_shard=2 weights each rank's tokens within the rank, then averages the ranks (the
     # single process weights all tokens of the step together): 1e-3, as the trainer's own
     # two-process test; tp=2 adds the same numbers in another order only.
@@ -59,30 +67,33 @@ def test_pp_with_fsdp_and_tp_follows_the_single_process_curve(four_rank_runs):
 
 
 @pytest.mark.slow
-def test_pp_with_ep_follows_the_expert_parallel_run(four_rank_runs):
-    """pp=2 x ep=2 on moe-debug (layer 1 in stage 0, layer 2 in stage 1; the experts' all-to-all
-    within each stage's ep group) against ep=2 alone: the same data-parallel ranks, so the same
-    loss weighting, and the same micro-batches, so the same aux losses. Every MoE statistic of
-    every step agrees: the load per layer (which the expert bias steers: a bias updated from
-    one stage's counts only, or twice, routes otherwise within a step or two), the aux,
-    sequence-aux, global-aux and z losses (each scaled by its micro-batch's share, summed
-    over the stages), the gradient and parameter norms."""
-    _, ep2, runs = four_rank_runs
-    got, want = runs["pp2_ep2"], ep2
-    reference = [m for m in want if "loss" in m]
-    steps = [m for m in got if "loss" in m]
-    assert len(steps) == STEPS
-    names = [k for k in reference[-1] if k.startswith("moe/") or k.endswith("_norm")]
+@pytest.mark.parametrize(("name", "reference"), [("pp2_ep2", "ep2"), ("pp2_tp2_moe", "tp2_moe")])
+def test_pp_with_ep_or_tp_follows_the_same_moe_run_without_pp(four_rank_runs, name, reference):
+    """pp=2 x ep=2 and pp=2 x tp=2 on moe-debug (layer 1 in stage 0, layer 2 in stage 1; the
+    experts' all-to-all and the routers' count sums within each stage's ranks) against ep=2 or
+    tp=2 alone: the same data-parallel ranks, so the same loss weighting, and the same
+    micro-batches, so the same aux losses. Every MoE statistic of every step agrees: the load
+    per layer (which the expert bias steers: a bias updated from one stage's counts only, or
+    twice, routes otherwise within a step or two), the aux, sequence-aux, global-aux and z
+    losses (each scaled by its micro-batch's share, summed over the stages), the norms."""
+    _, runs = four_rank_runs
+    got, want = runs[name], runs[reference]
+    want_steps = [m for m in want if "loss" in m]
+    got_steps = [m for m in got if "loss" in m]
+    assert len(got_steps) == STEPS
+    keys = [k for k in want_steps[-1] if k.startswith("moe/") or k.endswith("_norm")]
     assert {"moe/layers.1/load_max_over_mean", "moe/layers.2/load_max_over_mean",
-            "moe/global_aux_loss", "moe/aux_loss", "grad_norm"} <= set(names)  # fmt: skip
-    assert reference[-1]["moe/layers.2/bias_absmax"] > 0  # the bias did move
-    for a, b in zip(reference, steps, strict=True):
+            "moe/global_aux_loss", "moe/aux_loss", "grad_norm"} <= set(keys)  # fmt: skip
+    assert want_steps[-1]["moe/layers.2/bias_absmax"] > 0  # the bias did move
+    for a, b in zip(want_steps, got_steps, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), a["step"]
-        for name in names:
-            assert b[name] == pytest.approx(a[name], rel=LOSS_RTOL, abs=1e-7), (a["step"], name)
-    vals = [(m["step"], m["val_loss"]) for m in got if "val_loss" in m]
-    assert vals == [(s, pytest.approx(v, rel=LOSS_RTOL)) for s, v in
-                    [(m["step"], m["val_loss"]) for m in want if "val_loss" in m]]  # fmt: skip
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=LOSS_RTOL, abs=1e-7), (a["step"], key)
+    vals = {m["step"]: m["val_loss"] for m in got if "val_loss" in m}
+    want_vals = {m["step"]: m["val_loss"] for m in want if "val_loss" in m}
+    assert vals.keys() == want_vals.keys()
+    for step, value in vals.items():
+        assert value == pytest.approx(want_vals[step], rel=LOSS_RTOL), step
 
 
 def _export(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:

@@ -4,14 +4,16 @@ process (graphtrain.compile), so every pass (the fused loss in the last stage) s
 Design and what is not done yet: docs/design/pipeline.md.
 
 What
-    parse_layout / check_pipeline: parallel.pp_layout (E, t, m, L, |, "x*n") or an even split,
-        checked against the model, the schedule and the batch at start (one-line ValueError
-        naming the stage and the count: `graphtrain train --check` exits 2).
-    cut_model prunes the meta-device model in place to this rank's stages (the whole model's
+    parse_layout / check_pipeline (layout.py): parallel.pp_layout (E, t, m, L, |, "x*n") or an
+        even split, checked against the model, the schedule and the batch at start (one-line
+        ValueError naming the stage and the count: `graphtrain train --check` exits 2);
+        bubble_fraction / in_flight_micro_batches: the schedule's predicted idle share and
+        the activations each rank keeps (graphtrain plan, the log).
+    cut_model (stages.py) prunes the meta-device model in place to this rank's stages (the whole model's
         parameter names: TP plan, FSDP, optimizer, checkpoints unchanged) and returns the
         PipelineStageModules the schedule runs (FSDP2's root units under pp). Afterwards
         model.init_weights(seed) gives every parameter the whole model's value.
-    PipelineRunner.forward_backward(batches, hooks): the step's rows split into
+    PipelineRunner.forward_backward(batches, hooks) (runner.py): the step's rows split into
         pp_microbatches pieces, each loss weighted by its share of the labelled tokens; MoE
         routers scaled and counted per stage; the loss all-reduced to every pp rank.
         model(**inputs) (= PipelineRunner.forward) runs every stage in order (validation).

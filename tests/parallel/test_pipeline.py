@@ -93,6 +93,29 @@ def test_bad_layouts_name_the_stage_and_the_count(layout, schedule, message):
         parse_layout(layout, num_layers=2, mtp_depth=0, pp=2, schedule=schedule)
 
 
+def test_mtp_layouts():
+    """The MTP depths (m) after L in the head's stage, or alone in the stage right after it
+    (which then gets the head's hidden state with its loss)."""
+
+    def parse(layout, depth=1, schedule="interleaved_1f1b"):
+        return parse_layout(layout, num_layers=2, mtp_depth=depth, pp=2, schedule=schedule)
+
+    specs = parse("E|t|tL|m")
+    assert [(s.mtp, s.hidden_to_mtp) for s in specs] == [((), False), ((), False),
+                                                         ((), True), ((0,), False)]  # fmt: skip
+    (_, head) = parse("Et|tLmm", depth=2, schedule="1f1b")
+    assert head.mtp == (0, 1) and not head.hidden_to_mtp
+    assert parse("Et|t|L|m")[2].hidden_to_mtp  # the head alone in its stage
+    for layout, depth, message in [
+        ("E|t|tmL|t", 1, r"stage 2 has m before L"),
+        ("E|tm|tL|m", 2, r"stage 1 has 1 MTP depths \(m\) but not after L"),
+        ("E|t|tLm|m", 2, r"stage 3 has 1 MTP depths \(m\) after 1 in an earlier stage"),
+        ("E|t|tL|m", 2, r"places 1 MTP depths \(m\) but model.mtp_depth=2"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse(layout, depth)
+
+
 def _check(*args: str, world_size: int = 2) -> None:
     check_layout(load_config(["--preset", "debug", *args]), world_size)
 
@@ -105,8 +128,9 @@ def test_start_checks():
         _check("--parallel.pp=2", "--parallel.pp_microbatches=3")
     with pytest.raises(ValueError, match=r"model.num_layers=2 cannot fill 4 pipeline stages"):
         _check("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b")
-    with pytest.raises(ValueError, match=r"MTP in a pipeline stage is not supported yet"):
-        _check("--parallel.pp=2", "--model.mtp_depth=1", "--parallel.pp_layout=Et|tLm")
+    _check("--parallel.pp=2", "--model.mtp_depth=1", "--parallel.pp_layout=Et|tLm")
+    with pytest.raises(ValueError, match=r"MTP stages under tensor parallel are not supported"):
+        _check("--parallel.pp=2", "--parallel.tp=2", "--model.mtp_depth=1", world_size=4)
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
 
@@ -172,15 +196,21 @@ def test_launch_sh_check_refuses_a_bad_layout_before_any_rank_starts():
     assert "torch.distributed.run" not in out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_stages_start_from_the_whole_models_weights(schedule):
-    """Each rank's cut model, initialised alone, holds the whole model's values (bitwise)."""
-    cfg = GPTConfig(vocab_size=96, dim=32, num_layers=4, num_heads=2, num_kv_heads=1, ffn_dim=48)
+@pytest.mark.parametrize(
+    ("schedule", "layout", "mtp_depth"),
+    [("1f1b", "", 0), ("zbv", "", 0), ("interleaved_1f1b", "Et|t|t|tLm", 1),
+     ("interleaved_1f1b", "Et|t|t*2L|m", 1)],
+)  # fmt: skip
+def test_stages_start_from_the_whole_models_weights(schedule, layout, mtp_depth):
+    """Each rank's cut model, initialised alone, holds the whole model's values (bitwise),
+    the MTP stage's copies of the embedding, norm and head included."""
+    cfg = GPTConfig(vocab_size=96, dim=32, num_layers=4, num_heads=2, num_kv_heads=1, ffn_dim=48,
+                    mtp_depth=mtp_depth)  # fmt: skip
     whole = build_model(cfg)
     whole.init_weights(seed=3)
     expected = dict(whole.named_parameters())
-    specs = parse_layout("", num_layers=4, mtp_depth=0, pp=2, schedule=schedule)
-    seen = set()
+    specs = parse_layout(layout, num_layers=4, mtp_depth=mtp_depth, pp=2, schedule=schedule)
+    seen = []
     for rank in range(2):
         with torch.device("meta"):
             model = build_model(cfg)
@@ -189,11 +219,17 @@ def test_stages_start_from_the_whole_models_weights(schedule):
         model.init_weights(seed=3)
         for name, p in model.named_parameters():
             assert torch.equal(p, expected[name]), name
-            seen.add(name)
+            seen.append(name)
         assert {s.spec.index for s in stages} == {
             s.index for s in specs if stage_rank(s.index, len(specs), 2, schedule) == rank
         }
-    assert seen == set(expected)  # every parameter lives in exactly one rank's stages
+    assert set(seen) == set(expected)  # every parameter lives in a rank's stages
+    shared = ["tok_embeddings.weight", "norm.weight", "output.weight"]
+    # Rank 1 holds the MTP stage (3), rank 0 the embedding and the head (stage 2 of 4, or the
+    # MTP stage's own with the head in it on rank 1): the copies are on rank 1.
+    copies = {name for name in seen if seen.count(name) == 2}
+    want = {"Et|t|t|tLm": {"tok_embeddings.weight"}, "Et|t|t*2L|m": set(shared)}
+    assert copies == want.get(layout, set())
 
 
 @pytest.fixture(scope="module")

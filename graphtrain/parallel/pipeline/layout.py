@@ -34,6 +34,9 @@ class StageSpec:
     layers: tuple[int, ...]  # transformer layer numbers, in order
     head: bool  # final norm, output head and loss
     mtp: tuple[int, ...] = ()  # MTP depths (0-based)
+    # The head's stage when the MTP depths are the next stage's: it sends its hidden state
+    # (the depths' input) with its loss, which the MTP stage adds its own to.
+    hidden_to_mtp: bool = False
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -159,6 +162,8 @@ def parse_layout(
             raise ValueError(f"{where}: stage {index} has layers after L")
         layers = tuple(range(next_layer, next_layer + count))
         num_mtp = parts.count("m")
+        if num_mtp:
+            _check_mtp_stage(where, index, parts, specs, num_mtp, next_mtp)
         mtp = tuple(range(next_mtp, next_mtp + num_mtp))
         next_layer, next_mtp = next_layer + count, next_mtp + num_mtp
         seen_head = seen_head or "L" in parts
@@ -169,7 +174,7 @@ def parse_layout(
             f"{where} places {next_layer} transformer layers ({counts}) but model.num_layers="
             f"{num_layers}"
         )
-    if not specs[-1].head:
+    if not (specs[-1].head or (specs[-1].mtp and len(specs) > 1 and specs[-2].head)):
         raise ValueError(
             f"{where}: the last stage ({num_stages - 1}) must hold L (norm, head and loss)"
         )
@@ -177,14 +182,30 @@ def parse_layout(
         raise ValueError(
             f"{where} places {next_mtp} MTP depths (m) but model.mtp_depth={mtp_depth}"
         )
-    if mtp_depth:
-        # Not built yet: the stage holding m needs copies of the embedding (and head) whose
-        # gradients are reduced with their owners'.
-        raise ValueError(
-            f"model.mtp_depth={mtp_depth} with parallel.pp={pp}: MTP in a pipeline stage is not "
-            "supported yet; set model.mtp_depth=0 or parallel.pp=1"
-        )
+    if not specs[-1].head:  # MTP in a stage of its own: the head's stage sends it its input
+        specs[-2] = dataclasses.replace(specs[-2], hidden_to_mtp=True)
     return specs
+
+
+def _check_mtp_stage(
+    where: str, index: int, parts: list[str], specs: list[StageSpec], num_mtp: int, placed: int
+) -> None:
+    """The MTP depths (m) of stage `index`: all of them in one stage, after L in the head's
+    stage or alone in the stage right after it (a one-line ValueError otherwise)."""
+    if placed:
+        raise ValueError(
+            f"{where}: stage {index} has {num_mtp} MTP depths (m) after {placed} in an earlier "
+            "stage; all depths go in one stage"
+        )
+    if "L" in parts:
+        if "m" in parts[: parts.index("L")]:
+            raise ValueError(f"{where}: stage {index} has m before L; the depths follow the head")
+        return
+    if not specs or not specs[-1].head or set(parts) != {"m"}:
+        raise ValueError(
+            f"{where}: stage {index} has {num_mtp} MTP depths (m) but not after L: they go in "
+            "the head's stage after L, or alone in the stage right after it"
+        )
 
 
 def pipeline_microbatches(cfg: Any, dims: Any) -> tuple[int, int]:
@@ -228,6 +249,12 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
         raise ValueError(
             f"model.tie_embeddings=true with parallel.pp={dims.pp}: the tied embedding and head "
             "live in different stages; untie them or set parallel.pp=1"
+        )
+    if model_cfg.mtp_depth and dims.tp > 1:
+        raise ValueError(
+            f"model.mtp_depth={model_cfg.mtp_depth} with parallel.pp={dims.pp} and parallel.tp="
+            f"{dims.tp}: MTP stages under tensor parallel are not supported yet; set one of "
+            "them to its off value"
         )
     n, _ = pipeline_microbatches(cfg, dims)
     if parallel.pp_schedule in ("1f1b", "interleaved_1f1b") and n < dims.pp:

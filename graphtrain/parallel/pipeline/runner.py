@@ -4,12 +4,13 @@ through every stage, and the norms and clipping over all stages."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from graphtrain.balance import RouterBalance
 from graphtrain.data.packing import IGNORE_INDEX
@@ -36,12 +37,18 @@ def norm_over_stages(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
 
 
 def clip_grad_norm_pp_(
-    parameters: Sequence[torch.Tensor], max_norm: float, group: dist.ProcessGroup
+    parameters: Sequence[torch.Tensor],
+    max_norm: float,
+    group: dist.ProcessGroup,
+    copies: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
     """graphtrain.optim.clip_grad_norm_ over all stages: the 2-norm of every stage's gradients
-    (each parameter lives in one stage), then the same clip coefficient on every stage."""
+    (each parameter counted on the rank that owns it, `copies` not), then the same clip
+    coefficient on every stage and copy."""
     grads = [p.grad for p in dict.fromkeys(parameters) if p.grad is not None]
-    local = global_norm(grads) if grads else torch.zeros(())
+    skip = {id(p) for p in copies}
+    owned = [p.grad for p in dict.fromkeys(parameters) if p.grad is not None and id(p) not in skip]
+    local = global_norm(owned) if owned else torch.zeros(())
     total = norm_over_stages(local, group)
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -49,6 +56,55 @@ def clip_grad_norm_pp_(
         locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         torch._foreach_mul_(locals_, coef.to(locals_[0].device))
     return total
+
+
+# The whole model's modules an MTP stage runs besides its own layers: (name, the part of the
+# layout that owns it).
+_SHARED = (("tok_embeddings", "embedding"), ("norm", "head"), ("output", "head"))
+
+
+class SharedCopies:
+    """The embedding, final norm and head an MTP stage holds where another rank's stage owns
+    them (Megatron-Core's MTP stage does the same): both start from the same init (the whole
+    model's), and reduce() sums their gradients between the two ranks once per step, so the
+    same optimizer step keeps them equal. `copies`: this rank's copies (counted once in norms,
+    on the owner). One process group per pair of pp ranks and position on the other axes."""
+
+    def __init__(self, model: nn.Module, specs: Sequence[Any], mesh: Any, schedule: str) -> None:
+        pp = mesh["pp"].size()
+        me = mesh["pp"].get_local_rank()
+        rank_of = {s.index: stage_rank(s.index, len(specs), pp, schedule) for s in specs}
+        mtp = [rank_of[s.index] for s in specs if s.mtp]
+        self._reduce: list[tuple[nn.Module, dist.ProcessGroup]] = []
+        self.copies: list[nn.Parameter] = []
+        if not mtp:
+            return
+        columns = mesh.mesh.reshape(pp, -1)  # global ranks: pp x (the other axes)
+        groups: dict[tuple[int, int], dist.ProcessGroup | None] = {}
+        for name, part in _SHARED:
+            owner = next(rank_of[s.index] for s in specs if getattr(s, part))
+            if owner == mtp[0]:
+                continue
+            pair = (owner, mtp[0])
+            if pair not in groups:  # every rank creates every group, in the same order
+                for column in columns.T.tolist():
+                    group = dist.new_group([column[owner], column[mtp[0]]])
+                    if dist.get_rank() in (column[owner], column[mtp[0]]):
+                        groups[pair] = group
+                groups.setdefault(pair, None)
+            if me in pair:
+                self._reduce.append((getattr(model, name), groups[pair]))
+                if me != owner:
+                    self.copies += list(getattr(model, name).parameters())
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Sum the gradients of each shared module and its copy (after the step's backward)."""
+        for module, group in self._reduce:
+            for p in module.parameters():
+                if p.grad is not None:
+                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(grad, group=group)
 
 
 class PipelineRunner:
@@ -71,6 +127,8 @@ class PipelineRunner:
         device: torch.device,
         make_inputs: Callable[[Any], dict[str, Any]],
         seq_split: int = 1,
+        shared: SharedCopies | None = None,
+        head_stage: int | None = None,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -81,6 +139,11 @@ class PipelineRunner:
         self.pp_rank = dist.get_rank(pp_group)
         self.seq_split = seq_split  # tp: stages exchange (B, T / tp, dim) slices
         self.rows = micro_batch_size  # of each micro-batch the schedule runs
+        self.shared = shared
+        # The stage with the final norm and head: the last, or the one before an MTP stage.
+        self.head_stage = num_stages - 1 if head_stage is None else head_stage
+        self.copies = shared.copies if shared is not None else []
+        self.statistics: dict[str, torch.Tensor] = {}  # the MTP depths' of the last step
 
         def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, device="meta")
@@ -88,21 +151,28 @@ class PipelineRunner:
         # requires_grad: the stage metadata says which inputs get a gradient sent back.
         hidden = meta(micro_batch_size, seq_len // seq_split, dim, dtype=act_dtype)
         hidden.requires_grad_()
+        loss = meta(1, dtype=torch.float32).requires_grad_()
         pipeline_stages = []
         for stage in stages:
             s = stage.spec
             # Shapes given, not inferred: inference would run the compiled regions on meta
             # tensors (a recompile) and its protocol differs between torch versions.
-            inputs = meta(micro_batch_size, seq_len, dtype=torch.int64) if s.embedding else hidden
-            outputs = meta(1, dtype=torch.float32).requires_grad_() if s.head else hidden
+            if s.embedding:
+                inputs: tuple = (meta(micro_batch_size, seq_len, dtype=torch.int64),)
+            else:  # an MTP stage of its own also gets the head's loss
+                inputs = (hidden, loss) if s.mtp and not s.head else (hidden,)
+            if s.hidden_to_mtp:
+                outputs: tuple = (hidden, loss)
+            else:
+                outputs = (loss,) if s.head or s.mtp else (hidden,)
             pipeline_stages.append(
                 PipelineStage(
                     stage,
                     s.index,
                     num_stages,
                     device,
-                    input_args=(inputs,),
-                    output_args=(outputs,),
+                    input_args=inputs,
+                    output_args=outputs,
                     group=pp_group,
                 )
             )
@@ -114,7 +184,7 @@ class PipelineRunner:
         else:
             self.schedule = cls(pipeline_stages, num_microbatches, **kwargs)
         self.first = any(s.spec.embedding for s in stages)
-        self.last = any(s.spec.head for s in stages)
+        self.last = any(s.spec.index == num_stages - 1 for s in stages)
         # Logged beside tokens/s and MFU, which are over the whole pipeline: its idle time is
         # in their wall-clock time, this says how much of it the schedule predicts.
         self.bubble = bubble_fraction(schedule, pp, num_microbatches, num_stages // pp)
@@ -158,7 +228,7 @@ class PipelineRunner:
         weights = torch.tensor([n / total for n in num_labels], dtype=torch.float32)
         balance = next((h for h in hooks if isinstance(h, RouterBalance)), None)
         for stage in self.stages:
-            stage.weights, stage.balance = weights.tolist(), balance
+            stage.weights, stage.balance, stage.stats = weights.tolist(), balance, {}
         index = torch.arange(len(pieces))  # on the CPU: the stages read it without a sync
         args = (torch.cat([i["input_ids"] for i in inputs]),) if self.first else ()
         losses: list[torch.Tensor] = []
@@ -171,11 +241,23 @@ class PipelineRunner:
             )
         for stage in self.stages:
             stage.micro_batches, stage.balance = [], None
+        self.statistics = {k: v for stage in self.stages for k, v in stage.stats.items()}
+        if self.shared is not None:
+            self.shared.reduce()
         loss = torch.zeros((), device=self.device)
         if self.last:
             loss = torch.stack([x.detach().float().reshape(()) for x in losses]).sum()
         dist.all_reduce(loss, group=self.group)  # from the last stage to every pp rank
         return loss
+
+    def clip_grad_norm_(self, parameters: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """clip_grad_norm_pp_ over this pipeline's stages, its shared copies counted once."""
+        return clip_grad_norm_pp_(parameters, max_norm, self.group, self.copies)
+
+    def owned(self, parameters: Any) -> list[torch.Tensor]:
+        """`parameters` without this rank's copies of other stages' (norms count them once)."""
+        skip = {id(p) for p in self.copies}
+        return [p for p in parameters if id(p) not in skip]
 
     def merged_statistics(self, extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every stage's step statistics on every pp rank (log steps only: a host sync). Each
@@ -221,7 +303,8 @@ class PipelineRunner:
         index = torch.zeros((), dtype=torch.int64)
         h: torch.Tensor | None = input_ids
         loss = torch.zeros((), device=self.device)
-        for s in range(self.num_stages):
+        # Up to the head's stage: the MTP depths are a training loss only (as in one process).
+        for s in range(self.head_stage + 1):
             owner = stage_rank(s, self.num_stages, self.pp, self.schedule_name)
             if owner != self.pp_rank:
                 continue
@@ -281,10 +364,13 @@ def build_runner(
 
     attention = resolve_attention(cfg.training.attention, device)
     num_microbatches, rows = pipeline_microbatches(cfg, dims)
+    specs = check_pipeline(cfg, dims)
     return PipelineRunner(
         model,
         model.pipeline_stages,
-        num_stages=len(check_pipeline(cfg, dims)),
+        num_stages=len(specs),
+        head_stage=next(s.index for s in specs if s.head),
+        shared=SharedCopies(model, specs, mesh, cfg.parallel.pp_schedule),
         pp_group=mesh["pp"].get_group(),
         pp=dims.pp,
         schedule=cfg.parallel.pp_schedule,

@@ -45,6 +45,8 @@ class _StageInit:
                 setattr(skeleton, name, getattr(model, name))
         for name, layer in model.layers.items():
             skeleton.layers[name] = layer
+        for name, layer in getattr(model, "mtp_layers", {}).items():
+            skeleton.mtp_layers[name] = layer
         skeleton.rope = model.rope  # a buffer: init_weights fills it in place
         device = model.rope.device
         names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
@@ -61,37 +63,46 @@ class _StageInit:
 class PipelineStageModule(nn.Module):
     """One stage as the schedule runs it: its parts of the cut model (registered here too, so
     the schedule sees their parameters), its inputs from the previous stage (or the token ids)
-    and the micro-batch's side inputs (positions, mask, labels) from the runner by index."""
+    and the micro-batch's side inputs (positions, mask, labels) from the runner by index.
+    An MTP stage also holds the embedding, final norm and head (copies where another rank's
+    stage owns them: graphtrain.parallel.pipeline.runner reduces their gradients)."""
 
     def __init__(self, model: nn.Module, spec: StageSpec) -> None:
         super().__init__()
         self.spec = spec
         self.__dict__["_model"] = model  # not a child: its parameters are not this stage's
-        if spec.embedding:
+        if spec.embedding or spec.mtp:
             self.tok_embeddings = model.tok_embeddings
         self.layers = nn.ModuleList([model.layers[str(i)] for i in spec.layers])
-        if spec.head:
+        if spec.head or spec.mtp:
             self.norm, self.output = model.norm, model.output
+        if spec.mtp:
+            self.mtp_layers = nn.ModuleList([model.mtp_layers[str(k)] for k in spec.mtp])
         self.micro_batches: list[dict[str, Any]] = []
         self.weights: list[float] = []  # each micro-batch's loss weight (its token share)
         self.balance: Any = None  # graphtrain.balance.RouterBalance of an MoE model
         self.router_layers = {f"layers.{i}" for i in spec.layers}
         self.tp_mesh: Any = None  # set under tensor parallel: activations are Shard(1) on it
+        # The MTP depths' statistics of the step, weighted by each micro-batch's loss weight.
+        self.stats: dict[str, torch.Tensor] = {}
 
-    def forward(self, h: torch.Tensor, *, micro_batch: torch.Tensor) -> torch.Tensor:
-        """h: token ids (B, T) on the first stage, else the previous stage's (B, T, dim).
-        micro_batch: a CPU tensor holding the micro-batch's index (no device sync)."""
-        return self._forward(h, int(micro_batch))
+    def forward(
+        self, h: torch.Tensor, *loss: torch.Tensor, micro_batch: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """h: token ids (B, T) on the first stage, else the previous stage's (B, T, dim); an
+        MTP stage after the head's also gets the head's loss (1,). micro_batch: a CPU tensor
+        holding the micro-batch's index (no device sync)."""
+        return self._forward(h, loss, int(micro_batch))
 
-    def _forward(self, h: torch.Tensor, micro_batch: int) -> torch.Tensor:
+    def _forward(self, h: torch.Tensor, loss: tuple, micro_batch: int) -> Any:
         if self.balance is None or not self.training:
-            return self._run(h, micro_batch)
+            return self._run(h, loss, micro_batch)
         # MoE: this stage's routers get the micro-batch's aux-loss scale and count its tokens
         # after its forward (with no activation checkpointing, nothing recomputes it).
         with self.balance.micro_batch(self.weights[micro_batch], self.router_layers):
-            return self._run(h, micro_batch)
+            return self._run(h, loss, micro_batch)
 
-    def _run(self, h: torch.Tensor, micro_batch: int) -> torch.Tensor:
+    def _run(self, h: torch.Tensor, loss: tuple, micro_batch: int) -> Any:
         inputs = self.micro_batches[micro_batch]
         model = self._model
         rope = model.rope[inputs["position_ids"]]  # (B, T, D/2, 2)
@@ -103,9 +114,25 @@ class PipelineStageModule(nn.Module):
             h = DTensor.from_local(h, self.tp_mesh, [Shard(1)], run_check=False)
         for layer in self.layers:
             h = layer(h, rope, inputs["attn_mask"])
+        # The model's flag (validation sets it, not the stages'): MTP is a training loss only.
+        training = model.training
         if self.spec.head:
+            loss = (model.head_loss(h, inputs["labels"]),)
+            if self.spec.hidden_to_mtp and training:
+                return h, loss[0].reshape(1)
+        if self.spec.mtp and training:
+            stats: dict[str, torch.Tensor] = {}
+            mtp = model.mtp_loss(
+                h, inputs["input_ids"], inputs["labels"], rope, inputs["attn_mask"],
+                inputs["document_ids"], stats,
+            )  # fmt: skip
+            weight = self.weights[micro_batch]
+            for name, value in stats.items():
+                self.stats[name] = self.stats.get(name, 0.0) + value.float() * weight
+            loss = (loss[0].reshape(()) + mtp,)
+        if loss:
             # (1,): the schedule concatenates stage outputs, which a 0-d loss cannot be.
-            return model.head_loss(h, inputs["labels"]).reshape(1)
+            return loss[0].reshape(1)
         return h.to_local() if isinstance(h, DTensor) else h
 
 
@@ -125,9 +152,13 @@ def cut_model(
     for name in list(model.layers):
         if int(name) not in layers:
             del model.layers[name]
-    if not any(s.embedding for s in mine):
+    if not any(s.embedding or s.mtp for s in mine):
         del model.tok_embeddings
-    if not any(s.head for s in mine):
+    if not any(s.head or s.mtp for s in mine):
         del model.norm, model.output
+    depths = {k for s in mine for k in s.mtp}
+    for name in list(getattr(model, "mtp_layers", {})):
+        if int(name) not in depths:
+            del model.mtp_layers[name]
     model.init_weights = _StageInit(model, build)
     return [PipelineStageModule(model, s) for s in mine]

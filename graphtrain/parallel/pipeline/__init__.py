@@ -17,7 +17,9 @@ What
         pp_microbatches pieces, each loss weighted by its share of the labelled tokens; MoE
         routers scaled and counted per stage; the loss all-reduced to every pp rank.
         model(**inputs) (= PipelineRunner.forward) runs every stage in order (validation).
-    clip_grad_norm_pp_ / norm_over_stages: norms over all stages.
+    clip_grad_norm_pp_ / norm_over_stages: norms over all stages. SharedCopies: an MTP
+        stage's copies of the embedding, norm and head, their gradients summed with their
+        owners' once per step.
 
 Contract: every rank of a pp group holds the same batches (pp ranks share a data-parallel
 index); every step has the same rows (the stages' activation shapes are given to the schedule,
@@ -41,6 +43,7 @@ from graphtrain.parallel.pipeline.layout import (
 )
 from graphtrain.parallel.pipeline.runner import (
     PipelineRunner,
+    SharedCopies,
     build_runner,
     clip_grad_norm_pp_,
     cut_pipeline,
@@ -52,6 +55,7 @@ __all__ = [
     "SCHEDULES",
     "PipelineRunner",
     "PipelineStageModule",
+    "SharedCopies",
     "StageSpec",
     "bubble_fraction",
     "build_runner",

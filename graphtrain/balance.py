@@ -136,6 +136,9 @@ def install_router_balance(
         # Every rank routes different tokens: dp rows and, within a tp group, sequence slices
         # (with etp = tp every tp rank routes the whole sequence).
         count_group = dist.group.WORLD
+        if dims.pp_enabled:  # those of this pipeline rank's stages: the other axes flattened
+            axes = tuple(name for name in mesh.mesh_dim_names if name != "pp")
+            count_group = mesh[axes]._flatten("pp_stage").get_group()
     else:
         count_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None
     balance = RouterBalance(

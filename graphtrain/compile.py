@@ -230,6 +230,16 @@ def _aot_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], post: _P
     return aot_eager(gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler)
 
 
+def split_backward_flags() -> contextlib.AbstractContextManager[None]:
+    """AOT autograd flags around a pipeline schedule that splits each backward in two (input
+    gradients, then weight gradients, with retain_graph=True: zbv, dualpipev): a compiled
+    backward that donates its saved buffers refuses a second call ("PP breaks under compile",
+    torchtitan's users' complaint), so donated_buffer is off. AOT autograd reads the flag when a
+    region compiles and again at each backward, both inside the schedule's step; off, the
+    backward only reuses fewer buffers."""
+    return torch._functorch.config.patch(donated_buffer=False)
+
+
 @contextlib.contextmanager
 def inspection_flags() -> Any:
     """Inductor flags while `graphtrain inspect` compiles (not in training):

@@ -168,9 +168,7 @@ class TrainStep:
         if self.pipeline is None:
             grad_norm = clip_grad_norm_(params, self.max_norm)
         else:
-            from graphtrain.parallel.pipeline import clip_grad_norm_pp_
-
-            grad_norm = clip_grad_norm_pp_(params, self.max_norm, self.pipeline.group)
+            grad_norm = self.pipeline.clip_grad_norm_(params, self.max_norm)
         self.optimizer.step()  # step pre-hooks run first (MoE expert biases)
         self.forward.weights.refresh()  # the one cast of the step: masters -> working copies
         self.optimizer.zero_grad(set_to_none=True)
@@ -191,7 +189,8 @@ class TrainStep:
         self, batches: list[TensorDict]
     ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
         """_forward_backward through the pipeline's schedule: its micro-batches are the step's,
-        each weighted by its share of the labelled tokens as below; FLOPs: this stage's share."""
+        each weighted by its share of the labelled tokens as below; FLOPs: this stage's share;
+        the statistics of the MTP depths in this rank's stages."""
         flops = sum(
             model_training_flops(
                 self.model_cfg,
@@ -203,7 +202,7 @@ class TrainStep:
         with self.forward.autocast:
             loss = self.pipeline.forward_backward(batches, self.hooks)
         self.fp32_grads.after_backward()
-        return loss, flops // self.pipeline.pp, {}
+        return loss, flops // self.pipeline.pp, self.pipeline.statistics
 
     def _forward_backward(
         self, batches: list[TensorDict]

@@ -272,9 +272,12 @@ def _log_step(run: Run, result: TrainResult, window: _LogWindow, stats: StepStat
 
 
 def _param_norm(run: Run) -> torch.Tensor:
-    norm = global_norm(list(run.model.parameters()))
-    if run.train_step.pipeline is not None:  # each stage holds some of the parameters
-        norm = norm_over_stages(norm, run.train_step.pipeline.group)
+    pipeline = run.train_step.pipeline
+    norm = global_norm(
+        pipeline.owned(run.model.parameters()) if pipeline else list(run.model.parameters())
+    )
+    if pipeline is not None:  # each stage holds some of the parameters (MTP copies once)
+        norm = norm_over_stages(norm, pipeline.group)
     return norm
 
 

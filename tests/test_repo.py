@@ -113,10 +113,10 @@ def test_layering_check_sees_an_import():
 # docs/design/). Each allowlist holds what is over today and only shrinks: an entry that is
 # back under its limit must leave the list.
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_DOCSTRING_LINES = 600, 80, 25
-LONG_FILES = {"graphtrain/parallel/pipeline.py"}
+LONG_FILES: set[str] = set()
 LONG_FUNCTIONS = {
     "graphtrain/parallel/__init__.py::parallelize_model",
-    "graphtrain/parallel/pipeline.py::parse_layout",
+    "graphtrain/parallel/pipeline/layout.py::parse_layout",
 }
 LONG_DOCSTRINGS = {
     "graphtrain/custom_ops/gated_delta_rule.py",

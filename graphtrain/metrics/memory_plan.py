@@ -49,18 +49,20 @@ HEADROOM = 0.9  # of the device memory a plan may use
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     items: dict[str, int]  # name -> bytes per rank
+    notes: tuple[str, ...] = ()  # lines format() adds (a pipeline's ranks and bubble)
 
     @property
     def total(self) -> int:
         return sum(self.items.values())
 
     def format(self) -> str:
-        """One line: each item and the total, in GiB."""
+        """One line: each item and the total, in GiB; then the notes, a line each."""
         parts = [f"{name} {size / 2**30:.2f}" for name, size in self.items.items()]
         return (
             "predicted memory per rank (GiB): "
             + ", ".join(parts)
             + f"; total {self.total / 2**30:.2f}"
+            + "".join(f"\n{note}" for note in self.notes)
         )
 
 
@@ -74,11 +76,52 @@ def _tp_divisor(name: str, plan: dict[str, str], dims: ParallelDims) -> int:
 
 
 def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
-    """The predicted per-rank memory of job `cfg` on `world_size` ranks (no device touched)."""
-    t, m = cfg.training, cfg.model
+    """The predicted per-rank memory of job `cfg` on `world_size` ranks (no device touched).
+    Under pipeline parallelism: the pp rank that needs the most, each rank's total and the
+    schedule's bubble in its notes."""
     dims = check_layout(cfg, world_size)
-    with torch.device("meta"):
-        model = build_model(m)
+    if not dims.pp_enabled:
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        return MemoryPlan(_rank_items(cfg, dims, model, tokens=cfg.training.micro_batch_size))
+    from graphtrain.parallel.pipeline import (
+        bubble_fraction,
+        check_pipeline,
+        cut_model,
+        in_flight_micro_batches,
+        pipeline_microbatches,
+    )
+
+    specs = check_pipeline(cfg, dims)
+    num_microbatches, rows = pipeline_microbatches(cfg, dims)
+    schedule = cfg.parallel.pp_schedule
+    ranks = []
+    for rank in range(dims.pp):
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+            cut_model(model, specs, rank, dims.pp, schedule, lambda: None)
+        in_flight = in_flight_micro_batches(schedule, dims.pp, rank, num_microbatches)
+        ranks.append(MemoryPlan(_rank_items(cfg, dims, model, tokens=rows, in_flight=in_flight)))
+    worst = max(ranks, key=lambda plan: plan.total)
+    totals = ", ".join(f"rank {r} {plan.total / 2**30:.2f}" for r, plan in enumerate(ranks))
+    bubble = bubble_fraction(schedule, dims.pp, num_microbatches, len(specs) // dims.pp)
+    return MemoryPlan(
+        worst.items,
+        notes=(
+            f"pipeline: {schedule}, pp={dims.pp}, {len(specs)} stages, {num_microbatches} "
+            f"micro-batches of {rows} rows; memory per pp rank (GiB): {totals} (the largest "
+            f"above); predicted bubble {bubble:.1%} of the step (forward = input backward = "
+            "weight backward time per layer)",
+        ),
+    )
+
+
+def _rank_items(
+    cfg: JobConfig, dims: ParallelDims, model: torch.nn.Module, *, tokens: int, in_flight=1.0
+) -> dict[str, int]:
+    """The memory items of one rank holding `model` (the whole model, or a pipeline rank's
+    cut); tokens: rows per micro-batch; in_flight: micro-batches whose activations it keeps."""
+    t, m = cfg.training, cfg.model
     plan = tp_plan(m, dims.etp, dims.ep)
     master = _DTYPE_BYTES[t.master_dtype]
     compute = 2 if t.dtype == "auto" else _DTYPE_BYTES[t.dtype]  # auto: bf16 on GPUs
@@ -112,31 +155,41 @@ def plan_memory(cfg: JobConfig, world_size: int) -> MemoryPlan:
             items["working copies"] = int(copies)
     if dims.dp_shard > 1:
         items["gathered parameters"] = int(2 * max(per_block.values(), default=0) * compute)
-    tokens = t.micro_batch_size * t.seq_len
+    tokens *= t.seq_len
+    layers = [int(i) for i in model.layers]  # a pipeline rank's layers only
+    if layers:
+        name = "activations per micro-batch" if in_flight == 1 else f"activations of {in_flight:g}"
+        items[name] = int(in_flight * _activations(cfg, dims, layers, tokens, compute))
+    if hasattr(model, "output"):  # the head (a pipeline rank without it has none)
+        # An fp32 weight: the op's extra over low-memory mode is its [token chunk, V] logits.
+        compute_dtype = torch.bfloat16 if compute == 2 else torch.float32
+        vocab = m.vocab_size // dims.tp
+        chunk = fast_mode_extra_bytes(tokens, m.dim, vocab, compute_dtype, torch.float32, True)
+        loss = vocab * m.dim * 4 + tokens * m.dim * 4 + chunk
+        if cfg.compile.lce_mode == "auto" and dims.tp == 1:  # auto may leave it to Inductor
+            loss = max(loss, unfused_extra_bytes(tokens, vocab, compute_dtype))
+        items["loss buffers"] = int(loss)
+    return items
+
+
+def _activations(
+    cfg: JobConfig, dims: ParallelDims, layers: list[int], tokens: int, compute: int
+) -> float:
+    """Bytes autograd keeps for one micro-batch of `tokens` through blocks `layers`."""
+    t, m = cfg.training, cfg.model
     kv_dim = m.num_kv_heads * m.head_dim
     ffn = m.ffn_dim
     if isinstance(m, MoEConfig):  # the routed experts' and shared experts' hidden per token
         ffn = max(ffn, (m.top_k + m.num_shared_experts) * m.moe_ffn_dim)
     per_token = 7 * m.dim + 2 * kv_dim + 4 * ffn
-    per_block = [per_token] * m.num_layers
+    per_block = [per_token] * len(layers)
     if getattr(m, "layer_pattern", None):  # a hybrid: its GDN blocks keep other tensors
         gdn = per_token - 2 * m.dim - 2 * kv_dim + gated_deltanet_activations_per_token(m)
-        per_block = [gdn if m.mixer(i) == "G" else per_token for i in range(m.num_layers)]
+        per_block = [gdn if m.mixer(i) == "G" else per_token for i in layers]
     block_acts = tokens / dims.tp * max(per_block) * compute
     if t.activation_checkpoint == "full":
-        acts = m.num_layers * tokens / dims.tp * m.dim * compute + block_acts
-    else:
-        acts = tokens / dims.tp * sum(per_block) * compute
-    items["activations per micro-batch"] = int(acts)
-    # An fp32 weight: the op's extra over low-memory mode is its [token chunk, V] logits alone.
-    compute_dtype = torch.bfloat16 if compute == 2 else torch.float32
-    vocab = m.vocab_size // dims.tp
-    chunk = fast_mode_extra_bytes(tokens, m.dim, vocab, compute_dtype, torch.float32, True)
-    loss = vocab * m.dim * 4 + tokens * m.dim * 4 + chunk
-    if cfg.compile.lce_mode == "auto" and dims.tp == 1:
-        loss = max(loss, unfused_extra_bytes(tokens, vocab, compute_dtype))
-    items["loss buffers"] = int(loss)
-    return MemoryPlan(items)
+        return len(layers) * tokens / dims.tp * m.dim * compute + block_acts
+    return tokens / dims.tp * sum(per_block) * compute
 
 
 def gated_deltanet_activations_per_token(cfg: Any) -> int:

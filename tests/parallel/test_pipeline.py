@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -22,7 +23,14 @@ from conftest import job, torchrun_jobs
 
 from graphtrain.config import load_config
 from graphtrain.parallel import check_layout
-from graphtrain.parallel.pipeline import cut_model, parse_layout, schedule_class, stage_rank
+from graphtrain.parallel.pipeline import (
+    bubble_fraction,
+    cut_model,
+    in_flight_micro_batches,
+    parse_layout,
+    schedule_class,
+    stage_rank,
+)
 from graphtrain.trainer import train
 from models import GPTConfig, build_model
 
@@ -85,6 +93,29 @@ def test_bad_layouts_name_the_stage_and_the_count(layout, schedule, message):
         parse_layout(layout, num_layers=2, mtp_depth=0, pp=2, schedule=schedule)
 
 
+def test_mtp_layouts():
+    """The MTP depths (m) after L in the head's stage, or alone in the stage right after it
+    (which then gets the head's hidden state with its loss)."""
+
+    def parse(layout, depth=1, schedule="interleaved_1f1b"):
+        return parse_layout(layout, num_layers=2, mtp_depth=depth, pp=2, schedule=schedule)
+
+    specs = parse("E|t|tL|m")
+    assert [(s.mtp, s.hidden_to_mtp) for s in specs] == [((), False), ((), False),
+                                                         ((), True), ((0,), False)]  # fmt: skip
+    (_, head) = parse("Et|tLmm", depth=2, schedule="1f1b")
+    assert head.mtp == (0, 1) and not head.hidden_to_mtp
+    assert parse("Et|t|L|m")[2].hidden_to_mtp  # the head alone in its stage
+    for layout, depth, message in [
+        ("E|t|tmL|t", 1, r"stage 2 has m before L"),
+        ("E|tm|tL|m", 2, r"stage 1 has 1 MTP depths \(m\) but not after L"),
+        ("E|t|tLm|m", 2, r"stage 3 has 1 MTP depths \(m\) after 1 in an earlier stage"),
+        ("E|t|tL|m", 2, r"places 1 MTP depths \(m\) but model.mtp_depth=2"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse(layout, depth)
+
+
 def _check(*args: str, world_size: int = 2) -> None:
     check_layout(load_config(["--preset", "debug", *args]), world_size)
 
@@ -97,10 +128,44 @@ def test_start_checks():
         _check("--parallel.pp=2", "--parallel.pp_microbatches=3")
     with pytest.raises(ValueError, match=r"model.num_layers=2 cannot fill 4 pipeline stages"):
         _check("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b")
-    with pytest.raises(ValueError, match=r"MTP in a pipeline stage is not supported yet"):
-        _check("--parallel.pp=2", "--model.mtp_depth=1", "--parallel.pp_layout=Et|tLm")
+    _check("--parallel.pp=2", "--model.mtp_depth=1", "--parallel.pp_layout=Et|tLm")
+    with pytest.raises(ValueError, match=r"MTP stages under tensor parallel are not supported"):
+        _check("--parallel.pp=2", "--parallel.tp=2", "--model.mtp_depth=1", world_size=4)
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
+
+
+def test_bubble_and_in_flight_micro_batches_of_each_schedule():
+    # (pp - 1) / (v n + pp - 1): 3 / 11 for 1F1B at pp=4, n=8; 3 / 19 interleaved with v=2.
+    assert bubble_fraction("1f1b", 4, 8, 1) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 4, 8, 1) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("zbv", 4, 8, 2) == 0.0  # n >= 2 pp
+    assert bubble_fraction("dualpipev", 4, 6, 2) == pytest.approx(3 / 9)  # at most 1F1B's
+    assert [in_flight_micro_batches("1f1b", 4, r, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_micro_batches("gpipe", 4, r, 8) for r in range(4)] == [8] * 4
+    # Interleaved warm-up, v=2: (v - 1) pp + 2 (pp - 1 - r) + 1 stage forwards, over v.
+    assert in_flight_micro_batches("interleaved_1f1b", 4, 0, 8) == pytest.approx(11 / 2)
+    assert in_flight_micro_batches("interleaved_1f1b", 4, 3, 8) == pytest.approx(5 / 2)
+
+
+def test_plan_gives_each_pipeline_rank_and_the_bubble():
+    """`graphtrain plan` under pp: the stages' parameters add up to the whole model's, the
+    first 1F1B rank keeps pp micro-batches' activations of its layers, the last the head."""
+    from graphtrain.metrics.memory_plan import plan_memory
+
+    args = ["--preset", "1b", "--schedule.batch_size=131072", "--training.micro_batch_size=4"]
+    whole = plan_memory(load_config(args), 1)
+    piped = plan_memory(load_config([*args, "--parallel.pp=4"]), 4)
+    (note,) = piped.notes
+    assert "1f1b, pp=4, 4 stages, 4 micro-batches of 8 rows" in note
+    assert f"predicted bubble {3 / 7:.1%}" in note
+    totals = [float(x) for x in re.findall(r"rank \d ([\d.]+)", note)]
+    assert len(totals) == 4 and totals[0] == max(totals)  # 4 micro-batches in flight
+    assert piped.items["activations of 4"] > 0 and "loss buffers" not in piped.items
+    # Rank 0 holds the embedding and 4 of the 16 layers: more than a quarter of the model.
+    assert whole.items["parameters"] / 4 < piped.items["parameters"] < whole.items["parameters"]
+    assert whole.notes == ()
 
 
 def test_a_schedule_torch_lacks_is_a_clear_error(monkeypatch):
@@ -131,15 +196,21 @@ def test_launch_sh_check_refuses_a_bad_layout_before_any_rank_starts():
     assert "torch.distributed.run" not in out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_stages_start_from_the_whole_models_weights(schedule):
-    """Each rank's cut model, initialised alone, holds the whole model's values (bitwise)."""
-    cfg = GPTConfig(vocab_size=96, dim=32, num_layers=4, num_heads=2, num_kv_heads=1, ffn_dim=48)
+@pytest.mark.parametrize(
+    ("schedule", "layout", "mtp_depth"),
+    [("1f1b", "", 0), ("zbv", "", 0), ("interleaved_1f1b", "Et|t|t|tLm", 1),
+     ("interleaved_1f1b", "Et|t|t*2L|m", 1)],
+)  # fmt: skip
+def test_stages_start_from_the_whole_models_weights(schedule, layout, mtp_depth):
+    """Each rank's cut model, initialised alone, holds the whole model's values (bitwise),
+    the MTP stage's copies of the embedding, norm and head included."""
+    cfg = GPTConfig(vocab_size=96, dim=32, num_layers=4, num_heads=2, num_kv_heads=1, ffn_dim=48,
+                    mtp_depth=mtp_depth)  # fmt: skip
     whole = build_model(cfg)
     whole.init_weights(seed=3)
     expected = dict(whole.named_parameters())
-    specs = parse_layout("", num_layers=4, mtp_depth=0, pp=2, schedule=schedule)
-    seen = set()
+    specs = parse_layout(layout, num_layers=4, mtp_depth=mtp_depth, pp=2, schedule=schedule)
+    seen = []
     for rank in range(2):
         with torch.device("meta"):
             model = build_model(cfg)
@@ -148,23 +219,24 @@ def test_stages_start_from_the_whole_models_weights(schedule):
         model.init_weights(seed=3)
         for name, p in model.named_parameters():
             assert torch.equal(p, expected[name]), name
-            seen.add(name)
+            seen.append(name)
         assert {s.spec.index for s in stages} == {
             s.index for s in specs if stage_rank(s.index, len(specs), 2, schedule) == rank
         }
-    assert seen == set(expected)  # every parameter lives in exactly one rank's stages
+    assert set(seen) == set(expected)  # every parameter lives in a rank's stages
+    shared = ["tok_embeddings.weight", "norm.weight", "output.weight"]
+    # Rank 1 holds the MTP stage (3), rank 0 the embedding and the head (stage 2 of 4, or the
+    # MTP stage's own with the head in it on rank 1): the copies are on rank 1.
+    copies = {name for name in seen if seen.count(name) == 2}
+    want = {"Et|t|t|tLm": {"tok_embeddings.weight"}, "Et|t|t*2L|m": set(shared)}
+    assert copies == want.get(layout, set())
 
 
 @pytest.fixture(scope="module")
 def pipeline_runs(corpus, tmp_path_factory):
     """Single-process runs and pp=2 runs of the same jobs (one torchrun launch for all)."""
     tmp = tmp_path_factory.mktemp("pipeline")
-    common = [
-        f"--training.steps={STEPS}",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-        f"--data.val_paths={corpus / 'docs.jsonl'}",
-    ]
+    common = common_args(corpus)
     # Two loader micro-batches of 4 rows per step: gpipe splits the 8 rows in 4.
     two_micro = ["--schedule.batch_size=512"]
     # MoE: the pipeline's micro-batches are the single process's (the aux losses depend on
@@ -189,7 +261,17 @@ def pipeline_runs(corpus, tmp_path_factory):
     return {name: (single[ref], runs[name]) for name, (ref, _) in layouts.items()}
 
 
-def _compare(single, metrics) -> None:
+def common_args(corpus, steps: int = STEPS) -> list[str]:
+    """A short fp32 run logging every step, validated at its start and end."""
+    return [
+        f"--training.steps={steps}",
+        "--metrics.log_interval=1",
+        "--metrics.val_interval=0",
+        f"--data.val_paths={corpus / 'docs.jsonl'}",
+    ]
+
+
+def compare(single, metrics) -> None:
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == STEPS
     assert losses == pytest.approx(single.losses, rel=LOSS_RTOL)
@@ -202,7 +284,10 @@ def _compare(single, metrics) -> None:
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pp2_follows_the_single_process_curve(pipeline_runs, schedule):
     single, metrics = pipeline_runs[schedule]
-    _compare(single, metrics)
+    compare(single, metrics)
+    # The schedule's predicted bubble beside tokens/s and MFU: (pp - 1) / (n + pp - 1).
+    bubbles = [m["pp/bubble_predicted"] for m in metrics if "loss" in m]
+    assert bubbles == [pytest.approx(1 / (4 + 1))] * STEPS
     # Gradient and parameter norms are over every stage, not rank 0's alone.
     lines = (single.run_dir / "metrics.jsonl").read_text().splitlines()
     reference = [json.loads(x) for x in lines]
@@ -218,7 +303,7 @@ def test_moe_pp2_follows_the_single_process_curve(pipeline_runs):
     micro-batch, global aux over the step's micro-batches, expert bias updated on each stage;
     every layer's statistics reach the log."""
     single, metrics = pipeline_runs["moe_1f1b"]
-    _compare(single, metrics)
+    compare(single, metrics)
     lines = (single.run_dir / "metrics.jsonl").read_text().splitlines()
     reference = [json.loads(x) for x in lines if '"loss"' in x]
     got = [m for m in metrics if "loss" in m]
@@ -239,12 +324,7 @@ MULTI_STAGE = ["interleaved_1f1b", "zbv", "dualpipev"]
 def multi_stage_runs(corpus, tmp_path_factory):
     """Two virtual stages per rank (E|t|t|L on two ranks) for each multi-stage schedule."""
     tmp = tmp_path_factory.mktemp("pipeline_multi")
-    common = [
-        f"--training.steps={STEPS}",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-        f"--data.val_paths={corpus / 'docs.jsonl'}",
-    ]
+    common = common_args(corpus)
     single = train(load_config(job(corpus, tmp / "one", *common)))
     layout = ["--parallel.pp=2", "--parallel.pp_layout=E|t|t|L"]
     jobs = [
@@ -260,70 +340,7 @@ def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs,
     """Interleaved 1F1B and the zero-bubble V schedules (split input / weight backward, run
     compiled: AOT autograd's donated buffers off) give the single-process losses."""
     single, runs = multi_stage_runs
-    _compare(single, runs[schedule])
-
-
-FOUR_RANKS = {
-    "pp2_fsdp2": ["--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch_size=2"],
-    "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
-}
-
-
-@pytest.mark.slow
-def test_pp_with_fsdp_and_tp_follows_the_single_process_curve(corpus, tmp_path):
-    """pp=2 x dp_shard=2 (FSDP2 per stage; each dp rank reads 2 of the step's 4 rows) and pp=2
-    x tp=2 (sequence-parallel slices between stages), 4 ranks, against one process."""
-    common = [
-        f"--training.steps={STEPS}",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-        f"--data.val_paths={corpus / 'docs.jsonl'}",
-    ]
-    single = train(load_config(job(corpus, tmp_path / "one", *common)))
-    jobs = [job(corpus, tmp_path / name, *common, *args) for name, args in FOUR_RANKS.items()]
-    for name, metrics in zip(FOUR_RANKS, torchrun_jobs(4, jobs), strict=True):
-        # dp_shard=2 weights each rank's tokens within the rank, then averages the ranks (the
-        # single process weights all tokens of the step together): 1e-3, as the trainer's own
-        # two-process test; tp=2 adds the same numbers in another order only.
-        if name == "pp2_fsdp2":
-            losses = [m["loss"] for m in metrics if "loss" in m]
-            assert losses == pytest.approx(single.losses, rel=1e-3), name
-        else:
-            _compare(single, metrics)
-
-
-@pytest.mark.slow
-def test_resume_across_pipeline_sizes(corpus, tmp_path):
-    """A pp=1 checkpoint resumed with pp=2 (interleaved, another layout), and a pp=2 checkpoint
-    resumed with pp=1, continue the uninterrupted single-process curve."""
-    common = [
-        "--training.steps=6",
-        "--metrics.log_interval=1",
-        "--metrics.val_interval=0",
-        f"--data.val_paths={corpus / 'docs.jsonl'}",
-    ]
-    straight = train(load_config(job(corpus, tmp_path / "one", *common, "--checkpoint.interval=3")))
-    from_single = f"--checkpoint.resume={tmp_path / 'one' / 'run' / 'checkpoints' / 'step-0000003'}"
-    interleaved = ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_layout=E|t|t|L"]
-    resumed_pp, saved_pp = torchrun_jobs(
-        2,
-        [
-            job(corpus, tmp_path / "pp_resumed", *common, "--parallel.pp=2", *interleaved,
-                from_single),
-            job(corpus, tmp_path / "pp_saved", *common, "--parallel.pp=2",
-                "--checkpoint.interval=3"),
-        ],
-    )  # fmt: skip
-    from_pp = (
-        f"--checkpoint.resume={tmp_path / 'pp_saved' / 'run' / 'checkpoints' / 'step-0000003'}"
-    )
-    resumed_single = train(load_config(job(corpus, tmp_path / "one_resumed", *common, from_pp)))
-    tail = straight.losses[3:]
-    assert [m["loss"] for m in saved_pp if "loss" in m] == pytest.approx(
-        straight.losses, rel=LOSS_RTOL
-    )
-    assert [m["loss"] for m in resumed_pp if "loss" in m] == pytest.approx(tail, rel=LOSS_RTOL)
-    assert resumed_single.losses == pytest.approx(tail, rel=LOSS_RTOL)
+    compare(single, runs[schedule])
 
 
 def test_last_stage_compiles_the_fused_loss(tmp_path):

@@ -1,0 +1,164 @@
+"""The model cut into this rank's stages: the pruned meta-device model, its init reproducing
+the whole model's values, and the stage modules the schedule runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from graphtrain.parallel.pipeline.layout import StageSpec, stage_rank
+
+
+def _meta_draw(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """fn, except that on a meta tensor (a part of the model another stage holds) it draws the
+    same random numbers on a scratch tensor and drops them: the draws that follow then give
+    this stage's parameters the whole model's values."""
+
+    def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not tensor.is_meta:
+            return fn(tensor, *args, **kwargs)
+        # Low-precision parameters are drawn in fp32 (graphtrain.parallel.init).
+        dtype = torch.float32 if tensor.element_size() < 4 else tensor.dtype
+        fn(torch.empty(tensor.shape, dtype=dtype, device=device), *args, **kwargs)
+        return tensor
+
+    return init
+
+
+class _StageInit:
+    """model.init_weights of a cut model: the whole model's init on a skeleton (the whole model
+    on the meta device with this rank's parts put in), meta parts drawn and dropped."""
+
+    def __init__(self, model: nn.Module, build: Callable[[], nn.Module]) -> None:
+        self.model, self.build = model, build
+
+    def __call__(self, seed: int | None = None) -> None:
+        model = self.model
+        with torch.device("meta"):
+            skeleton = self.build()
+        for name in ("tok_embeddings", "norm", "output"):
+            if hasattr(model, name):
+                setattr(skeleton, name, getattr(model, name))
+        for name, layer in model.layers.items():
+            skeleton.layers[name] = layer
+        for name, layer in getattr(model, "mtp_layers", {}).items():
+            skeleton.mtp_layers[name] = layer
+        skeleton.rope = model.rope  # a buffer: init_weights fills it in place
+        device = model.rope.device
+        names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+        originals = {n: getattr(nn.init, n) for n in names}
+        try:
+            for name, fn in originals.items():
+                setattr(nn.init, name, _meta_draw(fn, device))
+            type(skeleton).init_weights(skeleton, seed)
+        finally:
+            for name, fn in originals.items():
+                setattr(nn.init, name, fn)
+
+
+class PipelineStageModule(nn.Module):
+    """One stage as the schedule runs it: its parts of the cut model (registered here too, so
+    the schedule sees their parameters), its inputs from the previous stage (or the token ids)
+    and the micro-batch's side inputs (positions, mask, labels) from the runner by index.
+    An MTP stage also holds the embedding, final norm and head (copies where another rank's
+    stage owns them: graphtrain.parallel.pipeline.runner reduces their gradients)."""
+
+    def __init__(self, model: nn.Module, spec: StageSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.__dict__["_model"] = model  # not a child: its parameters are not this stage's
+        if spec.embedding or spec.mtp:
+            self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleList([model.layers[str(i)] for i in spec.layers])
+        if spec.head or spec.mtp:
+            self.norm, self.output = model.norm, model.output
+        if spec.mtp:
+            self.mtp_layers = nn.ModuleList([model.mtp_layers[str(k)] for k in spec.mtp])
+        self.micro_batches: list[dict[str, Any]] = []
+        self.weights: list[float] = []  # each micro-batch's loss weight (its token share)
+        self.balance: Any = None  # graphtrain.balance.RouterBalance of an MoE model
+        self.router_layers = {f"layers.{i}" for i in spec.layers}
+        self.tp_mesh: Any = None  # set under tensor parallel: activations are Shard(1) on it
+        # The MTP depths' statistics of the step, weighted by each micro-batch's loss weight.
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(
+        self, h: torch.Tensor, *loss: torch.Tensor, micro_batch: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """h: token ids (B, T) on the first stage, else the previous stage's (B, T, dim); an
+        MTP stage after the head's also gets the head's loss (1,). micro_batch: a CPU tensor
+        holding the micro-batch's index (no device sync)."""
+        return self._forward(h, loss, int(micro_batch))
+
+    def _forward(self, h: torch.Tensor, loss: tuple, micro_batch: int) -> Any:
+        if self.balance is None or not self.training:
+            return self._run(h, loss, micro_batch)
+        # MoE: this stage's routers get the micro-batch's aux-loss scale and count its tokens
+        # after its forward (with no activation checkpointing, nothing recomputes it).
+        with self.balance.micro_batch(self.weights[micro_batch], self.router_layers):
+            return self._run(h, loss, micro_batch)
+
+    def _run(self, h: torch.Tensor, loss: tuple, micro_batch: int) -> Any:
+        inputs = self.micro_batches[micro_batch]
+        model = self._model
+        rope = model.rope[inputs["position_ids"]]  # (B, T, D/2, 2)
+        if self.spec.embedding:
+            h = model.tok_embeddings(h)
+        elif self.tp_mesh is not None:
+            # Sequence parallel: the previous stage sent its (B, T/tp, dim) slice, plain (the
+            # schedule's point-to-point needs no DTensor support that way, on any torch).
+            h = DTensor.from_local(h, self.tp_mesh, [Shard(1)], run_check=False)
+        for layer in self.layers:
+            h = layer(h, rope, inputs["attn_mask"])
+        # The model's flag (validation sets it, not the stages'): MTP is a training loss only.
+        training = model.training
+        if self.spec.head:
+            loss = (model.head_loss(h, inputs["labels"]),)
+            if self.spec.hidden_to_mtp and training:
+                return h, loss[0].reshape(1)
+        if self.spec.mtp and training:
+            stats: dict[str, torch.Tensor] = {}
+            mtp = model.mtp_loss(
+                h, inputs["input_ids"], inputs["labels"], rope, inputs["attn_mask"],
+                inputs["document_ids"], stats,
+            )  # fmt: skip
+            weight = self.weights[micro_batch]
+            for name, value in stats.items():
+                self.stats[name] = self.stats.get(name, 0.0) + value.float() * weight
+            loss = (loss[0].reshape(()) + mtp,)
+        if loss:
+            # (1,): the schedule concatenates stage outputs, which a 0-d loss cannot be.
+            return loss[0].reshape(1)
+        return h.to_local() if isinstance(h, DTensor) else h
+
+
+def cut_model(
+    model: nn.Module,
+    specs: Sequence[StageSpec],
+    pp_rank: int,
+    pp: int,
+    schedule: str,
+    build: Callable[[], nn.Module],
+) -> list[PipelineStageModule]:
+    """Prune `model` (on the meta device, before parallelize_model) in place to the parts of
+    this rank's stages, make model.init_weights reproduce the whole model's values, and return
+    this rank's stage modules in stage order. build(): the whole model (for the init)."""
+    mine = [s for s in specs if stage_rank(s.index, len(specs), pp, schedule) == pp_rank]
+    layers = {i for s in mine for i in s.layers}
+    for name in list(model.layers):
+        if int(name) not in layers:
+            del model.layers[name]
+    if not any(s.embedding or s.mtp for s in mine):
+        del model.tok_embeddings
+    if not any(s.head or s.mtp for s in mine):
+        del model.norm, model.output
+    depths = {k for s in mine for k in s.mtp}
+    for name in list(getattr(model, "mtp_layers", {})):
+        if int(name) not in depths:
+            del model.mtp_layers[name]
+    model.init_weights = _StageInit(model, build)
+    return [PipelineStageModule(model, s) for s in mine]

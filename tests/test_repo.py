@@ -119,13 +119,11 @@ LONG_FUNCTIONS = {
     "graphtrain/parallel/pipeline/layout.py::parse_layout",
 }
 LONG_DOCSTRINGS = {
-    "graphtrain/custom_ops/gated_delta_rule.py",
     "graphtrain/custom_ops/linear_cross_entropy/__init__.py",
     "graphtrain/parallel/activation_checkpoint.py",
     "graphtrain/parallel/expert_parallel.py",
     "graphtrain/parallel/fp8_all_gather.py",
     "graphtrain/parallel/init.py",
-    "graphtrain/passes/gated_delta_rule.py",
     "graphtrain/step.py",
     "models/gpt_plan.py",
 }

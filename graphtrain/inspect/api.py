@@ -15,6 +15,7 @@ from graphtrain.compile import apply_compile, inspection_flags
 from graphtrain.config import JobConfig, pass_options
 from graphtrain.inspect.capture import capture_function, capture_model, run_once
 from graphtrain.inspect.html import render_html
+from graphtrain.inspect.pipeline import capture_pipeline
 from graphtrain.inspect.profile import (
     PassTime,
     Profile,
@@ -126,7 +127,8 @@ def inspect_config(
     profile_steps: int = 0,
     compare_passes: bool = True,
 ) -> Report:
-    """Build the configured model, compile its regions as training would (cfg.compile.passes,
+    """Build the configured model (under parallel.pp > 1 each pp rank's stages:
+    graphtrain.inspect.pipeline), compile its regions as training would (cfg.compile.passes,
     inner backend cfg.compile.backend unless given) and run one forward+backward on random
     tokens of one micro-batch, then (validation) one forward in eval mode under no_grad as
     validation does. device "meta": no weights are allocated and nothing is computed, only
@@ -150,8 +152,15 @@ def inspect_config(
             f"--profile measures Inductor's kernels: it needs --backend inductor and a real "
             f"device, got backend {inner!r} on {target.type!r}"
         )
+    pipelined = cfg.parallel.pp > 1
+    if profile_steps and pipelined:
+        raise ValueError(
+            f"--profile with parallel.pp={cfg.parallel.pp}: the profile times one process's "
+            "regions, which are every stage's too; profile with --parallel.pp=1"
+        )
     t = cfg.training
-    model = _build(cfg, target)
+    # Under pp: each pp rank's cut model, built by capture_pipeline.
+    model = None if pipelined else _build(cfg, target)
     tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1))
     tokens = tokens.to(target)
     inputs = (tokens[:, :-1], tokens[:, 1:])
@@ -164,6 +173,16 @@ def inspect_config(
         else contextlib.nullcontext()
     )
     with _dump_dir(dump_dir) as directory, autocast:
+        if pipelined:
+            capture_pipeline(
+                cfg,
+                inputs,
+                dump_dir=Path(directory),
+                inner=inner,
+                trace_dir=trace_dir,
+                validation=validation,
+            )
+            return load_report(directory, inner=inner)
         capture_model(
             model,
             inputs,

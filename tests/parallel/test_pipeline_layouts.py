@@ -152,21 +152,21 @@ def test_resume_across_pipeline_sizes_and_export(corpus, tmp_path):
     assert config == json.loads((tmp_path / "hf_one" / "config.json").read_text())
 
 
-def _installed_v_schedules() -> list[str]:
-    """zbv and dualpipev where the installed torch has them."""
-    names = []
-    for name in V_SCHEDULES:
+def _installed_v_schedule() -> str | None:
+    """dualpipev, else zbv, where the installed torch has it (both split the backward alike:
+    one of them tests the MTP stage's outputs under the split; measured, they log the same)."""
+    for name in reversed(V_SCHEDULES):
         try:
             schedule_class(name)
         except ValueError:
             continue
-        names.append(name)
-    return names
+        return name
+    return None
 
 
 def _same_mtp_metrics(name: str, want: list[dict], got: list[dict]) -> None:
     """Every logged line agrees to 1e-5: the loss, validation loss, norms and the depths' loss
-    and acceptance."""
+    and acceptance where the reference logs them; the pipelined run logs the depth's."""
     assert len(got) == len(want), name
     for a, b in zip(want, got, strict=True):
         keys = [k for k in ("loss", "val_loss", "grad_norm", "param_norm") if k in a]
@@ -181,7 +181,8 @@ def test_mtp_stage_with_fsdp_follows_the_same_run_without_pp(four_rank_runs):
     """MTP depth 1 in a stage of its own under pp=2 x dp_shard=2 (the copies of the embedding,
     norm and head FSDP-sharded like their owners; their gradient shards summed between the
     two pp ranks of each dp position) against dp_shard=2 alone: the same data-parallel ranks,
-    so the same loss weighting."""
+    so the same loss weighting. dp_shard=2 without pp logs no per-depth statistics, so the
+    depth is checked through the loss it adds to and the norms (measured: 2e-7 apart)."""
     _, runs = four_rank_runs
     _same_mtp_metrics("pp2_fsdp2_mtp", runs["fsdp2_mtp"], runs["pp2_fsdp2_mtp"])
 
@@ -190,7 +191,7 @@ def test_mtp_stage_with_fsdp_follows_the_same_run_without_pp(four_rank_runs):
 def test_mtp_in_a_stage_follows_the_single_process_curve(corpus, tmp_path):
     """MTP depth 1 on pp=2: in the head's stage (1F1B, Et|tLm: the stage holds a copy of the
     embedding) and in a stage of its own (interleaved, E|t|tL|m: copies of the embedding, final
-    norm and head on the other rank; zbv and dualpipev, where torch has them: the MTP stage on
+    norm and head on the other rank; dualpipev, else zbv, where torch has it: the MTP stage on
     rank 0 beside the embedding, copies of the norm and head), against one process. The loss,
     the norms and the depth's loss and acceptance agree to 1e-5 every step: the copies'
     gradients summed with their owners' keep them equal (without that sum the curve leaves the
@@ -211,9 +212,10 @@ def test_mtp_in_a_stage_follows_the_single_process_curve(corpus, tmp_path):
         "own_stage": ("two_rows", [*two, "--parallel.pp_schedule=interleaved_1f1b",
                                    "--parallel.pp_layout=E|t|tL|m"]),
     }  # fmt: skip
-    for name in _installed_v_schedules():
-        layouts[name] = ("one_row", [*one_row, f"--parallel.pp_schedule={name}",
-                                     "--parallel.pp_layout=E|t|tL|m"])  # fmt: skip
+    v_schedule = _installed_v_schedule()
+    if v_schedule is not None:
+        layouts[v_schedule] = ("one_row", [*one_row, f"--parallel.pp_schedule={v_schedule}",
+                                           "--parallel.pp_layout=E|t|tL|m"])  # fmt: skip
     jobs = [
         job(corpus, tmp_path / name, *common, "--parallel.pp=2", *args)
         for name, (_, args) in layouts.items()

@@ -116,6 +116,30 @@ def _build(cfg: JobConfig, target: torch.device) -> torch.nn.Module:
     return model
 
 
+def _inner_backend(
+    cfg: JobConfig, target: torch.device, inner: str | None, profile_steps: int
+) -> str:
+    """The inner backend to use, or a ValueError for options that do not go together."""
+    # On meta nothing runs, so Inductor has nothing to compile for: trace with aot_eager unless
+    # the caller insists on another backend (which is then an error).
+    inner = inner or ("aot_eager" if target.type == "meta" else cfg.compile.backend)
+    if target.type == "meta" and inner != "aot_eager":
+        raise ValueError("device 'meta' needs backend 'aot_eager': Inductor cannot run on meta")
+    if profile_steps < 0:
+        raise ValueError(f"profile steps must be >= 0, got {profile_steps}")
+    if profile_steps and (target.type == "meta" or inner != "inductor"):
+        raise ValueError(
+            f"--profile measures Inductor's kernels: it needs --backend inductor and a real "
+            f"device, got backend {inner!r} on {target.type!r}"
+        )
+    if profile_steps and cfg.parallel.pp > 1:
+        raise ValueError(
+            f"--profile with parallel.pp={cfg.parallel.pp}: the profile times one process's "
+            "regions, which are every stage's too; profile with --parallel.pp=1"
+        )
+    return inner
+
+
 def inspect_config(
     cfg: JobConfig,
     *,
@@ -140,24 +164,8 @@ def inspect_config(
     also profile, for each pass that put a graphtrain kernel into a region, that region
     compiled with the pass off (one more compile per such pass)."""
     target = resolve_device(device)
-    # On meta nothing runs, so Inductor has nothing to compile for: trace with aot_eager unless
-    # the caller insists on another backend (which is then an error).
-    inner = inner or ("aot_eager" if target.type == "meta" else cfg.compile.backend)
-    if target.type == "meta" and inner != "aot_eager":
-        raise ValueError("device 'meta' needs backend 'aot_eager': Inductor cannot run on meta")
-    if profile_steps < 0:
-        raise ValueError(f"profile steps must be >= 0, got {profile_steps}")
-    if profile_steps and (target.type == "meta" or inner != "inductor"):
-        raise ValueError(
-            f"--profile measures Inductor's kernels: it needs --backend inductor and a real "
-            f"device, got backend {inner!r} on {target.type!r}"
-        )
+    inner = _inner_backend(cfg, target, inner, profile_steps)
     pipelined = cfg.parallel.pp > 1
-    if profile_steps and pipelined:
-        raise ValueError(
-            f"--profile with parallel.pp={cfg.parallel.pp}: the profile times one process's "
-            "regions, which are every stage's too; profile with --parallel.pp=1"
-        )
     t = cfg.training
     # Under pp: each pp rank's cut model, built by capture_pipeline.
     model = None if pipelined else _build(cfg, target)

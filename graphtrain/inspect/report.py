@@ -465,6 +465,15 @@ def _explain(reason: str | None, graph: CompiledGraph) -> str:
     return "; ".join(p.strip() for p in parts) or "torch gave no reason"
 
 
+def _pipeline(dump_dir: Path, graphs: list[CompiledGraph]) -> list[dict[str, Any]]:
+    """A pipelined inspection's stage table with each stage's graphs ([] for other dumps)."""
+    path = dump_dir / PIPELINE_FILE
+    stages = json.loads(path.read_text()) if path.is_file() else []
+    for stage in stages:
+        stage["graphs"] = [g.name for g in graphs if g.region in stage["regions"]]
+    return stages
+
+
 def load_report(dump_dir: str | Path, *, inner: str | None = None) -> Report:
     """Build a Report from the graph dumps under `dump_dir`."""
     dump_dir = Path(dump_dir)
@@ -530,23 +539,10 @@ def load_report(dump_dir: str | Path, *, inner: str | None = None) -> Report:
                 GraphBreak(name, region, reason["reason"], stack[-1] if stack else None, stack)
             )
     ran = {r.name for r in results}
-    pipeline_file = dump_dir / PIPELINE_FILE
-    pipeline = json.loads(pipeline_file.read_text()) if pipeline_file.is_file() else []
-    for stage in pipeline:
-        stage["graphs"] = [g.name for g in graphs if g.region in stage["regions"]]
     passes = [
         PassInfo(p.name, p.stage, p.name in ran, p.description, _why_off(p, ran, graphs))
         for p in all_passes()
     ]
-    return Report(
-        str(dump_dir),
-        inner,
-        graphs,
-        passes,
-        results,
-        sites,
-        breaks,
-        recompiles,
-        metrics.get("cache_counters", {}),
-        pipeline=pipeline,
-    )
+    counters = metrics.get("cache_counters", {})
+    return Report(str(dump_dir), inner, graphs, passes, results, sites, breaks, recompiles,
+                  counters, pipeline=_pipeline(dump_dir, graphs))  # fmt: skip

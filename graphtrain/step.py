@@ -21,9 +21,9 @@ What
         size schedule).
 
 Step statistics (StepStats.extra), the one place to add a per-step device statistic. From the
-model: its forward takes `stats`, a dict it fills with detached device tensors (e.g. the MTP
-depths' "mtp/loss_1", "mtp/acceptance_1"); their loss-weighted mean over the micro-batches is
-logged under those names. From elsewhere: a step hook. A hook has
+model: its forward takes `stats` and fills it with `stats[name] = detached device tensor` (e.g.
+the MTP depths' "mtp/loss_1", "mtp/acceptance_1"); their loss-weighted mean over the
+micro-batches is logged under those names. From elsewhere: a step hook. A hook has
     micro_batch(weight) -> context manager   entered around each micro-batch's forward and
                                              backward (weight: its loss weight in the step;
                                              the model holds the working copies there)
@@ -93,6 +93,20 @@ def model_inputs(batch: TensorDict, device: torch.device, attention: str) -> dic
     }
 
 
+class _Into:
+    """`stats` as the model gets it: `stats[name] = value` writes into the caller's dict. Not a
+    dict itself: FSDP2's cast of the forward's inputs rebuilds every dict it is given, so the
+    model would fill a copy and the statistics would never reach the log."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: dict[str, torch.Tensor]) -> None:
+        self.target = target
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self.target[name] = value
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardLoss:
     """batch -> the model's mean loss over it (training and validation alike)."""
@@ -108,7 +122,7 @@ class ForwardLoss:
     ) -> torch.Tensor:
         inputs = model_inputs(batch, self.device, self.attention)
         with self.autocast:
-            return self.model(**inputs, stats=stats)
+            return self.model(**inputs, stats=None if stats is None else _Into(stats))
 
 
 def loss_sums(forward: ForwardLoss, batches: Iterable[TensorDict]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -358,7 +359,7 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | BlockMask | None = None,
         document_ids: torch.Tensor | None = None,
-        stats: dict[str, torch.Tensor] | None = None,
+        stats: Any = None,
     ) -> torch.Tensor:
         """input_ids, labels, position_ids: (B, T). Returns the mean loss over labels != -100
         (plus the MTP losses when cfg.mtp_depth > 0) when labels are given, else the main
@@ -366,8 +367,9 @@ class GPT(nn.Module):
 
         document_ids (B, T): the document of each position in a packed row, which keeps the MTP
         shifts inside documents (None: each row is one document; the main loss ignores it).
-        stats: a dict the forward fills with detached device tensors (per-depth MTP loss and
-        acceptance), or None to compute nothing extra.
+        stats: what the forward fills with `stats[name] = detached device tensor` (a dict, or
+        any object with item assignment: the trainer's is not a dict, which FSDP2 would copy),
+        per-depth MTP loss and acceptance; None to compute nothing extra.
         """
         B, T = input_ids.shape
         if position_ids is None:
@@ -393,7 +395,7 @@ class GPT(nn.Module):
         rope: torch.Tensor,
         attn_mask: torch.Tensor | BlockMask | None,
         document_ids: torch.Tensor | None,
-        stats: dict[str, torch.Tensor] | None,
+        stats: Any,
     ) -> torch.Tensor:
         """(mtp_loss_scale / D) * sum over depths k of L_k, the mean cross-entropy of depth k's
         prediction of the token k + 1 ahead (models/mtp.py). h: the trunk's last hidden state.

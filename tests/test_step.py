@@ -28,7 +28,7 @@ class WithStats(nn.Module):
     def forward(self, stats=None, **inputs):
         loss = self.inner(**inputs)
         if stats is not None:
-            stats.update({"test/loss": loss.detach(), "test/one": torch.ones(())})
+            stats["test/loss"], stats["test/one"] = loss.detach(), torch.ones(())
         return loss
 
 
@@ -117,3 +117,17 @@ def test_a_model_without_statistics_adds_nothing():
     stats = make_step(model, [], num_micro=1)(batches(1), step=0)
     assert stats.extra == {}
     assert torch.isfinite(stats.loss) and torch.isfinite(stats.grad_norm)
+
+
+def test_model_statistics_survive_fsdp2(one_rank_group):
+    """FSDP2 casts the forward's inputs by rebuilding every dict: a stats dict would be filled
+    as a copy and the model's statistics (MTP's loss and acceptance) would vanish under
+    dp_shard > 1. The step hands the model an object that writes into its own dict."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = WithStats()
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    stats = make_step(model, [], num_micro=1)(batches(1), step=0)
+    assert torch.equal(stats.extra["test/loss"], stats.loss)

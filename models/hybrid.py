@@ -50,8 +50,10 @@ class HybridConfig(GPTConfig):
     linear_value_head_dim: int = option(64, "GDN value head width")
     linear_conv_kernel: int = option(4, "width of GDN's causal depthwise convolution")
     linear_chunk_size: int = option(64, "positions per chunk of the chunked recurrence")
-    # Qwen3-Next's attention (GatedAttention): an output gate and RMSNorm on q and k per head.
-    gated_attention: bool = option(False)
+    gated_attention: bool = option(
+        False,
+        "Qwen3-Next's attention (GatedAttention): an output gate and RMSNorm on q and k per head",
+    )
     partial_rotary_factor: float = option(
         1.0, "the fraction of each head RoPE rotates (Qwen3-Next 0.25)"
     )

@@ -146,6 +146,9 @@ def test_help_text_is_field_metadata():
             continue
         for g in dataclasses.fields(cls):  # a key written without option(...) has no help
             assert g.metadata.get("help"), f"{f.name}.{g.name} has no help metadata"
+    for cls in {type(cfg) for cfg in MODEL_PRESETS.values()}:
+        for g in dataclasses.fields(cls):
+            assert g.metadata.get("help"), f"model.{g.name} ({cls.__name__}) has no help metadata"
     text = describe_keys(load_config(["--preset", "hybrid-moe-debug"]))
     # A section's help over several source lines, joined; model keys, inherited ones too.
     assert (

@@ -70,6 +70,11 @@ class HybridConfig(GPTConfig):
                 f"and rotate an even number >= 2 of head_dim={self.head_dim}'s dims "
                 f"(it rotates {self.rope_dim})"
             )
+        if self.partial_rotary_factor != 1 and not self.gated_attention:
+            raise ValueError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor} needs "
+                "model.gated_attention=true (the plain attention rotates whole heads)"
+            )
         for name in (
             "linear_num_key_heads",
             "linear_num_value_heads",

@@ -16,7 +16,7 @@ Three value changes, each exact or inverted on import:
              [query, gate] rows, are Qwen3-Next's layouts; A_log, dt_bias as they are.
 What it needs (else ValueError naming the option): model.gated_attention=true (Qwen3-Next's
 attention: output gate, q/k norms; the hybrid presets set it), no MTP layers (model.mtp_depth=0:
-the MTP side file's per-layer configs are not hybrid-aware yet), and for an MoE hybrid
+Qwen3-Next's MTP layer computes another function, check_exportable says how), and for an MoE hybrid
 Qwen3-Next's routing. Its sparse block (Qwen3NextSparseMoeBlock) is Qwen2-MoE's: softmax over
 all experts, top-k, optionally normalised, one shared expert gated by sigmoid(shared_expert_gate
 x); so the MoE layers are mapped by models/moe_hf.py's Qwen2-MoE mapping (our shared experts
@@ -75,9 +75,15 @@ def check_exportable(cfg: HybridConfig) -> None:
             f"model.route_scale={cfg.route_scale}"
         )
     if cfg.mtp_depth:
+        # transformers' Qwen3NextForCausalLM ignores mtp.* on load; vLLM's Qwen3NextMTP is
+        # the reference for what the layer computes (docs/design/gated_delta_rule.md).
         raise ValueError(
-            f"Hugging Face export of hybrids with MTP layers (model.mtp_depth={cfg.mtp_depth}) "
-            "is not implemented; export a model.mtp_depth=0 config of the run"
+            f"Hugging Face export of a hybrid with MTP layers (model.mtp_depth={cfg.mtp_depth}) "
+            "is refused: Qwen3-Next's MTP layer computes another function than ours. It reads "
+            "the trunk's hidden state after the final norm (ours: before it), has a final norm "
+            "of its own (mtp.norm; ours shares the trunk's) and feeds its normed output to the "
+            "next depth; its weights sit under mtp.* in the main files. Train with "
+            "model.mtp_depth=0 to export"
         )
     if ATTENTION in cfg.layer_pattern and not cfg.gated_attention:
         raise ValueError(

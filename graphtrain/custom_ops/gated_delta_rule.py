@@ -12,19 +12,9 @@ What
     chunk_size is the reference's schedule only (the result does not depend on it beyond
     rounding); it is kept so that the op on CPU repeats the model's eager numerics exactly.
 
-Layers
-    GatedDeltaRuleOptions   the op's options (scale, chunk_size), checked once; the schemas'
-                            keyword arguments are written from its fields
-    chunk_gated_delta_rule_ref   the CPU kernel and the tests' oracle: the model's chunked form
-                            (models.gated_deltanet.chunk_gated_delta_rule); its backward is
-                            autograd through it
-    _gdr_fwd_kernel         Triton forward, one program per (batch, head, block of Dv columns):
-                            the recurrence step by step with S in fp32 registers (the columns
-                            of S are independent given k, so Dv splits across programs)
-    _gdr_bwd_kernel         Triton backward, one program per (batch, head): the recurrence
-                            again keeping the state entering each chunk, then the chunks in
-                            reverse, each recomputed into a scratch buffer and stepped back
-                            through with dS, the state's gradient, in fp32 registers
+Layers: GatedDeltaRuleOptions (the options, checked once; the schemas' keyword arguments),
+chunk_gated_delta_rule_ref (the CPU kernel and the tests' oracle), the Triton kernels
+_gdr_fwd_kernel and _gdr_bwd_kernel: docs/design/gated_delta_rule.md, "The op".
 
 Numerics
     fp32 state and accumulation for bf16/fp32 inputs (float64 stays float64 on the reference).

@@ -15,6 +15,7 @@ from graphtrain.compile import apply_compile, inspection_flags
 from graphtrain.config import JobConfig, pass_options
 from graphtrain.inspect.capture import capture_function, capture_model, run_once
 from graphtrain.inspect.html import render_html
+from graphtrain.inspect.pipeline import capture_pipeline
 from graphtrain.inspect.profile import (
     PassTime,
     Profile,
@@ -115,29 +116,10 @@ def _build(cfg: JobConfig, target: torch.device) -> torch.nn.Module:
     return model
 
 
-def inspect_config(
-    cfg: JobConfig,
-    *,
-    device: str = "auto",
-    inner: str | None = None,
-    dump_dir: str | Path | None = None,
-    trace_dir: str | Path | None = None,
-    validation: bool = True,
-    profile_steps: int = 0,
-    compare_passes: bool = True,
-) -> Report:
-    """Build the configured model, compile its regions as training would (cfg.compile.passes,
-    inner backend cfg.compile.backend unless given) and run one forward+backward on random
-    tokens of one micro-batch, then (validation) one forward in eval mode under no_grad as
-    validation does. device "meta": no weights are allocated and nothing is computed, only
-    traced (with inner="aot_eager", the default there), so that large presets can be inspected
-    on a laptop.
-
-    profile_steps > 0: then run that many forward+backward steps under torch.profiler and
-    attribute the kernel time (report.profile, graphtrain.inspect.profile); compare_passes:
-    also profile, for each pass that put a graphtrain kernel into a region, that region
-    compiled with the pass off (one more compile per such pass)."""
-    target = resolve_device(device)
+def _inner_backend(
+    cfg: JobConfig, target: torch.device, inner: str | None, profile_steps: int
+) -> str:
+    """The inner backend to use, or a ValueError for options that do not go together."""
     # On meta nothing runs, so Inductor has nothing to compile for: trace with aot_eager unless
     # the caller insists on another backend (which is then an error).
     inner = inner or ("aot_eager" if target.type == "meta" else cfg.compile.backend)
@@ -150,8 +132,43 @@ def inspect_config(
             f"--profile measures Inductor's kernels: it needs --backend inductor and a real "
             f"device, got backend {inner!r} on {target.type!r}"
         )
+    if profile_steps and cfg.parallel.pp > 1:
+        raise ValueError(
+            f"--profile with parallel.pp={cfg.parallel.pp}: the profile times one process's "
+            "regions, which are every stage's too; profile with --parallel.pp=1"
+        )
+    return inner
+
+
+def inspect_config(
+    cfg: JobConfig,
+    *,
+    device: str = "auto",
+    inner: str | None = None,
+    dump_dir: str | Path | None = None,
+    trace_dir: str | Path | None = None,
+    validation: bool = True,
+    profile_steps: int = 0,
+    compare_passes: bool = True,
+) -> Report:
+    """Build the configured model (under parallel.pp > 1 each pp rank's stages:
+    graphtrain.inspect.pipeline), compile its regions as training would (cfg.compile.passes,
+    inner backend cfg.compile.backend unless given) and run one forward+backward on random
+    tokens of one micro-batch, then (validation) one forward in eval mode under no_grad as
+    validation does. device "meta": no weights are allocated and nothing is computed, only
+    traced (with inner="aot_eager", the default there), so that large presets can be inspected
+    on a laptop.
+
+    profile_steps > 0: then run that many forward+backward steps under torch.profiler and
+    attribute the kernel time (report.profile, graphtrain.inspect.profile); compare_passes:
+    also profile, for each pass that put a graphtrain kernel into a region, that region
+    compiled with the pass off (one more compile per such pass)."""
+    target = resolve_device(device)
+    inner = _inner_backend(cfg, target, inner, profile_steps)
+    pipelined = cfg.parallel.pp > 1
     t = cfg.training
-    model = _build(cfg, target)
+    # Under pp: each pp rank's cut model, built by capture_pipeline.
+    model = None if pipelined else _build(cfg, target)
     tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1))
     tokens = tokens.to(target)
     inputs = (tokens[:, :-1], tokens[:, 1:])
@@ -164,6 +181,16 @@ def inspect_config(
         else contextlib.nullcontext()
     )
     with _dump_dir(dump_dir) as directory, autocast:
+        if pipelined:
+            capture_pipeline(
+                cfg,
+                inputs,
+                dump_dir=Path(directory),
+                inner=inner,
+                trace_dir=trace_dir,
+                validation=validation,
+            )
+            return load_report(directory, inner=inner)
         capture_model(
             model,
             inputs,

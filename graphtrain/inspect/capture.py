@@ -65,8 +65,9 @@ class _OutputCodeRecorder(logging.Handler):
         message = record.getMessage()
         if not message.startswith(_OUTPUT_CODE_PREFIX):
             return
+        # A pipelined inspection dumps each pp rank's graphs a folder deeper (pp<rank>/).
         summaries = [
-            p for stage in ("forward", "backward") for p in self.dump_dir.glob(f"*/{stage}/*.json")
+            p for stage in ("forward", "backward") for p in self.dump_dir.glob(f"**/{stage}/*.json")
         ]
         if not summaries:
             return
@@ -158,7 +159,7 @@ def run_validation(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Non
 
 
 @contextlib.contextmanager
-def _recording(dump_dir: Path, trace_dir: str | Path | None) -> Iterator[None]:
+def recording(dump_dir: Path, trace_dir: str | Path | None) -> Iterator[None]:
     """Everything a capture records: the trace, Inductor's output code and provenance, and at
     the end torch's compile metrics and the cache counters of this capture."""
     since = start_compile_metrics()
@@ -182,7 +183,7 @@ def capture_function(
     region = getattr(fn, "__name__", None) or type(fn).__name__
     be = backend(passes=passes, inner=inner, dump_dir=dump_dir, region=region)
     torch._dynamo.reset()
-    with _recording(dump_dir, trace_dir):
+    with recording(dump_dir, trace_dir):
         run_once(torch.compile(fn, backend=be, fullgraph=fullgraph), example_inputs)
 
 
@@ -202,7 +203,7 @@ def capture_model(
     `validation`, one forward as validation does (run_validation)."""
     torch._dynamo.reset()
     apply_compile(model, passes=passes, inner=inner, dump_dir=dump_dir, pass_options=pass_options)
-    with _recording(dump_dir, trace_dir):
+    with recording(dump_dir, trace_dir):
         run_once(model, example_inputs)
         if validation:
             run_validation(model, example_inputs)

@@ -20,6 +20,8 @@ breaks, recompiles and why, compile time per stage, cache hits, and Inductor's g
 Writes DIR/report.html (one self-contained page), report.json, summary.txt and the raw graph
 dumps in DIR/graphs. DIR: --out, else RUN_DIR/inspect (given a run directory, or a config.toml
 inside one), else training.run_dir/inspect when set, else runs/inspect-<preset>-<date>-<time>.
+With parallel.pp > 1: every pp rank's regions, compiled as that rank does (graphs named
+pp<rank>.<region>-<k>), and a table of the stages, their pp ranks and their graphs.
   --device meta     trace only, no weights allocated (large presets on a laptop; aot_eager)
   --trace DIR       also write torch's structured trace there (TORCH_TRACE format, for tlparse)
   --profile [N]     then run N (default 5) steps under torch.profiler and attribute the kernel

@@ -520,6 +520,14 @@ def render_html(report: Report) -> str:
         f"<b>{escape(', '.join(report.regions) or '-')}</b>; inner backend "
         f"{escape(report.inner or 'unknown')}; dumps in <code>{escape(report.dump_dir)}</code></p>",
     ]
+    if report.pipeline:
+        out.append('<h2 id="pipeline">Pipeline stages</h2>')
+        rows = [
+            [str(s["stage"]), str(s["pp_rank"]), escape(s["holds"]),
+             escape(", ".join(s["graphs"]) or "(eager)")]
+            for s in report.pipeline
+        ]  # fmt: skip
+        out.append(_table(["stage", "pp rank", "holds", "graphs"], rows))
     out += _passes(report)
     if report.profile is not None:
         out += _profile(report)

@@ -25,6 +25,8 @@ from typing import Any
 from graphtrain.passes import PassSpec, all_passes
 
 AOT_STAGES = ("forward", "backward")
+# A pipelined inspection's stages: [{"stage", "pp_rank", "holds", "regions"}] (inspect.pipeline)
+PIPELINE_FILE = "pipeline.json"
 
 
 @dataclass
@@ -160,6 +162,8 @@ class Report:
     # process-wide cache counter differences ("inductor.fxgraph_cache_hit": n, ...)
     cache_counters: dict[str, int] = field(default_factory=dict)
     profile: Any = None  # a graphtrain.inspect.profile.Profile, with `inspect --profile`
+    # Under parallel.pp > 1: each stage, its pp rank, what it holds and its regions' graphs.
+    pipeline: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def regions(self) -> list[str]:
@@ -451,9 +455,23 @@ def _explain(reason: str | None, graph: CompiledGraph) -> str:
             "autograd on in one compile and off in the other (training, and validation under "
             "no_grad): one graph for each, and no further recompile"
         )
+    if reason and "BACKEND_MATCH" in reason:
+        parts.append(
+            "another pp rank's compile of the same code: inspect runs every pp rank in one "
+            "process, each with its own backend; a pipelined run compiles it once per rank"
+        )
     if reason and "training" in reason:
         parts.append("module.eval()/train() flips `training`, which Dynamo guards on")
     return "; ".join(p.strip() for p in parts) or "torch gave no reason"
+
+
+def _pipeline(dump_dir: Path, graphs: list[CompiledGraph]) -> list[dict[str, Any]]:
+    """A pipelined inspection's stage table with each stage's graphs ([] for other dumps)."""
+    path = dump_dir / PIPELINE_FILE
+    stages = json.loads(path.read_text()) if path.is_file() else []
+    for stage in stages:
+        stage["graphs"] = [g.name for g in graphs if g.region in stage["regions"]]
+    return stages
 
 
 def load_report(dump_dir: str | Path, *, inner: str | None = None) -> Report:
@@ -525,14 +543,6 @@ def load_report(dump_dir: str | Path, *, inner: str | None = None) -> Report:
         PassInfo(p.name, p.stage, p.name in ran, p.description, _why_off(p, ran, graphs))
         for p in all_passes()
     ]
-    return Report(
-        str(dump_dir),
-        inner,
-        graphs,
-        passes,
-        results,
-        sites,
-        breaks,
-        recompiles,
-        metrics.get("cache_counters", {}),
-    )
+    counters = metrics.get("cache_counters", {})
+    return Report(str(dump_dir), inner, graphs, passes, results, sites, breaks, recompiles,
+                  counters, pipeline=_pipeline(dump_dir, graphs))  # fmt: skip

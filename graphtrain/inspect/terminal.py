@@ -78,6 +78,16 @@ def render_summary(report: Report, *, color: bool = False) -> str:
         f"{len(report.graphs)} compiled graph(s) in {len(report.regions)} region(s): "
         f"{', '.join(report.regions) or '-'}; inner backend: {report.inner or 'unknown'}"
     )
+    if report.pipeline:
+        out += [
+            "",
+            paint("Pipeline stages (each pp rank's regions, compiled as that rank does)", "bold"),
+        ]
+        rows = [
+            [str(s["stage"]), str(s["pp_rank"]), s["holds"], ", ".join(s["graphs"]) or "(eager)"]
+            for s in report.pipeline
+        ]
+        out += _table(["stage", "pp rank", "holds", "graphs"], rows)
     out += _passes(report, paint)
     out.append("")
     out.append(paint("Compiled graphs", "bold"))

@@ -5,7 +5,8 @@ What
     decoder with RMSNorm, RoPE, grouped-query attention, a SwiGLU feed-forward network and an
     output head (tied or untied: the same count), over num_tokens tokens whose attention mask
     allows num_attention_pairs (query, key) pairs; model_training_flops adds what a model
-    config has besides (MoE routed and shared experts, MTP depths, Gated DeltaNet blocks).
+    config has besides (MoE routed and shared experts, MTP depths, Gated DeltaNet blocks, the
+    gate projection of Qwen3-Next's gated attention).
         forward        = num_tokens * (num_layers * layer_matmul + head)
                          + num_attention_pairs * num_layers * 4 * head_dim * num_heads
         training_flops = 3 * forward    (a matmul's backward is two matmuls of its size)
@@ -150,17 +151,21 @@ def gated_deltanet_forward_flops_per_token(cfg: Any) -> int:
 
 
 def _hybrid_training_flops(cfg: Any, num_tokens: int, num_attention_pairs: int) -> int:
-    # The same model with attention in every block (its MTP blocks are attention blocks in
-    # both), then each GDN block's attention swapped for the GDN mixer.
+    # The same model with plain attention in every block (its MTP blocks are attention blocks
+    # in both), then each GDN block's attention swapped for the GDN mixer and, with
+    # gated_attention, each attention block's output-gate projection (wq's second half,
+    # dim -> q_dim) added. GatedAttention's q/k norms and sigmoid gate are elementwise
+    # (O(dim) per token), left out as every norm and activation is.
     base_cls = MoEConfig if isinstance(cfg, MoEConfig) else GPTConfig
     base = base_cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(base_cls)})
     num_gdn = sum(cfg.mixer(i) == GDN for i in range(cfg.num_layers))
+    num_attention = cfg.num_layers - num_gdn + cfg.mtp_depth
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attention_matmul = 2 * cfg.dim * q_dim + 2 * 2 * cfg.dim * kv_dim + 2 * q_dim * cfg.dim
     attention_per_pair = 4 * cfg.head_dim * cfg.num_heads
     swap = num_tokens * (gated_deltanet_forward_flops_per_token(cfg) - attention_matmul)
     swap -= num_attention_pairs * attention_per_pair
-    return (
-        model_training_flops(base, num_tokens=num_tokens, num_attention_pairs=num_attention_pairs)
-        + 3 * num_gdn * swap
-    )
+    gates = num_attention * num_tokens * 2 * cfg.dim * q_dim if cfg.gated_attention else 0
+    return model_training_flops(
+        base, num_tokens=num_tokens, num_attention_pairs=num_attention_pairs
+    ) + 3 * (num_gdn * swap + gates)

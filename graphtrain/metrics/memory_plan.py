@@ -185,7 +185,10 @@ def _activations(
     per_block = [per_token] * len(layers)
     if getattr(m, "layer_pattern", None):  # a hybrid: its GDN blocks keep other tensors
         gdn = per_token - 2 * m.dim - 2 * kv_dim + gated_deltanet_activations_per_token(m)
-        per_block = [gdn if m.mixer(i) == "G" else per_token for i in layers]
+        # Qwen3-Next's GatedAttention keeps besides: q and k before their norms, the gate, and
+        # the gated product (wo's input; the attention output is the gate's gradient's).
+        attention = per_token + (3 * m.dim + kv_dim if m.gated_attention else 0)
+        per_block = [gdn if m.mixer(i) == "G" else attention for i in layers]
     block_acts = tokens / dims.tp * max(per_block) * compute
     if t.activation_checkpoint == "full":
         return len(layers) * tokens / dims.tp * m.dim * compute + block_acts

@@ -11,11 +11,7 @@ What
         o = graphtrain.chunk_gated_delta_rule(q, k, v, g, beta, segments, scale=s, chunk_size=C)
     and drops the subgraph. Any other invoke_subgraph is left alone.
 
-Why this marker (docs/design/gated_delta_rule.md): the chunked recurrence unrolls into a few
-hundred torch-IR nodes per block whose shape changes with the sequence length and the chunk
-count; matching that pattern would be brittle. The region node has the operands in the
-function's order and the annotation carries the two constants, so the match is exact and the
-model stays plain code.
+Why this marker and not a pattern: docs/design/gated_delta_rule.md.
 
 Refusals (the graph is left as it was and ctx.note says why)
     operands that are not the region's (count, shapes or dtypes not those of q, k, v, g, beta,

@@ -101,8 +101,16 @@ def test_conv_channels_are_reordered_to_theirs_and_back():
     "preset, change, message",
     [
         ("hybrid-moe-debug", {}, r"needs Qwen3-Next's routing.*got model.score_func='sigmoid'"),
-        ("hybrid-debug", {"gated_attention": False}, r"needs model.gated_attention=true"),
-        ("hybrid-debug", {"mtp_depth": 1}, r"MTP layers \(model.mtp_depth=1\)"),
+        (
+            "hybrid-debug",
+            {"gated_attention": False, "partial_rotary_factor": 1.0},
+            r"needs model.gated_attention=true",
+        ),
+        (
+            "hybrid-debug",
+            {"mtp_depth": 1},
+            r"MTP layers \(model.mtp_depth=1\) is refused: .*after the final norm.*mtp.norm",
+        ),
     ],
 )
 def test_what_qwen3_next_does_not_compute_is_refused_before_writing(

@@ -234,3 +234,28 @@ def test_mtp_flops_of_moe_add_one_block_projection_and_head_per_depth():
         replace(cfg, mtp_depth=2), num_tokens=tokens, num_attention_pairs=pairs
     )
     assert got - base == 3 * 2 * (tokens * (attention + experts + mtp) + pairs * 4 * hd * 2)
+
+
+def test_hybrid_flops_by_hand_with_gated_attention_and_mtp():
+    """A "G*" hybrid with Qwen3-Next's gated attention and one MTP depth, counted by hand:
+    the gate projection (wq's second half) is counted in the trunk's and the MTP's attention
+    blocks; the q/k norms are elementwise work, not counted."""
+    from models.hybrid import HybridConfig
+
+    cfg = HybridConfig(
+        vocab_size=16, dim=8, num_layers=2, num_heads=2, num_kv_heads=1, ffn_dim=12,
+        max_seq_len=8, mtp_depth=1, layer_pattern="G*", gated_attention=True,
+        partial_rotary_factor=0.5, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=4, linear_value_head_dim=4, linear_chunk_size=4,
+    )  # fmt: skip
+    # Per token, forward. head_dim 4, key_dim 4, value_dim 8.
+    # GDN mixer: in_proj_qkvz 2*8*24 = 384, in_proj_ba 2*8*4 = 64, out_proj 2*8*8 = 128,
+    #   rule 2 heads * (4 * (5*4 + 3*4 + 2) + 6*4*4) = 464: 1040
+    # gated attention: wq 2*8*16 = 256 (query and gate), wk + wv 2*2*8*4 = 128, wo 2*8*8 = 128: 512
+    # FFN 3*2*8*12 = 576; head 2*8*16 = 256; MTP eh_proj 2*2*8*8 = 256
+    # trunk (1040 + 576) + (512 + 576) + head 256 + MTP (512 + 576 + 256 + 256) = 4560
+    # attention per pair 4*4*2 = 32, in the trunk's attention block and the MTP block
+    tokens, pairs = 5, 9
+    forward = tokens * 4560 + pairs * 32 * 2
+    assert forward == 23_376
+    assert model_training_flops(cfg, num_tokens=tokens, num_attention_pairs=pairs) == 3 * forward

@@ -45,6 +45,7 @@ def build(cfg, seed=0):
         ({"layer_pattern": "GGG"}, "length 3.*num_layers=4"),
         ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 is not a multiple"),
         ({"linear_chunk_size": 0}, "linear_chunk_size must be >= 1"),
+        ({"gated_attention": False}, "partial_rotary_factor=0.25 needs model.gated_attention"),
     ],
 )
 def test_config_errors_name_values(change, message):
@@ -181,6 +182,29 @@ def test_gdn_flops_are_the_matmuls_the_layer_runs():
     assert counter.get_total_flops() + T * solve == T * gated_deltanet_forward_flops_per_token(cfg)
 
 
+@pytest.mark.parametrize("gated, mtp_depth", [(True, 1), (False, 0)])
+def test_hybrid_forward_flops_match_the_flop_counter_on_the_model(gated, mtp_depth):
+    """hybrid-debug's forward (its GDN blocks, gated or plain attention, MTP) against torch's
+    flop counter, plus the triangular solve the counter leaves out; whole chunks (the rule pads
+    a partial one), attention as its full T x T on SDPA's math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from graphtrain.metrics.flops import model_training_flops
+
+    rope = {} if gated else {"gated_attention": False, "partial_rotary_factor": 1.0}
+    cfg = dataclasses.replace(DEBUG, linear_chunk_size=8, mtp_depth=mtp_depth, **rope)
+    model = build(cfg)
+    B, T = 2, 16
+    tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, tokens)
+    C, Dk, Dv = cfg.linear_chunk_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    solve = 3 * B * T * cfg.linear_num_value_heads * C * (Dk + Dv)  # 3 GDN blocks
+    expected = model_training_flops(cfg, num_tokens=B * T, num_attention_pairs=B * T * T)
+    assert 3 * (counter.get_total_flops() + solve) == expected
+
+
 @pytest.mark.parametrize("preset", ["hybrid-debug", "hybrid-moe-debug"])
 def test_hybrid_flops_swap_attention_for_gdn(preset):
     from graphtrain.metrics.flops import (
@@ -193,7 +217,8 @@ def test_hybrid_flops_swap_attention_for_gdn(preset):
     attention_only = dataclasses.replace(cfg, layer_pattern="*")
     full = model_training_flops(attention_only, num_tokens=tokens, num_attention_pairs=pairs)
     d, hd = cfg.dim, cfg.head_dim
-    attention = 2 * d * cfg.num_heads * hd * 2 + 2 * 2 * d * cfg.num_kv_heads * hd
+    # wq (query and gate: 2 * q_dim), wo; wk, wv
+    attention = 2 * d * cfg.num_heads * hd * 3 + 2 * 2 * d * cfg.num_kv_heads * hd
     per_gdn = tokens * (gated_deltanet_forward_flops_per_token(cfg) - attention)
     per_gdn -= pairs * 4 * hd * cfg.num_heads
     hybrid = model_training_flops(cfg, num_tokens=tokens, num_attention_pairs=pairs)
@@ -201,18 +226,29 @@ def test_hybrid_flops_swap_attention_for_gdn(preset):
     assert hybrid != full
 
 
-def test_memory_plan_counts_gdn_blocks_activations():
+def test_memory_plan_counts_gdn_and_gated_attention_activations():
+    """hybrid-1b's activations against the same model with attention blocks only and with
+    plain attention, by hand (per token, bf16)."""
     from graphtrain.metrics.memory_plan import gated_deltanet_activations_per_token, plan_memory
 
+    def activations(*changes):
+        plan = plan_memory(load_config([*args, *changes]), 1)
+        return plan.items["activations per micro-batch"]
+
     args = ["--preset", "hybrid-1b", "--training.dtype=bfloat16"]
-    hybrid = plan_memory(load_config(args), 1).items["activations per micro-batch"]
-    attention = plan_memory(load_config([*args, "--model.layer_pattern=*"]), 1)
-    attention = attention.items["activations per micro-batch"]
     cfg = MODEL_PRESETS["hybrid-1b"]
     tokens = 2 * 4096  # the preset's micro-batch
     kv_dim = cfg.num_kv_heads * cfg.head_dim
-    swap = gated_deltanet_activations_per_token(cfg) - 2 * cfg.dim - 2 * kv_dim
-    assert hybrid == attention + 12 * tokens * swap * 2  # 12 GDN blocks, bf16
+    # A Llama block keeps 7 dim + 2 kv_dim + 4 ffn_dim; gated attention adds q and k before
+    # their norms, the gate and the gated product; a GDN block keeps its own tensors instead of
+    # q, k, v and the attention output.
+    plain = 7 * cfg.dim + 2 * kv_dim + 4 * cfg.ffn_dim
+    gated = plain + 3 * cfg.dim + kv_dim
+    gdn = plain - 2 * cfg.dim - 2 * kv_dim + gated_deltanet_activations_per_token(cfg)
+    assert activations() == tokens * (12 * gdn + 4 * gated) * 2  # "GGG*" x 4, bf16
+    assert activations("--model.layer_pattern=*") == tokens * 16 * gated * 2
+    ungated = ("--model.gated_attention=false", "--model.partial_rotary_factor=1")
+    assert activations(*ungated) == tokens * (12 * gdn + 4 * plain) * 2
 
 
 @pytest.mark.slow

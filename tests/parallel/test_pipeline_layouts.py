@@ -15,6 +15,8 @@ from test_pipeline import LOSS_RTOL, STEPS, common_args, compare
 
 from graphtrain.checkpoint.hf import export_hf
 from graphtrain.config import load_config
+from graphtrain.parallel.pipeline import schedule_class
+from graphtrain.parallel.pipeline.layout import V_SCHEDULES
 from graphtrain.trainer import train
 
 # moe-debug on two data-parallel ranks that are also its two expert-parallel ranks; one row per
@@ -29,13 +31,22 @@ EP = ["--preset=moe-debug", "--training.micro_batch_size=1", "--schedule.batch_s
 # counts summed over the stage's dp and tp ranks, never over the other stage's).
 TP_MOE = ["--preset=moe-debug", "--training.micro_batch_size=2", "--schedule.batch_size=256",
           "--parallel.tp=2"]  # fmt: skip
-# The 2-rank references of the pipelined MoE runs.
-TWO_RANKS = {"ep2": EP, "tp2_moe": TP_MOE}
+# debug with MTP depth 1: four rows per step, two per data-parallel rank under dp_shard=2.
+MTP = ["--model.mtp_depth=1", "--training.micro_batch_size=2", "--schedule.batch_size=256"]
+# MTP in a stage of its own (copies of the embedding, final norm and head on the other rank).
+MTP_STAGE = ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
+             "--parallel.pp_layout=E|t|tL|m", "--parallel.pp_microbatches=2"]  # fmt: skip
+# The 2-rank references of the pipelined MoE and FSDP + MTP runs.
+# With MTP, the same micro-batches with and without pp (one row each; each weights the depth's
+# mean by the micro-batch's share of the main loss's tokens).
+FSDP_MTP = [*MTP, "--training.micro_batch_size=1", "--parallel.dp_shard=2"]
+TWO_RANKS = {"ep2": EP, "tp2_moe": TP_MOE, "fsdp2_mtp": FSDP_MTP}
 FOUR_RANKS = {
     "pp2_fsdp2": ["--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch_size=2"],
     "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
     "pp2_ep2": [*EP, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
     "pp2_tp2_moe": [*TP_MOE, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
+    "pp2_fsdp2_mtp": [*FSDP_MTP, *MTP_STAGE],
 }
 
 
@@ -141,35 +152,75 @@ def test_resume_across_pipeline_sizes_and_export(corpus, tmp_path):
     assert config == json.loads((tmp_path / "hf_one" / "config.json").read_text())
 
 
+def _installed_v_schedule() -> str | None:
+    """dualpipev, else zbv, where the installed torch has it (both split the backward alike:
+    one of them tests the MTP stage's outputs under the split; measured, they log the same)."""
+    for name in reversed(V_SCHEDULES):
+        try:
+            schedule_class(name)
+        except ValueError:
+            continue
+        return name
+    return None
+
+
+def _same_mtp_metrics(name: str, want: list[dict], got: list[dict]) -> None:
+    """Every logged line agrees to 1e-5: the loss, validation loss, norms and the depths' loss
+    and acceptance where the reference logs them; the pipelined run logs the depth's."""
+    assert len(got) == len(want), name
+    for a, b in zip(want, got, strict=True):
+        keys = [k for k in ("loss", "val_loss", "grad_norm", "param_norm") if k in a]
+        keys += [k for k in a if k.startswith("mtp/")]
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=LOSS_RTOL), (name, a["step"], key)
+    assert "mtp/acceptance_1" in got[-2], name
+
+
+@pytest.mark.slow
+def test_mtp_stage_with_fsdp_follows_the_same_run_without_pp(four_rank_runs):
+    """MTP depth 1 in a stage of its own under pp=2 x dp_shard=2 (the copies of the embedding,
+    norm and head FSDP-sharded like their owners; their gradient shards summed between the
+    two pp ranks of each dp position) against dp_shard=2 alone: the same data-parallel ranks,
+    so the same loss weighting. dp_shard=2 without pp logs no per-depth statistics, so the
+    depth is checked through the loss it adds to and the norms (measured: 2e-7 apart)."""
+    _, runs = four_rank_runs
+    _same_mtp_metrics("pp2_fsdp2_mtp", runs["fsdp2_mtp"], runs["pp2_fsdp2_mtp"])
+
+
 @pytest.mark.slow
 def test_mtp_in_a_stage_follows_the_single_process_curve(corpus, tmp_path):
     """MTP depth 1 on pp=2: in the head's stage (1F1B, Et|tLm: the stage holds a copy of the
     embedding) and in a stage of its own (interleaved, E|t|tL|m: copies of the embedding, final
-    norm and head on the other rank), against one process with the same micro-batches. The loss,
-    the norms and the depth's loss and acceptance agree to 1e-5 every step: the copies' gradients
-    summed with their owners' keep them equal (without that sum the curve leaves the reference
-    by 4e-5 to 3e-3 within 5 steps, measured)."""
-    common = [*common_args(corpus), "--model.mtp_depth=1", "--training.micro_batch_size=2",
-              "--schedule.batch_size=256"]  # fmt: skip
-    train(load_config(job(corpus, tmp_path / "one", *common)))
-    reference = [
-        json.loads(x) for x in (tmp_path / "one" / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    piped = ["--parallel.pp=2", "--parallel.pp_microbatches=2"]
+    norm and head on the other rank; dualpipev, else zbv, where torch has it: the MTP stage on
+    rank 0 beside the embedding, copies of the norm and head), against one process. The loss,
+    the norms and the depth's loss and acceptance agree to 1e-5 every step: the copies'
+    gradients summed with their owners' keep them equal (without that sum the curve leaves the
+    reference by 4e-5 to 3e-3 within 5 steps, measured)."""
+    common = [*common_args(corpus), *MTP]
+    # The references: the same micro-batches as the pipeline's (each weights the depth's mean
+    # by the micro-batch's share of the main loss's tokens: another split moves the depth's
+    # loss by ~2e-5). DualPipeV needs a micro-batch per stage at least: one row each.
+    one_row = ["--training.micro_batch_size=1", "--parallel.pp_microbatches=4"]
+    references = {}
+    for name, rows in (("two_rows", []), ("one_row", one_row[:1])):
+        train(load_config(job(corpus, tmp_path / name, *common, *rows)))
+        lines = (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()
+        references[name] = [json.loads(x) for x in lines]
+    two = ["--parallel.pp_microbatches=2"]
     layouts = {
-        "head_stage": ["--parallel.pp_layout=Et|tLm"],
-        "own_stage": ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_layout=E|t|tL|m"],
-    }
-    jobs = [job(corpus, tmp_path / name, *common, *piped, *args) for name, args in layouts.items()]
-    for name, metrics in zip(layouts, torchrun_jobs(2, jobs), strict=True):
-        assert len(metrics) == len(reference), name
-        for want, got in zip(reference, metrics, strict=True):
-            keys = [k for k in ("loss", "val_loss", "grad_norm", "param_norm") if k in want]
-            keys += [k for k in want if k.startswith("mtp/")]
-            for key in keys:
-                assert got[key] == pytest.approx(want[key], rel=LOSS_RTOL), (
-                    name,
-                    want["step"],
-                    key,
-                )
-        assert "mtp/acceptance_1" in metrics[-2], name
+        "head_stage": ("two_rows", [*two, "--parallel.pp_layout=Et|tLm"]),
+        "own_stage": ("two_rows", [*two, "--parallel.pp_schedule=interleaved_1f1b",
+                                   "--parallel.pp_layout=E|t|tL|m"]),
+    }  # fmt: skip
+    v_schedule = _installed_v_schedule()
+    if v_schedule is not None:
+        layouts[v_schedule] = ("one_row", [*one_row, f"--parallel.pp_schedule={v_schedule}",
+                                           "--parallel.pp_layout=E|t|tL|m"])  # fmt: skip
+    jobs = [
+        job(corpus, tmp_path / name, *common, "--parallel.pp=2", *args)
+        for name, (_, args) in layouts.items()
+    ]
+    for (name, (reference, _)), metrics in zip(
+        layouts.items(), torchrun_jobs(2, jobs), strict=True
+    ):
+        _same_mtp_metrics(name, references[reference], metrics)

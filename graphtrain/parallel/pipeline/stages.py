@@ -9,8 +9,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.overrides import TorchFunctionMode
 
+from graphtrain.parallel.init import _RANDOM_INPLACE
 from graphtrain.parallel.pipeline.layout import StageSpec, stage_rank
+
+
+def _scratch(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Low-precision tensors are drawn in fp32 (graphtrain.parallel.init).
+    dtype = torch.float32 if tensor.element_size() < 4 else tensor.dtype
+    return torch.empty(tensor.shape, dtype=dtype, device=device)
 
 
 def _meta_draw(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
@@ -21,12 +29,27 @@ def _meta_draw(fn: Callable[..., Any], device: torch.device) -> Callable[..., An
     def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not tensor.is_meta:
             return fn(tensor, *args, **kwargs)
-        # Low-precision parameters are drawn in fp32 (graphtrain.parallel.init).
-        dtype = torch.float32 if tensor.element_size() < 4 else tensor.dtype
-        fn(torch.empty(tensor.shape, dtype=dtype, device=device), *args, **kwargs)
+        fn(_scratch(tensor, device), *args, **kwargs)
         return tensor
 
     return init
+
+
+class _MetaDraws(TorchFunctionMode):
+    """_meta_draw for the random in-place Tensor methods, which an init may call directly (the
+    Gated DeltaNet's A_log and dt_bias: torch.empty_like(param).uniform_(...)): on a meta tensor
+    they draw on a scratch tensor, whose numbers are dropped."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RANDOM_INPLACE and args and args[0].is_meta:
+            func(_scratch(args[0], self.device), *args[1:], **kwargs)
+            return args[0]
+        return func(*args, **kwargs)
 
 
 class _StageInit:
@@ -54,7 +77,8 @@ class _StageInit:
         try:
             for name, fn in originals.items():
                 setattr(nn.init, name, _meta_draw(fn, device))
-            type(skeleton).init_weights(skeleton, seed)
+            with _MetaDraws(device):
+                type(skeleton).init_weights(skeleton, seed)
         finally:
             for name, fn in originals.items():
                 setattr(nn.init, name, fn)
@@ -112,14 +136,18 @@ class PipelineStageModule(nn.Module):
             # Sequence parallel: the previous stage sent its (B, T/tp, dim) slice, plain (the
             # schedule's point-to-point needs no DTensor support that way, on any torch).
             h = DTensor.from_local(h, self.tp_mesh, [Shard(1)], run_check=False)
+        mask, documents = inputs["attn_mask"], inputs.get("document_ids")
         for layer in self.layers:
-            h = layer(h, rope, inputs["attn_mask"])
+            # The model says what each layer takes (a hybrid's recurrent blocks: the documents).
+            h = layer(h, *model.block_inputs(layer, rope, mask, documents))
         # The model's flag (validation sets it, not the stages'): MTP is a training loss only.
         training = model.training
         if self.spec.head:
             loss = (model.head_loss(h, inputs["labels"]),)
             if self.spec.hidden_to_mtp and training:
-                return h, loss[0].reshape(1)
+                # A copy, not a view: the zero-bubble schedules detach a stage's outputs in
+                # place after its input backward, which a view refuses.
+                return h, loss[0].reshape(1).clone()
         if self.spec.mtp and training:
             stats: dict[str, torch.Tensor] = {}
             mtp = model.mtp_loss(

@@ -4,36 +4,22 @@ an optimizer update; nothing of it goes back to the loop but a StepStats.
 
 What
     ForwardLoss(model, device, attention, autocast, weights)(batch, stats) -> the micro-batch's
-        mean loss: model_inputs() copies the batch to the device and builds the attention mask;
-        the model runs under autocast and fills `stats` (below). Training and validation share
-        it. `weights` are the bf16 working copies of the fp32 master weights
-        (graphtrain.optim.WorkingWeights): whoever calls it installs them around the forward and
-        the backward (weights.installed()).
-    TrainStep(...)(batches, step=...) -> StepStats: the learning rate of `step`, then each
-        micro-batch's loss weighted by its share of the step's labelled tokens (the step's loss
-        is the mean over all its tokens on this rank, whatever the micro-batches hold; FSDP
-        then averages the ranks), backward (with the working copies installed: their gradients
-        reach the fp32 masters' .grad as they come), fp32 accumulation for chosen parameters,
-        the layout's gradient finishing (graphtrain.parallel.GradientFinisher), clipping, the
-        optimizer step (its step pre-hooks run there: MoE expert-bias updates), the working
-        copies refreshed from the updated masters, zero_grad.
-        num_micro_batches(consumed_tokens) says how many batches the loop hands it (the batch
-        size schedule).
+        mean loss; training and validation share it. Whoever calls it installs the bf16
+        working copies `weights` around the forward and the backward (weights.installed()).
+    TrainStep(...)(batches, step=...) -> StepStats: each micro-batch's loss weighted by its
+        share of the step's labelled tokens (the step's loss is the mean over all its tokens
+        on this rank), backward, fp32 accumulation for chosen parameters, the layout's
+        gradient finishing, clipping, the optimizer step, the working copies refreshed from
+        the updated masters, zero_grad. num_micro_batches(consumed_tokens) says how many
+        batches the loop hands it (the batch size schedule).
 
-Step statistics (StepStats.extra), the one place to add a per-step device statistic. From the
-model: its forward takes `stats` and fills it with `stats[name] = detached device tensor` (e.g.
-the MTP depths' "mtp/loss_1", "mtp/acceptance_1"); their loss-weighted mean over the
-micro-batches is logged under those names. From elsewhere: a step hook. A hook has
-    micro_batch(weight) -> context manager   entered around each micro-batch's forward and
-                                             backward (weight: its loss weight in the step;
-                                             the model holds the working copies there)
-    statistics() -> dict[str, Tensor]        detached device tensors of the step just taken,
-                                             called after the optimizer step
-and their dicts are merged into StepStats.extra: graphtrain.balance.RouterBalance (MoE load,
-bias, aux losses, non-finite router logits) and the compiled ops' hooks
-(graphtrain.compile.step_hooks: FP8's saturation counters). The loop logs every entry of extra
-at log steps with one host sync for all of them (graphtrain.trainer); between log steps they
-stay on the device.
+Step statistics (StepStats.extra), the one place to add a per-step device statistic: what the
+model's forward writes with `stats[name] = detached device tensor` (logged as the loss-weighted
+mean over the micro-batches; the model gets an object, not a dict, which FSDP2 would copy) and
+each step hook's statistics() (a hook's micro_batch(weight) context is entered around each
+micro-batch): graphtrain.balance.RouterBalance, graphtrain.compile.step_hooks. The loop logs
+every entry at log steps with one host sync for all of them.
+The full account (the step's order, the hook protocol): docs/design/step.md.
 """
 
 from __future__ import annotations

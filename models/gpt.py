@@ -26,24 +26,27 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from models.fields import option
 from models.mtp import IGNORE_INDEX, MTPLayer, mtp_shift
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 8192  # embedding and output rows (>= the tokenizer's vocabulary)
-    dim: int = 256  # model width
-    num_layers: int = 4  # transformer blocks
-    num_heads: int = 4  # attention (query) heads; head_dim = dim / num_heads
-    num_kv_heads: int = 4  # key/value heads (grouped-query attention; divides num_heads)
-    ffn_dim: int = 768  # hidden width of the SwiGLU feed-forward network
-    max_seq_len: int = 2048  # longest sequence the RoPE tables cover
-    rope_theta: float = 10000.0  # RoPE base frequency
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    tie_embeddings: bool = False  # the output head shares the token embedding's weight
-    init_std: float = 0.02  # standard deviation of the normal weight initialization
-    mtp_depth: int = 0  # D multi-token prediction depths (models/mtp.py); 0: off
-    mtp_loss_scale: float = 0.1  # lambda: loss = main + lambda / D * sum of the depths' losses
+    vocab_size: int = option(8192, "embedding and output rows (>= the tokenizer's vocabulary)")
+    dim: int = option(256, "model width")
+    num_layers: int = option(4, "transformer blocks")
+    num_heads: int = option(4, "attention (query) heads; head_dim = dim / num_heads")
+    num_kv_heads: int = option(4, "key/value heads (grouped-query attention; divides num_heads)")
+    ffn_dim: int = option(768, "hidden width of the SwiGLU feed-forward network")
+    max_seq_len: int = option(2048, "longest sequence the RoPE tables cover")
+    rope_theta: float = option(10000.0, "RoPE base frequency")
+    norm_eps: float = option(1e-5, "RMSNorm epsilon")
+    tie_embeddings: bool = option(False, "the output head shares the token embedding's weight")
+    init_std: float = option(0.02, "standard deviation of the normal weight initialization")
+    mtp_depth: int = option(0, "D multi-token prediction depths (models/mtp.py); 0: off")
+    mtp_loss_scale: float = option(
+        0.1, "lambda: loss = main + lambda / D * sum of the depths' losses"
+    )
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):

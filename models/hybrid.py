@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from models.fields import option
 from models.gated_deltanet import GatedDeltaNet
 from models.gpt import GPT, GPTConfig, RMSNorm, TransformerBlock, apply_rope, attend
 from models.moe import MoEBlock, MoEConfig, MoEGPT
@@ -40,16 +41,22 @@ MIXERS = (GDN, ATTENTION)
 
 @dataclass(frozen=True)
 class HybridConfig(GPTConfig):
-    layer_pattern: str = "GGG*"  # token mixer per block, repeated: G Gated DeltaNet, * attention
-    linear_num_key_heads: int = 2  # GDN query/key heads
-    linear_num_value_heads: int = 4  # GDN value heads (a multiple of the key heads)
-    linear_key_head_dim: int = 64  # GDN query/key head width
-    linear_value_head_dim: int = 64  # GDN value head width
-    linear_conv_kernel: int = 4  # width of GDN's causal depthwise convolution
-    linear_chunk_size: int = 64  # positions per chunk of the chunked recurrence
-    # Qwen3-Next's attention (GatedAttention): an output gate and RMSNorm on q and k per head.
-    gated_attention: bool = False
-    partial_rotary_factor: float = 1.0  # the fraction of each head RoPE rotates (Qwen3-Next 0.25)
+    layer_pattern: str = option(
+        "GGG*", "token mixer per block, repeated: G Gated DeltaNet, * attention"
+    )
+    linear_num_key_heads: int = option(2, "GDN query/key heads")
+    linear_num_value_heads: int = option(4, "GDN value heads (a multiple of the key heads)")
+    linear_key_head_dim: int = option(64, "GDN query/key head width")
+    linear_value_head_dim: int = option(64, "GDN value head width")
+    linear_conv_kernel: int = option(4, "width of GDN's causal depthwise convolution")
+    linear_chunk_size: int = option(64, "positions per chunk of the chunked recurrence")
+    gated_attention: bool = option(
+        False,
+        "Qwen3-Next's attention (GatedAttention): an output gate and RMSNorm on q and k per head",
+    )
+    partial_rotary_factor: float = option(
+        1.0, "the fraction of each head RoPE rotates (Qwen3-Next 0.25)"
+    )
 
     @property
     def rope_dim(self) -> int:

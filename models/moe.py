@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.fields import option
 from models.gpt import GPT, FeedForward, GPTConfig, TransformerBlock
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -36,24 +37,30 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 
 @dataclass(frozen=True)
 class MoEConfig(GPTConfig):
-    num_experts: int = 8  # routed experts E
-    top_k: int = 2  # routed experts per token k
-    num_shared_experts: int = 1  # width of the shared SwiGLU, in units of moe_ffn_dim (0: none)
-    moe_ffn_dim: int = 256  # hidden width F of one expert
-    first_k_dense: int = 1  # the first layers keep the dense FFN of width ffn_dim
-    score_func: str = "sigmoid"  # "softmax" or "sigmoid"
-    pre_softmax: bool = True  # softmax: over all experts (True) or over the top-k only (False)
-    num_groups: int = 1  # group-limited routing: G groups of E/G consecutive experts
-    topk_groups: int = 1  # groups kept per token
-    normalize_weights: bool = True  # weights / their sum (not with softmax after top-k)
-    route_scale: float = 1.0  # weights * route_scale
-    expert_bias: bool = True  # aux-loss-free balancing (DeepSeek-V3): bias on the selection
-    bias_update_rate: float = 1e-3  # update_bias's rate, once per optimizer step
-    aux_loss_coef: float = 0.0  # per micro-batch load-balancing loss
-    seq_aux_loss_coef: float = 1e-4  # per sequence
-    global_aux_loss_coef: float = 0.0  # counts over the step's micro-batches and dp ranks
-    z_loss_coef: float = 0.0  # router z-loss
-    force_balance: bool = False  # benchmarks: random routing with a straight-through gradient
+    num_experts: int = option(8, "routed experts E")
+    top_k: int = option(2, "routed experts per token k")
+    num_shared_experts: int = option(
+        1, "width of the shared SwiGLU, in units of moe_ffn_dim (0: none)"
+    )
+    moe_ffn_dim: int = option(256, "hidden width F of one expert")
+    first_k_dense: int = option(1, "the first layers keep the dense FFN of width ffn_dim")
+    score_func: str = option("sigmoid", '"softmax" or "sigmoid"')
+    pre_softmax: bool = option(
+        True, "softmax: over all experts (True) or over the top-k only (False)"
+    )
+    num_groups: int = option(1, "group-limited routing: G groups of E/G consecutive experts")
+    topk_groups: int = option(1, "groups kept per token")
+    normalize_weights: bool = option(True, "weights / their sum (not with softmax after top-k)")
+    route_scale: float = option(1.0, "weights * route_scale")
+    expert_bias: bool = option(True, "aux-loss-free balancing (DeepSeek-V3): bias on the selection")
+    bias_update_rate: float = option(1e-3, "update_bias's rate, once per optimizer step")
+    aux_loss_coef: float = option(0.0, "per micro-batch load-balancing loss")
+    seq_aux_loss_coef: float = option(1e-4, "per sequence")
+    global_aux_loss_coef: float = option(0.0, "counts over the step's micro-batches and dp ranks")
+    z_loss_coef: float = option(0.0, "router z-loss")
+    force_balance: bool = option(
+        False, "benchmarks: random routing with a straight-through gradient"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -130,15 +130,14 @@ def test_describe_keys_lists_every_field_with_a_description(preset):
         if dataclasses.is_dataclass(section):
             for g in dataclasses.fields(section):
                 assert f"--{f.name}.{g.name}=" in text
-                # Every key has a description: graphtrain's sections in their fields' metadata,
-                # the model configs in the comment on the field's line.
+                # Every key has a description, in its field's metadata (models.fields.option).
                 help_line = describe_key(
                     section, g.name, typing.get_type_hints(type(section))[g.name]
                 )
                 assert re.fullmatch(r"\([^)]+\) \S.*", help_line), (f.name, g.name, help_line)
 
 
-def test_help_text_of_sections_is_field_metadata_and_of_models_the_line_comment():
+def test_help_text_is_field_metadata():
     from graphtrain.config import sections
 
     for f in dataclasses.fields(sections.JobConfig):
@@ -147,6 +146,9 @@ def test_help_text_of_sections_is_field_metadata_and_of_models_the_line_comment(
             continue
         for g in dataclasses.fields(cls):  # a key written without option(...) has no help
             assert g.metadata.get("help"), f"{f.name}.{g.name} has no help metadata"
+    for cls in {type(cfg) for cfg in MODEL_PRESETS.values()}:
+        for g in dataclasses.fields(cls):
+            assert g.metadata.get("help"), f"model.{g.name} ({cls.__name__}) has no help metadata"
     text = describe_keys(load_config(["--preset", "hybrid-moe-debug"]))
     # A section's help over several source lines, joined; model keys, inherited ones too.
     assert (

@@ -4,7 +4,8 @@ What
     TrainingConfig ... MetricsConfig   one dataclass per TOML section; JobConfig holds them and
                                        the model's own config dataclass (models/)
     option(default, doc)               a field with its `--help` text as metadata["help"]: the
-                                       one copy of each key's documentation
+                                       one copy of each key's documentation (models.fields, whose
+                                       model configs document their keys the same way)
 Contract
     A Literal[...] type hint is a key's one list of choices (validation, the command line and
     `--help` read it). Bad values raise ValueError naming the key, the value and what is right.
@@ -19,13 +20,7 @@ from typing import Any, Literal
 
 from graphtrain.metrics.profiling import parse_step_range
 from models import GPTConfig
-
-
-def option(
-    default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING
-) -> Any:
-    """A dataclass field whose `--help` text is `doc` (default or factory as dataclasses.field)."""
-    return field(default=default, default_factory=factory, metadata={"help": doc})
+from models.fields import option
 
 
 def _check_choices(section: str, obj: Any) -> None:

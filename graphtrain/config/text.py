@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
-import io
 import textwrap
-import tokenize
 import typing
 from typing import Any, Literal
 
@@ -46,34 +41,9 @@ def to_toml(cfg: JobConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-@functools.cache
-def _trailing_comments(cls: type) -> dict[str, str]:
-    """{field: the comment after it on its line} of a dataclass without help metadata (the
-    model configs in models/, which keep one plain comment per field)."""
-    out: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        source = textwrap.dedent(inspect.getsource(klass))
-        (node,) = ast.parse(source).body
-        lines = {
-            a.lineno: a.target.id
-            for a in node.body
-            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
-        }
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.COMMENT and tok.start[0] in lines:
-                out[lines[tok.start[0]]] = tok.string.lstrip("#").strip()
-    return out
-
-
 def field_help(cls: type, name: str) -> str:
-    """The `--help` text of field `name`: its metadata["help"] (graphtrain's sections), or for
-    the model configs (plain dataclasses in models/) the comment on its line."""
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    if cls.__module__.split(".")[0] == "models":
-        return _trailing_comments(cls).get(name, "")
-    return f.metadata.get("help", "")
+    """The `--help` text of field `name`: its metadata["help"] (models.fields.option)."""
+    return {f.name: f for f in dataclasses.fields(cls)}[name].metadata.get("help", "")
 
 
 def describe_key(section: Any, name: str, tp: Any) -> str:

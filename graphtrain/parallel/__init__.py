@@ -98,12 +98,7 @@ def parallelize_model(
     weights FSDP2 gathers in FP8 (graphtrain.parallel.fp8_all_gather), None for none. Afterwards model.init_weights(seed) gives the
     values of the unsharded model (see graphtrain.parallel.init).
     """
-    if dims.tp_enabled:
-        validate_model_for_tp(model.cfg, dims.tp)
-    if mesh is None and dims.world_size > 1:
-        raise ValueError(f"parallelize_model needs a mesh for world size {dims.world_size}")
-    if ac_mode not in AC_MODES:  # fail before any work, not half-way
-        raise ValueError(f"activation checkpoint mode must be one of {AC_MODES}, got {ac_mode!r}")
+    _check_arguments(model, mesh, dims, ac_mode=ac_mode, fp8_all_gather=fp8_all_gather)
 
     # 0. Expert parallel: the experts' weights become ep shards before anything else sees them
     #    (FSDP must know to leave them alone), and the all-to-all hooks go around the experts
@@ -120,11 +115,6 @@ def parallelize_model(
     # 1b. Weights FSDP2 will gather in FP8 are wrapped before compile traces them and before
     #     fully_shard shards them (it keeps the wrapper on the shards).
     if fp8_all_gather is not None:
-        if dims.tp_enabled or dims.dp_shard < 2:
-            raise ValueError(
-                f"fp8.fsdp_all_gather_fp8 needs FSDP (dp_shard > 1) without tp, got "
-                f"dp_shard={dims.dp_shard}, tp={dims.tp}"
-            )
         apply_fp8_all_gather(model, fp8_all_gather, dims.dp_shard)
 
     # 2. Compile before AC and FSDP: per-block regions, so that the checkpoint and FSDP2's
@@ -132,35 +122,77 @@ def parallelize_model(
     #    (torchtitan applies AC before compile, putting the checkpoint inside the graph; with TP
     #    that fails on torch 2.13, see graphtrain.parallel.activation_checkpoint.)
     if compile_options is not None:
-        from graphtrain.compile import apply_compile  # not imported for eager runs
-
-        layout = {
-            "fsdp": dims.dp_replicate > 1 or dims.dp_shard > 1,
-            "activation_checkpoint": ac_mode != "none",
-        }
-        apply_compile(model, **{**compile_options, **layout})
+        _compile_blocks(model, dims, ac_mode, compile_options)
 
     # 3. AC around each (compiled) block call.
     apply_ac(model, ac_mode)
 
     # 4. FSDP last: it shards whatever parameters exist by now (DTensor TP shards included,
     #    giving 2-D dp x tp parameters) and wraps the blocks as they will run.
-    #    dp_replicate > 1 uses the 2-D ("dp_replicate", "dp_shard") mesh: HSDP, or with
-    #    dp_shard == 1 plain replication done by fully_shard over a size-1 shard axis. That
-    #    costs a local copy per gather (no communication) but keeps one code path: the same
-    #    DTensor parameters, state dict and composition with TP/compile as FSDP, where
-    #    replicate() (DDP) has its own state-dict and TP rules.
     if dims.dp_replicate > 1 or dims.dp_shard > 1:
-        apply_fsdp(
-            model,
-            fsdp_mesh(mesh, dims),
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            ignored_params=set(expert_params(model)) or None,
-            # Pipeline parallel: the stages the schedule calls are the roots, not the model.
-            roots=getattr(model, "pipeline_stages", None),
-        )
+        _shard_data_parallel(model, mesh, dims, param_dtype, reduce_dtype)
 
     # 5. Seeded init must reproduce the unsharded values whatever the layout above.
     apply_reproducible_init(model)
     return GradientFinisher(model, mesh, dims, plan)
+
+
+def _check_arguments(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    dims: ParallelDims,
+    *,
+    ac_mode: str,
+    fp8_all_gather: Fp8Config | None,
+) -> None:
+    """parallelize_model's arguments checked before any work, not half-way."""
+    if dims.tp_enabled:
+        validate_model_for_tp(model.cfg, dims.tp)
+    if mesh is None and dims.world_size > 1:
+        raise ValueError(f"parallelize_model needs a mesh for world size {dims.world_size}")
+    if ac_mode not in AC_MODES:
+        raise ValueError(f"activation checkpoint mode must be one of {AC_MODES}, got {ac_mode!r}")
+    if fp8_all_gather is not None and (dims.tp_enabled or dims.dp_shard < 2):
+        raise ValueError(
+            f"fp8.fsdp_all_gather_fp8 needs FSDP (dp_shard > 1) without tp, got "
+            f"dp_shard={dims.dp_shard}, tp={dims.tp}"
+        )
+
+
+def _compile_blocks(
+    model: nn.Module, dims: ParallelDims, ac_mode: str, compile_options: dict[str, Any]
+) -> None:
+    """graphtrain.compile.apply_compile with the layout the compiled regions will run in."""
+    from graphtrain.compile import apply_compile  # not imported for eager runs
+
+    layout = {
+        "fsdp": dims.dp_replicate > 1 or dims.dp_shard > 1,
+        "activation_checkpoint": ac_mode != "none",
+    }
+    apply_compile(model, **{**compile_options, **layout})
+
+
+def _shard_data_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+) -> None:
+    """FSDP2 over the data-parallel axes, the expert-parallel weights left alone.
+
+    dp_replicate > 1 uses the 2-D ("dp_replicate", "dp_shard") mesh: HSDP, or with
+    dp_shard == 1 plain replication done by fully_shard over a size-1 shard axis. That
+    costs a local copy per gather (no communication) but keeps one code path: the same
+    DTensor parameters, state dict and composition with TP/compile as FSDP, where
+    replicate() (DDP) has its own state-dict and TP rules.
+    """
+    apply_fsdp(
+        model,
+        fsdp_mesh(mesh, dims),
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        ignored_params=set(expert_params(model)) or None,
+        # Pipeline parallel: the stages the schedule calls are the roots, not the model.
+        roots=getattr(model, "pipeline_stages", None),
+    )

@@ -7,26 +7,10 @@ slot nn.Module.__call__ dispatches to (it is what Module.compile fills). The mod
 touched, so named_parameters(), state_dict() and the TP/FSDP plans keep the Llama names. It is
 applied AFTER compile (graphtrain.parallel.parallelize_model): the checkpoint sits around the
 compiled region, whose saved tensors it drops and recomputes like any autograd Function's.
-
-Alternatives tried on torch 2.13 (by hand; the tests keep the chosen one honest):
-  * checkpoint_wrapper (torch.distributed.algorithms._checkpoint) wraps each block in a new
-    module: state_dict() is cleaned by its hooks but named_parameters() gets
-    "layers.0._checkpoint_wrapped_module.attention_norm.weight", which breaks name patterns
-    (optimizer groups, fp32 grad accumulation, the TP plan).
-  * torch.distributed._composable.checkpoint keeps names but works through forward hooks holding
-    a @contextmanager generator: Dynamo cannot trace it ("reconstructing @contextmanager
-    object"), so the per-block compile (fullgraph=True) fails.
-  * checkpoint INSIDE the compiled block (block.forward replaced by a function calling
-    checkpoint; Dynamo turns it into its tag_activation_checkpoint higher-order op), which is
-    torchtitan's order (AC before compile). Works eager, compiled, with FSDP2, but with TP the
-    region's DeviceMesh input (an opaque object to the compiler in 2.13) ends up in the
-    tensors saved for backward: "AssertionError: expected all tensors_saved_with_vc_check to be
-    Tensors ... DeviceMesh" (aot_eager and inductor alike; compare pytorch PR 179660). The same
-    with checkpoint_wrapper. Worth revisiting for selective (per-op) checkpointing, which needs
-    the checkpoint inside the graph; for "full" the recompute is the whole block either way.
 FSDP2: its hooks on the block run inside the checkpoint; FSDP2 skips its pre/post-forward logic
 during the recompute (training state PRE_BACKWARD), its pre-backward hook has gathered the
 parameters by then.
+The alternatives tried on torch 2.13 and why each failed: docs/design/parallel.md.
 """
 
 from __future__ import annotations

@@ -2,56 +2,24 @@
 to their experts' ranks and back with all-to-all, as a ParallelStyle around the experts module.
 
 What
-    ExpertParallel is a torch.distributed.tensor.parallel ParallelStyle for a GroupedExperts
-    (models/moe.py), on a mesh ("ep",) or, with expert tensor parallel (etp = tp),
-    ("ep", "tp"). apply_ep(model, mesh) applies it to every GroupedExperts of a meta-device
-    MoE model. The stacked weights w1/w2/w3 (E, ., .) become DTensors Shard(0) on "ep" (rank r
-    holds experts [r * E/ep, (r + 1) * E/ep)), and on "tp" also split on their hidden dim
-    (EXPERT_HIDDEN_DIM). The module's own forward (rows sorted by expert -> outputs) is what
-    runs, between two hooks:
-      dispatch (forward pre-hook) on (xs, counts), the T*k rows sorted by expert:
-        1. counts (E,) -> all-to-all -> recv (ep, E/ep): rows each source rank sends to each of
-           this rank's experts; the split sizes go to the host in one .tolist() (a device
-           sync per MoE layer, which a variable-size all-to-all needs);
-        2. the sorted rows (already contiguous per destination rank) -> all-to-all;
-        3. the received rows (by source rank, then expert) re-sorted by local expert:
-           the module gets (those rows, recv.sum(0)).
-      combine (forward hook) on the module's outputs: un-sort, all-to-all back; the rows
-        return in the order they left, (T*k, dim), for the model's weighted combine.
-    Everything else of the block (attention, router, shared experts, permutation and
-    combination) stays local to the rank.
-    With etp = tp the tp ranks of a group route the same (gathered) tokens the same way, and
-    each exchanges them with the ranks of its own tp index; its grouped GEMMs on its hidden
-    slice give partial sums over tp, which the layer's tensor-parallel output style
-    reduce-scatters (models/moe_plan.py), as without expert parallelism.
+    ExpertParallel is a ParallelStyle for a GroupedExperts (models/moe.py), on a mesh ("ep",)
+    or, with expert tensor parallel (etp = tp), ("ep", "tp"); apply_ep(model, mesh) applies it
+    to every GroupedExperts of a meta-device MoE model. The stacked weights w1/w2/w3 become
+    DTensors Shard(0) on "ep" (on "tp" also split on EXPERT_HIDDEN_DIM). The module's own
+    forward runs between two hooks: dispatch (the counts and the rows sorted by expert sent by
+    all-to-all, re-sorted by local expert; the split sizes reach the host in one .tolist(), a
+    device sync per MoE layer) and combine (un-sort, all-to-all back: the rows return in the
+    order they left, (T*k, dim)). The rest of the block stays local to the rank.
     expert_params(model) lists those DTensor parameters; reduce_expert_grads(params, group,
-    dp_size) finishes their gradients once per step (see below).
+    dp_size) finishes their gradients once per step: summed over the ranks that hold the same
+    experts and divided by the number of data-parallel ranks, FSDP's mean over ranks (FSDP2
+    leaves these weights alone).
 
 Compiled
-    Both all-to-alls are functional collectives (all_to_all_single, and its autograd form for
-    the rows), so the exchange is part of the block's graph and the graph passes see the same
-    router, permutation, expert GEMMs and combine as without ep: no graph break, one graph
-    per block (checked with fullgraph=True too). Dynamo traces the .tolist() into unbacked
-    symbolic split sizes (fullgraph=True, or the capture_scalar_outputs patch that
-    graphtrain.compile.apply_compile puts on fullgraph=False regions); the rows sent add up
-    to T*k by construction, and the last send split is written as T*k minus the others, so
-    the rows coming back have the static shape (T*k, dim) that the combine's pass needs. Only
-    the rows between the two exchanges (the received ones) have a data-dependent count: the
-    grouped GEMMs take them as they are, and fuse_moe_dispatch leaves the un-sort before the
-    return exchange alone (its note: symbolic shape).
-
-Why this shape
-    ep is carved out of dp_shard (graphtrain.parallel.mesh): expert-parallel ranks read
-    different rows, so a rank's expert gradient is the sum over the source ranks of d(their
-    local loss)/dW. FSDP2 does not manage the expert weights (apply_fsdp gets them as
-    ignored_params: their sharding is ep's, not dp_shard's); instead reduce_expert_grads sums
-    them over the ranks that hold the same experts (dp_replicate x dp_shard_mod_ep) and divides
-    by the number of data-parallel ranks, which is exactly FSDP's mean over ranks for the other
-    parameters. Expert weights are therefore replicated, not sharded, over dp_shard_mod_ep
-    (ep = dp_shard shards them fully). With etp = tp every tp rank's gradient is already
-    the whole gradient of its slice (its partial output got the full output gradient).
-    Compute dtype: the module casts its local weights to the rows' dtype (FSDP's mixed
-    precision does not see them).
+    Both all-to-alls are functional collectives: one graph per block, and the passes see the
+    same router, permutation, expert GEMMs and combine as without ep. Only the received rows
+    have a data-dependent count; the rows coming back have the static shape (T*k, dim).
+The exchange step by step, the compiled shapes and why this shape: docs/design/parallel.md.
 """
 
 from __future__ import annotations

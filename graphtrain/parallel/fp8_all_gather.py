@@ -3,40 +3,23 @@
 What
     apply_fp8_all_gather(model, fp8, dp) makes the weight of every nn.Linear that the [fp8]
     filters would run in FP8 an `Fp8ShardWeight`: a tensor subclass around the weight (the
-    optimizer, the state dict and init see and change the wrapped tensor) that FSDP2's
-    all-gather extension asks for its gather inputs (torch.distributed.fsdp, fully_shard's
-    fsdp_pre_all_gather / fsdp_post_all_gather hooks):
-        pre   amax of this rank's shard, max-reduced over the dp (shard) group: the amax of the
-              whole weight, so every rank casts with the scale the unsharded weight gets;
-              the shard cast to E4M3 with it; the bytes (uint8) are what FSDP2 gathers
-        post  the gathered bytes and that scale as an `Fp8Weight`: the unsharded parameter the
-              compiled block sees, with the outer dtype of the compute (param_dtype) and the
-              FP8 data inside
-    graphtrain::fp8_linear given an Fp8Weight takes its bytes and scale instead of casting the
-    weight (Fp8Weight.__torch_dispatch__); the backward is fp8_linear's, its weight gradient a
-    plain tensor that FSDP2 reduce-scatters as usual. Any other use of an Fp8Weight (a linear
-    the pass refused at compile time, e.g. M below fp8.min_dim) gets the dequantized weight.
-
-Why
-    FSDP2 otherwise gathers the weight in param_dtype and fp8_linear casts the gathered weight
-    once per micro-batch. Cast before the gather, the gather moves 1 byte per element instead
-    of 2 (bf16): half the bytes, predicted ~half the exposed all-gather time where FSDP's gather
-    is bandwidth-bound (Llama-3-8B block: 218M parameters, 436 MB -> 218 MB per gather).
-    Unmeasured (no multi-GPU machine here). As torchao's float8 FSDP2 weights do.
+    optimizer, the state dict and init see and change the wrapped tensor) whose FSDP2
+    all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather) gather E4M3 bytes, cast with
+    the amax of the whole weight (max-reduced over the dp shard group), and hand the compiled
+    block an `Fp8Weight` (the bytes and the scale). graphtrain::fp8_linear given an Fp8Weight
+    takes its bytes and scale instead of casting the weight; any other use of it (a linear the
+    pass refused) gets the dequantized weight.
 
 Numerics
-    The max of the shards' amaxes is the weight's amax exactly and the cast is elementwise, so
-    the gathered bytes and scale are those fp8_linear computes from the gathered weight: loss
-    and gradients are bitwise those of the option off (tests/parallel/test_overlap_tp_comm.py,
+    The max of the shards' amaxes is the weight's amax exactly and the cast is elementwise:
+    loss and gradients are bitwise those of the option off (tests/parallel/test_overlap_tp_comm.py,
     dp_shard=2). Checkpoints hold the plain high-precision tensors (Fp8ShardWeight pickles as
     the tensor it wraps), so they load with the option on or off.
-    The amax all-reduce is one small collective per weight per gather (torchao batches them
-    after the optimizer step; a later optimisation).
 
 Limits (a clear error, before any large allocation)
-    without tensor parallelism (FSDP over TP shards would need the amax reduced over both axes)
-    and only with FSDP (dp_shard > 1); weights not evenly divisible by the dp size are left
-    in high precision (FSDP2 pads those shards).
+    without tensor parallelism and only with FSDP (dp_shard > 1); weights not evenly divisible
+    by the dp size are left in high precision (FSDP2 pads those shards).
+The hooks in full, why and the predicted saving: docs/design/fp8.md.
 """
 
 from __future__ import annotations

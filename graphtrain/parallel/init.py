@@ -2,32 +2,20 @@
 fp32 model's init with the same seed (rounded to the parameter's dtype), whatever the layout
 (tp, FSDP, HSDP, or any mix) and whatever the storage dtype (training.master_dtype).
 
-Why not let DTensor's random ops do it: on CPU, DTensor has no RNG tracker ("random operators
-may not have complete support on cpu") and each rank runs the op on its shard with the global
-generator, so every shard gets the SAME numbers (checked on torch 2.13, 2 ranks: rank 1's half
-of a Shard(0) normal_ equals rank 0's). On CUDA the OffsetBasedRNGTracker starts each shard's
-Philox stream at (shard index x local numel), which keeps shards distinct but is not documented
-to reproduce the values one GPU draws for the whole tensor (those depend on the kernel's
-thread-to-element mapping), and trunc_normal_ is several random ops. Either way the initial
-weights, so the loss curve, would depend on the parallel layout, hiding layout bugs.
-
 What we do: model.init_weights is wrapped; while the model's own init_weights runs, every
 torch.nn.init initialiser (normal_, trunc_normal_, ones_, ...) and, through a torch-function mode,
 every random in-place Tensor method (normal_, uniform_, ...) called on a DTensor parameter runs on
 a plain full-size tensor instead, so the same random draws happen in the same order, on the
 same tensor shapes, as in one process; then it copies this rank's slice into the shard and drops
 the full tensor. The values are never communicated: each rank cuts its own slice.
-
-Low-precision parameters (bf16/fp16, training.master_dtype) take the same detour through an fp32
-full-size tensor: torch's random kernels draw other streams for them than for fp32, differing
-between versions too (torch 2.11's CPU bf16 normal_ shares no value with its fp32 one; 2.13's
-matches it for small tensors only), so a bf16 run would start from other weights than the fp32
-run of the same seed. Drawn in fp32 and rounded once, it starts from the fp32 run's weights.
+Low-precision parameters (bf16/fp16) take the same detour through an fp32 full-size tensor:
+drawn in fp32 and rounded once, they start from the fp32 run's weights.
 
 Cost: at most one full-size tensor at a time on top of the shards (the largest parameter: the
 embedding or one block's largest matrix, in fp32 where the parameter is low-precision), whatever
 the number of blocks; every rank still draws all the random numbers of the full model (time,
 not memory).
+Why not DTensor's random ops, and why low precision draws in fp32: docs/design/parallel.md.
 """
 
 from __future__ import annotations

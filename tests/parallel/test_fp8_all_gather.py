@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -52,3 +53,18 @@ def test_checkpoints_hold_the_plain_tensor():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)["w"]
     assert type(loaded) is torch.Tensor and torch.equal(loaded, w)
+
+
+def test_without_fsdp_it_is_a_clear_error_before_any_work():
+    from graphtrain.parallel import ParallelDims, parallelize_model
+
+    with torch.device("meta"):
+        model = build_model(MODEL_PRESETS["debug"])
+    before = {n: type(p) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"needs FSDP \(dp_shard > 1\) without tp, got dp_shard=1"):
+        parallelize_model(
+            model, None, ParallelDims(world_size=1), plan={}, ac_mode="none",
+            compile_options=None, param_dtype=torch.float32, reduce_dtype=torch.float32,
+            fp8_all_gather=Fp8Config(min_dim=16),
+        )  # fmt: skip
+    assert {n: type(p) for n, p in model.named_parameters()} == before  # nothing wrapped

@@ -9,7 +9,7 @@ What
     computed in the forward. _vocab_parallel: weight is the local vocab shard of a tp group.
     _with_stats: also [top-1 hits, invalid targets] (int64 [2], on the device).
     The pass that inserts it: graphtrain/passes/linear_cross_entropy.py. Why, the two CUDA
-    algorithms and their costs: docs/design/linear_cross_entropy.md.
+    algorithms, their costs and the package's files: docs/design/linear_cross_entropy.md.
 
 Contract
     "mean" divides by the non-ignored tokens (clamped to >= 1: all ignored gives 0, not NaN);
@@ -21,9 +21,6 @@ Numerics
     Logits rounded to the input dtype as F.linear(...).float() does; everything after in fp32
     (fp64 for fp64 inputs). Fast mode with a 16-bit weight and fp32_accumulator=False rounds
     grad_weight once per token chunk (at most four).
-
-Files: options (options, checks, mode policy, schema), maths (per-token terms), reference (CPU
-kernel and oracle), kernels (Triton), cuda (launchers, both algorithms), registration.
 """
 
 # What other modules and the tests import from here: the public ops and options, the

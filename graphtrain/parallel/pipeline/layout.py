@@ -110,17 +110,44 @@ def parse_layout(
     """The stages of parallel.pp_layout (empty: an even split), or a one-line ValueError naming
     the stage and the count that do not fit the model or pp x the schedule's virtual stages."""
     where = f"parallel.pp_layout={layout!r}"
+    texts = _stage_texts(
+        layout, where, num_layers=num_layers, mtp_depth=mtp_depth, pp=pp, schedule=schedule
+    )
+    specs, next_layer, next_mtp = [], 0, 0
+    seen_head = False
+    for index, text in enumerate(texts):
+        parts = _stage_parts(where, index, text, seen_head)
+        count = parts.count("t")
+        layers = tuple(range(next_layer, next_layer + count))
+        num_mtp = parts.count("m")
+        if num_mtp:
+            _check_mtp_stage(where, index, parts, specs, num_mtp, next_mtp)
+        mtp = tuple(range(next_mtp, next_mtp + num_mtp))
+        next_layer, next_mtp = next_layer + count, next_mtp + num_mtp
+        seen_head = seen_head or "L" in parts
+        specs.append(StageSpec(index, "E" in parts, layers, "L" in parts, mtp))
+    _check_placed(where, specs, num_layers=num_layers, mtp_depth=mtp_depth)
+    if not specs[-1].head:  # MTP in a stage of its own: the head's stage sends it its input
+        specs[-2] = dataclasses.replace(specs[-2], hidden_to_mtp=True)
+    return specs
+
+
+def _stage_texts(
+    layout: str, where: str, *, num_layers: int, mtp_depth: int, pp: int, schedule: str
+) -> list[str]:
+    """The layout's stage strings (an even split when empty), as many as pp x the schedule's
+    virtual stages need."""
+    per_rank = stages_per_rank(schedule)
     if not layout.strip():
-        if num_layers < pp * stages_per_rank(schedule):
+        if num_layers < pp * per_rank:
             raise ValueError(
-                f"model.num_layers={num_layers} cannot fill {pp * stages_per_rank(schedule)} "
+                f"model.num_layers={num_layers} cannot fill {pp * per_rank} "
                 f"pipeline stages (parallel.pp={pp}, pp_schedule={schedule!r}); lower "
                 "parallel.pp or give parallel.pp_layout"
             )
-        layout = _even_layout(num_layers, mtp_depth, pp * stages_per_rank(schedule))
+        layout = _even_layout(num_layers, mtp_depth, pp * per_rank)
     texts = layout.replace(" ", "").split("|")
     num_stages = len(texts)
-    per_rank = stages_per_rank(schedule)
     if schedule == "interleaved_1f1b":
         if num_stages % pp or num_stages < 2 * pp:
             raise ValueError(
@@ -132,59 +159,58 @@ def parse_layout(
             f"{where} has {num_stages} stages but parallel.pp={pp} with pp_schedule="
             f"{schedule!r} needs {pp * per_rank}"
         )
-    specs, next_layer, next_mtp = [], 0, 0
-    seen_head = False
-    for index, text in enumerate(texts):
-        parts: list[str] = []
-        pos = 0
-        while pos < len(text):
-            match = _TOKEN.match(text, pos)
-            if match is None:
-                raise ValueError(
-                    f"{where}: stage {index} {text!r} has {text[pos]!r} at {pos}; a stage is "
-                    "E (embedding), t (layer), m (MTP depth), L (head and loss), each optionally "
-                    "*n"
-                )
-            parts += match.group(1) * int(match.group(2) or 1)
-            pos = match.end()
-        if not parts:
-            raise ValueError(f"{where}: stage {index} is empty (0 parts); give it a layer")
-        if "E" in parts and (index != 0 or parts.index("E") != 0 or parts.count("E") > 1):
-            raise ValueError(f"{where}: stage {index} has E; the embedding is stage 0's first part")
-        if index == 0 and parts[0] != "E":
-            raise ValueError(f"{where}: stage 0 starts with {parts[0]!r}; it must start with E")
-        count = parts.count("t")
-        if seen_head and count:
-            raise ValueError(f"{where}: stage {index} has {count} layers after L (the head)")
-        if "L" in parts and (seen_head or parts.count("L") > 1):
-            raise ValueError(f"{where}: stage {index} repeats L; the head is in one stage")
-        if "L" in parts and "t" in parts[parts.index("L") :]:
-            raise ValueError(f"{where}: stage {index} has layers after L")
-        layers = tuple(range(next_layer, next_layer + count))
-        num_mtp = parts.count("m")
-        if num_mtp:
-            _check_mtp_stage(where, index, parts, specs, num_mtp, next_mtp)
-        mtp = tuple(range(next_mtp, next_mtp + num_mtp))
-        next_layer, next_mtp = next_layer + count, next_mtp + num_mtp
-        seen_head = seen_head or "L" in parts
-        specs.append(StageSpec(index, "E" in parts, layers, "L" in parts, mtp))
-    if next_layer != num_layers:
+    return texts
+
+
+def _stage_parts(where: str, index: int, text: str, seen_head: bool) -> list[str]:
+    """Stage `index`'s parts (E, t, m, L, each repeat written out), checked for where the
+    embedding and the head may sit; seen_head: an earlier stage holds L."""
+    parts: list[str] = []
+    pos = 0
+    while pos < len(text):
+        match = _TOKEN.match(text, pos)
+        if match is None:
+            raise ValueError(
+                f"{where}: stage {index} {text!r} has {text[pos]!r} at {pos}; a stage is "
+                "E (embedding), t (layer), m (MTP depth), L (head and loss), each optionally "
+                "*n"
+            )
+        parts += match.group(1) * int(match.group(2) or 1)
+        pos = match.end()
+    if not parts:
+        raise ValueError(f"{where}: stage {index} is empty (0 parts); give it a layer")
+    if "E" in parts and (index != 0 or parts.index("E") != 0 or parts.count("E") > 1):
+        raise ValueError(f"{where}: stage {index} has E; the embedding is stage 0's first part")
+    if index == 0 and parts[0] != "E":
+        raise ValueError(f"{where}: stage 0 starts with {parts[0]!r}; it must start with E")
+    count = parts.count("t")
+    if seen_head and count:
+        raise ValueError(f"{where}: stage {index} has {count} layers after L (the head)")
+    if "L" in parts and (seen_head or parts.count("L") > 1):
+        raise ValueError(f"{where}: stage {index} repeats L; the head is in one stage")
+    if "L" in parts and "t" in parts[parts.index("L") :]:
+        raise ValueError(f"{where}: stage {index} has layers after L")
+    return parts
+
+
+def _check_placed(where: str, specs: list[StageSpec], *, num_layers: int, mtp_depth: int) -> None:
+    """All layers and MTP depths placed, and the head (or the MTP stage after it) last."""
+    placed_layers = sum(len(s.layers) for s in specs)
+    if placed_layers != num_layers:
         counts = ", ".join(f"stage {s.index}: {len(s.layers)}" for s in specs)
         raise ValueError(
-            f"{where} places {next_layer} transformer layers ({counts}) but model.num_layers="
+            f"{where} places {placed_layers} transformer layers ({counts}) but model.num_layers="
             f"{num_layers}"
         )
     if not (specs[-1].head or (specs[-1].mtp and len(specs) > 1 and specs[-2].head)):
         raise ValueError(
-            f"{where}: the last stage ({num_stages - 1}) must hold L (norm, head and loss)"
+            f"{where}: the last stage ({len(specs) - 1}) must hold L (norm, head and loss)"
         )
-    if next_mtp != mtp_depth:
+    placed_mtp = sum(len(s.mtp) for s in specs)
+    if placed_mtp != mtp_depth:
         raise ValueError(
-            f"{where} places {next_mtp} MTP depths (m) but model.mtp_depth={mtp_depth}"
+            f"{where} places {placed_mtp} MTP depths (m) but model.mtp_depth={mtp_depth}"
         )
-    if not specs[-1].head:  # MTP in a stage of its own: the head's stage sends it its input
-        specs[-2] = dataclasses.replace(specs[-2], hidden_to_mtp=True)
-    return specs
 
 
 def _check_mtp_stage(

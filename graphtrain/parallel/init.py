@@ -38,7 +38,7 @@ def _local_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:
 
 
 # Random in-place Tensor methods (a model may call them on a parameter directly).
-_RANDOM_INPLACE = {
+RANDOM_INPLACE = {
     torch.Tensor.normal_,
     torch.Tensor.uniform_,
     torch.Tensor.bernoulli_,
@@ -102,7 +102,7 @@ class _FullSizeDraws(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _RANDOM_INPLACE and args and _drawn_elsewhere(args[0]):
+        if func in RANDOM_INPLACE and args and _drawn_elsewhere(args[0]):
             return _on_full(func, args[0], *args[1:], **kwargs)
         return func(*args, **kwargs)
 

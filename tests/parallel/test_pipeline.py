@@ -273,7 +273,7 @@ def common_args(corpus, steps: int = STEPS) -> list[str]:
 
 def compare(single, metrics) -> None:
     losses = [m["loss"] for m in metrics if "loss" in m]
-    assert len(losses) == STEPS
+    assert len(losses) == len(single.losses) > 0
     assert losses == pytest.approx(single.losses, rel=LOSS_RTOL)
     vals = {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m}
     assert vals.keys() == single.val_losses.keys()

@@ -181,9 +181,11 @@ def test_mtp_stage_with_fsdp_follows_the_same_run_without_pp(four_rank_runs):
     """MTP depth 1 in a stage of its own under pp=2 x dp_shard=2 (the copies of the embedding,
     norm and head FSDP-sharded like their owners; their gradient shards summed between the
     two pp ranks of each dp position) against dp_shard=2 alone: the same data-parallel ranks,
-    so the same loss weighting. dp_shard=2 without pp logs no per-depth statistics, so the
-    depth is checked through the loss it adds to and the norms (measured: 2e-7 apart)."""
+    so the same loss weighting: the loss, the norms and the depth's loss and acceptance, which
+    dp_shard=2 alone logs too since the step's statistics survive FSDP2's input cast (measured:
+    2e-7 apart)."""
     _, runs = four_rank_runs
+    assert "mtp/acceptance_1" in runs["fsdp2_mtp"][-2]  # FSDP2 copied a stats dict before
     _same_mtp_metrics("pp2_fsdp2_mtp", runs["fsdp2_mtp"], runs["pp2_fsdp2_mtp"])
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
-from graphtrain.parallel.init import _RANDOM_INPLACE
+from graphtrain.parallel.init import RANDOM_INPLACE
 from graphtrain.parallel.pipeline.layout import StageSpec, stage_rank
 
 
@@ -46,7 +46,7 @@ class _MetaDraws(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _RANDOM_INPLACE and args and args[0].is_meta:
+        if func in RANDOM_INPLACE and args and args[0].is_meta:
             func(_scratch(args[0], self.device), *args[1:], **kwargs)
             return args[0]
         return func(*args, **kwargs)

@@ -25,8 +25,8 @@ from graphtrain.trainer import train
 # The exported weights after 6 steps: the same fp32 sums in another order (measured: at most
 # 1.2e-7 apart); a stage's weights missing or left at their init are off by far more.
 EXPORT_RTOL, EXPORT_ATOL = 1e-5, 1e-6
-EP = ["--preset=moe-debug", "--training.micro_batch_size=1", "--schedule.batch_size=256",
-      "--parallel.dp_shard=2", "--parallel.ep=2"]  # fmt: skip
+ONE_ROW_MOE = ["--preset=moe-debug", "--training.micro_batch_size=1", "--schedule.batch_size=256"]
+EP = [*ONE_ROW_MOE, "--parallel.dp_shard=2", "--parallel.ep=2"]
 # moe-debug with tp=2 (expert TP 1: each tp rank routes its sequence slice, the routers'
 # counts summed over the stage's dp and tp ranks, never over the other stage's).
 TP_MOE = ["--preset=moe-debug", "--training.micro_batch_size=2", "--schedule.batch_size=256",
@@ -47,34 +47,52 @@ FOUR_RANKS = {
     "pp2_ep2": [*EP, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
     "pp2_tp2_moe": [*TP_MOE, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
     "pp2_fsdp2_mtp": [*FSDP_MTP, *MTP_STAGE],
+    # pp=4, one part per stage (1F1B wants a micro-batch per stage at least).
+    "pp4": ["--parallel.pp=4", "--parallel.pp_layout=E|t|t|L", "--parallel.pp_microbatches=4"],
+    "pp4_moe": [*ONE_ROW_MOE, "--parallel.pp=4", "--parallel.pp_layout=Et|t|t|L",
+                "--parallel.pp_microbatches=4"],
 }
 
 
 @pytest.fixture(scope="module")
 def four_rank_runs(corpus, tmp_path_factory):
-    """The single-process debug run, and name -> logged lines of the 2-rank runs of TWO_RANKS
-    and the 4-rank pipelined runs of FOUR_RANKS (one launch each)."""
+    """The single-process debug and moe-debug runs, and name -> logged lines of the 2-rank runs
+    of TWO_RANKS and the 4-rank pipelined runs of FOUR_RANKS (one launch each)."""
     tmp = tmp_path_factory.mktemp("pipeline_four")
     common = common_args(corpus)
     single = train(load_config(job(corpus, tmp / "one", *common)))
+    single_moe = train(load_config(job(corpus, tmp / "moe", *common, *ONE_ROW_MOE)))
     runs = {}
     for ranks, layouts in ((2, TWO_RANKS), (4, FOUR_RANKS)):
         jobs = [job(corpus, tmp / name, *common, *args) for name, args in layouts.items()]
         runs |= dict(zip(layouts, torchrun_jobs(ranks, jobs), strict=True))
-    return single, runs
+    return single, runs, single_moe
 
 
 @pytest.mark.slow
 def test_pp_with_fsdp_and_tp_follows_the_single_process_curve(four_rank_runs):
     """pp=2 x dp_shard=2 (FSDP2 per stage; each dp rank reads 2 of the step's 4 rows) and pp=2
     x tp=2 (sequence-parallel slices between stages), 4 ranks, against one process."""
-    single, runs = four_rank_runs
+    single, runs, _ = four_rank_runs
     # dp_shard=2 weights each rank's tokens within the rank, then averages the ranks (the
     # single process weights all tokens of the step together): 1e-3, as the trainer's own
     # two-process test; tp=2 adds the same numbers in another order only.
     losses = [m["loss"] for m in runs["pp2_fsdp2"] if "loss" in m]
     assert losses == pytest.approx(single.losses, rel=1e-3)
     compare(single, runs["pp2_tp2"])
+
+
+@pytest.mark.slow
+def test_pp4_follows_the_single_process_curve(four_rank_runs):
+    """pp=4, 1F1B, one part per stage (E|t|t|L on debug, Et|t|t|L on moe-debug: its MoE layers
+    in stages 1 and 2, each updating its own expert bias), against one process."""
+    single, runs, single_moe = four_rank_runs
+    compare(single, runs["pp4"])
+    # (pp - 1) / (n + pp - 1) with 4 micro-batches: the bubble of four stages.
+    assert [m["pp/bubble_predicted"] for m in runs["pp4"] if "loss" in m] == [
+        pytest.approx(3 / 7)
+    ] * STEPS
+    compare(single_moe, runs["pp4_moe"])
 
 
 @pytest.mark.slow
@@ -87,7 +105,7 @@ def test_pp_with_ep_or_tp_follows_the_same_moe_run_without_pp(four_rank_runs, na
     per layer (which the expert bias steers: a bias updated from one stage's counts only, or
     twice, routes otherwise within a step or two), the aux, sequence-aux, global-aux and z
     losses (each scaled by its micro-batch's share, summed over the stages), the norms."""
-    _, runs = four_rank_runs
+    _, runs, _ = four_rank_runs
     got, want = runs[name], runs[reference]
     want_steps = [m for m in want if "loss" in m]
     got_steps = [m for m in got if "loss" in m]
@@ -184,7 +202,7 @@ def test_mtp_stage_with_fsdp_follows_the_same_run_without_pp(four_rank_runs):
     so the same loss weighting: the loss, the norms and the depth's loss and acceptance, which
     dp_shard=2 alone logs too since the step's statistics survive FSDP2's input cast (measured:
     2e-7 apart)."""
-    _, runs = four_rank_runs
+    _, runs, _ = four_rank_runs
     assert "mtp/acceptance_1" in runs["fsdp2_mtp"][-2]  # FSDP2 copied a stats dict before
     _same_mtp_metrics("pp2_fsdp2_mtp", runs["fsdp2_mtp"], runs["pp2_fsdp2_mtp"])
 

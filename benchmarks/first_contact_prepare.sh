@@ -6,7 +6,8 @@
 # 1. Downloads into .whl/ (git-ignored; it must be carried to the GPU machine) the wheels that
 #    graphtrain imports and the GPU image lacks: tensordict and its pyvers (pure Python; its
 #    cloudpickle and numpy are in the image), and nvidia-ml-py (pynvml, the energy metric; in
-#    the image too, carried so the metric does not hang on the image's contents). Python 3.12,
+#    the image too, carried so the metric does not hang on the image's contents), fla-core and
+#    einops (FLA's Gated DeltaNet kernels: gpu_session.sh's hybrid stage). Python 3.12,
 #    installed there with pip --no-index --no-deps --target, nothing into the image's
 #    environment. The image has torch, triton, safetensors, tokenizers, pyarrow, numpy and
 #    tensorboard.
@@ -19,7 +20,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 python=${PYTHON:-$(command -v python3 || command -v python)}
-wheels=(tensordict==0.15.3 pyvers==0.2.3 nvidia-ml-py==13.615.71)
+wheels=(tensordict==0.15.3 pyvers==0.2.3 nvidia-ml-py==13.615.71 fla-core==0.6.0 einops==0.8.1)
 
 mkdir -p .whl
 missing=()

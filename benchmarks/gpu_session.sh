@@ -8,7 +8,7 @@
 #
 #   GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]
 #
-# STAGE: preflight | tests | e2e | loss | fp8 | mtp | kernels | profile-fp8
+# STAGE: preflight | tests | e2e | loss | fp8 | mtp | kernels | hybrid | profile-fp8
 # (see `stages` below and "Running the GPU benchmarks" in benchmarks/RESULTS.md). LOG_DIR
 # (default $OUT, else ./gpu-logs; at most 8 files, what a device run brings back) gets one log
 # per item, the sections this stage appended to
@@ -75,7 +75,7 @@ usage() {
 }
 
 case $stage in
-preflight | tests | e2e | loss | fp8 | mtp | kernels | profile-fp8) ;;
+preflight | tests | e2e | loss | fp8 | mtp | kernels | hybrid | profile-fp8) ;;
 *) usage ;;
 esac
 mkdir -p "$log_dir" || exit 2
@@ -233,6 +233,19 @@ stages() {
         # tp_overlap.py: plain bf16 GEMMs of Llama-3-8B at 8192 tokens for tp = 2, 4, 8, one and
         # chunked, no compile (the TP-overlap decomposition's overhead): < 1 min.
         bench tp_overlap 80 tp_overlap.py
+        ;;
+    hybrid)
+        # gated_delta_rule.py at Qwen3-Next's shapes (batch 1, 4096 tokens, 32 value heads of
+        # 128): the compiled chunked reference (~30-60 s to compile the unrolled chunk loop),
+        # graphtrain's op, FLA's kernels (the fla-core wheel in .whl): ~2 min.
+        bench gated_delta_rule 180 gated_delta_rule.py
+        # hybrid-1b's step, plain torch.compile against graphtrain with the pass off (the
+        # default) and on (the op's kernels as compile.gdr_kernels chooses: FLA's where
+        # installed): the 1.2x target and whether the pass may be on by default; 12 GDN layers
+        # to compile per row: ~2-3 min each.
+        bench e2e-hybrid-1b 170 e2e.py --model hybrid-1b --steps 10 --warmup 3
+        bench e2e-hybrid-1b-gdr 150 e2e.py --model hybrid-1b --steps 10 --warmup 3 \
+            --set=--compile.passes=+gated_delta_rule
         ;;
     profile-fp8)
         # The 3b preset with training.fp8, one sequence of 4096 (~63 GiB): 3 profiled steps, then

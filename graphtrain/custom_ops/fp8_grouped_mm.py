@@ -26,6 +26,7 @@ Numerics
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -166,15 +167,21 @@ def padded_columns(offs: Tensor, M: int) -> tuple[Tensor, Tensor, int]:
     return dest, padded_offs, width
 
 
-def _forward_impl(x, weight, offs, *, pow2_scale, out_dtype, grouped):
+def _forward_gemms(x, weight, offs, *, grouped, pow2_scale=False, out_dtype=None):
+    """(out, x8_t, x_scale_inv, w8_t, w_scale_inv); grouped: one torch._scaled_grouped_mm (the
+    sm90 kernel), else a loop of torch._scaled_mm over the experts (the CPU kernel)."""
     x8, x8_t, sx, w8, w8_t, sw = _cast_operands(x, weight, offs, pow2_scale)
     rows = _rows_grouped if grouped else _rows_loop
     out = rows(x8, sx, w8, sw, offs, out_dtype or x.dtype)
     return out, x8_t, sx, w8_t, sw
 
 
-def _backward_impl(grad_out, x8_t, sx, w8_t, sw, offs, *, float8_dtype, pow2_scale, x_dtype,
-                   w_dtype, grouped):  # fmt: skip
+def _backward_gemms(grad_out, x8_t, sx, w8_t, sw, offs, *, grouped, e4m3_grads, pow2_scale,
+                    x_dtype, w_dtype):  # fmt: skip
+    """(grad_x, grad_w); grouped: two torch._scaled_grouped_mm (the sm90 kernel, whose gradient
+    is E4M3 whatever e4m3_grads says: it takes no E5M2 operand), else loops of torch._scaled_mm
+    over the experts (the CPU kernel)."""
+    float8_dtype = E4M3 if e4m3_grads or grouped else E5M2
     dest, padded_offs, width = padded_columns(offs, grad_out.shape[0])
     g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale, dest, width)
     rows, experts = (_rows_grouped, _experts_grouped) if grouped else (_rows_loop, _experts_loop)
@@ -183,70 +190,10 @@ def _backward_impl(grad_out, x8_t, sx, w8_t, sw, offs, *, float8_dtype, pow2_sca
     return grad_x, grad_w
 
 
-def fp8_grouped_mm_ref(
-    x: Tensor,
-    weight: Tensor,
-    offs: Tensor,
-    *,
-    pow2_scale: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The forward as a loop of torch._scaled_mm over the experts (the CPU kernel)."""
-    return _forward_impl(x, weight, offs, pow2_scale=pow2_scale, out_dtype=out_dtype, grouped=False)
-
-
-def fp8_grouped_mm_cuda(
-    x: Tensor,
-    weight: Tensor,
-    offs: Tensor,
-    *,
-    pow2_scale: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The forward as one torch._scaled_grouped_mm (the sm90 kernel)."""
-    return _forward_impl(x, weight, offs, pow2_scale=pow2_scale, out_dtype=out_dtype, grouped=True)
-
-
-def fp8_grouped_mm_backward_ref(
-    grad_out: Tensor,
-    x8_t: Tensor,
-    x_scale_inv: Tensor,
-    w8_t: Tensor,
-    w_scale_inv: Tensor,
-    offs: Tensor,
-    *,
-    e4m3_grads: bool,
-    pow2_scale: bool,
-    x_dtype: torch.dtype,
-    w_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """(grad_x, grad_w) as loops of torch._scaled_mm over the experts (the CPU kernel)."""
-    return _backward_impl(
-        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, offs,
-        float8_dtype=E4M3 if e4m3_grads else E5M2, pow2_scale=pow2_scale, x_dtype=x_dtype,
-        w_dtype=w_dtype, grouped=False,
-    )  # fmt: skip
-
-
-def fp8_grouped_mm_backward_cuda(
-    grad_out: Tensor,
-    x8_t: Tensor,
-    x_scale_inv: Tensor,
-    w8_t: Tensor,
-    w_scale_inv: Tensor,
-    offs: Tensor,
-    *,
-    e4m3_grads: bool,
-    pow2_scale: bool,
-    x_dtype: torch.dtype,
-    w_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """(grad_x, grad_w) as two torch._scaled_grouped_mm (the sm90 kernel). The gradient is
-    E4M3 whatever e4m3_grads says: the kernel takes no E5M2 operand."""
-    return _backward_impl(
-        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, offs, float8_dtype=E4M3,
-        pow2_scale=pow2_scale, x_dtype=x_dtype, w_dtype=w_dtype, grouped=True,
-    )  # fmt: skip
+fp8_grouped_mm_ref = functools.partial(_forward_gemms, grouped=False)
+fp8_grouped_mm_cuda = functools.partial(_forward_gemms, grouped=True)
+fp8_grouped_mm_backward_ref = functools.partial(_backward_gemms, grouped=False)
+fp8_grouped_mm_backward_cuda = functools.partial(_backward_gemms, grouped=True)
 
 
 def grouped_kernel_runs(t: Tensor, E: int, N: int, K: int) -> bool:

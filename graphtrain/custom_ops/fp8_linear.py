@@ -115,6 +115,24 @@ def _transposed(t8: Tensor) -> Tensor:
     return t8.t().clone(memory_format=torch.contiguous_format)
 
 
+def _check_precast(
+    x: Tensor, x_scale_inv: Tensor | None, weight: Tensor, w_scale_inv: Tensor | None,
+    bias: Tensor | None, out_dtype: torch.dtype,
+) -> None:  # fmt: skip
+    def plain(t: Tensor, scale_inv: Tensor | None) -> Tensor:  # what _check takes
+        return t if scale_inv is None else torch.empty(t.shape, dtype=out_dtype, device="meta")
+
+    _check(plain(x, x_scale_inv), plain(weight, w_scale_inv), bias, out_dtype)
+    for name, t, scale_inv in (("x", x, x_scale_inv), ("weight", weight, w_scale_inv)):
+        if scale_inv is not None and (t.dtype != E4M3 or scale_inv.shape != ()):
+            raise ValueError(
+                f"fp8_linear_precast: {name} with a scale_inv must be {E4M3} with a 0-d "
+                f"scale_inv, got {t.dtype} and {tuple(scale_inv.shape)}"
+            )
+    if x_scale_inv is None and w_scale_inv is None:
+        raise ValueError("fp8_linear_precast needs x or the weight in FP8 (a scale_inv)")
+
+
 def fp8_linear_precast_ref(
     x: Tensor,
     x_scale_inv: Tensor | None,
@@ -127,8 +145,11 @@ def fp8_linear_precast_ref(
     tp_group: str | None,
     out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fp8_linear's forward where x and/or the weight come in E4M3 with their 1 / scale (the
-    other is cast here, its amax max-reduced over tp_group, as fp8_linear does)."""
+    """fp8_linear's forward outputs where x and/or the weight come in E4M3 with their 1 / scale
+    (the other is cast here, its amax max-reduced over tp_group, as fp8_linear does). No
+    autograd: it goes into post-grad forward graphs next to fp8_linear_backward, or under an
+    autograd-carrying fp8_linear as graphtrain.parallel.fp8_all_gather's Fp8Weight runs it."""
+    _check_precast(x, x_scale_inv, weight, w_scale_inv, bias, out_dtype)
     x2 = x.reshape(-1, x.shape[-1])
     if x_scale_inv is None:
         (ax,) = reduce_amax([torch.ops.graphtrain.fp8_amax(x2)], tp_group)
@@ -144,6 +165,21 @@ def fp8_linear_precast_ref(
     else:
         w_fp8 = (weight, _transposed(weight), w_scale_inv.clone())
     return _fp8_linear_forward(x_fp8, w_fp8, bias, x.shape[:-1], out_dtype)
+
+
+def _check_backward(
+    grad_out: Tensor, has_bias: bool, grad_scale_inv: Tensor | None, grad_counts: Tensor | None,
+    e4m3_grads: bool,
+) -> None:  # fmt: skip
+    if grad_scale_inv is None:
+        return
+    dtype = E4M3 if e4m3_grads else E5M2
+    if grad_out.dtype != dtype or grad_counts is None or has_bias:
+        raise ValueError(
+            f"fp8_linear_backward with grad_scale_inv needs grad_out in {dtype}, grad_counts "
+            f"and no bias (grad_b sums the unquantised gradient), got {grad_out.dtype}, "
+            f"grad_counts {grad_counts is not None}, has_bias {has_bias}"
+        )
 
 
 def fp8_linear_backward_ref(
@@ -162,6 +198,9 @@ def fp8_linear_backward_ref(
     x_dtype: torch.dtype,
     w_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_x, grad_w, grad_b or an empty tensor) of fp8_linear, from its saved FP8 copies;
+    with grad_scale_inv, grad_out is cast already (grad_counts: this rank's cast counts)."""
+    _check_backward(grad_out, has_bias, grad_scale_inv, grad_counts, e4m3_grads)
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     if grad_scale_inv is None:
         (ag,) = reduce_amax([torch.ops.graphtrain.fp8_amax(g2)], tp_group)
@@ -222,25 +261,8 @@ def _fp8_linear_fake(
     )
 
 
-def _check_precast(
-    x: Tensor, x_scale_inv: Tensor | None, weight: Tensor, w_scale_inv: Tensor | None,
-    bias: Tensor | None, out_dtype: torch.dtype,
-) -> None:  # fmt: skip
-    def plain(t: Tensor, scale_inv: Tensor | None) -> Tensor:  # what _check takes
-        return t if scale_inv is None else torch.empty(t.shape, dtype=out_dtype, device="meta")
-
-    _check(plain(x, x_scale_inv), plain(weight, w_scale_inv), bias, out_dtype)
-    for name, t, scale_inv in (("x", x, x_scale_inv), ("weight", weight, w_scale_inv)):
-        if scale_inv is not None and (t.dtype != E4M3 or scale_inv.shape != ()):
-            raise ValueError(
-                f"fp8_linear_precast: {name} with a scale_inv must be {E4M3} with a 0-d "
-                f"scale_inv, got {t.dtype} and {tuple(scale_inv.shape)}"
-            )
-    if x_scale_inv is None and w_scale_inv is None:
-        raise ValueError("fp8_linear_precast needs x or the weight in FP8 (a scale_inv)")
-
-
-@torch.library.custom_op(
+# The torch code is every device's kernel.
+fp8_linear_precast = torch.library.custom_op(
     "graphtrain::fp8_linear_precast",
     mutates_args=(),
     schema=(
@@ -248,27 +270,7 @@ def _check_precast(
         "Tensor? bias, *, bool pow2_scale, str? tp_group, ScalarType out_dtype) "
         "-> (Tensor out, Tensor x8_t, Tensor x_scale_inv_out, Tensor w8_t, Tensor w_scale_inv_out)"
     ),
-)
-def fp8_linear_precast(
-    x: Tensor,
-    x_scale_inv: Tensor | None,
-    x_counts: Tensor | None,
-    weight: Tensor,
-    w_scale_inv: Tensor | None,
-    bias: Tensor | None,
-    *,
-    pow2_scale: bool,
-    tp_group: str | None,
-    out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fp8_linear's forward outputs where an operand is in E4M3 already (no autograd: it goes
-    into post-grad forward graphs next to fp8_linear_backward, or under an autograd-carrying
-    fp8_linear as graphtrain.parallel.fp8_all_gather's Fp8Weight runs it)."""
-    _check_precast(x, x_scale_inv, weight, w_scale_inv, bias, out_dtype)
-    return fp8_linear_precast_ref(
-        x, x_scale_inv, x_counts, weight, w_scale_inv, bias, pow2_scale=pow2_scale,
-        tp_group=tp_group, out_dtype=out_dtype,
-    )  # fmt: skip
+)(fp8_linear_precast_ref)
 
 
 @fp8_linear_precast.register_fake
@@ -283,22 +285,8 @@ def _fp8_linear_precast_fake(
     return _fp8_linear_fake(x, weight, bias, out_dtype=out_dtype)
 
 
-def _check_backward(
-    grad_out: Tensor, has_bias: bool, grad_scale_inv: Tensor | None, grad_counts: Tensor | None,
-    e4m3_grads: bool,
-) -> None:  # fmt: skip
-    if grad_scale_inv is None:
-        return
-    dtype = E4M3 if e4m3_grads else E5M2
-    if grad_out.dtype != dtype or grad_counts is None or has_bias:
-        raise ValueError(
-            f"fp8_linear_backward with grad_scale_inv needs grad_out in {dtype}, grad_counts "
-            f"and no bias (grad_b sums the unquantised gradient), got {grad_out.dtype}, "
-            f"grad_counts {grad_counts is not None}, has_bias {has_bias}"
-        )
-
-
-@torch.library.custom_op(
+# The torch code is every device's kernel.
+fp8_linear_backward = torch.library.custom_op(
     "graphtrain::fp8_linear_backward",
     mutates_args=(),
     schema=(
@@ -307,50 +295,13 @@ def _check_backward(
         "bool e4m3_grads, bool pow2_scale, str? tp_group, ScalarType x_dtype, "
         "ScalarType w_dtype) -> (Tensor grad_x, Tensor grad_w, Tensor grad_b)"
     ),
-)
-def fp8_linear_backward(
-    grad_out: Tensor,
-    x8_t: Tensor,
-    x_scale_inv: Tensor,
-    w8_t: Tensor,
-    w_scale_inv: Tensor,
-    has_bias: bool,
-    grad_scale_inv: Tensor | None = None,
-    grad_counts: Tensor | None = None,
-    *,
-    e4m3_grads: bool,
-    pow2_scale: bool,
-    tp_group: str | None,
-    x_dtype: torch.dtype,
-    w_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_x, grad_w, grad_b or an empty tensor) of fp8_linear, from its saved FP8 copies;
-    with grad_scale_inv, grad_out is cast already (grad_counts: this rank's cast counts)."""
-    _check_backward(grad_out, has_bias, grad_scale_inv, grad_counts, e4m3_grads)
-    return fp8_linear_backward_ref(
-        grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, has_bias, grad_scale_inv, grad_counts,
-        e4m3_grads=e4m3_grads,
-        pow2_scale=pow2_scale, tp_group=tp_group, x_dtype=x_dtype, w_dtype=w_dtype,
-    )  # fmt: skip
+)(fp8_linear_backward_ref)
 
 
 @fp8_linear_backward.register_fake
-def _fp8_linear_backward_fake(
-    grad_out,
-    x8_t,
-    x_scale_inv,
-    w8_t,
-    w_scale_inv,
-    has_bias,
-    grad_scale_inv=None,
-    grad_counts=None,
-    *,
-    e4m3_grads,
-    pow2_scale,
-    tp_group,
-    x_dtype,
-    w_dtype,
-):
+def _fp8_linear_backward_fake(grad_out, x8_t, x_scale_inv, w8_t, w_scale_inv, has_bias,
+                              grad_scale_inv=None, grad_counts=None, *, e4m3_grads, pow2_scale,
+                              tp_group, x_dtype, w_dtype):  # fmt: skip
     _check_backward(grad_out, has_bias, grad_scale_inv, grad_counts, e4m3_grads)
     K, N = w8_t.shape
     return (

@@ -154,9 +154,15 @@ def build_data(
         shards are read as one unbroken document (a warning says so).
     weights: one per entry of ``paths``: a blend (see blend.py), each entry a source of its own.
     """
-    _check_args(
-        paths, weights, token_dtype, seq_len, micro_batch_size, dp_rank, dp_world_size, seed
-    )
+    # How the loaders cut and deal the rows: checked before any file is read.
+    layout = {
+        "seq_len": seq_len,
+        "micro_batch_size": micro_batch_size,
+        "dp_rank": dp_rank,
+        "dp_world_size": dp_world_size,
+        "seed": seed,
+    }
+    _check_args(paths, weights, token_dtype, layout)
     cache_dir = Path(cache_dir)
     files, val_files, pretokenized = _inputs(paths, val_paths)
     tokenizer = _tokenizer(
@@ -184,16 +190,7 @@ def build_data(
             stacklevel=2,
         )
     train_loader, val_loader = _loaders(
-        train_streams,
-        val_streams,
-        weights,
-        seq_len=seq_len,
-        micro_batch_size=micro_batch_size,
-        vocab_size=vocab_size,
-        eos_id=eos_id,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        seed=seed,
+        train_streams, val_streams, weights, vocab_size=vocab_size, eos_id=eos_id, **layout
     )
     # The vocabulary the model needs: the tokenizer's, or the largest token id of the shards.
     if tokenizer is not None:
@@ -209,25 +206,15 @@ def _check_args(
     paths: Sequence[str] | None,
     weights: Sequence[float] | None,
     token_dtype: str,
-    seq_len: int,
-    micro_batch_size: int,
-    dp_rank: int,
-    dp_world_size: int,
-    seed: int,
+    layout: dict[str, int],
 ) -> None:
-    """build_data's argument checks, before any file is read."""
+    """build_data's argument checks, before any file is read (layout: check_loader_args')."""
     if weights and (paths is None or len(weights) != len(paths)):
         raise ValueError(
             f"data.weights {list(weights)} needs one weight per entry of data.paths "
             f"{list(paths or [])}"
         )
-    check_loader_args(
-        seq_len=seq_len,
-        micro_batch_size=micro_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        seed=seed,
-    )
+    check_loader_args(**layout)
     if token_dtype not in TOKEN_DTYPES:
         raise ValueError(f"token_dtype must be one of {TOKEN_DTYPES}, got {token_dtype!r}")
 

@@ -4,13 +4,15 @@ Contract
     torch.optim.AdamW's state layout: per parameter "step" (a float32 CPU scalar, so reading
     it costs no device sync), "exp_avg" and "exp_avg_sq" in `state_dtype`, created at the
     parameter's first step. load_state_dict casts the loaded moments back to state_dtype
-    (torch.optim.Optimizer casts them to the parameter dtype). A subclass implements
+    (torch.optim.Optimizer casts them to the parameter dtype). The constructor takes AdamW's
+    hyperparameters (lr, betas, eps, weight_decay) and state_dtype. A subclass implements
     _step_group(group) for one param group; step() runs the closure, then every group.
     local_shard: a DTensor's local shard (a view), else the tensor itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,8 +27,20 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 class AdamWBase(torch.optim.Optimizer):
-    def __init__(self, params: Any, defaults: dict[str, Any], state_dtype: torch.dtype) -> None:
-        super().__init__(params, defaults)
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        state_dtype: torch.dtype,
+        **group_keys: Any,
+    ) -> None:
+        """AdamW's hyperparameters, then any further keys every param group carries."""
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, {**defaults, **group_keys})
         self.state_dtype = state_dtype
 
     def state_bytes(self) -> int:

@@ -32,17 +32,10 @@ from graphtrain.optim.adamw_base import AdamWBase, local_shard
 
 class AdamWBF16(AdamWBase):
     def __init__(
-        self,
-        params: Iterable[Any],
-        *,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        state_dtype: torch.dtype = torch.bfloat16,
+        self, params: Iterable[Any], *, state_dtype: torch.dtype = torch.bfloat16, **hyper: Any
     ) -> None:
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, state_dtype)
+        """AdamWBase's hyperparameters (lr, betas, eps, weight_decay); bf16 moments by default."""
+        super().__init__(params, state_dtype=state_dtype, **hyper)
 
     def _step_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]

@@ -30,37 +30,28 @@ import torch
 from graphtrain.custom_ops.adamw_step import adamw_step, adamw_step_ref
 from graphtrain.optim.adamw_base import AdamWBase, local_shard
 
+# torch.optim.AdamW's group keys, so that its load_state_dict reads ours unchanged.
+_ADAMW_GROUP_KEYS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": True,
+    "decoupled_weight_decay": True,
+}
+
 
 class AdamWCopies(AdamWBase):
     def __init__(
-        self,
-        params: Iterable[Any],
-        *,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        state_dtype: torch.dtype = torch.float32,
+        self, params: Iterable[Any], *, state_dtype: torch.dtype = torch.float32, **hyper: Any
     ) -> None:
+        """AdamWBase's hyperparameters (lr, betas, eps, weight_decay); fp32 or bf16 moments."""
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"AdamWCopies: state_dtype must be float32 or bfloat16, got {state_dtype}"
             )
-        # torch.optim.AdamW's group keys, so that its load_state_dict reads ours unchanged.
-        defaults = {
-            "lr": lr,
-            "betas": tuple(betas),
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "amsgrad": False,
-            "maximize": False,
-            "foreach": None,
-            "capturable": False,
-            "differentiable": False,
-            "fused": True,
-            "decoupled_weight_decay": True,
-        }
-        super().__init__(params, defaults, state_dtype)
+        super().__init__(params, state_dtype=state_dtype, **hyper, **_ADAMW_GROUP_KEYS)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.float32:

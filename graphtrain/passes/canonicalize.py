@@ -179,12 +179,7 @@ def canonicalize(gm: torch.fx.GraphModule) -> dict[str, int]:
     return done
 
 
-@register_pass(
-    "canonicalize",
-    stage="pre_grad",
-    default_on=True,
-    preserves_numerics=True,
-)
+@register_pass("canonicalize", preserves_numerics=True)
 def canonicalize_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

@@ -122,7 +122,7 @@ def _fp8_gather(gm: torch.fx.GraphModule, ag: Node, fake_mode: Any) -> str:
             f"{x.meta['val'].element_size()}")  # fmt: skip
 
 
-@register_pass("fp8_all_gather", stage="post_grad", default_on=True, preserves_numerics=True)
+@register_pass("fp8_all_gather", preserves_numerics=True)
 def fp8_all_gather_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

@@ -182,7 +182,7 @@ def _groups(gm: torch.fx.GraphModule) -> list[list[Node]]:
     return list(groups.values())
 
 
-@register_pass("fp8_cast_once", stage="post_grad", default_on=True, preserves_numerics=True)
+@register_pass("fp8_cast_once", preserves_numerics=True)
 def fp8_cast_once_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

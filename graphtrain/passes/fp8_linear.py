@@ -264,7 +264,7 @@ def _local_operands(graph: torch.fx.Graph, gemm: _Gemm) -> tuple[Node, Node, Non
     return x, w, None
 
 
-@register_pass("fp8_linear", stage="pre_grad", default_on=False, preserves_numerics=False)
+@register_pass("fp8_linear", preserves_numerics=False, default_on=False)
 def fp8_linear_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

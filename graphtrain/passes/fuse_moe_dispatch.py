@@ -217,12 +217,7 @@ def _rewrite_unpermute(gm: torch.fx.GraphModule, copy: Node) -> str:
     )
 
 
-@register_pass(
-    "fuse_moe_dispatch",
-    stage="pre_grad",
-    default_on=True,
-    preserves_numerics=False,
-)
+@register_pass("fuse_moe_dispatch", preserves_numerics=False)
 def fuse_moe_dispatch_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

@@ -115,12 +115,7 @@ def _fuse(gm: torch.fx.GraphModule, first: Node, second: Node) -> str:
     )
 
 
-@register_pass(
-    "fuse_sibling_grouped_mm",
-    stage="pre_grad",
-    default_on=True,
-    preserves_numerics=False,
-)
+@register_pass("fuse_sibling_grouped_mm", preserves_numerics=False)
 def fuse_sibling_grouped_mm_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

@@ -463,12 +463,7 @@ def _choose_mode(
     return {"mode": "low_memory"}, f"auto: {over}"
 
 
-@register_pass(
-    "fuse_linear_cross_entropy",
-    stage="pre_grad",
-    default_on=True,
-    preserves_numerics=False,
-)
+@register_pass("fuse_linear_cross_entropy", preserves_numerics=False)
 def fuse_linear_cross_entropy_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

@@ -206,12 +206,7 @@ def _candidates(gm: torch.fx.GraphModule) -> list[Node]:
     ]
 
 
-@register_pass(
-    "fuse_moe_router",
-    stage="pre_grad",
-    default_on=True,
-    preserves_numerics=False,
-)
+@register_pass("fuse_moe_router", preserves_numerics=False)
 def fuse_moe_router_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

@@ -475,7 +475,7 @@ def _overlap_scatter(
     return f"mm ({names}) -> reduce_scatter {rs.name}: chunked into {chunks}"
 
 
-@register_pass("overlap_tp_comm", stage="post_grad", default_on=True, preserves_numerics=True)
+@register_pass("overlap_tp_comm", preserves_numerics=True)
 def overlap_tp_comm_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

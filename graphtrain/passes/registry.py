@@ -72,15 +72,15 @@ _REGISTRY: dict[str, PassSpec] = {}
 def register_pass(
     name: str,
     *,
-    stage: str,
-    default_on: bool,
     preserves_numerics: bool,
+    default_on: bool = True,
+    stage: str | None = None,
 ) -> Callable[[PassFn], PassFn]:
     """Decorator adding a pass to the registry; the docstring's first line is its description.
 
-    The run order comes from PASS_ORDER (graphtrain/passes/order.py), where every pass is listed
-    with the reason for its place."""
-    if stage not in PASS_STAGES:
+    The stage and run order come from PASS_ORDER (graphtrain/passes/order.py), where every pass
+    is listed with the reason for its place; a `stage` given here must agree with it."""
+    if stage is not None and stage not in PASS_STAGES:
         raise ValueError(f"pass {name!r}: stage must be one of {PASS_STAGES}, got {stage!r}")
     listed = position(name)
     if listed is None:
@@ -88,7 +88,9 @@ def register_pass(
             f"pass {name!r} is not listed in PASS_ORDER (graphtrain/passes/order.py): add it "
             "at the place its dependencies give it"
         )
-    if PASS_ORDER[listed][0] != stage:
+    if stage is None:
+        stage = PASS_ORDER[listed][0]
+    elif PASS_ORDER[listed][0] != stage:
         raise ValueError(
             f"pass {name!r} is registered for stage {stage!r} but PASS_ORDER lists it under "
             f"{PASS_ORDER[listed][0]!r} (graphtrain/passes/order.py)"

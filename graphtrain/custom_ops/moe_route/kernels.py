@@ -20,6 +20,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _take_best(avail, sel, eid, E: tl.constexpr):
+    """One step of the top-k over a [BLOCK_T, G_PAD, EPG_PAD] tile: each row's largest `sel`
+    still available (the lowest expert id among equal maxima), and `avail` without it."""
+    cand = tl.where(avail, sel, float("-inf"))
+    best = tl.max(tl.max(cand, 2), 1)
+    is_best = avail & (cand == best[:, None, None])
+    pick = tl.min(tl.min(tl.where(is_best, eid, E), 2), 1)
+    return pick, avail & (eid != pick[:, None, None])
+
+
+@triton.jit
 def _moe_route_fwd_kernel(
     logits_ptr,  # [T, E] fp32/bf16/fp16, row stride stride_t, unit column stride
     bias_ptr,  # [E] fp32 (not read without HAS_BIAS)
@@ -133,11 +144,7 @@ def _moe_route_fwd_kernel(
     w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     idx = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
     for i in tl.static_range(K):
-        cand = tl.where(avail, sel, float("-inf"))
-        best = tl.max(tl.max(cand, 2), 1)
-        is_best = avail & (cand == best[:, None, None])
-        pick = tl.min(tl.min(tl.where(is_best, eid, E), 2), 1)
-        avail = avail & (eid != pick[:, None, None])
+        pick, avail = _take_best(avail, sel, eid, E)
         # The weight from the chosen logit itself: the tile's arithmetic, no reduction.
         logit = tl.load(logits_ptr + row_off + pick, mask=row_ok & (pick < E), other=0.0).to(
             tl.float32
@@ -172,11 +179,7 @@ def _moe_route_fwd_kernel(
         plain_avail = tl.broadcast_to(e_ok, (BLOCK_T, G_PAD, EPG_PAD))
         plain_sel = tl.where(e_ok, scores, float("-inf"))
         for _ in tl.static_range(K):
-            cand = tl.where(plain_avail, plain_sel, float("-inf"))
-            best = tl.max(tl.max(cand, 2), 1)
-            is_best = plain_avail & (cand == best[:, None, None])
-            pick = tl.min(tl.min(tl.where(is_best, eid, E), 2), 1)
-            plain_avail = plain_avail & (eid != pick[:, None, None])
+            pick, plain_avail = _take_best(plain_avail, plain_sel, eid, E)
         plain = e_ok & ~plain_avail & row_ok[:, None, None]
         plain_hist = tl.sum(plain.to(tl.float32), 0)
         tl.store(plain_ptr + pid.to(tl.int64) * E + e2, plain_hist, mask=e2_ok)

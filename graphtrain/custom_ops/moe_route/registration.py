@@ -73,25 +73,16 @@ def _moe_route_cuda(logits, bias, top_k, **options):
     return (moe_route_triton if supported else moe_route_ref)(logits, bias, top_k, **options)
 
 
-@torch.library.custom_op(
+# d logits of moe_route for d weights, d aux_sums and d lse (options: RouteOptions'
+# backward_options); the torch reference is the CPU kernel.
+moe_route_backward = torch.library.custom_op(
     "graphtrain::moe_route_backward",
     mutates_args=(),
     schema=(
         "(Tensor grad_weights, Tensor? grad_aux_sums, Tensor? grad_lse, Tensor logits, "
         f"Tensor indices, *, {schema_options(BACKWARD_OPTIONS, defaults=False)}) -> Tensor"
     ),
-)
-def moe_route_backward(
-    grad_weights: Tensor,
-    grad_aux_sums: Tensor | None,
-    grad_lse: Tensor | None,
-    logits: Tensor,
-    indices: Tensor,
-    **options: Any,
-) -> Tensor:
-    """d logits of moe_route for d weights, d aux_sums and d lse (options: RouteOptions'
-    backward_options). This body is the CPU kernel: the torch reference."""
-    return moe_route_backward_ref(grad_weights, grad_aux_sums, grad_lse, logits, indices, **options)
+)(moe_route_backward_ref)
 
 
 @moe_route_backward.register_fake

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import graphtrain.custom_ops.gated_delta_rule as gdr
+from graphtrain.custom_ops.utils import interpreting
 from models.gated_deltanet import gated_delta_rule_recurrent, l2norm, segment_ids
 
 OP = torch.ops.graphtrain.chunk_gated_delta_rule
@@ -98,7 +99,7 @@ def _interpreter_checks() -> None:
     """Run in a child with TRITON_INTERPRET=1: the Triton forward and backward on CPU, fp32,
     against the float64 recurrence and its autograd; Dk, Dv not powers of two, Dv over one
     column block, documents (one of length 1)."""
-    assert gdr._interpreting()
+    assert interpreting()
     for B, T, H, Dk, Dv, lengths in [
         (1, 9, 1, 4, 4, None),
         (2, 13, 2, 6, 5, [[3, 1, 9], [13]]),
@@ -127,7 +128,7 @@ def _interpreter_checks() -> None:
 
 
 def test_triton_kernels_under_interpreter():
-    if gdr._interpreting():
+    if interpreting():
         _interpreter_checks()
         return
     from conftest import run_interpreter_checks  # not at the top: this file also runs as a script

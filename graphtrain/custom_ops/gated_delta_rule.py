@@ -9,22 +9,19 @@ What
             o_t = S_t^T (scale q_t)                         -> o (B, T, H, Dv) in v's dtype
     chunk_gated_delta_rule_backward(grad_o, q, k, v, g, beta, segments?, *, <the same options>)
         -> (dq, dk, dv, dg, dbeta), each in its input's dtype.
-    chunk_size is the reference's schedule only (the result does not depend on it beyond
-    rounding); it is kept so that the op on CPU repeats the model's eager numerics exactly.
-    kernels picks the CUDA kernels: "triton" (ours, below), "fla" (flash-linear-attention's
-    chunked kernels, the optional `fla-core` package; a clear error when it is missing), "auto"
-    (fla where it imports, else ours). CPU and float64 always run the reference.
+    chunk_size: the reference's schedule only (kept so that the op on CPU repeats the model's
+    eager numerics exactly). kernels, on CUDA: "triton" (ours), "fla" (flash-linear-attention's,
+    the optional fla-core package; a clear error where it is missing), "auto" (fla where it
+    imports, else ours). CPU and float64 run the reference.
 
-Layers: GatedDeltaRuleOptions (the options, checked once; the schemas' keyword arguments),
-chunk_gated_delta_rule_ref (the CPU kernel and the tests' oracle), the Triton kernels
-_gdr_fwd_kernel and _gdr_bwd_kernel, the FLA calls chunk_gated_delta_rule_fla and its
-backward: docs/design/gated_delta_rule.md, "The op" and "CUDA kernels: ours or FLA's".
+Layers (docs/design/gated_delta_rule.md, "The op"): GatedDeltaRuleOptions, the reference
+chunk_gated_delta_rule_ref, our Triton kernels _gdr_fwd_kernel and _gdr_bwd_kernel, FLA's
+through chunk_gated_delta_rule_fla and its backward, choose_kernels, the registration.
 
 Numerics
     fp32 state and accumulation for bf16/fp32 inputs (float64 stays float64 on the reference).
-    On CPU the op is the model's own chunked code: bitwise the eager result. The Triton kernels
-    sum in another order (step by step rather than chunked), FLA's in its own chunked order:
-    agreement to fp32 rounding. Ours are correct but not yet fast (no tensor cores).
+    On CPU: the model's own chunked code, bitwise the eager result. Our kernels step position by
+    position, FLA's chunk by chunk: agreement to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -320,8 +317,7 @@ def _gdr_bwd_kernel(
 def _launch_args(q: Tensor, v: Tensor, segments: Tensor | None) -> tuple[Tensor, dict]:
     """Both kernels' segment pointer (q where unread: no segments) and shape constants."""
     seg = segments.contiguous() if segments is not None else q
-    meta = {"T": q.shape[1], "DK": q.shape[3], "DV": v.shape[3]}
-    return seg, {**meta, "HAS_SEGMENTS": segments is not None}
+    return seg, dict(T=q.shape[1], DK=q.shape[3], DV=v.shape[3], HAS_SEGMENTS=segments is not None)
 
 
 def chunk_gated_delta_rule_triton(

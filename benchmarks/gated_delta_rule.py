@@ -113,7 +113,10 @@ def cpu_smoke() -> None:
         fn = torch.compile(
             layer,
             backend=graphtrain_backend(
-                inner="aot_eager", dump_dir=dump, passes=["+gated_delta_rule"]
+                inner="aot_eager",
+                dump_dir=dump,
+                passes=["+gated_delta_rule"],
+                pass_options={"gdr_kernels": "triton"},
             ),
         )
         torch.testing.assert_close(fn(x), layer(x))
@@ -123,6 +126,7 @@ def cpu_smoke() -> None:
             "graphtrain.chunk_gated_delta_rule.default"
         )
     assert fired == 1, steps["gated_delta_rule"]
+    assert "kernels='triton'" in steps["gated_delta_rule"]["notes"][0]  # compile.gdr_kernels
     print("cpu smoke: the op equals the reference and the pass inserts it")
 
 

@@ -138,6 +138,16 @@ def test_fla_missing_is_one_clear_error(monkeypatch):
         _kernels({"gdr_kernels": "cuda"})
 
 
+def test_config_field_reaches_the_pass():
+    from graphtrain.config import CompileConfig, JobConfig, pass_options
+
+    cfg = JobConfig(compile=CompileConfig(gdr_kernels="triton"))
+    assert pass_options(cfg)["gdr_kernels"] == "triton"
+    assert pass_options(JobConfig())["gdr_kernels"] == "auto"
+    with pytest.raises(ValueError, match=r"compile\.gdr_kernels must be one of .*, got 'cuda'"):
+        CompileConfig(gdr_kernels="cuda")
+
+
 def test_fla_documents_are_our_segments():
     """Rows laid end to end; a sequence starts at each row start and each segment change."""
     q = torch.zeros(2, 37, 1, 1)

@@ -99,29 +99,18 @@ def check_args(
 
 
 def chunk_gated_delta_rule_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    segments: Tensor | None,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Tensor | None,
     opts: GatedDeltaRuleOptions,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     return _model_chunk_gated_delta_rule(
         q, k, v, g, beta, segments, chunk_size=opts.chunk_size, scale=opts.scale
     )
 
 
 def chunk_gated_delta_rule_backward_ref(
-    grad_o: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    segments: Tensor | None,
-    opts: GatedDeltaRuleOptions,
-) -> tuple[Tensor, ...]:
+    grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    segments: Tensor | None, opts: GatedDeltaRuleOptions,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """(dq, dk, dv, dg, dbeta): the reference's vjp, recomputed. torch.func rather than
     torch.autograd.grad: inside an op's kernel the autograd keys are excluded from dispatch
     (no graph would be recorded), functorch's transform brings its own."""
@@ -140,25 +129,9 @@ def chunk_gated_delta_rule_backward_ref(
 
 @triton.jit
 def _gdr_step(
-    state,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    seg_ptr,
-    b,
-    t,
-    row,
-    offs_k,
-    offs_v,
-    mask_k,
-    mask_v,
-    ok,
-    T: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr,
-):
+    state, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v, mask_k, mask_v, ok,
+    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+):  # fmt: skip
     """One step of the recurrence at position t from `state` (S_{t-1}), fp32: loads k, v, the
     decay a = exp(g) (0 where t starts a new document) and beta, then S' = a S_{t-1},
     r = S'^T k, w = beta (v - r), S_t = S' + k w^T. Returns (k, v, a, beta, S', r, w, S_t).
@@ -180,22 +153,11 @@ def _gdr_step(
 
 @triton.jit
 def _gdr_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    seg_ptr,
-    o_ptr,
-    H,
-    scale,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, o_ptr, H, scale,
     T: tl.constexpr,  # constant: Triton's interpreter needs constant loop bounds
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
+    DK: tl.constexpr, DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
     # One program: batch b, head h, value columns [pid_v * BLOCK_V, ...). Inputs contiguous
     # (B, T, H, D); the state S (BLOCK_K, BLOCK_V) stays in fp32 registers for the whole row.
     pid_bh = tl.program_id(0)
@@ -220,31 +182,14 @@ def _gdr_fwd_kernel(
 
 @triton.jit
 def _gdr_bwd_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    seg_ptr,
-    do_ptr,
-    dq_ptr,
-    dk_ptr,
-    dv_ptr,
-    dg_ptr,
-    dbeta_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
     h_ptr,  # (B*H, NUM_CHUNKS, BLOCK_K, BLOCK_V) fp32: the state entering each chunk
     scratch_ptr,  # (B*H, CHUNK, BLOCK_K, BLOCK_V) fp32: the states inside the current chunk
-    H,
-    scale,
-    T: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    CHUNK: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-):
+    H, scale,
+    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):  # fmt: skip
     # One program per (batch, head), the whole state: dq and dk sum over the value columns.
     # Pass 1 runs the recurrence and keeps the state entering each chunk; pass 2 walks the
     # chunks backwards, recomputes a chunk's states from its entry state into scratch, then
@@ -321,14 +266,9 @@ def _launch_args(q: Tensor, v: Tensor, segments: Tensor | None) -> tuple[Tensor,
 
 
 def chunk_gated_delta_rule_triton(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    segments: Tensor | None,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Tensor | None,
     opts: GatedDeltaRuleOptions,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """o by _gdr_fwd_kernel."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o = torch.empty_like(v)
@@ -345,16 +285,9 @@ def chunk_gated_delta_rule_triton(
 
 
 def chunk_gated_delta_rule_backward_triton(
-    grad_o: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    segments: Tensor | None,
-    opts: GatedDeltaRuleOptions,
-    chunk: int | None = None,
-) -> tuple[Tensor, ...]:
+    grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    segments: Tensor | None, opts: GatedDeltaRuleOptions, chunk: int | None = None,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """(dq, dk, dv, dg, dbeta) by _gdr_bwd_kernel; `chunk` (default opts.chunk_size): positions
     between kept states. Memory: fp32 states of cdiv(T, chunk) + chunk positions per (batch,
     head), e.g. 80 MiB a head at T = 4096, chunk 64, Dk = Dv = 128."""
@@ -430,14 +363,9 @@ def _fla_rows(xs: tuple[Tensor, ...], cu_seqlens: Tensor | None) -> list[Tensor]
 
 
 def chunk_gated_delta_rule_fla(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    segments: Tensor | None,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Tensor | None,
     opts: GatedDeltaRuleOptions,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """o by FLA's chunk_gated_delta_rule (its chunk size, 64; opts.chunk_size is ours)."""
     fla = fla_module()
     if v.numel() == 0:
@@ -450,15 +378,9 @@ def chunk_gated_delta_rule_fla(
 
 
 def chunk_gated_delta_rule_backward_fla(
-    grad_o: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    segments: Tensor | None,
-    opts: GatedDeltaRuleOptions,
-) -> tuple[Tensor, ...]:
+    grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    segments: Tensor | None, opts: GatedDeltaRuleOptions,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """(dq, dk, dv, dg, dbeta) by FLA's backward, called as its autograd.Function calls it
     (fla-core 0.6, chunk.py), after recomputing the two things its forward saves for it: the
     chunk-local sums of g and the WY matrix A (cheap next to the backward)."""
@@ -524,17 +446,9 @@ _BACKWARD = {
     ),
 )
 def chunk_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    segments: Tensor | None,
-    *,
-    scale: float,
-    chunk_size: int,
-    kernels: str = "auto",
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Tensor | None,
+    *, scale: float, chunk_size: int, kernels: str = "auto",
+) -> Tensor:  # fmt: skip
     """o (B, T, H, Dv) of the gated delta rule (module docstring), on every device."""
     check_args(q, k, v, g, beta, segments)
     opts = GatedDeltaRuleOptions(scale, chunk_size, kernels)
@@ -559,18 +473,9 @@ def _fake(q, k, v, g, beta, segments, *, scale, chunk_size, kernels="auto"):
     ),
 )
 def chunk_gated_delta_rule_backward(
-    grad_o: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    segments: Tensor | None,
-    *,
-    scale: float,
-    chunk_size: int,
-    kernels: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    segments: Tensor | None, *, scale: float, chunk_size: int, kernels: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv, dg, dbeta) of chunk_gated_delta_rule, on every device (on CPU the
     reference's vjp)."""
     opts = GatedDeltaRuleOptions(scale, chunk_size, kernels)

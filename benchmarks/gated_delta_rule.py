@@ -126,7 +126,7 @@ def cpu_smoke() -> None:
             "graphtrain.chunk_gated_delta_rule.default"
         )
     assert fired == 1, steps["gated_delta_rule"]
-    assert "kernels='triton'" in steps["gated_delta_rule"]["notes"][0]  # compile.gdr_kernels
+    assert "kernels='triton'); on cpu: reference" in steps["gated_delta_rule"]["notes"][0]
     print("cpu smoke: the op equals the reference and the pass inserts it")
 
 

@@ -108,10 +108,12 @@ def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any], kern
         graph.erase_node(holder)
         delattr(gm, holder.target)
     names = ", ".join("None" if a is None else a.name for a in args)
+    v = fx.val(args[2])
+    runs = gdr.choose_kernels(kernels, v.dtype, v.device.type)
     return (
         f"replaced the region {node.name} with {new.name} = "
         f"graphtrain.chunk_gated_delta_rule({names}, scale={kwargs['scale']:.6g}, "
-        f"chunk_size={kwargs['chunk_size']}, kernels={kernels!r})"
+        f"chunk_size={kwargs['chunk_size']}, kernels={kernels!r}); on {v.device.type}: {runs}"
     )
 
 

@@ -3,18 +3,22 @@
 What
     Qwen3-Next's shapes by default: batch 1, sequence 4096 (--seq 32768 for the long one),
     32 value heads of 128 with q and k (16 key heads of 128) repeated to the value heads as
-    models/gated_deltanet.py does, bf16 inputs, unit-norm keys, one document per row; rows:
+    models/gated_deltanet.py does, bf16 inputs, unit-norm keys, --documents equal documents
+    per row (default 1); rows:
         torch.compile   the model's chunked reference (models.gated_deltanet.
                         chunk_gated_delta_rule, chunk 64) under torch.compile (Inductor)
-        graphtrain      graphtrain::chunk_gated_delta_rule (the Triton kernels)
-        fla             flash-linear-attention's chunk_gated_delta_rule, where the `fla`
-                        package is installed (else the row says so)
+        graphtrain triton  graphtrain::chunk_gated_delta_rule, kernels="triton" (ours)
+        graphtrain fla  the same op, kernels="fla" (FLA's kernels inside our op: with
+                        documents, the cu_seqlens it derives from our segments, a host sync)
+        fla             flash-linear-attention's chunk_gated_delta_rule called directly
+                        (documents as cu_seqlens over the rows laid end to end)
+    where the fla-core package is installed (else the fla rows say so)
     reporting the median wall time (triton.testing.do_bench) of the forward and of forward +
     backward (all five input gradients for a fixed random output gradient), and each row's
     error against the compiled reference in fp32 (relative norm).
 
 Run
-    python benchmarks/gated_delta_rule.py [--seq 4096 --batch 1] [--no-record]
+    python benchmarks/gated_delta_rule.py [--seq 4096 --batch 1 --documents 1] [--no-record]
     python benchmarks/gated_delta_rule.py --cpu-smoke   # no GPU: tiny shape, the op agrees with
                                                         # the reference and the pass fires
 The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
@@ -33,9 +37,9 @@ import triton
 import triton.testing
 from harness import record  # run as a script: benchmarks/ is on sys.path
 
-import graphtrain.custom_ops.gated_delta_rule  # noqa: F401  (registers the op)
+import graphtrain.custom_ops.gated_delta_rule  # registers the op
 from graphtrain.compile import backend as graphtrain_backend
-from models.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, l2norm
+from models.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, l2norm, segment_ids
 
 OP = torch.ops.graphtrain.chunk_gated_delta_rule
 
@@ -52,20 +56,40 @@ def inputs(B: int, T: int, H: int, D: int, device: str, dtype: torch.dtype):
     return xs, grad_o
 
 
-def builds(D: int) -> dict:
+def documents(B: int, T: int, n: int, device: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Our segments (None for one document per row) and FLA's cu_seqlens over the rows laid
+    end to end, for n documents of (nearly) equal length per row."""
+    bounds = torch.linspace(0, T, n + 1).long()
+    ids = torch.repeat_interleave(torch.arange(n), bounds.diff()).expand(B, T)
+    starts = (torch.arange(B)[:, None] * T + bounds[None, :-1]).flatten()
+    cu = torch.cat([starts, torch.tensor([B * T])]).to(device)
+    return (segment_ids(ids).to(device) if n > 1 else None), cu
+
+
+def builds(D: int, seg: torch.Tensor | None, cu: torch.Tensor) -> dict:
     scale = D**-0.5
     fns = {
         "torch.compile": torch.compile(
-            lambda q, k, v, g, b: chunk_gated_delta_rule(q, k, v, g, b, None, 64, scale)
+            lambda q, k, v, g, b: chunk_gated_delta_rule(q, k, v, g, b, seg, 64, scale)
         ),
-        "graphtrain": lambda q, k, v, g, b: OP(q, k, v, g, b, None, scale=scale, chunk_size=64),
     }
+    for kernels in ("triton", "fla"):
+        fns[f"graphtrain {kernels}"] = lambda q, k, v, g, b, kernels=kernels: OP(
+            q, k, v, g, b, seg, scale=scale, chunk_size=64, kernels=kernels
+        )
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
-
-        fns["fla"] = lambda q, k, v, g, b: fla_rule(q, k, v, g, b, scale=scale)[0]
     except ImportError:
-        pass
+        del fns["graphtrain fla"]
+        return fns
+
+    def fla(q, k, v, g, b):
+        if seg is None:
+            return fla_rule(q, k, v, g, b, scale=scale)[0]
+        rows = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, v, g, b))
+        return fla_rule(*rows, scale=scale, cu_seqlens=cu)[0].reshape(v.shape)
+
+    fns["fla"] = fla
     return fns
 
 
@@ -79,6 +103,8 @@ def cpu_smoke() -> None:
     ref = chunk_gated_delta_rule(q, k, v, g, beta, None, 64, 8**-0.5)
     out = OP(q, k, v, g, beta, None, scale=8**-0.5, chunk_size=64)
     assert torch.equal(out, ref)
+    seg, cu = documents(2, 70, 3, "cpu")  # the fla row's cu_seqlens are the op's for seg
+    assert torch.equal(cu, graphtrain.custom_ops.gated_delta_rule._fla_documents(seg, q)[1])
     layer = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6)
     layer.init_weights(0.02, 0.01)
     x = torch.randn(2, 40, 32)
@@ -87,7 +113,10 @@ def cpu_smoke() -> None:
         fn = torch.compile(
             layer,
             backend=graphtrain_backend(
-                inner="aot_eager", dump_dir=dump, passes=["+gated_delta_rule"]
+                inner="aot_eager",
+                dump_dir=dump,
+                passes=["+gated_delta_rule"],
+                pass_options={"gdr_kernels": "triton"},
             ),
         )
         torch.testing.assert_close(fn(x), layer(x))
@@ -97,6 +126,7 @@ def cpu_smoke() -> None:
             "graphtrain.chunk_gated_delta_rule.default"
         )
     assert fired == 1, steps["gated_delta_rule"]
+    assert "kernels='triton'); on cpu: reference" in steps["gated_delta_rule"]["notes"][0]
     print("cpu smoke: the op equals the reference and the pass inserts it")
 
 
@@ -108,6 +138,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--documents", type=int, default=1, help="equal documents per row")
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--cpu-smoke", action="store_true")
     args = parser.parse_args()
@@ -118,7 +149,7 @@ def main() -> None:
         raise SystemExit("benchmarks/gated_delta_rule.py needs a CUDA GPU (or --cpu-smoke)")
     B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
     xs, grad_o = inputs(B, T, H, D, "cuda", torch.bfloat16)
-    fns = builds(D)
+    fns = builds(D, *documents(B, T, args.documents, "cuda"))
     want = fns["torch.compile"](*(x.float() for x in xs))
     lines = [
         "| impl | fwd ms | fwd+bwd ms | rel err of o vs fp32 reference |",
@@ -139,12 +170,13 @@ def main() -> None:
         both = triton.testing.do_bench(step, return_mode="median")
         lines.append(f"| {name} | {fwd:.3f} | {both:.3f} | {_rel(out, want):.1e} |")
     if "fla" not in fns:
-        lines.append("| fla | not installed | | |")
+        lines.append("| graphtrain fla, fla | fla-core not installed | | |")
     table = "\n".join(lines)
     if args.no_record:
         print(table)
     else:
-        record(f"gated_delta_rule: B={B}, T={T}, {H} heads of {D}, bf16", table)
+        docs = f", {args.documents} documents per row" if args.documents > 1 else ""
+        record(f"gated_delta_rule: B={B}, T={T}, {H} heads of {D}, bf16{docs}", table)
 
 
 if __name__ == "__main__":

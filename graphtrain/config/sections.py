@@ -191,6 +191,11 @@ class CompileConfig:
         "Bytes the fused cross-entropy's fast mode may use beyond the low-memory mode's; 0: a "
         "quarter of the free device memory at compile time (on CPU, of the available memory).",
     )
+    gdr_kernels: Literal["auto", "triton", "fla"] = option(
+        "auto",
+        "The Gated DeltaNet op's CUDA kernels (pass gated_delta_rule): triton (graphtrain's), fla "
+        "(flash-linear-attention's, the fla extra), or auto: fla where it imports, else triton.",
+    )
     cudagraph_mtp: bool = option(
         True,
         "The MTP layers' compiled forward and backward as CUDA graphs (Inductor's cudagraph "

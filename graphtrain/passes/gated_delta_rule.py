@@ -26,14 +26,14 @@ Invariant and numerics (preserves_numerics=False)
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 from torch.fx import Node
 
-import graphtrain.custom_ops.gated_delta_rule  # noqa: F401  (registers the op)
+import graphtrain.custom_ops.gated_delta_rule as gdr  # registers the op
 from graphtrain.passes import fx
 from graphtrain.passes.fx import Refuse, plain_tensor
 from graphtrain.passes.registry import PassContext, register_pass
@@ -76,13 +76,27 @@ def _check_operands(operands: Sequence[Any]) -> list[Node | None]:
     return [*operands[:5], segments]
 
 
-def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any]) -> str:
+def _kernels(options: Mapping[str, Any]) -> str:
+    """compile.gdr_kernels, checked: a bad value or "fla" without FLA raises, naming it."""
+    kernels = options.get("gdr_kernels", "auto")
+    if kernels not in gdr.KERNELS:
+        raise ValueError(f"compile.gdr_kernels must be one of {gdr.KERNELS}, got {kernels!r}")
+    if kernels == "fla":
+        gdr.fla_module()
+    return kernels
+
+
+def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any], kernels: str) -> str:
     args = _check_operands(node.args[2:])
     users = list(node.users)
     if not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
         raise Refuse(f"its output is used other than as {node.name}[0]")
     graph = gm.graph
-    kwargs = {"scale": float(options["scale"]), "chunk_size": int(options["chunk_size"])}
+    kwargs = {
+        "scale": float(options["scale"]),
+        "chunk_size": int(options["chunk_size"]),
+        "kernels": kernels,
+    }
     with graph.inserting_before(node):
         new = fx.emit(graph, "call_function", _OP, tuple(args), kwargs, like=node)
     for user in users:
@@ -94,10 +108,12 @@ def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any]) -> s
         graph.erase_node(holder)
         delattr(gm, holder.target)
     names = ", ".join("None" if a is None else a.name for a in args)
+    v = fx.val(args[2])
+    runs = gdr.choose_kernels(kernels, v.dtype, v.device.type)
     return (
         f"replaced the region {node.name} with {new.name} = "
         f"graphtrain.chunk_gated_delta_rule({names}, scale={kwargs['scale']:.6g}, "
-        f"chunk_size={kwargs['chunk_size']})"
+        f"chunk_size={kwargs['chunk_size']}, kernels={kernels!r}); on {v.device.type}: {runs}"
     )
 
 
@@ -117,7 +133,7 @@ def gated_delta_rule_pass(
             continue
         found = True
         try:
-            ctx.note(_rewrite(gm, node, options))
+            ctx.note(_rewrite(gm, node, options, _kernels(ctx.options)))
             changed = True
         except Refuse as why:
             ctx.note(f"left {node.name} unchanged: {why}")

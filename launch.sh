@@ -64,7 +64,9 @@ setup
 
 if [[ "${1:-}" == "test" ]]; then
     shift
-    run "$PY" -m pytest -q "$@"
+    # Two test files at a time (pytest-xdist; a file's tests stay together, so its module
+    # fixtures run once): most tests compile on one core, leaving the other idle.
+    run "$PY" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
 fi
 
 # Everything else runs where the caller stands, so that their relative paths mean what they

@@ -123,16 +123,20 @@ class HybridMoEConfig(MoEConfig, HybridConfig):
     """A hybrid with MoE feed-forward networks after the first first_k_dense blocks."""
 
 
-# The hybrid presets' attention blocks are Qwen3-Next's, so they export to it (models/hybrid_hf.py).
-_QWEN3_NEXT_ATTENTION = {"gated_attention": True, "partial_rotary_factor": 0.25}
+# Qwen3-Next's layout, which the hybrid presets keep: three GDN blocks to one attention block,
+# its attention (so they export to it, models/hybrid_hf.py).
+_QWEN3_NEXT_LAYOUT = {
+    "layer_pattern": "GGG*",
+    "gated_attention": True,
+    "partial_rotary_factor": 0.25,
+}
 # For fast tests: `debug` with 4 blocks, 3 GDN blocks and 1 attention block, GVA (4 value heads
 # on 2 key heads).
 _HYBRID_DEBUG = derive(
     PRESETS["debug"],
     HybridConfig,
     num_layers=4,
-    layer_pattern="GGG*",
-    **_QWEN3_NEXT_ATTENTION,
+    **_QWEN3_NEXT_LAYOUT,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=16,
@@ -157,8 +161,7 @@ HYBRID_PRESETS: dict[str, HybridConfig] = {
         ffn_dim=6144,
         max_seq_len=4096,
         rope_theta=500000.0,
-        layer_pattern="GGG*",
-        **_QWEN3_NEXT_ATTENTION,
+        **_QWEN3_NEXT_LAYOUT,
         linear_num_key_heads=8,
         linear_num_value_heads=16,
         linear_key_head_dim=128,

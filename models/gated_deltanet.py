@@ -32,17 +32,10 @@ import torch.fx.traceback
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers import RMSNorm, init_trunc_normal, local_tensor
+
 # The annotation key of the recurrence region (gated_delta_rule): a compiler pass looks for it.
 REGION_KEY = "gated_delta_rule_region"
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's block of a parameter that tensor parallelism split by heads (a DTensor, whose
-    to_local() keeps autograd), t itself otherwise. The layer computes on plain per-rank
-    tensors, as attention does after its column-wise projections; duck-typed, so models/
-    imports no distributed code. The type is asked, not t: Dynamo (torch 2.13) answers hasattr
-    on a tensor without its subclass's methods."""
-    return t.to_local() if hasattr(type(t), "to_local") else t
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -201,22 +194,14 @@ def gated_delta_rule_recurrent(
     return torch.stack(outs, 1).to(v.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """RMSNorm over the last dim, then times SiLU(z) (Qwen3-Next's RMSNormGated)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(x.dtype)
         return (out * F.silu(z.float())).to(x.dtype)
-
-    def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 class GatedDeltaNet(nn.Module):
@@ -290,9 +275,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.flatten(2))
 
     def init_weights(self, std: float, out_std: float) -> None:
-        for w in (self.in_proj_qkvz, self.in_proj_ba):
-            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.out_proj.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        init_trunc_normal(std, self.in_proj_qkvz.weight, self.in_proj_ba.weight)
+        init_trunc_normal(out_std, self.out_proj.weight)
         bound = self.conv1d.weight.shape[-1] ** -0.5  # nn.Conv1d's default: fan-in = kernel
         nn.init.uniform_(self.conv1d.weight, -bound, bound)
         with torch.no_grad():

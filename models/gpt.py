@@ -17,9 +17,10 @@ output); RoPE uses the rotate-half layout of Hugging Face's Llama, so export is 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from models.fields import option
+from models.layers import RMSNorm, init_trunc_normal
 from models.mtp import IGNORE_INDEX, MTPLayer, mtp_shift
 
 
@@ -82,6 +84,28 @@ class GPTConfig:
         return self.head_dim
 
 
+C = TypeVar("C", bound=GPTConfig)
+
+
+def derive(base: GPTConfig, cls: type[C], **changes: Any) -> C:
+    """A preset of config class `cls` (base's class or a subclass) that builds on `base`: its
+    values, changed by `changes`."""
+    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    return cls(**(values | changes))
+
+
+# Llama-3-8B's shape.
+_LLAMA3_8B = GPTConfig(
+    vocab_size=128256,
+    dim=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    ffn_dim=14336,
+    max_seq_len=8192,
+    rope_theta=500000.0,
+)
+
 PRESETS: dict[str, GPTConfig] = {
     # About 7.3M parameters: learns the default corpus on a 2-core CPU within minutes.
     "tiny": GPTConfig(
@@ -132,44 +156,9 @@ PRESETS: dict[str, GPTConfig] = {
     # 1 x 4096 tokens `graphtrain plan --preset 3b` adds 6.7 GiB of activations and 2.3 GiB of
     # loss buffers (57.2 GiB), and autocast's bf16 weight copies kept for the backward 6.0 GiB
     # more: about 63 GiB, inside an 80 GB H100 (micro-batch 2: about 70 GiB). 8b does not fit.
-    "3b": GPTConfig(
-        vocab_size=128256,
-        dim=4096,
-        num_layers=10,
-        num_heads=32,
-        num_kv_heads=8,
-        ffn_dim=14336,
-        max_seq_len=4096,
-        rope_theta=500000.0,
-    ),
-    # Llama-3-8B shape.
-    "8b": GPTConfig(
-        vocab_size=128256,
-        dim=4096,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        ffn_dim=14336,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
+    "3b": derive(_LLAMA3_8B, GPTConfig, num_layers=10, max_seq_len=4096),
+    "8b": _LLAMA3_8B,
 }
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the activation dtype: bf16 squares lose too much.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-    def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -206,10 +195,14 @@ def attend(
 
 
 class Attention(nn.Module):
+    # wq's rows per head, in units of head_dim: the query (models.hybrid.GatedAttention: and
+    # its gate).
+    query_parts = 1
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, self.query_parts * cfg.num_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
@@ -226,9 +219,8 @@ class Attention(nn.Module):
         return self.wo(attend(q, k, v, attn_mask))
 
     def init_weights(self, std: float, out_std: float) -> None:
-        for w in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        init_trunc_normal(std, self.wq.weight, self.wk.weight, self.wv.weight)
+        init_trunc_normal(out_std, self.wo.weight)
 
 
 class FeedForward(nn.Module):
@@ -244,18 +236,34 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
-        for w in (self.w1, self.w3):
-            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        init_trunc_normal(std, self.w1.weight, self.w3.weight)
+        init_trunc_normal(out_std, self.w2.weight)
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm residual block: a token mixer (attention here), then a position-wise network.
+    Subclasses swap either through build_mixer and build_ffn (models.moe, models.hybrid); the
+    norms keep their names whatever the mixer."""
+
+    # Whether the mixer reads the packed row's document_ids (models.hybrid's recurrent blocks)
+    # instead of (rope, attn_mask); GPT.block_inputs passes them to such a block.
+    reads_documents = False
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.build_mixer(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.build_ffn(cfg)
+
+    def build_mixer(self, cfg: GPTConfig) -> None:
+        """Registers the token mixer that follows attention_norm (models.hybrid's Gated DeltaNet
+        block registers `linear_attention` instead)."""
+        self.attention = Attention(cfg)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.attention
 
     def build_ffn(self, cfg: GPTConfig) -> None:
         """Registers the position-wise network that follows ffn_norm (models.moe.MoEBlock
@@ -267,15 +275,20 @@ class TransformerBlock(nn.Module):
         return self.feed_forward
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        attn_mask: torch.Tensor | BlockMask | None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, attn_mask)
+        context = (document_ids,) if self.reads_documents else (rope, attn_mask)
+        h = x + self.mixer(self.attention_norm(x), *context)
         return h + self.ffn(self.ffn_norm(h))
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.attention_norm.init_weights()
         self.ffn_norm.init_weights()
-        self.attention.init_weights(std, out_std)
+        self.mixer.init_weights(std, out_std)
         self.ffn.init_weights(std, out_std)
 
 
@@ -306,6 +319,10 @@ class GPT(nn.Module):
         """Block number layer_id (models.moe.MoEGPT builds MoE blocks after the dense ones)."""
         return TransformerBlock(self.cfg)
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block layer_id has an MoE feed-forward network (models.moe.MoEGPT)."""
+        return False
+
     def block_inputs(
         self,
         layer: nn.Module,
@@ -313,19 +330,23 @@ class GPT(nn.Module):
         attn_mask: torch.Tensor | BlockMask | None,
         document_ids: torch.Tensor | None,
     ) -> tuple:
-        """The inputs after the hidden state that `layer` of the trunk takes: (rope, attn_mask)
-        (models.hybrid adds document_ids for its recurrent blocks)."""
-        return rope, attn_mask
+        """The inputs after the hidden state that `layer` of the trunk takes: (rope, attn_mask),
+        and document_ids for a block that reads them (models.hybrid's recurrent blocks)."""
+        return (rope, attn_mask, document_ids) if layer.reads_documents else (rope, attn_mask)
 
     def build_mtp_layer(self) -> MTPLayer:
-        """One MTP depth whose block is of the kind of the trunk's last layer."""
+        """One MTP depth: the norms, and the block of build_mtp_block."""
         cfg = self.cfg
         return MTPLayer(
             RMSNorm(cfg.dim, cfg.norm_eps),
             RMSNorm(cfg.dim, cfg.norm_eps),
             cfg.dim,
-            self.build_block(cfg.num_layers - 1),
+            self.build_mtp_block(),
         )
+
+    def build_mtp_block(self) -> nn.Module:
+        """The block of an MTP depth: of the kind of the trunk's last layer."""
+        return self.build_block(self.cfg.num_layers - 1)
 
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter and buffer in place (after to_empty from the meta device).
@@ -350,8 +371,7 @@ class GPT(nn.Module):
             layer.init_weights(std, out_std)
         self.norm.init_weights()
         if not cfg.tie_embeddings:
-            bound = 3 * cfg.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, std=cfg.dim**-0.5, a=-bound, b=bound)
+            init_trunc_normal(cfg.dim**-0.5, self.output.weight)
         for mtp_layer in self.mtp_layers.values() if cfg.mtp_depth else ():
             mtp_layer.init_weights(std, out_std)  # after the trunk: its draws stay the same
 

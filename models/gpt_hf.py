@@ -12,6 +12,7 @@ graphtrain.checkpoint.hf uses a layout module through four functions, which mode
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,30 +36,64 @@ _TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_TO_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
-_HF_TO_TOP = {v: k for k, v in _TOP_NAMES.items()}
+# A name inside layer i, ours and theirs: groups (i, the rest).
+LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def to_hf_name(name: str) -> str:
-    """Our parameter name -> the Hugging Face Llama name; KeyError for an unknown name."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = _LAYER.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise KeyError(f"no Hugging Face name for parameter {name!r}")
+@dataclass(frozen=True)
+class _Renaming:
+    """One direction of a NameMap: whole names by `top`; the rest of a name inside layer i
+    (`pattern` groups i and the rest) by `layer`, written `prefix`{i}.<renamed>."""
+
+    top: dict[str, str]
+    layer: dict[str, str]
+    pattern: re.Pattern
+    prefix: str
+
+    def __call__(self, name: str) -> str | None:
+        if name in self.top:
+            return self.top[name]
+        m = self.pattern.match(name)
+        if m and m.group(2) in self.layer:
+            return f"{self.prefix}{m.group(1)}.{self.layer[m.group(2)]}"
+        return None
 
 
-def from_hf_name(name: str) -> str:
-    """The Hugging Face Llama name -> ours; KeyError for a name the GPT model has no slot for."""
-    if name in _HF_TO_TOP:
-        return _HF_TO_TOP[name]
-    m = _HF_LAYER.match(name)
-    if m and m.group(2) in _HF_TO_LAYER:
-        return f"layers.{m.group(1)}.{_HF_TO_LAYER[m.group(2)]}"
-    raise KeyError(f"the GPT model has no parameter for the Hugging Face tensor {name!r}")
+class NameMap:
+    """Our parameter names <-> Hugging Face names: `top` renames whole names, `layer` the rest of
+    a name inside layer i (layers.{i}.<ours> <-> model.layers.{i}.<theirs>). `model` names our
+    model in the KeyError for a tensor it has no slot for."""
+
+    def __init__(self, top: dict[str, str], layer: dict[str, str], model: str) -> None:
+        self.top, self.layer = top, layer
+        self._to_hf = _Renaming(top, layer, LAYER, "model.layers.")
+        self._from_hf = _Renaming(_inverse(top), _inverse(layer), HF_LAYER, "layers.")
+        self.model = model
+
+    def to_hf(self, name: str) -> str:
+        """Our parameter name -> the Hugging Face name; KeyError for an unknown name."""
+        found = self._to_hf(name)
+        if found is None:
+            raise KeyError(f"no Hugging Face name for parameter {name!r}")
+        return found
+
+    def from_hf(self, name: str) -> str:
+        """The Hugging Face name -> ours; KeyError for a name our model has no slot for."""
+        found = self._from_hf(name)
+        if found is None:
+            raise KeyError(
+                f"the {self.model} model has no parameter for the Hugging Face tensor {name!r}"
+            )
+        return found
+
+
+def _inverse(names: dict[str, str]) -> dict[str, str]:
+    return {v: k for k, v in names.items()}
+
+
+LLAMA_NAMES = NameMap(_TOP_NAMES, _LAYER_NAMES, "GPT")
+to_hf_name, from_hf_name = LLAMA_NAMES.to_hf, LLAMA_NAMES.from_hf
 
 
 def hf_config(cfg: GPTConfig, *, dtype: str, eos_token_id: int | None) -> dict[str, Any]:

@@ -31,9 +31,18 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from models.fields import option
 from models.gated_deltanet import GatedDeltaNet
-from models.gpt import GPT, GPTConfig, RMSNorm, TransformerBlock, apply_rope, attend
-from models.moe import MoEBlock, MoEConfig, MoEGPT
-from models.mtp import MTPLayer
+from models.gpt import (
+    GPT,
+    PRESETS,
+    Attention,
+    GPTConfig,
+    TransformerBlock,
+    apply_rope,
+    attend,
+    derive,
+)
+from models.layers import RMSNorm
+from models.moe import DEBUG_ROUTING, MoEBlock, MoEConfig, MoEGPT
 
 GDN, ATTENTION = "G", "*"
 MIXERS = (GDN, ATTENTION)
@@ -114,52 +123,31 @@ class HybridMoEConfig(MoEConfig, HybridConfig):
     """A hybrid with MoE feed-forward networks after the first first_k_dense blocks."""
 
 
-# The hybrid presets' attention blocks are Qwen3-Next's, so they export to it (models/hybrid_hf.py).
-_QWEN3_NEXT_ATTENTION = {"gated_attention": True, "partial_rotary_factor": 0.25}
+# Qwen3-Next's layout, which the hybrid presets keep: three GDN blocks to one attention block,
+# its attention (so they export to it, models/hybrid_hf.py).
+_QWEN3_NEXT_LAYOUT = {
+    "layer_pattern": "GGG*",
+    "gated_attention": True,
+    "partial_rotary_factor": 0.25,
+}
+# For fast tests: `debug` with 4 blocks, 3 GDN blocks and 1 attention block, GVA (4 value heads
+# on 2 key heads).
+_HYBRID_DEBUG = derive(
+    PRESETS["debug"],
+    HybridConfig,
+    num_layers=4,
+    **_QWEN3_NEXT_LAYOUT,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 
 HYBRID_PRESETS: dict[str, HybridConfig] = {
-    # For fast tests: 3 GDN blocks and 1 attention block, GVA (4 value heads on 2 key heads).
-    "hybrid-debug": HybridConfig(
-        vocab_size=512,
-        dim=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_dim=160,
-        max_seq_len=256,
-        layer_pattern="GGG*",
-        **_QWEN3_NEXT_ATTENTION,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    ),
+    "hybrid-debug": _HYBRID_DEBUG,
     # moe-debug's routing with the pattern: block 0 GDN + dense FFN, 1-2 GDN + MoE, 3 attention
     # + MoE.
-    "hybrid-moe-debug": HybridMoEConfig(
-        vocab_size=512,
-        dim=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_dim=160,
-        max_seq_len=256,
-        layer_pattern="GGG*",
-        **_QWEN3_NEXT_ATTENTION,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        num_experts=8,
-        top_k=2,
-        num_shared_experts=1,
-        moe_ffn_dim=32,
-        first_k_dense=1,
-        num_groups=4,
-        topk_groups=2,
-        aux_loss_coef=1e-2,
-        seq_aux_loss_coef=1e-3,
-    ),
+    "hybrid-moe-debug": derive(_HYBRID_DEBUG, HybridMoEConfig, **DEBUG_ROUTING),
     # A ~1B hybrid for one GPU (999,297,920 parameters, tests/models/test_hybrid.py): 12 GDN
     # blocks with Qwen3-Next's head shapes halved in count (8 key heads, 16 value heads of 128)
     # and 4 Qwen3-Next attention blocks, SwiGLU 6144; vocabulary 32768 so the head does not
@@ -173,8 +161,7 @@ HYBRID_PRESETS: dict[str, HybridConfig] = {
         ffn_dim=6144,
         max_seq_len=4096,
         rope_theta=500000.0,
-        layer_pattern="GGG*",
-        **_QWEN3_NEXT_ATTENTION,
+        **_QWEN3_NEXT_LAYOUT,
         linear_num_key_heads=8,
         linear_num_value_heads=16,
         linear_key_head_dim=128,
@@ -192,23 +179,20 @@ def apply_partial_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.cat([apply_rope(x[..., :d], rope), x[..., d:]], dim=-1)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(Attention):
     """Qwen3-Next's attention (Qwen3NextAttention): q/k RMSNorm per head before the (partial)
     RoPE, grouped-query attention, and the output gated per element by sigmoid of a second
     projection. wq's rows are Qwen3-Next's q_proj: per head its query, then its gate (2 x
     head_dim), so tensor parallelism splits wq by heads as it splits Attention's."""
 
+    query_parts = 2
+
     def __init__(self, cfg: HybridConfig) -> None:
-        super().__init__()
-        self.head_dim = hd = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, 2 * cfg.num_heads * hd, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=False)
-        self.wo = nn.Linear(cfg.num_heads * hd, cfg.dim, bias=False)
+        super().__init__(cfg)
         # One weight (head_dim) shared by the heads. Qwen3-Next stores it zero-centred (it
         # multiplies by 1 + w): the export subtracts one.
-        self.q_norm = RMSNorm(hd, cfg.norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
@@ -225,9 +209,7 @@ class GatedAttention(nn.Module):
         return self.wo(out)
 
     def init_weights(self, std: float, out_std: float) -> None:
-        for w in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        super().init_weights(std, out_std)
         self.q_norm.init_weights()
         self.k_norm.init_weights()
 
@@ -246,32 +228,18 @@ def build_gated_deltanet(cfg: HybridConfig) -> GatedDeltaNet:
 
 
 class GatedDeltaNetBlock(TransformerBlock):
-    """A block whose token mixer is Gated DeltaNet (`linear_attention`) instead of attention;
-    the norms and the feed-forward network as TransformerBlock's."""
+    """A block whose token mixer is Gated DeltaNet (`linear_attention`) instead of attention,
+    reading the documents (it takes rope and attn_mask too: the trunk's call signature); the
+    norms and the feed-forward network as TransformerBlock's."""
 
-    def __init__(self, cfg: HybridConfig) -> None:
-        nn.Module.__init__(self)
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+    reads_documents = True
+
+    def build_mixer(self, cfg: HybridConfig) -> None:
         self.linear_attention = build_gated_deltanet(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.build_ffn(cfg)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: torch.Tensor,
-        attn_mask: torch.Tensor | BlockMask | None,
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        # rope and attn_mask are unused: the block keeps the trunk's call signature.
-        h = x + self.linear_attention(self.attention_norm(x), document_ids)
-        return h + self.ffn(self.ffn_norm(h))
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        self.attention_norm.init_weights()
-        self.ffn_norm.init_weights()
-        self.linear_attention.init_weights(std, out_std)
-        self.ffn.init_weights(std, out_std)
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attention
 
 
 class GatedDeltaNetMoEBlock(GatedDeltaNetBlock, MoEBlock):
@@ -295,39 +263,20 @@ class HybridGPT(GPT):
 
     cfg: HybridConfig
 
-    def is_moe_layer(self, layer_id: int) -> bool:
-        return False
-
     def build_block(self, layer_id: int) -> nn.Module:
         return build_hybrid_block(self.cfg, self.cfg.mixer(layer_id), self.is_moe_layer(layer_id))
 
-    def build_mtp_layer(self) -> MTPLayer:
+    def build_mtp_block(self) -> nn.Module:
         # An attention block (Qwen3-Next's MTP layer), of the last layer's FFN kind.
-        cfg = self.cfg
-        block = build_hybrid_block(cfg, ATTENTION, self.is_moe_layer(cfg.num_layers - 1))
-        return MTPLayer(
-            RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps), cfg.dim, block
-        )
-
-    def block_inputs(
-        self,
-        layer: nn.Module,
-        rope: torch.Tensor,
-        attn_mask: torch.Tensor | BlockMask | None,
-        document_ids: torch.Tensor | None,
-    ) -> tuple:
-        if isinstance(layer, GatedDeltaNetBlock):
-            return rope, attn_mask, document_ids
-        return rope, attn_mask
+        last = self.cfg.num_layers - 1
+        return build_hybrid_block(self.cfg, ATTENTION, self.is_moe_layer(last))
 
 
 class HybridMoEGPT(HybridGPT, MoEGPT):
-    """HybridGPT with MoE feed-forward networks after the first cfg.first_k_dense blocks."""
+    """HybridGPT with MoE feed-forward networks after the first cfg.first_k_dense blocks
+    (MoEGPT.is_moe_layer)."""
 
     cfg: HybridMoEConfig
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        return layer_id >= self.cfg.first_k_dense
 
 
 def build_hybrid(cfg: HybridConfig) -> HybridGPT:

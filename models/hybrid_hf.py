@@ -43,7 +43,15 @@ _CENTRED = re.compile(
 _CONV = re.compile(r"^layers\.\d+\.linear_attention\.conv1d\.weight$")
 _GDN_NAMES = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log")
 _GDN_NAMES += ("norm.weight", "out_proj.weight")
-_QK_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")
+# Llama's names (gpt_hf), a GDN mixer's `linear_attention.X` as `linear_attn.X`, and
+# attention's q/k norms.
+_NAMES = gpt_hf.NameMap(
+    gpt_hf.LLAMA_NAMES.top,
+    gpt_hf.LLAMA_NAMES.layer
+    | {f"linear_attention.{n}": f"linear_attn.{n}" for n in _GDN_NAMES}
+    | {f"attention.{n}.weight": f"self_attn.{n}.weight" for n in ("q_norm", "k_norm")},
+    "hybrid",
+)
 # The config.json keys of the hybrid part -> the model option each comes from (None: a constant
 # of the layout), and Qwen3NextConfig's defaults where a config.json leaves one out.
 _HYBRID_KEYS = {
@@ -57,10 +65,6 @@ _HYBRID_KEYS = {
     "num_experts": None,
 }
 _HF_DEFAULTS = {"num_experts": 512, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4}
-_MOE = re.compile(r"^layers\.\d+\.moe\.")
-_HF_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def check_exportable(cfg: HybridConfig) -> None:
@@ -133,41 +137,19 @@ def conv_from_hf(weight: torch.Tensor, num_key_heads: int, widths: tuple[int, ..
     return torch.cat([p.unflatten(0, (num_key_heads, -1)) for p in parts], dim=1).flatten(0, 1)
 
 
-def to_hf_name(name: str) -> str:
-    m = _LAYER.match(name)
-    if m and m.group(2).startswith("linear_attention.") and m.group(2)[17:] in _GDN_NAMES:
-        return f"model.layers.{m.group(1)}.linear_attn.{m.group(2)[17:]}"
-    if m and m.group(2) in _QK_NORMS:
-        return f"model.layers.{m.group(1)}.self_attn.{m.group(2).removeprefix('attention.')}"
-    return gpt_hf.to_hf_name(name)
-
-
-def from_hf_name(name: str) -> str:
-    m = _HF_LAYER.match(name)
-    if m and m.group(2).startswith("linear_attn.") and m.group(2)[12:] in _GDN_NAMES:
-        return f"layers.{m.group(1)}.linear_attention.{m.group(2)[12:]}"
-    if m and m.group(2) in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-        return f"layers.{m.group(1)}.attention.{m.group(2).removeprefix('self_attn.')}"
-    try:
-        return gpt_hf.from_hf_name(name)
-    except KeyError:
-        msg = f"the hybrid model has no parameter for the Hugging Face tensor {name!r}"
-        raise KeyError(msg) from None
-
-
 def to_hf_state(state: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
     """Our state dict -> Qwen3-Next's tensors (module docstring)."""
     check_exportable(cfg)
     out, moe = {}, {}
     for name, t in state.items():
-        if _MOE.match(name):
+        if moe_hf.MOE_LAYER.match(name):
             moe[name] = t
             continue
         if _CENTRED.match(name):
             t = t - 1
         elif _CONV.match(name):
             t = conv_to_hf(t, cfg.linear_num_key_heads, conv_widths(cfg))
-        out[to_hf_name(name)] = t
+        out[_NAMES.to_hf(name)] = t
     return out | (moe_hf.to_hf_state(moe, cfg) if moe else {})
 
 
@@ -178,11 +160,11 @@ def from_hf_state(tensors: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[s
     moe_layers = range(cfg.first_k_dense, cfg.num_layers) if _is_moe(cfg) else range(0)
     out, moe = {}, {}
     for hf_name, t in tensors.items():
-        m = _HF_MLP.match(hf_name)
+        m = moe_hf.HF_MLP.match(hf_name)
         if m and int(m.group(1)) in moe_layers:
             moe[hf_name] = t
             continue
-        name = from_hf_name(hf_name)
+        name = _NAMES.from_hf(hf_name)
         if _CENTRED.match(name):
             t = t.to(torch.promote_types(t.dtype, torch.float32)) + 1  # 1 + w: not in bf16
         elif _CONV.match(name):

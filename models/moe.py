@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.fields import option
-from models.gpt import GPT, FeedForward, GPTConfig, TransformerBlock
+from models.gpt import GPT, PRESETS, FeedForward, GPTConfig, TransformerBlock, derive
+from models.layers import init_trunc_normal, is_sharded
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -117,43 +118,41 @@ class MoEConfig(GPTConfig):
                 )
 
 
+# The MoE layers of the debug presets (moe-debug, hybrid-moe-debug): 8 experts of width 32
+# (top-2) in 4 groups of which 2 are kept, one shared expert, the first block dense.
+DEBUG_ROUTING = {
+    "num_experts": 8,
+    "top_k": 2,
+    "num_shared_experts": 1,
+    "moe_ffn_dim": 32,
+    "first_k_dense": 1,
+    "num_groups": 4,
+    "topk_groups": 2,
+    "aux_loss_coef": 1e-2,
+    "seq_aux_loss_coef": 1e-3,
+}
+
 MOE_PRESETS: dict[str, MoEConfig] = {
     # 10,887,424 parameters, 5,249,024 active per token (active_params; 2.1M of it the head):
     # the dense `tiny` with 3 of its 4 FFNs replaced by 8 experts of width 256 (top-2) plus one
     # shared expert, so a token's FFN work equals tiny's (3 x 256 = 768). Sigmoid scores with
     # the aux-loss-free bias and a small sequence aux loss, as DeepSeek-V3.
-    "moe-tiny": MoEConfig(
-        vocab_size=8192,
-        dim=256,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_dim=768,
-        max_seq_len=1024,
+    "moe-tiny": derive(
+        PRESETS["tiny"],
+        MoEConfig,
         num_experts=8,
         top_k=2,
         num_shared_experts=1,
         moe_ffn_dim=256,
         first_k_dense=1,
     ),
-    # 245,184 parameters, for fast tests: groups, the bias and every auxiliary loss exercised.
-    "moe-debug": MoEConfig(
-        vocab_size=512,
-        dim=64,
+    # 245,184 parameters, for fast tests: `debug` with 3 blocks, groups, the bias and every
+    # auxiliary loss exercised.
+    "moe-debug": derive(
+        PRESETS["debug"],
+        MoEConfig,
         num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_dim=160,
-        max_seq_len=256,
-        num_experts=8,
-        top_k=2,
-        num_shared_experts=1,
-        moe_ffn_dim=32,
-        first_k_dense=1,
-        num_groups=4,
-        topk_groups=2,
-        aux_loss_coef=1e-2,
-        seq_aux_loss_coef=1e-3,
+        **DEBUG_ROUTING,
         global_aux_loss_coef=1e-2,
         z_loss_coef=1e-3,
     ),
@@ -372,7 +371,7 @@ class Router(nn.Module):
             self.step_plain_counts.zero_()
 
     def init_weights(self, std: float) -> None:
-        nn.init.trunc_normal_(self.gate.weight, std=std, a=-3 * std, b=3 * std)
+        init_trunc_normal(std, self.gate.weight)
         for buf in (self.expert_bias, self.step_counts, self.step_plain_counts):
             if buf is not None:
                 nn.init.zeros_(buf)
@@ -440,16 +439,13 @@ class GroupedExperts(nn.Module):
         return swiglu_experts(xs, counts, w1, w2, w3)
 
     def init_weights(self, std: float, out_std: float) -> None:
-        for w in (self.w1, self.w3):
-            nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
+        init_trunc_normal(std, self.w1, self.w3)
+        init_trunc_normal(out_std, self.w2)
 
 
 def _local_block(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # A sharded weight (its class has `to_local`: this file imports no distributed code) ->
-    # this rank's block in the rows' dtype; a plain weight as it is. The class, not the
-    # instance, is asked: Dynamo answers attribute probes on a tensor from torch.Tensor's.
-    return w.to_local().to(dtype) if hasattr(type(w), "to_local") else w
+    """A sharded weight -> this rank's block in the rows' dtype; a plain weight as it is."""
+    return w.to_local().to(dtype) if is_sharded(w) else w
 
 
 # Permute and combine: matched by the fuse_moe_dispatch pass (passes/fuse_moe_dispatch.py).
@@ -536,9 +532,10 @@ class MoEGPT(GPT):
     cfg: MoEConfig
 
     def build_block(self, layer_id: int) -> nn.Module:
-        if layer_id < self.cfg.first_k_dense:
-            return TransformerBlock(self.cfg)
-        return MoEBlock(self.cfg)
+        return (MoEBlock if self.is_moe_layer(layer_id) else TransformerBlock)(self.cfg)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.cfg.first_k_dense
 
     def routers(self) -> list[tuple[str, Router]]:
         """(layer name, router) of every MoE block present, e.g. ("layers.1", router), the MTP

@@ -40,8 +40,8 @@ _ARCHITECTURES = {GLM4_MOE: "Glm4MoeForCausalLM", QWEN2_MOE: "Qwen2MoeForCausalL
 # Our expert weights -> the projection names of a Hugging Face SwiGLU.
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _SHARED = {GLM4_MOE: "shared_experts", QWEN2_MOE: "shared_expert"}
-_MOE = re.compile(r"^layers\.(\d+)\.moe\.(.+)$")
-_HF_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(.+)$")
+MOE_LAYER = re.compile(r"^layers\.(\d+)\.moe\.(.+)$")
+HF_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(.+)$")
 # The config classes' defaults for keys a config.json may leave out (configuration_*.py).
 _HF_DEFAULTS = {
     GLM4_MOE: {
@@ -247,7 +247,7 @@ def to_hf_state(state: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str, tor
     layers: dict[str, dict[str, torch.Tensor]] = {}
     out = {}
     for name, t in state.items():
-        m = _MOE.match(name)
+        m = MOE_LAYER.match(name)
         if m:
             layers.setdefault(m.group(1), {})[m.group(2)] = t
         else:
@@ -266,7 +266,7 @@ def from_hf_state(tensors: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str,
     layers: dict[str, dict[str, torch.Tensor]] = {i: {} for i in moe_layers}
     out = {}
     for name, t in tensors.items():
-        m = _HF_MLP.match(name)
+        m = HF_MLP.match(name)
         if m and m.group(1) in moe_layers:
             layers[m.group(1)][m.group(2)] = t
         else:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.layers import init_trunc_normal
+
 IGNORE_INDEX = -100
 
 
@@ -91,5 +93,5 @@ class MTPLayer(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         self.enorm.init_weights()
         self.hnorm.init_weights()
-        nn.init.trunc_normal_(self.eh_proj.weight, std=std, a=-3 * std, b=3 * std)
+        init_trunc_normal(std, self.eh_proj.weight)
         self.block.init_weights(std, out_std)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from models.gpt import GPTConfig
+from models.gpt_hf import HF_LAYER
 
 MTP_FILE = "mtp.safetensors"
 _OWN = ("eh_proj.weight", "enorm.weight", "hnorm.weight")
@@ -32,7 +33,6 @@ _SHARED = {
     "embed_tokens.weight": "tok_embeddings.weight",
 }
 _MTP = re.compile(r"^mtp_layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 StateMap = Callable[[dict[str, torch.Tensor], GPTConfig], dict[str, torch.Tensor]]
 
@@ -84,10 +84,10 @@ def mtp_from_hf_state(
 ) -> dict[str, torch.Tensor]:
     """DeepSeek-V3 MTP tensors -> our names (block_from_hf: the layout's from_hf_state).
     ValueError unless the file holds exactly cfg.mtp_depth layers after the trunk's."""
-    layers = _by_layer(tensors, _HF_LAYER)
+    layers = _by_layer(tensors, HF_LAYER)
     expected = list(range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth))
     if sum(map(len, layers.values())) != len(tensors):
-        stray = sorted(n for n in tensors if not _HF_LAYER.match(n))
+        stray = sorted(n for n in tensors if not HF_LAYER.match(n))
         raise ValueError(f"{MTP_FILE} holds tensors of no layer: {stray}")
     if sorted(layers) != expected:
         raise ValueError(

@@ -64,9 +64,7 @@ setup
 
 if [[ "${1:-}" == "test" ]]; then
     shift
-    # Two test files at a time (pytest-xdist; a file's tests stay together, so its module
-    # fixtures run once): most tests compile on one core, leaving the other idle.
-    run "$PY" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+    run "$PY" -m pytest -q "$@"
 fi
 
 # Everything else runs where the caller stands, so that their relative paths mean what they

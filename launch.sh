@@ -64,7 +64,7 @@ setup
 
 if [[ "${1:-}" == "test" ]]; then
     shift
-    run "$PY" -m pytest -q "$@"
+    run "$PY" -m pytest -q --durations=30 "$@"
 fi
 
 # Everything else runs where the caller stands, so that their relative paths mean what they

@@ -49,8 +49,12 @@ FOUR_RANKS = {
     "pp2_fsdp2_mtp": [*FSDP_MTP, *MTP_STAGE],
     # pp=4, one part per stage (1F1B wants a micro-batch per stage at least).
     "pp4": ["--parallel.pp=4", "--parallel.pp_layout=E|t|t|L", "--parallel.pp_microbatches=4"],
-    "pp4_moe": [*ONE_ROW_MOE, "--parallel.pp=4", "--parallel.pp_layout=Et|t|t|L",
-                "--parallel.pp_microbatches=4"],
+    "pp4_moe": [
+        *ONE_ROW_MOE,
+        "--parallel.pp=4",
+        "--parallel.pp_layout=Et|t|t|L",
+        "--parallel.pp_microbatches=4",
+    ],
 }
 
 

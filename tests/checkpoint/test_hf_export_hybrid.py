@@ -140,16 +140,28 @@ def test_an_import_into_another_model_names_the_options_that_differ(tmp_path):
 @pytest.mark.slow
 def test_a_trained_hybrid_run_exports_and_a_new_run_starts_from_it(corpus, tmp_path):
     """Through the trainer and the CLI's export: train hybrid-debug, export, start a new run
-    with --checkpoint.init_from_hf: its step-0 validation sees exactly the trained weights."""
+    with --checkpoint.init_from_hf: its step-0 validation sees exactly the trained weights.
+    And the run resumed from its step-2 checkpoint continues its curve (weights, the GDN
+    blocks' A_log / dt_bias / convolution included, and the optimizer's state); it runs
+    eager, so agreement is to fp32 rounding, not bitwise."""
     from conftest import job
 
     from graphtrain.config import load_config
     from graphtrain.trainer import train
 
-    hybrid = ("--preset=hybrid-debug", "--training.steps=3", "--metrics.val_interval=3")
-    first = train(load_config(job(corpus, tmp_path / "a", *hybrid, "--checkpoint.interval=3")))
+    hybrid = ("--preset=hybrid-debug", "--training.steps=4", "--metrics.val_interval=4")
+    first = train(load_config(job(corpus, tmp_path / "a", *hybrid, "--checkpoint.interval=2")))
     out = export_hf(tmp_path / "a" / "run", tmp_path / "hf", dtype="fp32")
     again = train(
         load_config(job(corpus, tmp_path / "b", *hybrid, f"--checkpoint.init_from_hf={out}"))
     )
-    assert again.val_losses[0] == first.val_losses[3]
+    assert again.val_losses[0] == first.val_losses[4]
+    step2 = tmp_path / "a" / "run" / "checkpoints" / "step-0000002"
+    resumed = train(
+        load_config(
+            job(corpus, tmp_path / "c", *hybrid, "--compile.enable=false",
+                f"--checkpoint.resume={step2}")
+        )
+    )  # fmt: skip
+    assert len(resumed.losses) == 2
+    assert resumed.losses == pytest.approx(first.losses[2:], rel=1e-6)

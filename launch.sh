@@ -64,7 +64,9 @@ setup
 
 if [[ "${1:-}" == "test" ]]; then
     shift
-    run "$PY" -m pytest -q --durations=30 "$@"
+    # Two test files at a time (pytest-xdist; a file's tests stay together, so its module
+    # fixtures run once): much of a test's time is compiling on one core.
+    run "$PY" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"
 fi
 
 # Everything else runs where the caller stands, so that their relative paths mean what they

@@ -91,6 +91,8 @@ def start_banner(
     per_step = per_micro * micro_batches_per_step * dp_size
     passes = [p.name for p in resolve_passes(cfg.compile.passes)] if cfg.compile.enable else None
     layout = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}"
+    if dims.pp > 1:
+        layout = f"pp {dims.pp} ({cfg.parallel.pp_schedule}) x {layout}"
     if dims.ep > 1 or dims.etp > 1:
         layout += f" (experts: ep {dims.ep}, etp {dims.etp})"
     params = f"{_count(num_params)} total"

@@ -53,6 +53,19 @@ def test_dense_banner_fields():
         "16 x 256); 180 steps, warm-up 20, decay 72 (cosine)"
     )
     assert f["layout"] == "4 rank(s) on cuda: dp_replicate 1 x dp_shard 2 x tp 2"
+    piped = start_banner(
+        load_config(["--preset", "tiny", "--parallel.pp_schedule=gpipe"]),
+        run_dir=Path("runs/x"),
+        dims=ParallelDims(pp=2, dp_shard=2, world_size=4),
+        num_params=5_123_456,
+        active_params=None,
+        param_dtype="bfloat16",
+        device="cuda",
+        micro_batches_per_step=3,
+    )
+    assert _fields(piped)["layout"] == (
+        "4 rank(s) on cuda: pp 2 (gpipe) x dp_replicate 1 x dp_shard 2 x tp 1"
+    )
     assert f["precision"].startswith("compute bfloat16, master weights float32")
     assert f["compile"].startswith("inductor; passes on: ")
     assert "fuse_linear_cross_entropy" not in f["compile"]

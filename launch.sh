@@ -2,7 +2,7 @@
 # graphtrain launcher: a thin torchrun wrapper that sets up its own environment first.
 #
 #   ./launch.sh [--section.key=value ...]     train (CONFIG=file.toml, PRESET=name optional)
-#   ./launch.sh test [pytest args]            run the test suite
+#   ./launch.sh test [pytest args]            run the test suite (TEST_WORKERS files at a time, 2)
 #   ./launch.sh inspect|export|generate|eval|plan ARGS   the other graphtrain commands, in its venv
 #
 # Environment: NGPU (processes per node; default: the GPUs nvidia-smi lists, else 1), NNODES (1),

@@ -135,7 +135,7 @@ def _train_loop(run: Run, preemption: PreemptionHandler) -> TrainResult:
     cfg, progress = run.cfg, run.progress
     total = cfg.training.steps
     result = TrainResult(run_dir=run.run_dir, steps=total, losses=[], val_losses={})
-    if run.data.val is None and run.rank == 0:
+    if cfg.metrics.validate and run.data.val is None and run.rank == 0:
         logger.warning("no held-out data large enough for one batch: validation is skipped")
     preemption.install()
     if progress.step == 0:
@@ -302,7 +302,7 @@ def _validate(run: Run, result: TrainResult, *, step: int) -> None:
     data-parallel ranks by PackedLoader.eval_batches): the same figure for any layout and
     micro-batch size; logged and kept in result."""
     val = run.data.val
-    if val is None:
+    if val is None or not run.cfg.metrics.validate:
         return
     cfg, model = run.cfg, run.model
     rows = cfg.metrics.val_rows or cfg.metrics.val_batches * cfg.training.micro_batch_size

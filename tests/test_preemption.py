@@ -96,7 +96,7 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(corpus, tmp
 def test_sigterm_during_start_up_says_so_and_exits_75(corpus, tmp_path):
     """Before the loop's handler (building the model, the first validation) a SIGTERM stops at
     once with one line, not a silent death by the default action."""
-    args = job(corpus, tmp_path, "--training.steps=50")
+    args = job(corpus, tmp_path, "--training.steps=50", "--metrics.validate=true")
     proc = subprocess.Popen(
         [sys.executable, "-m", "graphtrain", "train", *args],
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -30,6 +30,7 @@ def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
                 tmp_path,
                 "--training.steps=40",
                 "--metrics.val_interval=20",
+                "--metrics.validate=true",
                 "--compile.dump_graphs",
             )
         )
@@ -94,6 +95,7 @@ def test_eager_and_graphtrain_losses_are_bitwise_equal(corpus, tmp_path):
         )
     )
     assert eager.losses == compiled.losses
+    assert eager.val_losses == compiled.val_losses == {}  # job's --metrics.validate=false
 
 
 def test_gradient_accumulation_matches_a_bigger_micro_batch(corpus, tmp_path):
@@ -207,6 +209,7 @@ def test_working_weights_train_and_export_exactly_as_autocast(corpus, tmp_path):
         f"--schedule.batch_size={3 * 2 * 64}",
         "--metrics.log_interval=1",
         "--metrics.val_interval=2",
+        "--metrics.validate=true",
         "--training.activation_checkpoint=full",  # its recompute runs on the copies too
     )
     off = train(
@@ -419,6 +422,7 @@ def two_process_runs(corpus, tmp_path_factory):
         "--training.steps=8",
         "--metrics.log_interval=1",
         "--metrics.val_interval=0",
+        "--metrics.validate=true",
         f"--data.val_paths={corpus / 'docs.jsonl'}",
     ]
     single = train(load_config(job(corpus, tmp / "one", *common, "--training.micro_batch_size=4")))

@@ -9,6 +9,7 @@ resolve the process group"). Each job's process group lives on its own key space
 torchrun's store (groups started again on the same keys hung: seen with gloo). The first job
 that fails ends the launch with its exit code."""
 
+import faulthandler
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ def _job(index: int, args: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)  # a job killed by a signal prints its stacks
     for index, args in enumerate(json.loads(sys.argv[1])):
         pid = os.fork()
         if pid == 0:

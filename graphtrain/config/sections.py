@@ -415,6 +415,9 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     log_interval: int = option(10, "optimizer steps between log lines (a host sync each)")
+    validate: bool = option(
+        True, "the held-out loss at step 0, every val_interval steps and at the end; false: never"
+    )
     val_interval: int = option(100, "steps between validations; 0: only at step 0 and at the end")
     val_batches: int = option(8, "held-out micro-batches per validation")
     val_rows: int = option(

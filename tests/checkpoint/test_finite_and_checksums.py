@@ -43,6 +43,7 @@ def test_a_diverging_run_keeps_its_last_finite_checkpoint(corpus, tmp_path, monk
         "--checkpoint.keep_last=1",
         "--metrics.log_interval=100",
         "--metrics.val_interval=0",
+        "--metrics.validate=true",  # the resume below stops on its validation
     )
     with pytest.raises(NonFiniteWeightsError) as e:
         train(load_config(args))

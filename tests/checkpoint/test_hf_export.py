@@ -21,7 +21,9 @@ transformers = pytest.importorskip("transformers")
 def trained(corpus, tmp_path_factory):
     """A debug run of 3 steps with its final checkpoint, and the validation losses it logged."""
     tmp = tmp_path_factory.mktemp("hf")
-    args = job(corpus, tmp, "--training.steps=3", "--checkpoint.interval=3")
+    args = job(
+        corpus, tmp, "--training.steps=3", "--checkpoint.interval=3", "--metrics.validate=true"
+    )
     return tmp / "run", train(load_config(args)), args
 
 
@@ -89,8 +91,11 @@ def test_a_run_started_from_the_export_has_its_loss(trained, corpus, tmp_path):
     run_dir, first, _ = trained
     out = export_hf(run_dir, tmp_path / "hf", dtype="fp32")
     again = train(
-        load_config(job(corpus, tmp_path, "--training.steps=3", f"--checkpoint.init_from_hf={out}"))
-    )
+        load_config(
+            job(corpus, tmp_path, "--training.steps=3", "--metrics.validate=true",
+                f"--checkpoint.init_from_hf={out}")
+        )
+    )  # fmt: skip
     # Validation at step 0 of the new run sees exactly the weights the first run ended with.
     assert again.val_losses[0] == first.val_losses[3]
 

@@ -149,7 +149,12 @@ def test_a_trained_hybrid_run_exports_and_a_new_run_starts_from_it(corpus, tmp_p
     from graphtrain.config import load_config
     from graphtrain.trainer import train
 
-    hybrid = ("--preset=hybrid-debug", "--training.steps=4", "--metrics.val_interval=4")
+    hybrid = (
+        "--preset=hybrid-debug",
+        "--training.steps=4",
+        "--metrics.val_interval=4",
+        "--metrics.validate=true",
+    )
     first = train(load_config(job(corpus, tmp_path / "a", *hybrid, "--checkpoint.interval=2")))
     out = export_hf(tmp_path / "a" / "run", tmp_path / "hf", dtype="fp32")
     again = train(

@@ -214,7 +214,12 @@ def test_a_trained_moe_run_exports_and_a_new_run_starts_from_it(corpus, tmp_path
 
     from graphtrain.trainer import train
 
-    moe = ("--preset=moe-debug", "--training.steps=3", "--metrics.val_interval=3")
+    moe = (
+        "--preset=moe-debug",
+        "--training.steps=3",
+        "--metrics.val_interval=3",
+        "--metrics.validate=true",
+    )
     first = train(load_config(job(corpus, tmp_path / "a", *moe, "--checkpoint.interval=3")))
     out = export_hf(tmp_path / "a" / "run", tmp_path / "hf", dtype="fp32")
     bias = load_file(out / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]

@@ -140,6 +140,7 @@ def test_hybrid_debug_learns(corpus, tmp_path):
                 "--preset=hybrid-debug",
                 "--training.steps=30",
                 "--metrics.val_interval=30",
+                "--metrics.validate=true",
             )
         )
     )

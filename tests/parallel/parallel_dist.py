@@ -7,6 +7,8 @@ blocking CI: the children are killed and TimeoutError is raised.
 
 from __future__ import annotations
 
+import faulthandler
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,6 +24,9 @@ import torch.multiprocessing as mp
 def _entry(
     rank: int, world_size: int, out_dir: str, backend: str, fn: Callable[..., Any], args: tuple
 ) -> None:
+    # A rank that dies of a signal (SIGSEGV, SIGABRT from a corrupted heap) prints every
+    # thread's Python stack to the test's stderr, not only its exit code.
+    faulthandler.enable(all_threads=True)
     # One intra-op thread per rank: 4 ranks on 2 cores otherwise oversubscribe badly.
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -55,6 +60,22 @@ def run_ranks(
     fn and args must be picklable (a module-level function). An exception on any rank is
     re-raised here (torch.multiprocessing.ProcessRaisedException, with the rank's traceback).
     """
+    try:
+        return _launch(fn, world_size, args, timeout, backend)
+    except mp.ProcessExitedException as e:
+        # A rank killed by a signal (seen once in CI: 4 gloo ranks on the loaded 2-core machine,
+        # glibc aborting on a corrupted heap; faulthandler prints the rank's stacks above) gets
+        # one more launch, as in conftest.torchrun_jobs. A rank that raises fails the test at
+        # once, and so does a second crash.
+        if e.signal_name is None:
+            raise
+        print(f"run_ranks: {e}; launching again", file=sys.stderr)
+    return _launch(fn, world_size, args, timeout, backend)
+
+
+def _launch(
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, backend: str
+) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _entry,

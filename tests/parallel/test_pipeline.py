@@ -267,6 +267,7 @@ def common_args(corpus, steps: int = STEPS) -> list[str]:
         f"--training.steps={steps}",
         "--metrics.log_interval=1",
         "--metrics.val_interval=0",
+        "--metrics.validate=true",
         f"--data.val_paths={corpus / 'docs.jsonl'}",
     ]
 

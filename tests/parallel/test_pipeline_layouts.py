@@ -61,9 +61,11 @@ FOUR_RANKS = {
 @pytest.fixture(scope="module")
 def four_rank_runs(corpus, tmp_path_factory):
     """The single-process debug and moe-debug runs, and name -> logged lines of the 2-rank runs
-    of TWO_RANKS and the 4-rank pipelined runs of FOUR_RANKS (one launch each)."""
+    of TWO_RANKS and the 4-rank pipelined runs of FOUR_RANKS (one launch each). No validation:
+    its pass through the schedules is compared in tests/parallel/test_pipeline.py, and here
+    its no-grad graphs would be a third of the compile time of 11 compiled jobs."""
     tmp = tmp_path_factory.mktemp("pipeline_four")
-    common = common_args(corpus)
+    common = [*common_args(corpus), "--metrics.validate=false"]
     single = train(load_config(job(corpus, tmp / "one", *common)))
     single_moe = train(load_config(job(corpus, tmp / "moe", *common, *ONE_ROW_MOE)))
     runs = {}
@@ -122,11 +124,6 @@ def test_pp_with_ep_or_tp_follows_the_same_moe_run_without_pp(four_rank_runs, na
         assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), a["step"]
         for key in keys:
             assert b[key] == pytest.approx(a[key], rel=LOSS_RTOL, abs=1e-7), (a["step"], key)
-    vals = {m["step"]: m["val_loss"] for m in got if "val_loss" in m}
-    want_vals = {m["step"]: m["val_loss"] for m in want if "val_loss" in m}
-    assert vals.keys() == want_vals.keys()
-    for step, value in vals.items():
-        assert value == pytest.approx(want_vals[step], rel=LOSS_RTOL), step
 
 
 def _export(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:

@@ -105,6 +105,7 @@ def _assert_trains_like(got: list[dict], ref: list[dict]) -> None:
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tensor_and_expert_parallel_train_like_data_parallel(runs, layout):
     """Each layout against plain data parallelism over the same number of data-parallel ranks
@@ -138,6 +139,7 @@ def _fused_op_counts(run_dir) -> dict[str, dict[str, int]]:
     return counts
 
 
+@pytest.mark.slow
 def test_expert_parallel_compiles_to_the_ops_of_data_parallel(runs):
     """dp_shard=2 with ep=2 (experts split over the two ranks, all-to-all dispatch) against
     plain data parallelism over the same two ranks, both compiled (aot_eager) with graph dumps:
@@ -162,6 +164,7 @@ def test_expert_parallel_compiles_to_the_ops_of_data_parallel(runs):
     _assert_trains_like(got, ref)
 
 
+@pytest.mark.slow
 def test_expert_and_expert_tp_checkpoint_resumes_on_one_process(corpus, runs):
     """Saved at step 2 of 4 by dp_shard=2 x tp=2 with ep=2 and etp=2 (expert weights and their
     AdamW moments split over ("ep", "tp")), resumed by one process with the same global batch:

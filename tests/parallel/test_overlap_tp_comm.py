@@ -17,6 +17,9 @@ import torch
 from overlap_scenarios import compare
 from parallel_dist import run_ranks
 
+# The 2- and 4-rank launches take ~2 min; the two tests without them are short.
+pytestmark = pytest.mark.slow
+
 SPECS_2 = [
     {"name": "dense_tp2", "model": "debug", "dims": {"tp": 2, "dp_shard": 1}},
     {"name": "dense_tp2_chunks4", "model": "debug", "dims": {"tp": 2, "dp_shard": 1}, "chunks": 4},

@@ -23,6 +23,9 @@ import torch
 from parallel_dist import run_ranks
 from parallel_scenarios import DIVERGENCE_CASES, reference, replica_divergence, run_specs
 
+# Every test reads the 2- and 4-rank launches (~1 min).
+pytestmark = pytest.mark.slow
+
 LOSS_RTOL = 1e-5
 AOT_EAGER = {"inner": "aot_eager"}
 

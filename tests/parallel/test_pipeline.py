@@ -282,6 +282,7 @@ def compare(single, metrics) -> None:
         assert value == pytest.approx(single.val_losses[step], rel=LOSS_RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pp2_follows_the_single_process_curve(pipeline_runs, schedule):
     single, metrics = pipeline_runs[schedule]
@@ -299,6 +300,7 @@ def test_pp2_follows_the_single_process_curve(pipeline_runs, schedule):
         assert got == pytest.approx(want, rel=LOSS_RTOL)
 
 
+@pytest.mark.slow
 def test_moe_pp2_follows_the_single_process_curve(pipeline_runs):
     """moe-debug's layers 1 (stage 0) and 2 (stage 1) are MoE: aux losses scaled per
     micro-batch, global aux over the step's micro-batches, expert bias updated on each stage;

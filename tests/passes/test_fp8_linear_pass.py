@@ -173,6 +173,7 @@ def test_grouped_gemms_and_their_refusals(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["debug", "moe-debug"])
 def test_model_trains_with_fp8(preset):
     """24 AdamW steps on one fixed batch (memorisation), FP8 pass on (compiled blocks,

@@ -322,6 +322,7 @@ def test_debug_model_trains_the_same_with_and_without_the_pass(tmp_path):
     assert step["notes"] == ["no cross_entropy in this graph: nothing to fuse"]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_head_uses_the_vocab_parallel_op(corpus, tmp_path):
     """tp=2 (gloo): the vocab-sharded head's chain (linear -> redistribute -> to_local -> loss)
     becomes graphtrain.linear_cross_entropy_vocab_parallel on the local shards, and training

@@ -30,6 +30,7 @@ _SPLIT = ("--parallel.tp=2", "--parallel.dp_shard=2")
 _KEYS = ("loss", "grad_norm", "moe/layers.1/load_max_over_mean")
 _DUMP = "--compile.dump_graphs=true"
 _EAGER = "--compile.enable=false"
+_VALIDATE = "--metrics.validate=true"  # the held-out loss at steps 0 and 4 (dp2 and dp2_ep2)
 _MB = {dp: f"--training.micro_batch_size={4 // dp}" for dp in (1, 2, 4)}  # global batch: 4 rows
 
 # Every run of this file: name -> (ranks, arguments beyond _COMMON).
@@ -38,7 +39,7 @@ RUNS = {
     # compiled-ops test reads (compiled and eager agree to ~1e-7; the layouts compile).
     "dp1": (1, (_EAGER, _MB[1])),
     "dp1_sliced": (1, (_EAGER, *_SLICED, _MB[1])),
-    "dp2": (2, ("--parallel.dp_shard=2", _MB[2], _DUMP)),
+    "dp2": (2, ("--parallel.dp_shard=2", _MB[2], _DUMP, _VALIDATE)),
     "dp4": (4, (_EAGER, "--parallel.dp_shard=4", _MB[4])),
     # The layouts.
     "tp2": (2, (*_SLICED, "--parallel.tp=2", _MB[1])),
@@ -54,7 +55,7 @@ RUNS = {
         4,
         ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2", _MB[4]),
     ),
-    "dp2_ep2": (2, ("--parallel.dp_shard=2", "--parallel.ep=2", _MB[2], _DUMP)),
+    "dp2_ep2": (2, ("--parallel.dp_shard=2", "--parallel.ep=2", _MB[2], _DUMP, _VALIDATE)),
 }
 # Each layout and the reference with its data-parallel ranks (same rows per rank, same loss
 # weighting) and its aux losses.
@@ -146,7 +147,8 @@ def test_expert_parallel_compiles_to_the_ops_of_data_parallel(runs):
     every compiled region holds the same graphtrain ops (moe_route, moe_permute,
     moe_unpermute) and the same number of grouped GEMMs (w1|w3 fused: 2 per MoE layer), the
     all-to-alls (tokens per expert, rows out, rows back) being the only additions, all in one
-    graph per block; and the run trains like data parallelism (_assert_trains_like)."""
+    graph per block; and the run trains like data parallelism (_assert_trains_like), its
+    held-out loss (no_grad, through the same all-to-alls) equal to 1e-5 at steps 0 and 4."""
     (ref_dir, ref), (got_dir, got) = runs["dp2"], runs["dp2_ep2"]
     want_ops = _fused_op_counts(ref_dir)
     got_ops = _fused_op_counts(got_dir)
@@ -162,6 +164,12 @@ def test_expert_parallel_compiles_to_the_ops_of_data_parallel(runs):
             ops = {**ops, "all_to_all_single": 3}
         assert got_ops[region] == ops, (region, got_ops)
     _assert_trains_like(got, ref)
+    want_val, got_val = (
+        {m["step"]: m["val_loss"] for m in _lines(d) if "val_loss" in m} for d in (ref_dir, got_dir)
+    )
+    assert list(want_val) == list(got_val) == [0, 4]
+    for step, loss in want_val.items():
+        assert got_val[step] == pytest.approx(loss, rel=1e-5), step
 
 
 @pytest.mark.slow

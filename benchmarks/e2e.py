@@ -5,6 +5,7 @@ torch.compile of the same model and against torchtitan's Llama 3 trainer, one GP
         [--steps 20] [--warmup 5]
     python benchmarks/e2e.py --model moe-1b --batch 4 --force-balance   # random balanced routing
     python benchmarks/e2e.py --fp8 --model 3b --batch 1                 # and --fp8 --model moe-1b
+    python benchmarks/e2e.py --variant=--optim.implementation=graphtrain   # one more trainer row
 
 Every row trains on the same packed micro-batches of real text (the default run's embedded
 corpus and tokenizer): the graphtrain row draws them from the trainer's own loader, the others
@@ -33,6 +34,10 @@ replay them. bf16 autocast with fp32 master weights, AdamW, a constant learning 
     CUDA, an error on this torch) its row says why instead of numbers.
 --fp8: rows torch.compile (plain) bf16, graphtrain bf16, graphtrain with training.fp8; the FP8
 loss after the same steps must lie within FP8_LOSS_RTOL of the plain bf16 row's.
+--variant="--SECTION.KEY=VALUE ..." (repeatable): one more graphtrain row with these overrides on
+top of the others (an A/B of a default in the same process: the plain row, the tokenised corpus
+and the Inductor cache are shared, so each costs its compile and steps only). Its row is named
+after its overrides; one that drew other batches than the first graphtrain row says so.
 
 Each row: tokens/s and MFU over the timed steps after the warm-up (MFU from graphtrain's exact
 FLOPs of the very batches, document-causal attention pairs included: graphtrain.metrics.flops),
@@ -48,6 +53,7 @@ import dataclasses
 import gc
 import math
 import os
+import shlex
 import tempfile
 import time
 from collections.abc import Callable
@@ -88,9 +94,12 @@ class Row:
 Step = Callable[[int], torch.Tensor]  # step(i) trains optimizer step i, returns its loss
 
 
-def job_config(args: argparse.Namespace, run_dir: str, *, fp8: bool = False) -> JobConfig:
+def job_config(
+    args: argparse.Namespace, run_dir: str, *, fp8: bool = False, variant: str = ""
+) -> JobConfig:
     """The job every row trains: the model's job preset at the benchmark's shape, a constant
-    learning rate (warm-up and decay off), nothing written but the run directory."""
+    learning rate (warm-up and decay off), nothing written but the run directory; a --variant
+    row's overrides last."""
     return load_config(
         [
             "--preset",
@@ -108,6 +117,7 @@ def job_config(args: argparse.Namespace, run_dir: str, *, fp8: bool = False) -> 
             "--metrics.tensorboard=false",
             *(["--model.force_balance=true"] if args.force_balance else []),
             *args.set,
+            *shlex.split(variant),
         ]
     )
 
@@ -186,6 +196,30 @@ def graphtrain_row(name: str, cfg: JobConfig, warmup: int) -> tuple[Row, list, P
     run.metrics.close()
     tokenizer = run.data.tokenizer
     return row, step_batches, tokenizer.path if tokenizer is not None else None
+
+
+def variant_row(args: argparse.Namespace, run_dir: str, variant: str, step_batches: list) -> Row:
+    """The trainer's step with a --variant's overrides; a row that says why where it fails (the
+    rows measured before it are kept)."""
+    name = f"graphtrain{' bf16' if args.fp8 else ''} {variant}"
+    try:
+        row, batches, _ = graphtrain_row(
+            name, job_config(args, run_dir, variant=variant), args.warmup
+        )
+    except Exception as e:
+        return Row(name, note=_not_run(e))
+    if not _same_batches(batches, step_batches):
+        row.name += " (other batches)"
+    return row
+
+
+def _same_batches(a: list[list[TensorDict]], b: list[list[TensorDict]]) -> bool:
+    """The same micro-batches of the same tokens, step by step."""
+    return [len(x) for x in a] == [len(y) for y in b] and all(
+        torch.equal(x["input_ids"], y["input_ids"])
+        for xs, ys in zip(a, b, strict=True)
+        for x, y in zip(xs, ys, strict=True)
+    )
 
 
 def _plain_compile(model: torch.nn.Module, backend: str) -> None:
@@ -406,30 +440,32 @@ def _torchtitan_measure(name: str, cfg: JobConfig, trainer, step_batches: list, 
 # Table
 
 
-def rows_for(args: argparse.Namespace) -> list[Row]:
-    """Every row of the run: graphtrain's first (its loader draws the batches the others
-    replay), printed plain first."""
+def rows_for(args: argparse.Namespace, rows: list[Row]) -> None:
+    """Every row of the run into `rows` as it is measured, most important first: graphtrain's
+    (its loader draws the batches the others replay), plain torch.compile, the FP8 and
+    --variant rows, torchtitan. A run stopped part-way (the GPU stage's cap) keeps the rows it
+    measured."""
     with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
         cfg = job_config(args, f"{tmp}/bf16")
         precision = " bf16" if args.fp8 else ""
         row, step_batches, tokenizer = graphtrain_row(f"graphtrain{precision}", cfg, args.warmup)
-        rows = [row]
+        rows.append(row)
+        plain = f"torch.compile (plain){precision}"
+        rows.insert(0, plain_compile_row(plain, cfg, step_batches, args.warmup))
         if args.fp8:
             fp8_cfg = job_config(args, f"{tmp}/fp8", fp8=True)
             rows.append(graphtrain_row("graphtrain fp8", fp8_cfg, args.warmup)[0])
-        plain = plain_compile_row(
-            f"torch.compile (plain){precision}", cfg, step_batches, args.warmup
-        )
-        rows.insert(0, plain)
+        for i, variant in enumerate(args.variant):
+            rows.append(variant_row(args, f"{tmp}/v{i}", variant, step_batches))
         if not args.fp8:
             rows.append(
                 torchtitan_row("torchtitan 0.3.0", cfg, step_batches, args.warmup, tokenizer)
             )
-    return rows
 
 
 def table(rows: list[Row], args: argparse.Namespace) -> str:
-    base = rows[0].tokens_per_s
+    plain = rows[0].name.startswith("torch.compile")  # not there: a run stopped before it
+    base = rows[0].tokens_per_s if plain else math.nan
     steps = args.warmup + args.steps
     lines = [
         f"| run | tokens/s | MFU | peak mem GiB | vs plain | warm-up s | loss after {steps} steps |",
@@ -443,8 +479,9 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
             f"| {r.name} | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.peak_mem_gib:.1f} | "
             f"{r.tokens_per_s / base:.2f}x | {r.warmup_s:.0f} | {r.loss:.3f} |"
         )
-    if args.fp8:
-        fp8, bf16 = rows[-1].loss, rows[0].loss
+    fp8 = [r.loss for r in rows if r.name == "graphtrain fp8"]
+    if fp8 and plain:
+        fp8, bf16 = fp8[0], rows[0].loss
         verdict = "within" if abs(fp8 - bf16) <= FP8_LOSS_RTOL * abs(bf16) else "NOT within"
         lines.append(
             f"\nFP8 loss {fp8:.3f} against plain bf16 {bf16:.3f}: {verdict} "
@@ -484,6 +521,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="--SECTION.KEY=VALUE",
         help="a config override for every row (repeatable), e.g. --set=--data.paths=docs.jsonl",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar='"--SECTION.KEY=VALUE ..."',
+        help="one more graphtrain row with these overrides (repeatable): an A/B of a default",
+    )
     args = parser.parse_args(argv)
     for name in ("batch", "grad_accum", "steps"):
         if getattr(args, name) < 1:
@@ -493,6 +537,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model = MODEL_PRESETS[JOB_PRESETS[args.model]["model"]]
     if args.force_balance and not isinstance(model, MoEConfig):
         parser.error(f"--force-balance needs an MoE model; {args.model} is dense")
+    # A misspelt key or a bad value fails here, not after some rows ran on the GPU.
+    for variant in ["", *args.variant]:
+        try:
+            job_config(args, tempfile.gettempdir(), variant=variant)
+        except ValueError as e:
+            parser.error(f"--variant={variant!r}: {e}" if variant else str(e))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("benchmarks/e2e.py needs a CUDA GPU (--device cpu only checks the rows run)")
     return args
@@ -500,7 +550,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
-    rows = rows_for(args)
+    rows: list[Row] = []
+    try:
+        rows_for(args, rows)
+    except KeyboardInterrupt:  # the stage's cap (SIGINT): record what was measured
+        if not rows:
+            raise
+        rows.append(Row("(the rest)", note="not run: stopped by SIGINT (the stage's time cap)"))
     text = table(rows, args)
     if args.device == "cpu":
         print(text)

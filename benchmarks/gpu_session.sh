@@ -167,21 +167,22 @@ stages() {
             --continue-on-collection-errors tests
         ;;
     e2e)
-        # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, torchtitan 0.3.0; 15 timed
-        # steps of 8192 tokens (~0.15 s each at the 2026-11-22 rate) after 4 warm-up steps, so
-        # the time is the three builds and compiles (plain ~15 s, graphtrain ~10-30 s,
-        # torchtitan with CUDA graphs ~1-2 min) and the default corpus's tokenisation: ~3-4 min.
-        bench e2e-1b 200 e2e.py --model 1b --steps 15 --warmup 4
-        # The A/B behind auto's unfused loss on CUDA (RESULTS.md, first contact): the fused
-        # fast mode forced, and the working weights off (autocast's casts instead): ~1 min each.
-        bench e2e-1b-lce-fast 90 e2e.py --model 1b --steps 10 --warmup 3 \
-            --set=--compile.lce_mode=fast
-        bench e2e-1b-no-working-weights 90 e2e.py --model 1b --steps 10 --warmup 3 \
-            --set=--training.working_weights=false
-        # moe-1b with random balanced routing, batch 4 (16384 tokens a step, ~0.1 s): plain
-        # (warm-up ~40 s) and graphtrain (~15-30 s), torchtitan not run (dense only): ~2 min.
-        bench e2e-moe-1b 130 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
-            --warmup 4
+        # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, three variant rows, torchtitan
+        # 0.3.0; 15 timed steps of 8192 tokens (~0.15 s each, first contact) after 4 warm-up
+        # steps. The variants are the A/B of three defaults in the same process (the plain row,
+        # the tokenised corpus and the Inductor cache shared: ~25 s each): the fused loss's fast
+        # mode forced (auto leaves 1b's loss to Inductor on CUDA, first contact), autocast's
+        # casts instead of the working weights, graphtrain's AdamW (optim.implementation, opt-in
+        # until measured). The rest is the builds and compiles (plain ~10 s, graphtrain ~25 s,
+        # torchtitan with CUDA graphs ~1-2 min) and the corpus's tokenisation: ~4-5 min.
+        bench e2e-1b 330 e2e.py --model 1b --steps 15 --warmup 4 \
+            --variant=--compile.lce_mode=fast --variant=--training.working_weights=false \
+            --variant=--optim.implementation=graphtrain
+        # moe-1b with random balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain
+        # (warm-up ~30 s), graphtrain (~55 s), graphtrain's AdamW (~30 s; torchtitan not run,
+        # dense only): ~2.5 min.
+        bench e2e-moe-1b 170 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
+            --warmup 4 --variant=--optim.implementation=graphtrain
         # `graphtrain inspect --profile 3`: the regions compiled with the default passes, 3 steps
         # under torch.profiler, kernel time by region, FX node and source line (summary.txt,
         # report.html in --out, outside LOG_DIR: only the log comes back), then each fusing

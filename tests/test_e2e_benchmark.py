@@ -40,16 +40,26 @@ def _args(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
 
 def test_rows_train_the_same_batches_alike_and_fp8_stays_close(e2e, corpus, tmp_path, capsys):
     # fp8.min_dim=16 lets the debug model's linears run in FP8 (the reference kernels on CPU).
-    rows = e2e.main(_args(corpus, tmp_path, "--fp8", "--set=--fp8.min_dim=16"))
+    # Two variant rows: graphtrain's AdamW (an A/B of optim.implementation) and another seed
+    # (other batches, which its name must say).
+    copies, seed = "--optim.implementation=graphtrain", "--training.seed=1"
+    variants = [f"--variant={copies}", f"--variant={seed}"]
+    rows = e2e.main(_args(corpus, tmp_path, "--fp8", "--set=--fp8.min_dim=16", *variants))
     assert [r.name for r in rows] == [
         "torch.compile (plain) bf16",
         "graphtrain bf16",
         "graphtrain fp8",
+        f"graphtrain bf16 {copies}",
+        f"graphtrain bf16 {seed} (other batches)",
     ]
     for row in rows:
         assert not row.note and row.tokens_per_s > 0 and math.isfinite(row.loss)
         assert math.isnan(row.mfu) and math.isnan(row.peak_mem_gib)  # no peak FLOPs on CPU
-    plain, bf16, fp8 = rows
+    plain, bf16, fp8, adamw_copies, other_seed = rows
+    # The same steps with graphtrain's AdamW kernel (its CPU reference: torch's foreach ops in
+    # another order than the fused kernel): a few fp32 roundings apart after three steps.
+    assert adamw_copies.loss == pytest.approx(bf16.loss, rel=1e-5)
+    assert other_seed.loss != bf16.loss
     # Same model, init, batches (the trainer's loader, replayed), optimizer and learning rate,
     # fp32 on CPU, numerics-preserving default passes: the hand-written loop and the trainer's
     # step give the same loss after three steps of two micro-batches.
@@ -71,7 +81,40 @@ def test_torchtitan_row_says_why_it_did_not_run(e2e, tmp_path):
     assert "Llama 3 (dense)" in e2e.torchtitan_row("t", moe, [], 0, None).note
 
 
-def test_bad_arguments_are_named(e2e):
+def test_a_failing_variant_is_a_row_that_says_why(e2e, tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("the variant's build failed\nsecond line")
+
+    monkeypatch.setattr(e2e, "graphtrain_row", fail)
+    args = e2e.parse_args(
+        ["--device=cpu", "--model=debug", "--seq-len=64", "--variant=--training.fp8=true"]
+    )
+    row = e2e.variant_row(args, str(tmp_path), args.variant[0], [])
+    assert row.name == "graphtrain --training.fp8=true"
+    assert row.note == "not run: RuntimeError: the variant's build failed"
+
+
+def test_a_run_stopped_part_way_keeps_the_rows_it_measured(e2e, monkeypatch, capsys):
+    # The GPU stage's cap sends SIGINT: the rows measured so far still make the table.
+    measured = e2e.Row("graphtrain", tokens_per_s=5.0, loss=2.0)
+    monkeypatch.setattr(e2e, "graphtrain_row", lambda *args: (measured, [], None))
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(e2e, "plain_compile_row", interrupted)
+    rows = e2e.main(["--device=cpu", "--model=debug", "--seq-len=64"])
+    assert rows[0] is measured and "stopped by SIGINT" in rows[1].note
+    assert "| graphtrain | 5 | nan% | nan | nanx |" in capsys.readouterr().out  # no plain row
+
+
+def test_bad_arguments_are_named(e2e, capsys):
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--device=cpu", "--model=debug", "--seq-len=8192"])
+    assert "training.seq_len=8192 exceeds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--device=cpu", "--variant=--optim.implementaton=graphtrain"])
+    assert "--variant='--optim.implementaton=graphtrain'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         e2e.parse_args(["--device=cpu", "--model=debug", "--force-balance"])
     with pytest.raises(SystemExit):

@@ -1,22 +1,28 @@
-"""Benchmark: the optimizer step with bf16 working copies, torch's AdamW + refresh against
-AdamWCopies (graphtrain::adamw_step).
+"""Benchmark: the optimizer's part of a training step with bf16 working copies (gradient
+clipping, AdamW, the copies), torch's clip + AdamW + refresh against clip + AdamWCopies
+(graphtrain::adamw_step, which applies the clip coefficient as it reads the gradients).
 
 What
     The parameters of a model preset (default moe-1b: 1,046M, 979M of them with working copies,
     graphtrain.optim.working_weight_params), fp32 masters with random gradients, on one CUDA
-    GPU; the trainer's two weight-decay groups (build_optimizer). Rows:
-        torch fused + refresh     torch.optim.AdamW(fused=True).step(), then the foreach copy
-                                  of the masters into the copies (WorkingWeights.refresh)
-        graphtrain                AdamWCopies.step() writing the copies in its pass
-        AdamWBF16 + refresh       bf16 moments: AdamWBF16.step(), then the refresh
+    GPU; the trainer's two weight-decay groups (build_optimizer). Every row first clips the
+    gradients to norm MAX_NORM as TrainStep does (graphtrain.optim.clip_grad_norm_: the norm,
+    then the gradients multiplied by the coefficient in place, or by AdamWCopies as it reads
+    them). Rows:
+        torch fused + refresh     clip, torch.optim.AdamW(fused=True).step(), then the foreach
+                                  copy of the masters into the copies (WorkingWeights.refresh)
+        graphtrain                clip's norm, AdamWCopies.step() scaling the gradients and
+                                  writing the copies in its pass
+        AdamWBF16 + refresh       bf16 moments: clip, AdamWBF16.step(), then the refresh
         graphtrain bf16 moments   AdamWCopies(state_dtype=bf16)
     reporting the median wall time of a step (triton.testing.do_bench), the bytes the row must
-    move (param, grad, moments read; param, moments, copy written; with a separate refresh the
-    masters read again; AdamWBF16's temporaries not counted) and their time at the 3.0 TB/s
-    HBM copy rate of an H100, and each row's largest difference from the first row of its
-    moment dtype after one step (params; copies must be the params rounded).
-    Prediction for moe-1b (unmeasured; graphtrain.optim.adamw_copies): 35.2 against 31.2 GB,
-    11.7 against 10.4 ms at 3.0 TB/s.
+    move (the norm reads the grads; an in-place clip reads and writes them; param, grad, moments
+    read; param, moments, copy written; with a separate refresh the masters read again;
+    AdamWBF16's temporaries not counted) and their time at the 3.0 TB/s HBM copy rate of an
+    H100, and each row's largest difference from the first row of its moment dtype after one
+    step (params; copies must be the params rounded).
+    Prediction for moe-1b (unmeasured; graphtrain.optim.adamw_copies): 47.7 against 35.4 GB,
+    15.9 against 11.8 ms at 3.0 TB/s.
 
 Run
     python benchmarks/adamw_step.py                 # moe-1b, all rows
@@ -33,11 +39,19 @@ import torch
 import triton.testing
 from harness import record  # run as a script: benchmarks/ is on sys.path
 
-from graphtrain.optim import WorkingWeights, build_optimizer, working_weight_params
+from graphtrain.optim import (
+    AdamWCopies,
+    WorkingWeights,
+    build_optimizer,
+    clip_grad_norm_,
+    scale_grads_,
+    working_weight_params,
+)
 from models import MODEL_PRESETS, build_model
 
 HBM_BYTES_PER_S = 3.0e12  # MISSION.md: H100 HBM copy rate
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+MAX_NORM = 1.0  # below the random gradients' norm (~1e-3 x sqrt(1e9) = 32): they are clipped
 NO_DECAY = ["*norm*", "*bias", "tok_embeddings.*"]
 ROWS = {  # name: (optimizer implementation, moments dtype)
     "torch fused + refresh": ("fused", "float32"),
@@ -70,13 +84,14 @@ def setup(preset: str, device: torch.device, implementation: str, state_dtype: s
     return model, opt, weights
 
 
-def bytes_moved(model, weights, state_dtype: str, refresh: bool) -> int:
-    """At least, per step: param, grad, moments read; param, moments written; the copies
-    written, and with a separate refresh the masters read again."""
+def bytes_moved(model, weights, state_dtype: str, separate: bool) -> int:
+    """At least, per step: the grads read for the norm; param, grad, moments read; param,
+    moments written; the copies written; with a separate clip and refresh (torch's optimizers)
+    the grads read and written again and the masters read again."""
     state = 4 if state_dtype == "float32" else 2
     n = sum(p.numel() for p in model.parameters())
     copies = sum(c.numel() for c in weights.copies)
-    return n * (4 + 4 + 2 * state + 4 + 2 * state) + (2 + 4 * refresh) * copies
+    return n * (4 + 4 + 4 + 2 * state + 4 + 2 * state + 8 * separate) + (2 + 4 * separate) * copies
 
 
 def run(preset: str, device: torch.device, timed: bool) -> str:
@@ -92,7 +107,11 @@ def run(preset: str, device: torch.device, timed: bool) -> str:
             implementation = "foreach"  # the reference path on CPU
         model, opt, weights = setup(preset, device, implementation, state_dtype)
 
-        def step(opt=opt, weights=weights):
+        masters = list(model.parameters())
+        scale = opt.scale_grads_in_step if isinstance(opt, AdamWCopies) else scale_grads_
+
+        def step(opt=opt, weights=weights, masters=masters, scale=scale):
+            clip_grad_norm_(masters, MAX_NORM, scale=scale)
             opt.step()
             weights.refresh()  # nothing to do when the step wrote the copies
 
@@ -108,7 +127,7 @@ def run(preset: str, device: torch.device, timed: bool) -> str:
             f"| {name} | {ms:.2f} | {moved / 1e9:.1f} | {moved / HBM_BYTES_PER_S * 1e3:.2f} "
             f"| {diff:.1e} |"
         )
-        del model, opt, weights, params
+        del model, opt, weights, params, masters, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return "\n".join(lines)

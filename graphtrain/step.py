@@ -36,11 +36,13 @@ from torch import nn
 from graphtrain.attention import build_attention_mask
 from graphtrain.metrics import model_training_flops
 from graphtrain.optim import (
+    AdamWCopies,
     BatchSizeSchedule,
     FP32GradAccumulator,
     LRSchedule,
     WorkingWeights,
     clip_grad_norm_,
+    scale_grads_,
 )
 
 
@@ -165,10 +167,14 @@ class TrainStep:
         self.fp32_grads.finalize()
         self.finish_gradients()
         params = list(self.forward.model.parameters())
+        # graphtrain's AdamW multiplies the gradients by the clip coefficient as it reads them.
+        scale = scale_grads_
+        if isinstance(self.optimizer, AdamWCopies):
+            scale = self.optimizer.scale_grads_in_step
         if self.pipeline is None:
-            grad_norm = clip_grad_norm_(params, self.max_norm)
+            grad_norm = clip_grad_norm_(params, self.max_norm, scale=scale)
         else:
-            grad_norm = self.pipeline.clip_grad_norm_(params, self.max_norm)
+            grad_norm = self.pipeline.clip_grad_norm_(params, self.max_norm, scale=scale)
         self.optimizer.step()  # step pre-hooks run first (MoE expert biases)
         self.forward.weights.refresh()  # the one cast of the step: masters -> working copies
         self.optimizer.zero_grad(set_to_none=True)

@@ -228,11 +228,22 @@ def test_working_weights_train_and_export_exactly_as_autocast(corpus, tmp_path):
         assert value.dtype == torch.float32 and torch.equal(value, exported[1][key]), key
 
 
-def test_resume_is_bitwise_exact(corpus, tmp_path):
+def test_resume_is_bitwise_exact(corpus, tmp_path, monkeypatch):
     """bf16 autocast with fp32 masters (as on a GPU): the checkpoint holds the masters, and the
     resumed run's bf16 working copies start from them. The resumed run switches from torch's
-    foreach AdamW to AdamWCopies (whose step writes the copies; on CPU with torch's foreach
-    ops): the optimizer state resumes across the switch, bitwise."""
+    foreach AdamW to AdamWCopies (whose step writes the copies and applies the clip
+    coefficient as it reads the gradients; on CPU with torch's foreach ops): the optimizer
+    state resumes across the switch, bitwise, and the clipping in its step is clipping."""
+    from graphtrain.optim import AdamWCopies
+
+    coefficients = []
+    scale_in_step = AdamWCopies.scale_grads_in_step
+
+    def spy(self, grads, coef):
+        coefficients.append(coef.item())
+        scale_in_step(self, grads, coef)
+
+    monkeypatch.setattr(AdamWCopies, "scale_grads_in_step", spy)
     common = ("--training.steps=6", "--training.dtype=bfloat16")
     torch_adamw = "--optim.implementation=foreach"
     straight = train(load_config(job(corpus, tmp_path / "s", *common, torch_adamw)))
@@ -254,6 +265,7 @@ def test_resume_is_bitwise_exact(corpus, tmp_path):
     )
     assert first.losses == straight.losses
     assert resumed.losses == straight.losses[3:]
+    assert len(coefficients) == 3 and min(coefficients) < 1.0, coefficients  # it clipped
 
 
 def test_incomplete_checkpoint_is_never_resumed(corpus, tmp_path):

@@ -2,16 +2,16 @@
 working copies, in one pass and one launch.
 
 What
-    adamw_step(params, grads, exp_avgs, exp_avg_sqs, copies, lr=, beta1=, beta2=, eps=,
-    weight_decay=, step=) updates, in place, each fp32 param and its moments exactly as
-    torch.optim.AdamW does (decoupled weight decay, bias correction, eps added after the square
-    root), with `step` the step count after this update (1 on the first step, shared by the
-    list), and writes each param's new value rounded to nearest-even into copies[i] (bf16) when
-    `copies` is given (empty: no copies). Grads are fp32. The moments are fp32, or bf16 with the
-    maths of graphtrain.optim.adamw_bf16: widened to fp32, updated, stored rounded to
-    nearest-even. One launch of _adamw_step_kernel covers every tensor of the list (tables of
-    addresses and of (tensor, block) pairs); the CPU kernel is adamw_step_ref (torch's foreach
-    ops: the reference).
+    adamw_step(params, grads, exp_avgs, exp_avg_sqs, copies, grad_scale=None, lr=, beta1=,
+    beta2=, eps=, weight_decay=, step=) updates, in place, each fp32 param and its moments
+    exactly as torch.optim.AdamW does, with `step` the step count after this update (shared by
+    the list), and writes each param's new value rounded to nearest-even into copies[i] (bf16)
+    when `copies` is given (empty: no copies). Grads are fp32, multiplied as they are read by
+    `grad_scale` where given (one fp32 element: clipping's coefficient; the grads are left as
+    they are). The moments are fp32, or bf16 with the maths of graphtrain.optim.adamw_bf16
+    (widened, updated, stored rounded to nearest-even). One launch of _adamw_step_kernel covers
+    every tensor of the list (tables of addresses and of (tensor, block) pairs); the CPU kernel
+    is adamw_step_ref (torch's foreach ops: the reference).
 
 Numerics
     fp32 arithmetic in torch's order of operations (on the GPU Triton may contract a multiply
@@ -38,8 +38,19 @@ _BLOCK = 1024
 _BLOCK_TABLES: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, copies) -> None:
+def _check(params, grads, exp_avgs, exp_avg_sqs, copies, grad_scale) -> None:
     n = len(params)
+    if grad_scale is not None and params:
+        if (
+            grad_scale.numel() != 1
+            or grad_scale.dtype != torch.float32
+            or grad_scale.device != params[0].device
+        ):
+            raise ValueError(
+                "adamw_step: grad_scale must be one float32 element on the params' device "
+                f"({params[0].device}), got {grad_scale.dtype} of shape "
+                f"{tuple(grad_scale.shape)} on {grad_scale.device}"
+            )
     for name, tensors in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
         if len(tensors) != n:
             raise ValueError(f"adamw_step: {len(tensors)} {name} for {n} params")
@@ -72,6 +83,7 @@ def adamw_step_ref(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     copies: list[Tensor],
+    grad_scale: Tensor | None = None,
     *,
     lr: float,
     beta1: float,
@@ -81,9 +93,12 @@ def adamw_step_ref(
     step: float,
 ) -> None:
     """torch.optim.AdamW's foreach update (bf16 moments widened to fp32 first, as AdamWBF16 does),
-    then copies[i] = params[i] rounded; the CPU kernel and the tests' fp32 reference."""
+    then copies[i] = params[i] rounded; the CPU kernel and the tests' fp32 reference. The
+    grads scaled first, where grad_scale is given: what clipping's foreach multiply gives."""
     if not params:
         return
+    if grad_scale is not None:
+        grads = torch._foreach_mul(grads, grad_scale)
     m = [t.float() for t in exp_avgs]  # the moments themselves when they are fp32
     v = [t.float() for t in exp_avg_sqs]
     torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -148,12 +163,16 @@ def _update(
     decay,
     step_size,
     bias2_sqrt,
+    g_scale,
     BF16_STATE: tl.constexpr,
     HAS_COPY: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     """The update of the elements offs[mask] (see _adamw_step_kernel)."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    if HAS_SCALE:
+        g = g * g_scale  # rounded to fp32 as clipping's multiply rounds it
     m = _load_f32(m_ptr, offs, mask, BF16_STATE)
     v = _load_f32(v_ptr, offs, mask, BF16_STATE)
     # torch's order: decay, lerp (weight < 0.5 form), mul + addcmul, denom, addcdiv.
@@ -185,8 +204,10 @@ def _adamw_step_kernel(
     decay,  # 1 - lr * weight_decay
     step_size,  # lr / (1 - beta1 ** step)
     bias2_sqrt,  # sqrt(1 - beta2 ** step)
+    scale_ptr,  # the grads' scale (one fp32 element), read where HAS_SCALE
     BF16_STATE: tl.constexpr,
     HAS_COPY: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes: vector loads and stores
     BLOCK: tl.constexpr,
 ):
@@ -204,13 +225,17 @@ def _adamw_step_kernel(
         _address(row, 3, state, ALIGNED),
         _address(row, 4, tl.int16, ALIGNED),
     )
-    hyper = (beta1, beta2, eps, decay, step_size, bias2_sqrt)
+    if HAS_SCALE:
+        g_scale = tl.load(scale_ptr)
+    else:
+        g_scale = 1.0
+    hyper = (beta1, beta2, eps, decay, step_size, bias2_sqrt, g_scale)
     if (block + 1) * BLOCK <= numel:
         # A full block: a constant mask, which the compiler sees through (vector accesses).
         full = tl.full((BLOCK,), True, tl.int1)
-        _update(*ptrs, offs, full, *hyper, BF16_STATE, HAS_COPY)
+        _update(*ptrs, offs, full, *hyper, BF16_STATE, HAS_COPY, HAS_SCALE)
     else:
-        _update(*ptrs, offs, offs < numel, *hyper, BF16_STATE, HAS_COPY)
+        _update(*ptrs, offs, offs < numel, *hyper, BF16_STATE, HAS_COPY, HAS_SCALE)
 
 
 def _block_table(params: list[Tensor]) -> Tensor:
@@ -241,6 +266,7 @@ def adamw_step_triton(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     copies: list[Tensor],
+    grad_scale: Tensor | None = None,
     *,
     lr: float,
     beta1: float,
@@ -273,8 +299,10 @@ def adamw_step_triton(
         1 - lr * weight_decay,
         lr / (1 - beta1**step),
         math.sqrt(1 - beta2**step),
+        grad_scale if grad_scale is not None else numels,  # numels: never read
         BF16_STATE=exp_avgs[0].dtype == torch.bfloat16,
         HAS_COPY=bool(copies),
+        HAS_SCALE=grad_scale is not None,
         ALIGNED=all(a % 16 == 0 for row in rows for a in row),
         BLOCK=_BLOCK,
     )
@@ -289,6 +317,7 @@ def adamw_step(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     copies: list[Tensor],
+    grad_scale: Tensor | None = None,
     *,
     lr: float,
     beta1: float,
@@ -299,7 +328,7 @@ def adamw_step(
 ) -> None:
     """One AdamW step over the lists, writing the copies (see the module docstring). CPU:
     adamw_step_ref; CUDA: the Triton kernel."""
-    _check(params, grads, exp_avgs, exp_avg_sqs, copies)
+    _check(params, grads, exp_avgs, exp_avg_sqs, copies, grad_scale)
     kernel = adamw_step_triton if params and params[0].is_cuda else adamw_step_ref
     kernel(
         params,
@@ -313,9 +342,24 @@ def adamw_step(
         eps=eps,
         weight_decay=weight_decay,
         step=step,
+        grad_scale=grad_scale,
     )
 
 
 @adamw_step.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, copies, *, lr, beta1, beta2, eps, weight_decay, step):
+def _(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    copies,
+    grad_scale=None,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+):
     return None

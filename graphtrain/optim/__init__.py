@@ -3,7 +3,7 @@ parameters with fp32 gradient sums, bf16 working copies of fp32 master weights."
 
 from graphtrain.optim.adamw_bf16 import AdamWBF16
 from graphtrain.optim.adamw_copies import AdamWCopies
-from graphtrain.optim.clip import clip_grad_norm_, global_norm
+from graphtrain.optim.clip import clip_grad_norm_, global_norm, scale_grads_
 from graphtrain.optim.memory import optimizer_state_bytes
 from graphtrain.optim.optimizer import build_optimizer, optimizer_from_config
 from graphtrain.optim.precision import FP32GradAccumulator, cast_parameters_
@@ -30,5 +30,6 @@ __all__ = [
     "optimizer_from_config",
     "optimizer_state_bytes",
     "parse_token_count",
+    "scale_grads_",
     "working_weight_params",
 ]

@@ -6,6 +6,9 @@ What
     graphtrain.optim.adamw_bf16). attach_working_copies(masters, copies) (called by
     WorkingWeights.refresh_in) makes each step write every attached master's new value, rounded,
     into its copy, in the same pass; the foreach refresh after the step is then not needed.
+    scale_grads_in_step(grads, coef) (graphtrain.optim.clip's `scale=`, which TrainStep passes)
+    makes the next step read every gradient times coef, clipping's coefficient, instead of
+    clipping multiplying them in a pass of its own (the gradients are left unscaled).
     Each step is one graphtrain::adamw_step launch per (param group, step count, with or without
     copies): four or so for the trainer's decay / no-decay and plain / DTensor groups.
     Opt-in (optim.implementation = "graphtrain") until benchmarks/adamw_step.py has measured
@@ -42,6 +45,10 @@ _ADAMW_GROUP_KEYS = {
 }
 
 
+def _forget_grad_scale(optimizer: AdamWCopies, args: Any, kwargs: Any) -> None:
+    optimizer._grad_scale = None
+
+
 class AdamWCopies(AdamWBase):
     def __init__(
         self, params: Iterable[Any], *, state_dtype: torch.dtype = torch.float32, **hyper: Any
@@ -60,6 +67,8 @@ class AdamWCopies(AdamWBase):
                         "optim.implementation = 'fused' or 'foreach' for other dtypes"
                     )
         self._copies: dict[int, torch.Tensor] = {}
+        self._grad_scale: torch.Tensor | None = None  # for the next step only
+        self.register_step_post_hook(_forget_grad_scale)
 
     def attach_working_copies(
         self, masters: list[torch.Tensor], copies: list[torch.Tensor]
@@ -72,6 +81,11 @@ class AdamWCopies(AdamWBase):
                     "attach_working_copies: a master is not among the optimizer's params"
                 )
             self._copies[id(master)] = local_shard(copy)
+
+    def scale_grads_in_step(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+        """The next step() multiplies every gradient it reads by `coef` (a one-element tensor;
+        `grads`, the clipped ones, are what it will read: the gradients of its params)."""
+        self._grad_scale = coef.reshape(()).to(torch.float32)
 
     def _loaded(self, s: dict[str, Any]) -> None:
         if "step" in s:  # a fused torch AdamW keeps it on the device: one sync, here only
@@ -110,8 +124,12 @@ class AdamWCopies(AdamWBase):
         for (step, _, contiguous), lists in buckets.items():
             # A strided shard (none in today's layouts) takes torch's foreach ops.
             kernel = adamw_step if contiguous else adamw_step_ref
+            scale = self._grad_scale
+            if scale is not None:
+                scale = scale.to(lists[0][0].device)
             kernel(
                 *lists,
+                scale,
                 lr=lr,
                 beta1=beta1,
                 beta2=beta2,

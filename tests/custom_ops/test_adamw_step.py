@@ -6,8 +6,9 @@ group. Tolerance: each fp32 operation rounds by at most 2**-24 relative, about t
 step and four steps: errors are held to 2**-19 of the value's scale (|param| + lr for the
 param, |moment| + its gradient term for the moments); torch.optim.AdamW's own fp32 update
 meets the same bound (checked here, so the bound is fp32 rounding and not looser), and a step
-count or weight decay off by one step fails it. The copies must equal the new fp32 param
-rounded by torch's .to(torch.bfloat16), bit for bit. The Triton kernel runs on CPU under
+count or weight decay off by one step fails it, as does a gradient scale (clipping's
+coefficient, applied as the grads are read) that is ignored. The copies must equal the new fp32
+param rounded by torch's .to(torch.bfloat16), bit for bit. The Triton kernel runs on CPU under
 TRITON_INTERPRET=1 (a subprocess: the variable must be set before Triton is imported).
 """
 
@@ -24,6 +25,7 @@ from graphtrain.custom_ops import adamw_step as op
 SIZES = [1, 5, 37, 1029, 2051]  # 1029, 2051: over one and two blocks of 1024, ragged
 LR, BETAS, EPS = 1e-2, (0.9, 0.95), 1e-8
 TOL = 2.0**-19
+GRAD_SCALE = 0.37  # a clip coefficient: 0.37 is not a power of two, so its multiply rounds
 
 
 def _inputs(seed: int, state_dtype: torch.dtype = torch.float32):
@@ -45,10 +47,11 @@ def _float64_step(p, g, m, v, *, wd, step):
     return p - LR / (1 - b1**step) * m / denom, m, v
 
 
-def _errors(step_fn, *, first_step: int = 3) -> dict[str, float]:
+def _errors(step_fn, *, first_step: int = 3, grad_scale: float | None = None) -> dict[str, float]:
     """Largest scaled errors against float64 over four steps of step_fn (a kernel with
-    adamw_step's signature); also checks the copies bitwise. Two groups: SIZES[0::2] with weight
-    decay 0.1, SIZES[1::2] without."""
+    adamw_step's signature), the grads scaled by grad_scale where given; also checks the copies
+    bitwise. Two groups: SIZES[0::2] with weight decay 0.1, SIZES[1::2] without."""
+    scale = None if grad_scale is None else torch.tensor(grad_scale)
     params, exp_avgs, exp_avg_sqs, grads = _inputs(0)
     ref = [[t.double() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs)]
     copies = [torch.empty(n, dtype=torch.bfloat16) for n in SIZES]
@@ -62,6 +65,7 @@ def _errors(step_fn, *, first_step: int = 3) -> dict[str, float]:
                 exp_avgs[group],
                 exp_avg_sqs[group],
                 copies[group],
+                scale,
                 lr=LR,
                 beta1=BETAS[0],
                 beta2=BETAS[1],
@@ -70,9 +74,8 @@ def _errors(step_fn, *, first_step: int = 3) -> dict[str, float]:
                 step=float(step),
             )
             for i in range(len(SIZES))[group]:
-                new = _float64_step(
-                    ref[0][i], g[i].double(), ref[1][i], ref[2][i], wd=wd, step=step
-                )
+                gi = g[i].double() * (1.0 if grad_scale is None else float(scale))
+                new = _float64_step(ref[0][i], gi, ref[1][i], ref[2][i], wd=wd, step=step)
                 ref[0][i], ref[1][i], ref[2][i] = new
         for i, gi in enumerate(g):
             gi = gi.double().abs()
@@ -89,15 +92,30 @@ def _errors(step_fn, *, first_step: int = 3) -> dict[str, float]:
     return worst
 
 
-def check_within_fp32_rounding(step_fn) -> None:
-    worst = _errors(step_fn)
+def check_within_fp32_rounding(step_fn, grad_scale: float | None = None) -> None:
+    worst = _errors(step_fn, grad_scale=grad_scale)
     assert all(err <= TOL for err in worst.values()), f"scaled errors {worst} above {TOL:.1e}"
 
 
 def _torch_adamw(
-    params, grads, exp_avgs, exp_avg_sqs, copies, *, lr, beta1, beta2, eps, weight_decay, step
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    copies,
+    grad_scale=None,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
 ):
-    """torch's own fp32 update, through torch.optim.adamw.adamw (functional, foreach)."""
+    """torch's own fp32 update, through torch.optim.adamw.adamw (functional, foreach), after
+    clipping's foreach multiply where grad_scale is given."""
+    if grad_scale is not None:
+        grads = torch._foreach_mul(grads, grad_scale)
     steps = [torch.tensor(step - 1.0) for _ in params]
     adamw_functional(
         params,
@@ -126,18 +144,38 @@ def _decay_ignored(*args, weight_decay, **kwargs):
     return op.adamw_step_ref(*args, weight_decay=0.0, **kwargs)
 
 
-def test_reference_within_fp32_rounding_of_float64():
-    check_within_fp32_rounding(op.adamw_step_ref)
+def _scale_ignored(*args, **kwargs):
+    return op.adamw_step_ref(*args[:5], None, **kwargs)
 
 
-def test_bound_is_fp32_rounding_torch_adamw_meets_it():
-    check_within_fp32_rounding(_torch_adamw)
+@pytest.mark.parametrize("grad_scale", [None, GRAD_SCALE])
+def test_reference_within_fp32_rounding_of_float64(grad_scale):
+    check_within_fp32_rounding(op.adamw_step_ref, grad_scale)
 
 
-@pytest.mark.parametrize("bug", [_off_by_one_step, _decay_ignored])
+@pytest.mark.parametrize("grad_scale", [None, GRAD_SCALE])
+def test_bound_is_fp32_rounding_torch_adamw_meets_it(grad_scale):
+    check_within_fp32_rounding(_torch_adamw, grad_scale)
+
+
+@pytest.mark.parametrize("bug", [_off_by_one_step, _decay_ignored, _scale_ignored])
 def test_bound_catches_a_bug(bug):
     with pytest.raises(AssertionError, match="scaled errors"):
-        check_within_fp32_rounding(bug)
+        check_within_fp32_rounding(bug, GRAD_SCALE)
+
+
+def test_grad_scale_is_clippings_multiply_and_leaves_the_grads():
+    """The op with grad_scale gives, bit for bit, what clipping's in-place foreach multiply and
+    then the op without it give; the grads it read are unchanged."""
+    a, b = _inputs(4), _inputs(4)
+    kw = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1, step=2.0)
+    grads = [g.clone() for g in a[3][0]]
+    torch.ops.graphtrain.adamw_step(a[0], a[3][0], a[1], a[2], [], torch.tensor(GRAD_SCALE), **kw)
+    assert all(torch.equal(g, h) for g, h in zip(grads, a[3][0], strict=True))
+    torch._foreach_mul_(b[3][0], torch.tensor(GRAD_SCALE))
+    torch.ops.graphtrain.adamw_step(b[0], b[3][0], b[1], b[2], [], **kw)
+    for x, y in zip(a[:3], b[:3], strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(x, y, strict=True))
 
 
 def test_op_on_cpu_is_the_reference():
@@ -153,11 +191,12 @@ def test_opcheck():
     params, exp_avgs, exp_avg_sqs, grads = _inputs(3)
     copies = [p.to(torch.bfloat16) for p in params]
     kw = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1, step=1.0)
-    torch.library.opcheck(
-        torch.ops.graphtrain.adamw_step.default,
-        (params, grads[0], exp_avgs, exp_avg_sqs, copies),
-        kw,
-    )
+    for scale in ([], [torch.tensor(GRAD_SCALE)]):
+        torch.library.opcheck(
+            torch.ops.graphtrain.adamw_step.default,
+            (params, grads[0], exp_avgs, exp_avg_sqs, copies, *scale),
+            kw,
+        )
 
 
 def test_bad_arguments():
@@ -176,6 +215,20 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="shape"):
         torch.ops.graphtrain.adamw_step(
             p, [torch.zeros(4)], [torch.zeros(3)], [torch.zeros(3)], [], **kw
+        )
+    with pytest.raises(ValueError, match=r"grad_scale must be one float32 element.*float64"):
+        torch.ops.graphtrain.adamw_step(
+            p,
+            [torch.zeros(3)],
+            [torch.zeros(3)],
+            [torch.zeros(3)],
+            [],
+            torch.ones(()).double(),
+            **kw,
+        )
+    with pytest.raises(ValueError, match=r"grad_scale must be one float32 element.*\(2,\)"):
+        torch.ops.graphtrain.adamw_step(
+            p, [torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], [], torch.ones(2), **kw
         )
 
 
@@ -242,6 +295,7 @@ def _check_rounding_specials(step_fn) -> None:
 
 def _interpreter_checks() -> None:
     check_within_fp32_rounding(op.adamw_step_triton)
+    check_within_fp32_rounding(op.adamw_step_triton, GRAD_SCALE)
     print("fp32 ok")
     _check_bf16_moments(op.adamw_step_triton)
     _check_rounding_specials(op.adamw_step_triton)
@@ -268,9 +322,11 @@ def test_kernel_compiles_for_h100_with_vector_accesses(bf16_state):
     from triton.compiler import ASTSource, compile
 
     scalars = ("beta1", "beta2", "eps", "decay", "step_size", "bias2_sqrt")
-    constexprs = {"BF16_STATE": bf16_state, "HAS_COPY": True, "ALIGNED": True, "BLOCK": 1024}
+    constexprs = {"BF16_STATE": bf16_state, "HAS_COPY": True, "HAS_SCALE": True}
+    constexprs |= {"ALIGNED": True, "BLOCK": 1024}
     signature = {"addr_ptr": "*i64", "numel_ptr": "*i64", "blocks_ptr": "*i32"}
-    signature |= dict.fromkeys(scalars, "fp32") | dict.fromkeys(constexprs, "constexpr")
+    signature |= dict.fromkeys(scalars, "fp32") | {"scale_ptr": "*fp32"}
+    signature |= dict.fromkeys(constexprs, "constexpr")
     src = ASTSource(fn=op._adamw_step_kernel, signature=signature, constexprs=constexprs)
     ptx = compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
@@ -288,13 +344,16 @@ def test_benchmark_smoke():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kernel():
     def on_cuda(*lists, **kw):
+        scale = lists[5].cuda() if len(lists) > 5 and lists[5] is not None else None
+        lists = lists[:5]
         moved = [[t.cuda() for t in ts] for ts in lists]
-        torch.ops.graphtrain.adamw_step(*moved, **kw)
+        torch.ops.graphtrain.adamw_step(*moved, scale, **kw)
         for ts, ms in zip(lists, moved, strict=True):
             for t, m in zip(ts, ms, strict=True):
                 t.copy_(m)
 
     check_within_fp32_rounding(on_cuda)
+    check_within_fp32_rounding(on_cuda, GRAD_SCALE)
     _check_bf16_moments(on_cuda)
     _check_rounding_specials(on_cuda)
 

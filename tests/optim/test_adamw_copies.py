@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from graphtrain.optim import AdamWBF16, AdamWCopies, WorkingWeights, build_optimizer
+from graphtrain.optim import (
+    AdamWBF16,
+    AdamWCopies,
+    WorkingWeights,
+    build_optimizer,
+    clip_grad_norm_,
+)
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 
@@ -54,6 +60,27 @@ def test_steps_equal_torch_adamw_bitwise():
     _train(_torch(ref, foreach=True), ref, 4, seed=1)
     _train(_copies(got), got, 4, seed=1)
     assert _same(ref, got)
+
+
+def test_clipping_in_the_step_equals_clipping_then_torch_adamw_bitwise():
+    """clip_grad_norm_(scale=opt.scale_grads_in_step), as TrainStep calls it: the same norm, the
+    gradients left as they were, and after the steps the parameters of torch's AdamW on
+    gradients clipped in place; a step without a new coefficient does not reuse the last one."""
+    ref, got = _params(), _params()
+    ref_opt, opt = _torch(ref, foreach=True), _copies(got)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        for p, q in zip(ref, got, strict=True):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        max_norm = 1.0 if step < 3 else 0.0  # step 3: no clipping, no coefficient
+        ref_norm = clip_grad_norm_(ref, max_norm)
+        norm = clip_grad_norm_(got, max_norm, scale=opt.scale_grads_in_step)
+        assert torch.equal(norm, ref_norm) and (step == 3 or ref_norm > 1.5)  # it did clip
+        assert step == 3 or not _same([p.grad for p in ref], [q.grad for q in got])
+        ref_opt.step()
+        opt.step()
+        assert _same(ref, got), step
 
 
 def test_bf16_moments_equal_adamw_bf16():

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from graphtrain.balance import RouterBalance
 from graphtrain.data.packing import IGNORE_INDEX
-from graphtrain.optim import global_norm
+from graphtrain.optim.clip import GradScale, clip_coefficient, global_norm, scale_grads_
 from graphtrain.parallel.pipeline.layout import (
     V_SCHEDULES,
     bubble_fraction,
@@ -41,20 +41,19 @@ def clip_grad_norm_pp_(
     max_norm: float,
     group: dist.ProcessGroup,
     copies: Collection[torch.Tensor] = (),
+    *,
+    scale: GradScale = scale_grads_,
 ) -> torch.Tensor:
     """graphtrain.optim.clip_grad_norm_ over all stages: the 2-norm of every stage's gradients
     (each parameter counted on the rank that owns it, `copies` not), then the same clip
-    coefficient on every stage and copy."""
+    coefficient on every stage and copy (applied by `scale`, as there)."""
     grads = [p.grad for p in dict.fromkeys(parameters) if p.grad is not None]
     skip = {id(p) for p in copies}
     owned = [p.grad for p in dict.fromkeys(parameters) if p.grad is not None and id(p) not in skip]
     local = global_norm(owned) if owned else torch.zeros(())
     total = norm_over_stages(local, group)
     if max_norm > 0 and grads:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        # The same coefficient on every rank: scaling the local shards scales the DTensors.
-        locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        torch._foreach_mul_(locals_, coef.to(locals_[0].device))
+        scale(grads, clip_coefficient(total, max_norm))
     return total
 
 
@@ -250,9 +249,11 @@ class PipelineRunner:
         dist.all_reduce(loss, group=self.group)  # from the last stage to every pp rank
         return loss
 
-    def clip_grad_norm_(self, parameters: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Sequence[torch.Tensor], max_norm: float, *, scale: GradScale
+    ) -> torch.Tensor:
         """clip_grad_norm_pp_ over this pipeline's stages, its shared copies counted once."""
-        return clip_grad_norm_pp_(parameters, max_norm, self.group, self.copies)
+        return clip_grad_norm_pp_(parameters, max_norm, self.group, self.copies, scale=scale)
 
     def owned(self, parameters: Any) -> list[torch.Tensor]:
         """`parameters` without this rank's copies of other stages' (norms count them once)."""

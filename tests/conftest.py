@@ -20,6 +20,15 @@ import torch
 from graphtrain.compile import backend
 from graphtrain.data.tokenizer import train_bpe_tokenizer
 
+# Under pytest-xdist (./launch.sh test: two workers on CI's two cores, beside the multi-rank
+# tests' rank processes) each test process computes on one thread, and so do the processes it
+# starts. With torch's default of one OpenMP thread per core, the cores are oversubscribed and
+# OpenMP's spin-waiting threads slow every process down: a CPU-bound test took 132 s instead
+# of 14 s with two busy processes beside it (measured, 2 cores).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):

@@ -223,8 +223,9 @@ stages() {
             --steps 10 --warmup 3
         ;;
     kernels)
-        # adamw_step.py: moe-1b's 1,046M parameters, 4 rows of one optimizer step (~12 ms,
-        # predicted) timed by do_bench; building the model and its 17 GB of fp32 state: ~1 min.
+        # adamw_step.py: moe-1b's 1,046M parameters, 4 rows of clipping + one optimizer step
+        # (~12-16 ms, predicted) timed by do_bench; building the model and its 17 GB of fp32
+        # state: ~1 min.
         bench adamw_step 110 adamw_step.py
         # moe_router.py: 3 routers x 4 rows, forward and forward+backward, the compiled rows
         # ~20 s each (6 compiles x 2 modes): ~3 min (the 2026-11-22 runs took about as long).

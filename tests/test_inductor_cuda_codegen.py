@@ -1,7 +1,8 @@
 """Inductor's CUDA code for graphtrain's compiled regions, generated on a CPU (issue 26):
 tests/inductor_cuda_codegen.py, in a child process (its CUDA stubs stay out of this one),
-compiles the forward regions of `debug`, `moe-debug` with FP8 and `debug` with an MTP depth
-on fake CUDA tensors. Asserted: the run completes; the passes fired as on a GPU (the fused
+compiles the forward regions of `debug`, `moe-debug` with FP8, `debug` with an MTP depth and
+`hybrid-debug` (Gated DeltaNet blocks in their chunked form, then with the gated_delta_rule
+pass's op) on fake CUDA tensors. Asserted: the run completes; the passes fired as on a GPU (the fused
 cross-entropy, the router and dispatch, FP8 linears); every Triton kernel Inductor generated
 compiles for sm_90 within the shared memory and register limits without spilling; every
 extern torch._scaled_mm gets the layouts cuBLASLt takes (first operand row-major, second
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _generate(tmp_path: Path, preset: str, *overrides: str) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(HELPER.parents[1])}
     env.pop("TRITON_INTERPRET", None)
@@ -137,4 +139,19 @@ def test_mtp_forward_regions(tmp_path):
     report = _generate(tmp_path, "debug", "--model.mtp_depth=1")
     regions = {entry["graph"].split("/")[0].rpartition("-")[0] for entry in report["notes"]}
     assert {"block", "mtp_1", "head_loss"} <= regions, regions
+    _assert_kernels_fit(report)
+
+
+@pytest.mark.slow
+def test_hybrid_forward_regions(tmp_path):
+    """hybrid-debug as the hybrid GPU stage compiles it: the Gated DeltaNet mixer's chunked
+    form under Inductor (the default), then with the gated_delta_rule pass's custom op in
+    the GDN block's region."""
+    chunked = _generate(tmp_path / "chunked", "hybrid-debug")
+    _assert_kernels_fit(chunked)
+    assert not any("chunk_gated_delta_rule" in op for ops in _fired(chunked).values() for op in ops)
+    report = _generate(tmp_path / "op", "hybrid-debug", "--compile.passes=+gated_delta_rule")
+    fired = _fired(report)
+    rules = [ops for ops in fired.values() if "graphtrain.chunk_gated_delta_rule.default" in ops]
+    assert rules == [{"graphtrain.chunk_gated_delta_rule.default": 1}], fired
     _assert_kernels_fit(report)

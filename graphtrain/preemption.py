@@ -181,6 +181,14 @@ def save_grace_seconds(train_args: list[str], world_size: int, ranks_per_node: i
     return max(_MIN_GRACE_S, int(60 + per_node / _SAVE_BYTES_PER_S))
 
 
+def _torchrun_takes_shutdown_timeout() -> bool:
+    """torchrun has --shutdown-timeout (torch 2.13 does; 2.11 kills the ranks 30 s after a
+    signal, always)."""
+    from torch.distributed.run import get_args_parser
+
+    return any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions)
+
+
 def run_torchrun(args: list[str]) -> int:
     """torchrun `args` (as `python -m torch.distributed.run` takes them) in this process; the exit
     code: EXIT_PREEMPTED when the ranks stopped on a signal (after saving, or during start-up),
@@ -190,18 +198,37 @@ def run_torchrun(args: list[str]) -> int:
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
+    settable = _torchrun_takes_shutdown_timeout()
+    if not settable and "--shutdown-timeout" in args:
+        print(
+            f"graphtrain: error: SHUTDOWN_TIMEOUT needs a torchrun with --shutdown-timeout; "
+            f"torch {torch.__version__}'s has none (it gives the ranks 30 s after a signal)",
+            file=sys.stderr,
+        )
+        return 2
     ns = parse_args(args)
-    if ns.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
+    if getattr(ns, "shutdown_timeout", None) is None and (
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ
+    ):
         nproc = int(ns.nproc_per_node)
         nodes = int(str(ns.nnodes).split(":")[-1])
         script_args = list(ns.training_script_args)
         train_args = script_args[1:] if script_args[:1] == ["train"] else script_args
-        ns.shutdown_timeout = save_grace_seconds(train_args, nproc * nodes, nproc)
-        print(
-            f"launch: after a signal the ranks get {ns.shutdown_timeout} s to finish the step "
-            "and save (estimated from the checkpoint size; SHUTDOWN_TIMEOUT=seconds sets it)",
-            file=sys.stderr,
-        )
+        grace = save_grace_seconds(train_args, nproc * nodes, nproc)
+        if settable:
+            ns.shutdown_timeout = grace
+            print(
+                f"launch: after a signal the ranks get {grace} s to finish the step and save "
+                "(estimated from the checkpoint size; SHUTDOWN_TIMEOUT=seconds sets it)",
+                file=sys.stderr,
+            )
+        else:  # torch 2.11's torchrun: a fixed 30 s
+            print(
+                f"launch: after a signal torch {torch.__version__}'s torchrun gives the ranks "
+                f"30 s to finish the step and save, where this checkpoint's estimate is {grace} s "
+                "(a newer torch's torchrun takes --shutdown-timeout)",
+                file=sys.stderr,
+            )
     with tempfile.TemporaryDirectory(prefix="graphtrain-status-") as folder:
         os.environ[STATUS_DIR] = folder  # the ranks inherit it
         code = 0

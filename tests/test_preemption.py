@@ -162,7 +162,13 @@ def test_two_rank_preemption_through_launch_sh_exits_75_and_a_dead_rank_is_one_l
     (ckpt,) = complete_checkpoints(tmp_path / "run")
     assert f"stopped by a signal after step {step_of(ckpt)}; saved checkpoint {ckpt}" in output
     assert "Traceback" not in output and "FAILED" not in output, output[-3000:]
-    assert "the ranks get 120 s to finish the step and save" in output
+    # torch 2.11's torchrun has no --shutdown-timeout: its fixed 30 s beside the estimate
+    assert (
+        "the ranks get 120 s to finish the step and save" in output
+        or "gives the ranks 30 s to finish the step and save, where this checkpoint's estimate "
+        "is 120 s"
+        in output
+    )
 
     proc = _launch_sh(
         tmp_path, [*args, "--checkpoint.resume=latest"], str(29900 + os.getpid() % 99)
@@ -178,3 +184,40 @@ def test_two_rank_preemption_through_launch_sh_exits_75_and_a_dead_rank_is_one_l
     ), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert "launch: rank 1 stopped with signal SIGKILL" in output
+
+
+def test_torchrun_without_shutdown_timeout_says_its_grace(monkeypatch, capsys):
+    """torch 2.11's torchrun has no --shutdown-timeout (a fixed 30 s after a signal): the
+    launcher says so beside this run's estimate instead of failing on the missing option, and
+    SHUTDOWN_TIMEOUT is refused with the reason. With the option (torch 2.13), the estimate is
+    what torchrun gets."""
+    import torch.distributed.run as torchrun
+
+    from graphtrain import preemption
+
+    launched = []
+    monkeypatch.setattr(torchrun, "run", launched.append)  # no ranks: the namespace it gets
+    args = ["--nnodes", "1", "--nproc-per-node", "2", "-m", "graphtrain", "train", "--preset",
+            "debug", "--training.device=cpu"]  # fmt: skip
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    real_parse = torchrun.parse_args
+    if preemption._torchrun_takes_shutdown_timeout():
+        assert preemption.run_torchrun(args) == 0
+        assert launched.pop().shutdown_timeout >= 120  # the estimate, at least the minimum
+        assert "the ranks get 1" in capsys.readouterr().err
+
+    def parse_as_2_11(argv):
+        ns = real_parse(argv)
+        if hasattr(ns, "shutdown_timeout"):
+            del ns.shutdown_timeout
+        return ns
+
+    monkeypatch.setattr(torchrun, "parse_args", parse_as_2_11)
+    monkeypatch.setattr(preemption, "_torchrun_takes_shutdown_timeout", lambda: False)
+    assert preemption.run_torchrun(args) == 0
+    assert not hasattr(launched[-1], "shutdown_timeout")
+    err = capsys.readouterr().err
+    assert "torchrun gives the ranks 30 s" in err and "this checkpoint's estimate is" in err
+    assert preemption.run_torchrun(["--shutdown-timeout", "600", *args]) == 2
+    assert "SHUTDOWN_TIMEOUT needs a torchrun with --shutdown-timeout" in capsys.readouterr().err
+    assert len(launched) == 1

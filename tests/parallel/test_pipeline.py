@@ -31,6 +31,7 @@ from graphtrain.parallel.pipeline import (
     schedule_class,
     stage_rank,
 )
+from graphtrain.parallel.pipeline.layout import _check_v_schedule_backend
 from graphtrain.trainer import train
 from models import GPTConfig, build_model
 
@@ -133,6 +134,22 @@ def test_start_checks():
         _check("--parallel.pp=2", "--parallel.tp=2", "--model.mtp_depth=1", world_size=4)
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu"])
+def test_v_schedules_on_gloo_need_torch_2_12(monkeypatch, version):
+    """torch 2.11's pipelining sends from a rank to itself at the start of a V schedule, which
+    gloo refuses (seen: "Pair is not connected", zbv and dualpipev on two CPU ranks): refused at
+    the start on CPU with it, allowed on CUDA (NCCL) and with later torch."""
+    monkeypatch.setattr(torch, "__version__", version)
+    v = ("--parallel.pp=2", "--parallel.pp_layout=E|t|t|L", "--parallel.pp_schedule=zbv")
+    _check("--parallel.pp=2", "--training.device=cpu")  # 1f1b: one stage per rank
+    if version.startswith("2.11"):
+        with pytest.raises(ValueError, match=r"pp_schedule='zbv' on CPU ranks \(gloo\) needs "):
+            _check(*v, "--training.device=cpu")
+    else:
+        _check(*v, "--training.device=cpu")
+    _check(*v, "--training.device=cuda")
 
 
 def test_bubble_and_in_flight_micro_batches_of_each_schedule():
@@ -323,6 +340,16 @@ def test_moe_pp2_follows_the_single_process_curve(pipeline_runs):
 MULTI_STAGE = ["interleaved_1f1b", "zbv", "dualpipev"]
 
 
+def gloo_runs(schedule: str) -> bool:
+    """Whether graphtrain runs `schedule` on CPU ranks with this torch (not the V schedules
+    on torch 2.11: test_v_schedules_on_gloo_need_torch_2_12)."""
+    try:
+        _check_v_schedule_backend(schedule, "cpu")
+    except ValueError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def multi_stage_runs(corpus, tmp_path_factory):
     """Two virtual stages per rank (E|t|t|L on two ranks) for each multi-stage schedule."""
@@ -330,11 +357,12 @@ def multi_stage_runs(corpus, tmp_path_factory):
     common = common_args(corpus)
     single = train(load_config(job(corpus, tmp / "one", *common)))
     layout = ["--parallel.pp=2", "--parallel.pp_layout=E|t|t|L"]
+    names = [name for name in MULTI_STAGE if gloo_runs(name)]
     jobs = [
         job(corpus, tmp / name, *common, *layout, f"--parallel.pp_schedule={name}")
-        for name in MULTI_STAGE
+        for name in names
     ]
-    return single, dict(zip(MULTI_STAGE, torchrun_jobs(2, jobs), strict=True))
+    return single, dict(zip(names, torchrun_jobs(2, jobs), strict=True))
 
 
 @pytest.mark.slow
@@ -343,6 +371,8 @@ def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs,
     """Interleaved 1F1B and the zero-bubble V schedules (split input / weight backward, run
     compiled: AOT autograd's donated buffers off) give the single-process losses."""
     single, runs = multi_stage_runs
+    if schedule not in runs:
+        pytest.skip(f"torch {torch.__version__} runs no {schedule} on gloo (refused at start)")
     compare(single, runs[schedule])
 
 

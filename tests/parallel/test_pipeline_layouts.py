@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import job, torchrun_jobs
 from safetensors.torch import load_file
-from test_pipeline import LOSS_RTOL, STEPS, common_args, compare
+from test_pipeline import LOSS_RTOL, STEPS, common_args, compare, gloo_runs
 
 from graphtrain.checkpoint.hf import export_hf
 from graphtrain.config import load_config
@@ -172,14 +172,16 @@ def test_resume_across_pipeline_sizes_and_export(corpus, tmp_path):
 
 
 def _installed_v_schedule() -> str | None:
-    """dualpipev, else zbv, where the installed torch has it (both split the backward alike:
-    one of them tests the MTP stage's outputs under the split; measured, they log the same)."""
+    """dualpipev, else zbv, where the installed torch has it and runs it on gloo (both split
+    the backward alike: one of them tests the MTP stage's outputs under the split; measured,
+    they log the same)."""
     for name in reversed(V_SCHEDULES):
         try:
             schedule_class(name)
         except ValueError:
             continue
-        return name
+        if gloo_runs(name):
+            return name
     return None
 
 

@@ -260,6 +260,24 @@ def pipeline_microbatches(cfg: Any, dims: Any) -> tuple[int, int]:
     return n, rows[0] // n
 
 
+def _check_v_schedule_backend(schedule: str, device: str) -> None:
+    """torch 2.11's pipelining opens its stages' links by sending from each stage to its
+    neighbours, and the V schedules put two neighbouring stages on one rank: a send to the rank
+    itself, which NCCL takes and gloo refuses ("Pair is not connected"). 2.12 and 2.13 open them
+    another way; on gloo the V schedules run there."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if (
+        schedule in V_SCHEDULES
+        and on_cpu
+        and torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
+    ):
+        raise ValueError(
+            f"parallel.pp_schedule={schedule!r} on CPU ranks (gloo) needs torch >= 2.12: torch "
+            f"{torch.__version__}'s pipelining sends from a rank to itself at the start, which "
+            "gloo cannot; use 1f1b, gpipe or interleaved_1f1b here, or a CUDA device (NCCL)"
+        )
+
+
 def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
     """The start check of a pipelined job (a ValueError naming the bad value otherwise)."""
     parallel, model_cfg = cfg.parallel, cfg.model
@@ -282,6 +300,7 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
             f"{dims.tp}: MTP stages under tensor parallel are not supported yet; set one of "
             "them to its off value"
         )
+    _check_v_schedule_backend(parallel.pp_schedule, cfg.training.device)
     n, _ = pipeline_microbatches(cfg, dims)
     if parallel.pp_schedule in ("1f1b", "interleaved_1f1b") and n < dims.pp:
         raise ValueError(

@@ -264,7 +264,7 @@ def _check_v_schedule_backend(schedule: str, device: str) -> None:
     """torch 2.11's pipelining opens its stages' links by sending from each stage to its
     neighbours, and the V schedules put two neighbouring stages on one rank: a send to the rank
     itself, which NCCL takes and gloo refuses ("Pair is not connected"). 2.12 and 2.13 open them
-    another way; on gloo the V schedules run there."""
+    another way (2.13 runs the V schedules on gloo in tests/parallel/test_pipeline.py)."""
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if (
         schedule in V_SCHEDULES

@@ -79,15 +79,22 @@ class PeerLostError(ConnectionError):
     """A collective failed because another rank stopped or died."""
 
 
+_LOST_CONNECTION = ("Connection reset", "Connection closed", "Broken pipe", "Read error")
+
+
 def looks_like_lost_peer(error: BaseException) -> bool:
     """Whether `error` is a collective failing because a peer went away (gloo's "Connection
-    reset by peer" / "Connection closed by peer", a broken pipe, a timeout, NCCL's abort)."""
+    reset by peer" / "Connection closed by peer", a broken pipe, a timeout, NCCL's abort). Not
+    a check of gloo's that failed on this rank with its connections up ("enforce fail", e.g.
+    torch 2.11's pipelining sending to its own rank: "Pair is not connected"): that error is
+    this rank's own, and it is raised as it is."""
+    text = str(error)
+    if "enforce fail" in text and not any(hint in text for hint in _LOST_CONNECTION):
+        return False
     if isinstance(error, dist.DistError):
         return True
-    text = str(error)
     return isinstance(error, RuntimeError) and any(
-        hint in text
-        for hint in ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL")
+        hint in text for hint in (*_LOST_CONNECTION, "gloo", "NCCL")
     )
 
 

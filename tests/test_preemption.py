@@ -221,3 +221,23 @@ def test_torchrun_without_shutdown_timeout_says_its_grace(monkeypatch, capsys):
     assert preemption.run_torchrun(["--shutdown-timeout", "600", *args]) == 2
     assert "SHUTDOWN_TIMEOUT needs a torchrun with --shutdown-timeout" in capsys.readouterr().err
     assert len(launched) == 1
+
+
+def test_a_ranks_own_gloo_failure_is_not_a_lost_peer():
+    """gloo's texts as seen on two CPU ranks: a peer gone (a connection reset or closed, on a
+    plain RuntimeError or a DistError) is a lost peer, reported in one line; an enforce that
+    failed with the connections up (torch 2.11's self send) is this rank's own error."""
+    from torch.distributed import DistBackendError
+
+    from graphtrain.preemption import looks_like_lost_peer
+
+    gone = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer"
+    reset = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error: Connection reset"
+    )
+    own = ("[enforce fail at /pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:789] state_ >= "
+           "CONNECTED. 1 vs 4. Pair is not connected ([127.0.0.1]:34705$1 <--> [none])")  # fmt: skip
+    for error in (RuntimeError(gone), RuntimeError(reset), DistBackendError(gone)):
+        assert looks_like_lost_peer(error), error
+    for error in (RuntimeError(own), DistBackendError(own), ValueError("gloo")):
+        assert not looks_like_lost_peer(error), error

@@ -347,19 +347,5 @@ def adamw_step(
 
 
 @adamw_step.register_fake
-def _(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    copies,
-    grad_scale=None,
-    *,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-):
+def _(params, grads, exp_avgs, exp_avg_sqs, copies, grad_scale=None, **hyper):
     return None

@@ -97,42 +97,17 @@ def check_within_fp32_rounding(step_fn, grad_scale: float | None = None) -> None
     assert all(err <= TOL for err in worst.values()), f"scaled errors {worst} above {TOL:.1e}"
 
 
-def _torch_adamw(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    copies,
-    grad_scale=None,
-    *,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-):
+def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, copies, grad_scale=None, *, step, **hyper):
     """torch's own fp32 update, through torch.optim.adamw.adamw (functional, foreach), after
-    clipping's foreach multiply where grad_scale is given."""
+    clipping's foreach multiply where grad_scale is given; hyper: lr, beta1, beta2, eps,
+    weight_decay, as both name them."""
     if grad_scale is not None:
         grads = torch._foreach_mul(grads, grad_scale)
     steps = [torch.tensor(step - 1.0) for _ in params]
     adamw_functional(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        [],
-        steps,
-        foreach=True,
-        amsgrad=False,
-        beta1=beta1,
-        beta2=beta2,
-        lr=lr,
-        weight_decay=weight_decay,
-        eps=eps,
-        maximize=False,
-    )
+        params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, amsgrad=False,
+        maximize=False, **hyper,
+    )  # fmt: skip
     torch._foreach_copy_(copies, params)
 
 

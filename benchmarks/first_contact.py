@@ -114,9 +114,13 @@ def _attention(run_dir: Path) -> str:
             ops = " ".join(entry.get("op_counts") or {})
             if "flex_attention" in ops:
                 return "  attention: flex_attention (packed documents, BlockMask)"
+            if "_varlen_attn" in ops:
+                return "  attention: varlen_attn (packed documents, cu_seqlens)"
             if "scaled_dot_product_attention" in ops:
                 return "  attention: scaled_dot_product_attention (SDPA)"
-            return "  attention: neither flex_attention nor SDPA in the captured block graph"
+            return (
+                "  attention: none of flex_attention, varlen_attn, SDPA in the captured block graph"
+            )
     return "  attention: unknown (no captured block graph)"
 
 

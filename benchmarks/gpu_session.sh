@@ -167,17 +167,18 @@ stages() {
             --continue-on-collection-errors tests
         ;;
     e2e)
-        # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, three variant rows, torchtitan
+        # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, four variant rows, torchtitan
         # 0.3.0; 15 timed steps of 8192 tokens (~0.15 s each, first contact) after 4 warm-up
-        # steps. The variants are the A/B of three defaults in the same process (the plain row,
+        # steps. The variants are the A/B of four defaults in the same process (the plain row,
         # the tokenised corpus and the Inductor cache shared: ~25 s each): the fused loss's fast
         # mode forced (auto leaves 1b's loss to Inductor on CUDA, first contact), autocast's
         # casts instead of the working weights, graphtrain's AdamW (optim.implementation, opt-in
-        # until measured). The rest is the builds and compiles (plain ~10 s, graphtrain ~25 s,
-        # torchtitan with CUDA graphs ~1-2 min) and the corpus's tokenisation: ~4-5 min.
-        bench e2e-1b 330 e2e.py --model 1b --steps 15 --warmup 4 \
+        # until measured), varlen attention (FlashAttention-2's kernel) instead of flex. The
+        # rest is the builds and compiles (plain ~10 s, graphtrain ~25 s, torchtitan with CUDA
+        # graphs ~1-2 min) and the corpus's tokenisation: ~4.5-5.5 min.
+        bench e2e-1b 360 e2e.py --model 1b --steps 15 --warmup 4 \
             --variant=--compile.lce_mode=fast --variant=--training.working_weights=false \
-            --variant=--optim.implementation=graphtrain
+            --variant=--optim.implementation=graphtrain --variant=--training.attention=varlen
         # moe-1b with random balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain
         # (warm-up ~30 s), graphtrain (~55 s), graphtrain's AdamW (~30 s; torchtitan not run,
         # dense only): ~2.5 min.

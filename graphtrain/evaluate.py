@@ -71,8 +71,10 @@ def evaluate(
         )
     if max_batches:
         batches = min(batches, max_batches)
-    # A run trained with FlexAttention (CUDA) evaluates with SDPA on a CPU: the same mask.
-    kind = "auto" if cfg.training.attention in ("auto", "flex") else cfg.training.attention
+    # A run trained with flex or varlen attention (CUDA) evaluates with SDPA on a CPU: the same
+    # mask.
+    trained_with = cfg.training.attention
+    kind = "auto" if trained_with in ("auto", "flex", "varlen") else trained_with
     attention = resolve_attention(kind, device)
     no_copies = WorkingWeights(trained.model, [], torch.float32)  # the model's weights as loaded
     forward = ForwardLoss(trained.model, device, attention, contextlib.nullcontext(), no_copies)

@@ -71,12 +71,16 @@ def model_inputs(batch: TensorDict, device: torch.device, attention: str) -> dic
     the document ids (MTP's shifts stay inside documents)."""
     if device.type == "cuda":
         batch = batch.pin_memory()  # so that the copy below is really asynchronous
+    # varlen's spans are found in the loader's ids, on the CPU (no wait for the device)
+    ids = batch["document_ids"]
     batch = batch.to(device, non_blocking=True)
     return {
         "input_ids": batch["input_ids"],
         "labels": batch["labels"],
         "position_ids": batch["position_ids"],
-        "attn_mask": build_attention_mask(batch["document_ids"], attention),
+        "attn_mask": build_attention_mask(
+            ids if attention == "varlen" else batch["document_ids"], attention, device
+        ),
         "document_ids": batch["document_ids"],
     }
 

@@ -9,7 +9,9 @@ is indexed by them), and `attn_mask` keeps attention inside each document. The m
 outside the model (graphtrain.attention) and is one of:
   * None: plain causal attention over the whole row;
   * a bool Tensor (B, 1, T, T), True where a query may attend to a key: SDPA, works everywhere;
-  * a FlexAttention BlockMask: the fast GPU path (sparse blocks skipped; see graphtrain.attention).
+  * a FlexAttention BlockMask: the fast GPU path (sparse blocks skipped; see graphtrain.attention);
+  * DocumentSpans: the documents' offsets in the flattened batch, for torch's varlen attention
+    (FlashAttention-2's variable-length kernel on CUDA).
 
 Parameter names follow Llama (tok_embeddings, layers.N.attention.wq, feed_forward.w1, norm,
 output); RoPE uses the rotate-half layout of Hugging Face's Llama, so export is a renaming.
@@ -18,9 +20,10 @@ output); RoPE uses the rotate-half layout of Hugging Face's Llama, so export is 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -178,12 +181,45 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.type_as(x)
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
-) -> torch.Tensor:
+class DocumentSpans(NamedTuple):
+    """The documents of a packed (B, T) batch as varlen attention takes them: `cu_seqlens`
+    (int32) holds where each document starts in the B * T flattened tokens, then B * T (a row
+    boundary also starts one); `max_len` bounds a document's length. Built by
+    graphtrain.attention.document_spans."""
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+
+# What attention takes besides q, k, v (see the module's docstring).
+AttnMask = torch.Tensor | BlockMask | DocumentSpans | None
+
+
+def _varlen_attn() -> tuple[Any, bool]:
+    """torch's varlen_attn, and whether it has enable_gqa (torch 2.13 added it and refuses fewer
+    key heads without it; 2.11's kernel takes them as they are). Imported at first use: the
+    module imports torch._dynamo, which importing the models must not (graphtrain registers its
+    backend then, and that imports the models)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: AttnMask) -> torch.Tensor:
     """Causal grouped-query attention: q (B, T, H, D), k and v (B, T, Hkv, D) -> (B, T, H * D).
-    attn_mask: None (causal), a bool (B, 1, T, T) mask (SDPA) or a BlockMask (FlexAttention)."""
+    attn_mask: None (causal), a bool (B, 1, T, T) mask (SDPA), a BlockMask (FlexAttention) or
+    DocumentSpans (varlen attention)."""
     B, T = q.shape[:2]
+    if isinstance(attn_mask, DocumentSpans):
+        cu, n = attn_mask
+        varlen_attn, has_gqa = _varlen_attn()
+        gqa = {"enable_gqa": True} if has_gqa and k.shape[2] != q.shape[2] else {}
+        # (B * T, heads, D): views of the projections; window (-1, 0) is causal in each span
+        out = varlen_attn(
+            *(t.reshape(B * T, -1, t.shape[-1]) for t in (q, k, v)), cu, cu, n, n,
+            window_size=(-1, 0), **gqa,
+        )  # fmt: skip
+        return out.view(B, T, -1)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
     if isinstance(attn_mask, BlockMask):
         out = flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
@@ -207,9 +243,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttnMask) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
@@ -278,7 +312,7 @@ class TransformerBlock(nn.Module):
         self,
         x: torch.Tensor,
         rope: torch.Tensor,
-        attn_mask: torch.Tensor | BlockMask | None,
+        attn_mask: AttnMask,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         context = (document_ids,) if self.reads_documents else (rope, attn_mask)
@@ -327,7 +361,7 @@ class GPT(nn.Module):
         self,
         layer: nn.Module,
         rope: torch.Tensor,
-        attn_mask: torch.Tensor | BlockMask | None,
+        attn_mask: AttnMask,
         document_ids: torch.Tensor | None,
     ) -> tuple:
         """The inputs after the hidden state that `layer` of the trunk takes: (rope, attn_mask),
@@ -380,7 +414,7 @@ class GPT(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | BlockMask | None = None,
+        attn_mask: AttnMask = None,
         document_ids: torch.Tensor | None = None,
         stats: Any = None,
     ) -> torch.Tensor:
@@ -416,7 +450,7 @@ class GPT(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         rope: torch.Tensor,
-        attn_mask: torch.Tensor | BlockMask | None,
+        attn_mask: AttnMask,
         document_ids: torch.Tensor | None,
         stats: Any,
     ) -> torch.Tensor:

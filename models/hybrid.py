@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask
 
 from models.fields import option
 from models.gated_deltanet import GatedDeltaNet
@@ -35,6 +34,7 @@ from models.gpt import (
     GPT,
     PRESETS,
     Attention,
+    AttnMask,
     GPTConfig,
     TransformerBlock,
     apply_rope,
@@ -194,9 +194,7 @@ class GatedAttention(Attention):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, attn_mask: AttnMask) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.

@@ -16,10 +16,11 @@ The backward: autograd's engine asks the accelerator for a device on CUDA tensor
 build refuses ("Cannot access accelerator device when none is available"), so only the forward
 regions (under no_grad, as validation runs them) are generated here.
 
-    python tests/inductor_cuda_codegen.py --out report.json PRESET [--section.key=value ...]
+    python tests/inductor_cuda_codegen.py --out report.json [--varlen] PRESET [--section.key=value ...]
+--varlen: packed documents through varlen attention (fake spans: only sizes matter here).
 Report: status ("ok" or the error), notes (per graph dump: the passes that changed it, their op
-diffs and notes), kernels (name, config, shared, regs, spills, error), scaled_mm (one entry
-per call).
+diffs and notes), captured (per graph: the op counts Dynamo captured), kernels (name, config,
+shared, regs, spills, error), scaled_mm (one entry per call).
 """
 
 from __future__ import annotations
@@ -237,6 +238,16 @@ def install() -> None:
     inductor_config.joint_graph_constant_folding = False  # it runs nodes on real CUDA tensors
 
 
+def _captured(dump: Path) -> dict[str, dict[str, int]]:
+    """graph -> the op counts of its captured (pre-pass) graph."""
+    return {
+        str(summary.parent.relative_to(dump)): entry["op_counts"]
+        for summary in sorted(dump.glob("*/**/summary.json"))
+        for entry in json.loads(summary.read_text())
+        if entry.get("label") == "captured"
+    }
+
+
 def _notes(dump: Path) -> list[dict[str, Any]]:
     found = []
     for summary in sorted(dump.glob("*/**/summary.json")):
@@ -255,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--backward", action="store_true", help="also try the backward")
+    parser.add_argument(
+        "--varlen", action="store_true", help="packed documents through varlen attention"
+    )
     parser.add_argument("preset")
     args, overrides = parser.parse_known_args(argv)
     sys.path.insert(0, str(HERE.parent))
@@ -267,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphtrain.config import load_config, pass_options
     from graphtrain.inspect.capture import run_once
     from models import build_model
+    from models.gpt import DocumentSpans
 
     cfg = load_config(["--preset", args.preset, *overrides])
     dump = Path(tempfile.mkdtemp(prefix="cuda-codegen-"))
@@ -290,13 +305,18 @@ def main(argv: list[str] | None = None) -> int:
         t = cfg.training
         shape = (t.micro_batch_size, t.seq_len + 1)
         tokens = torch.randint(0, cfg.model.vocab_size, shape, device="cuda")
+        inputs: tuple = (tokens[:, :-1], tokens[:, 1:])
+        if args.varlen:  # fake: the kernels are generated, not run, so sizes are enough
+            cu = torch.zeros(8, dtype=torch.int32, device="cuda")  # up to 7 documents
+            ids = torch.zeros(shape[0], t.seq_len, dtype=torch.int32, device="cuda")
+            inputs += (None, DocumentSpans(cu, t.seq_len), ids)
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 if args.backward:
-                    run_once(model, (tokens[:, :-1], tokens[:, 1:]))
+                    run_once(model, inputs)
                 else:
                     with torch.no_grad():
-                        model(tokens[:, :-1], tokens[:, 1:])
+                        model(*inputs)
         except Exception as error:  # the report says how far it got
             status = f"{type(error).__name__}: {str(error)[:500]}"
             print("".join(traceback.format_tb(error.__traceback__)), file=sys.stderr)
@@ -306,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": status,
         "seconds": round(time.time() - start, 1),
         "notes": _notes(dump),
+        "captured": _captured(dump),
         "kernels": KERNELS,
         "scaled_mm": SCALED_MM,
     }

@@ -170,7 +170,7 @@ def test_help_shows_type_default_choices_and_the_comment():
     )
     assert "(list of str)" in text
     # A choice the type does not list is refused with the list.
-    with pytest.raises(ValueError, match=re.escape("('auto', 'flex', 'sdpa', 'causal')")):
+    with pytest.raises(ValueError, match=re.escape("('auto', 'flex', 'varlen', 'sdpa', 'causal')")):
         load_config(["--training.attention=flash"])
 
 

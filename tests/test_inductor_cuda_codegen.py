@@ -1,7 +1,7 @@
 """Inductor's CUDA code for graphtrain's compiled regions, generated on a CPU (issue 26):
 tests/inductor_cuda_codegen.py, in a child process (its CUDA stubs stay out of this one),
 compiles the forward regions of `debug`, `moe-debug` with FP8, `debug` with an MTP depth and
-`hybrid-debug` (Gated DeltaNet blocks in their chunked form, then with the gated_delta_rule
+varlen attention, and `hybrid-debug` (Gated DeltaNet blocks in their chunked form, then with the gated_delta_rule
 pass's op) on fake CUDA tensors. Asserted: the run completes; the passes fired as on a GPU (the fused
 cross-entropy, the router and dispatch, FP8 linears); every Triton kernel Inductor generated
 compiles for sm_90 within the shared memory and register limits without spilling; every
@@ -144,10 +144,14 @@ def test_moe_debug_fp8_forward_regions(tmp_path):
 
 
 @pytest.mark.slow
-def test_mtp_forward_regions(tmp_path):
-    report = _generate(tmp_path, "debug", "--model.mtp_depth=1")
+def test_mtp_forward_regions_with_varlen_attention(tmp_path):
+    """debug with an MTP depth, packed documents through torch's varlen attention
+    (training.attention=varlen): the op traced into the block and MTP regions."""
+    report = _generate(tmp_path, "debug", "--model.mtp_depth=1", "--varlen")
     regions = {entry["graph"].split("/")[0].rpartition("-")[0] for entry in report["notes"]}
     assert {"block", "mtp_1", "head_loss"} <= regions, regions
+    for region in ("block-0", "mtp_1-0"):
+        assert report["captured"][region].get("torch_attn._varlen_attn") == 1, report["captured"]
     _assert_kernels_fit(report)
 
 

@@ -75,10 +75,11 @@ class TrainingConfig:
         "expert-parallel weights), used by forward and backward; same numerics "
         "(graphtrain.optim.working_weights). false: every use casts the fp32 weight (as before)",
     )
-    attention: Literal["auto", "flex", "sdpa", "causal"] = option(
+    attention: Literal["auto", "flex", "varlen", "sdpa", "causal"] = option(
         "auto",
-        "Attention for packed documents: auto (flex on CUDA, sdpa on CPU), flex, sdpa, or causal "
-        "(ignore document boundaries).",
+        "Attention for packed documents: auto (flex on CUDA, sdpa on CPU), flex, varlen (torch's "
+        "varlen_attn: FlashAttention-2's variable-length kernel, CUDA), sdpa, or causal (ignore "
+        "document boundaries).",
     )
     activation_checkpoint: Literal["none", "full"] = option(
         "none",

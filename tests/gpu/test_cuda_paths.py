@@ -158,6 +158,56 @@ def test_dense_train_flex_attention_and_working_weights_follow_eager_fp32(dense)
     assert _inserted(run.run_dir).get("graphtrain.linear_cross_entropy.default", 0) >= 1
 
 
+def test_dense_train_varlen_attention_follows_eager_fp32(dense, tmp_path):
+    """training.attention=varlen (torch's varlen_attn, FlashAttention-2's kernel) in the
+    compiled trainer: the same job as `dense` follows the same eager fp32 reference."""
+    _, ref, corpus = dense
+    run = _train(
+        _args(corpus, tmp_path / "run", "debug", *DENSE, "--training.attention=varlen",
+              "--checkpoint.final=false")
+    )  # fmt: skip
+    _follows(run, ref, rtol=2e-2)
+    ops = _captured_ops(run.run_dir, "block")
+    assert ops.get("torch_attn._varlen_attn") == 1, ops
+    torch._dynamo.reset()
+
+
+def test_varlen_attention_kernel_matches_fp32_sdpa():
+    """models.gpt.attend with DocumentSpans on CUDA in bf16 (eager, then compiled by Inductor)
+    against fp32 SDPA with the dense document mask, output and every gradient, at the 1b's
+    head_dim (128) with GQA. Bound: bf16 inputs and the kernel's bf16 probabilities carry
+    ~2^-9 relative error (~50 dB); 35 dB leaves room for accumulation, while spans that ignore
+    the documents give ~0-10 dB (asserted below 20)."""
+    from graphtrain.attention import document_causal_mask, document_spans
+    from models.gpt import DocumentSpans, attend
+
+    torch.manual_seed(0)
+    B, T, H, Hkv, D = 2, 1024, 8, 4, 128
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    for cut in (100, 101, 300, 700, 1000):  # a one-token document among them
+        ids[:, cut:] += 1
+    ids[1, 512:] += 1
+    spans = document_spans(ids)
+    spans = DocumentSpans(spans.cu_seqlens.cuda(), spans.max_len)
+    rows = DocumentSpans(torch.tensor([0, T, 2 * T], dtype=torch.int32, device="cuda"), T)
+    q, k, v = (torch.randn(B, T, h, D, device="cuda") for h in (H, Hkv, Hkv))
+    g = torch.randn(B, T, H * D, device="cuda")
+
+    def run(fn, mask, dtype):
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs, mask)
+        return [out.float(), *(t.float() for t in torch.autograd.grad(out, inputs, g.to(dtype)))]
+
+    want = run(attend, document_causal_mask(ids.cuda()), torch.float32)
+    compiled = torch.compile(attend, fullgraph=True)
+    for fn in (attend, compiled):
+        got = run(fn, spans, torch.bfloat16)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            assert _sqnr(a, b) > 35, (fn, name, _sqnr(a, b))
+    assert _sqnr(run(attend, rows, torch.bfloat16)[0], want[0]) < 20
+    torch._dynamo.reset()
+
+
 def test_moe_fp8_mtp_cuda_graphs_adamw_copies_follow_eager_fp32(moe):
     run, ref, skips, recorded = moe
     _follows(run, ref, rtol=3e-2)

@@ -72,12 +72,12 @@ def find(package: str, name: str) -> Any:
 
 
 def _ptxas(ptx: str, arch: int) -> dict[str, int | None]:
-    import triton
+    """ptxas -v's registers and spills for `ptx`, with the ptxas Triton compiles for `arch`
+    with (triton 3.9 takes its CUDA 13 ptxas for Hopper too: its PTX is too new for the
+    CUDA 12.9 one)."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = os.path.join(bin_dir, "ptxas-blackwell" if arch >= 100 else "ptxas")
-    if not os.path.exists(ptxas):
-        ptxas = os.path.join(bin_dir, "ptxas")
+    ptxas = get_ptxas(arch).path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:

@@ -248,23 +248,29 @@ def test_model_loss_and_gradients_with_varlen_match_sdpa(model, cpu_varlen):
 def test_compiled_block_with_varlen_compiles_once_for_many_document_counts(model, cpu_varlen):
     """Each batch has other spans (and, past a power of two, a longer cu_seqlens): at most one
     recompile (the second length makes Dynamo's span count dynamic; max_len is the constant
-    T), never one per batch, and the compiled block computes what SDPA does."""
+    T), never one per batch, and the compiled block (AOTAutograd's forward and backward
+    graphs, the op's backward in the latter) computes what SDPA does, gradients included."""
     block = model.layers["0"]
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     counters.clear()
     sizes = set()
-    with torch.no_grad():
-        for step in range(4):
-            inputs, _, positions, ids = _batch(model, seed=20 + step)
-            for cut in range(190, 190 - 4 * step, -1):  # four more documents each batch
-                ids = ids + (torch.arange(200) >= cut).long()
-            spans = document_spans(ids)
-            sizes.add(len(spans.cu_seqlens))
-            h = model.tok_embeddings(inputs)
-            rope = model.rope[positions]
-            got = compiled(h, rope, spans)
-            want = block(h, rope, document_causal_mask(ids))
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for step in range(4):
+        inputs, _, positions, ids = _batch(model, seed=20 + step)
+        for cut in range(190, 190 - 4 * step, -1):  # four more documents each batch
+            ids = ids + (torch.arange(200) >= cut).long()
+        spans = document_spans(ids)
+        sizes.add(len(spans.cu_seqlens))
+        h = model.tok_embeddings(inputs).detach().requires_grad_()
+        rope = model.rope[positions]
+        g = torch.randn(h.shape, generator=torch.Generator().manual_seed(step))
+        wrt = [h, *block.parameters()]
+        got = compiled(h, rope, spans)
+        got_grads = torch.autograd.grad(got, wrt, g)
+        want = block(h, rope, document_causal_mask(ids))
+        want_grads = torch.autograd.grad(want, wrt, g)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert sizes == {16, 32, 64}, sizes
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     torch._dynamo.reset()

@@ -138,12 +138,9 @@ def _gdr_step(
     `ok` False (past the end) loads zeros, which leave the state unchanged. Masks are combined
     with tl.where, not `&`: triton 3.9's interpreter makes int32 of `block & scalar`, which a
     load refuses as a mask."""
-    k = tl.load(k_ptr + row * DK + offs_k, mask=tl.where(ok, mask_k, False), other=0.0).to(
-        tl.float32
-    )
-    v = tl.load(v_ptr + row * DV + offs_v, mask=tl.where(ok, mask_v, False), other=0.0).to(
-        tl.float32
-    )
+    mk, mv = tl.where(ok, mask_k, False), tl.where(ok, mask_v, False)
+    k = tl.load(k_ptr + row * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     decay = tl.exp(tl.load(g_ptr + row, mask=ok, other=0.0).to(tl.float32))
     beta = tl.load(beta_ptr + row, mask=ok, other=0.0).to(tl.float32)
     if HAS_SEGMENTS:
@@ -240,12 +237,9 @@ def _gdr_bwd_kernel(
             ok = t < T
             prev_state = tl.load(s_base + i * size + tile)  # S_{t-1}
             row = (b * T + t) * H + pid % H
-            q = tl.load(q_ptr + row * DK + offs_k, mask=tl.where(ok, mask_k, False), other=0.0).to(
-                tl.float32
-            )
-            do = tl.load(
-                do_ptr + row * DV + offs_v, mask=tl.where(ok, mask_v, False), other=0.0
-            ).to(tl.float32)
+            mk, mv = tl.where(ok, mask_k, False), tl.where(ok, mask_v, False)
+            q = tl.load(q_ptr + row * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+            do = tl.load(do_ptr + row * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
             k, v, decay, beta, decayed, read, write, new_state = _gdr_step(
                 prev_state, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v,
                 mask_k, mask_v, ok, T, DK, DV, HAS_SEGMENTS,
@@ -261,21 +255,9 @@ def _gdr_bwd_kernel(
             dk += tl.sum(decayed * dread[None, :], axis=1)
             dg = tl.sum(tl.sum(ddecayed * prev_state, axis=1), axis=0) * decay  # da/dg = a
             dstate = ddecayed * decay
-            tl.store(
-                dq_ptr + row * DK + offs_k,
-                dq.to(dq_ptr.dtype.element_ty),
-                mask=tl.where(ok, mask_k, False),
-            )
-            tl.store(
-                dk_ptr + row * DK + offs_k,
-                dk.to(dk_ptr.dtype.element_ty),
-                mask=tl.where(ok, mask_k, False),
-            )
-            tl.store(
-                dv_ptr + row * DV + offs_v,
-                dv.to(dv_ptr.dtype.element_ty),
-                mask=tl.where(ok, mask_v, False),
-            )
+            tl.store(dq_ptr + row * DK + offs_k, dq.to(dq_ptr.dtype.element_ty), mask=mk)
+            tl.store(dk_ptr + row * DK + offs_k, dk.to(dk_ptr.dtype.element_ty), mask=mk)
+            tl.store(dv_ptr + row * DV + offs_v, dv.to(dv_ptr.dtype.element_ty), mask=mv)
             tl.store(dg_ptr + row, dg.to(dg_ptr.dtype.element_ty), mask=ok)
             tl.store(dbeta_ptr + row, dbeta.to(dbeta_ptr.dtype.element_ty), mask=ok)
         tl.debug_barrier()  # the next chunk overwrites scratch

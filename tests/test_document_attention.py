@@ -30,6 +30,7 @@ from graphtrain.attention import (
     document_spans,
     resolve_attention,
 )
+from models import MODEL_PRESETS, build_model
 from models.gpt import GPT, PRESETS, DocumentSpans
 
 
@@ -219,9 +220,13 @@ def test_varlen_is_refused_without_cuda():
         resolve_attention("varlen", torch.device("cpu"))
 
 
-def test_model_loss_and_gradients_with_varlen_match_sdpa(model, cpu_varlen):
+@pytest.mark.parametrize("preset", ["debug", "hybrid-debug"])
+def test_model_loss_and_gradients_with_varlen_match_sdpa(preset, cpu_varlen):
     """The model's forward (main loss and the MTP depth) and backward with DocumentSpans
-    through torch's varlen op, against SDPA with the dense mask: fp32 rounding."""
+    through torch's varlen op, against SDPA with the dense mask: fp32 rounding. hybrid-debug:
+    Qwen3-Next's gated attention block after three Gated DeltaNet blocks."""
+    model = build_model(dataclasses.replace(MODEL_PRESETS[preset], mtp_depth=1))
+    model.init_weights(seed=0)
     inputs, labels, positions, ids = _batch(model, seed=2)
 
     def loss_and_grads(mask):
@@ -242,7 +247,6 @@ def test_model_loss_and_gradients_with_varlen_match_sdpa(model, cpu_varlen):
         torch.testing.assert_close(other, want_loss, rtol=1e-6, atol=0.0)
     for name, grad in want_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    model.zero_grad()
 
 
 def test_compiled_block_with_varlen_compiles_once_for_many_document_counts(model, cpu_varlen):

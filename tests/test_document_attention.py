@@ -11,14 +11,18 @@ Varlen attention (training.attention=varlen; torch's varlen_attn, whose kernel i
 FlashAttention-2): torch's op runs as it is, its autograd and fake kernels included, with a
 float64 CPU kernel written here from the op's contract (causal softmax attention inside each
 span of cu_seqlens, GQA by repeating key heads). Checked: the spans built from document ids,
-the model's loss and every gradient against SDPA with the dense mask, and the compiled block.
+the model's loss and every gradient against SDPA with the dense mask, the compiled block, and
+the trainer's forward through the model compiled with Inductor.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -30,6 +34,10 @@ from graphtrain.attention import (
     document_spans,
     resolve_attention,
 )
+from graphtrain.compile import apply_compile
+from graphtrain.data.packing import pack_rows
+from graphtrain.optim import WorkingWeights
+from graphtrain.step import ForwardLoss
 from models import MODEL_PRESETS, build_model
 from models.gpt import GPT, PRESETS, DocumentSpans
 
@@ -277,4 +285,37 @@ def test_compiled_block_with_varlen_compiles_once_for_many_document_counts(model
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert sizes == {16, 32, 64}, sizes
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
+def test_compiled_trainer_forward_with_varlen_matches_sdpa(cpu_varlen, tmp_path):
+    """The trainer's forward (ForwardLoss: model_inputs finds the spans in the loader's CPU
+    ids) through the model compiled as the trainer compiles it (graphtrain's regions and
+    default passes, Inductor, the op as an extern kernel forward and backward), against the
+    uncompiled model with SDPA: loss and every gradient."""
+    cfg = dataclasses.replace(PRESETS["debug"], num_layers=1, mtp_depth=1)
+    model = GPT(cfg)
+    model.init_weights(seed=0)
+    reference = copy.deepcopy(model)
+    apply_compile(model, inner="inductor", dump_dir=tmp_path, device_type="cpu")
+    rng = np.random.default_rng(0)
+    batch = pack_rows(rng.integers(1, 40, size=(2, 129)), eos_id=1)  # ~3 documents a row
+    assert len(set(batch["document_ids"][0].tolist())) > 2
+
+    def loss_and_grads(net, attention):
+        no_copies = WorkingWeights(net, [], torch.float32)
+        forward = ForwardLoss(
+            net, torch.device("cpu"), attention, contextlib.nullcontext(), no_copies
+        )
+        loss = forward(batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in net.named_parameters()}
+
+    loss, grads = loss_and_grads(model, "varlen")
+    want_loss, want_grads = loss_and_grads(reference, "sdpa")
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0.0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+    ops = " ".join(p.read_text() for p in tmp_path.glob("block-0/**/summary.json"))
+    assert "torch_attn._varlen_attn" in ops
     torch._dynamo.reset()

@@ -199,6 +199,8 @@ def _cpu_varlen_backward(grad_out, query, key, value, out, lse, cu_q, cu_k, max_
 def cpu_varlen():
     """torch's varlen op with the CPU kernels above (registered for this process: nothing else
     runs varlen on a CPU, training.attention=varlen is refused there)."""
+    import torch.nn.attention.varlen  # defines the ops (the models import it at first use)
+
     torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _cpu_varlen)
     torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", _cpu_varlen_backward)
 

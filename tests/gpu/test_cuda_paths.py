@@ -1,7 +1,8 @@
 """The CUDA paths that had no GPU test (issue 26): `graphtrain train` for a few steps (dense with
-flex attention on packed documents and working weights; MoE with FP8, MTP under CUDA graphs and
-AdamWCopies), FP8 under Inductor, the AdamWCopies optimizer, `inspect --profile`, the energy
-metric, checkpoint save / resume / export, `generate` and `eval`. They skip without CUDA.
+flex attention on packed documents and working weights, then with varlen attention; MoE with
+FP8, MTP under CUDA graphs and AdamWCopies), the varlen kernel against SDPA, FP8 under
+Inductor, the AdamWCopies optimizer, `inspect --profile`, the energy metric, checkpoint save /
+resume / export, `generate` and `eval`. They skip without CUDA.
 
 References: each compiled bf16 run is compared with the same job run eagerly in fp32 with SDPA
 on the same GPU (same seed, so the same initial weights and batches): the compiled path

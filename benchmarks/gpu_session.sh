@@ -70,7 +70,7 @@ wheels=${GRAPHTRAIN_WHEELS:-$root/.whl}
 
 usage() {
     echo "usage: GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]" >&2
-    echo "STAGE: preflight tests e2e loss fp8 mtp kernels profile-fp8" >&2
+    echo "STAGE: preflight tests e2e loss fp8 mtp kernels hybrid profile-fp8" >&2
     exit 2
 }
 

@@ -26,8 +26,11 @@ What
     Reported: the median fwd+bwd time (triton.testing.do_bench) and the extra peak memory:
     max_memory_allocated during one fwd+bwd minus what was allocated before it (the inputs),
     so the gradients (W.grad is 0.98 GiB at V=128256, H=4096 in bf16, 1.96 GiB in fp32) are
-    included, as in the MISSION.md peer numbers. A "loss err" column checks each row against
-    eager.
+    included, as in the MISSION.md peer numbers. Each row is checked against eager: the loss's
+    absolute difference, and the smaller signal-to-noise ratio (dB) of grad_hidden and
+    grad_weight (rounding differences leave tens of dB: graphtrain's rows 50-52 dB on a CPU at
+    67 x 24 x 301; Cut Cross-Entropy's gradient filter lowers its figure; halving hidden gives
+    6 dB, a wrong gradient is near 0 dB).
 
 Why
     MISSION.md / issue 15: fast mode faster than torch.compile (38.0 ms at 8192 x 4096 x 128256
@@ -59,7 +62,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from harness import record  # run as a script: benchmarks/ is on sys.path
+from harness import record, sqnr  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend
@@ -159,8 +162,8 @@ def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager:
 
 def measure(
     fn: LossFn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, precision: str
-) -> tuple[float, float, float]:
-    """(median ms of fwd+bwd, extra peak GiB, loss)."""
+) -> tuple[tuple[float, float, float], tuple[torch.Tensor, torch.Tensor]]:
+    """((median ms of fwd+bwd, extra peak GiB, loss), (grad_hidden, grad_weight))."""
 
     def step() -> torch.Tensor:
         with _autocast(precision, "cuda"):
@@ -180,11 +183,12 @@ def measure(
     torch.cuda.synchronize()
     extra = (torch.cuda.max_memory_allocated() - base) / GIB
     value = float(loss)  # outside the timed region
+    grads = (h.grad, w.grad)
     h.grad = w.grad = None
     ms = triton.testing.do_bench(
         step, warmup=50, rep=300, grad_to_none=[h, w], return_mode="median"
     )
-    return ms, extra, value
+    return (ms, extra, value), grads
 
 
 def inputs(
@@ -224,20 +228,27 @@ def _verdicts(label: str, results: dict[str, tuple[float, float, float]]) -> lis
 def run_table(shapes: list, precisions: list[str], impls: list[str]) -> tuple[list, list]:
     lines = [
         "| N, H, V | weights | impl | fwd+bwd ms (median) | extra peak GiB | loss err vs eager "
-        "| note |",
-        "|---|---|---|---:|---:|---:|---|",
+        "| grad SNR vs eager dB | note |",
+        "|---|---|---|---:|---:|---:|---:|---|",
     ]
     verdicts = []
     for N, H, V in shapes:
         for precision in precisions:
             h, w, t = inputs(N, H, V, precision, "cuda")
             results: dict[str, tuple[float, float, float]] = {}
+            eager_grads = None
             for impl in impls:
+                snr = None  # this row's gradients against eager's, where both ran
                 torch._dynamo.reset()
                 fn, note = build(impl, precision)
                 if fn is not None:
                     try:
-                        results[impl] = measure(fn, h, w, t, precision)
+                        results[impl], grads = measure(fn, h, w, t, precision)
+                        if impl == "eager":
+                            eager_grads = grads
+                        elif eager_grads is not None:
+                            snr = min(map(sqnr, grads, eager_grads))
+                        del grads
                     except torch.cuda.OutOfMemoryError:
                         note = "out of memory"
                     except Exception as e:  # a peer that fails on this torch/triton says so
@@ -250,13 +261,14 @@ def run_table(shapes: list, precisions: list[str], impls: list[str]) -> tuple[li
                 if impl in results:
                     ms, extra, loss = results[impl]
                     err = abs(loss - results["eager"][2]) if "eager" in results else float("nan")
-                    lines.append(f"{row} {ms:.2f} | {extra:.2f} | {err:.1e} | {note} |")
+                    db = "-" if snr is None else f"{snr:.1f}"
+                    lines.append(f"{row} {ms:.2f} | {extra:.2f} | {err:.1e} | {db} | {note} |")
                 else:
-                    lines.append(f"{row} - | - | - | {note} |")
+                    lines.append(f"{row} - | - | - | - | {note} |")
                     print(f"skipped {impl} ({precision}): {note}", flush=True)
                 print(lines[-1], flush=True)
             verdicts += _verdicts(f"{N}x{H}x{V} {precision}", results)
-            del h, w, t
+            del h, w, t, eager_grads
     return lines, verdicts
 
 

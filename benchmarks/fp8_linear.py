@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from harness import record  # run as a script: benchmarks/ is on sys.path
+from harness import record, sqnr  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain.custom_ops  # noqa: F401  (registers graphtrain::fp8_linear, fp8_grouped_mm)
 from graphtrain.compile import backend
@@ -116,12 +116,6 @@ def torchao_fp8():
         return module(x)
 
     return run
-
-
-def sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.double()
-    noise = (got.double() - want).pow(2).sum().clamp_min(1e-300)
-    return (10 * torch.log10(want.pow(2).sum() / noise)).item()
 
 
 def fwd_bwd(fn, x, w, grad):

@@ -2,7 +2,8 @@
 
 record(title, body) prints "## title (date, device, torch/triton versions, commit)" with the
 table under it and appends it to benchmarks/RESULTS.md; git_commit() is the commit it stamps
-($GRAPHTRAIN_COMMIT where the copy's git HEAD is stale). The benchmarks run as scripts, so
+($GRAPHTRAIN_COMMIT where the copy's git HEAD is stale); sqnr(got, want) the signal-to-noise
+ratio in dB by which rows are checked against a reference. The benchmarks run as scripts, so
 they import this module as `harness` (benchmarks/ is first on their sys.path).
 """
 
@@ -64,3 +65,10 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         dirty = ""
     return head + ("+dirty" if dirty else "")
+
+
+def sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
+    """10 log10(sum want^2 / sum (got - want)^2), in float64."""
+    want = want.double()
+    noise = (got.double() - want).pow(2).sum().clamp_min(1e-300)
+    return (10 * torch.log10(want.pow(2).sum() / noise)).item()

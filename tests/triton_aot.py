@@ -178,6 +178,29 @@ def _install(arch: int) -> None:
 
     JITFunction.run = compile_only
     Autotuner.run = every_config
+    _meta_addmm_out_dtype(torch)
+
+
+def _meta_addmm_out_dtype(torch: Any) -> None:
+    """torch 2.11's meta kernel of addmm with out_dtype (its addmm decomposition) reads out_dtype
+    as beta and raises; fast mode's cuBLAS accumulation calls it (the CUDA kernel is sound). On
+    such a torch, torch.addmm into a meta `out` with out_dtype returns `out`."""
+    acc = torch.empty(2, 2, device="meta")
+    half = torch.empty(2, 2, dtype=torch.bfloat16, device="meta")
+    try:
+        torch.addmm(acc, half, half, out_dtype=torch.float32, out=acc)
+        return
+    except TypeError:
+        pass
+    original = torch.addmm
+
+    def addmm(*args: Any, out: Any = None, out_dtype: Any = None, **kwargs: Any) -> Any:
+        if out is not None and out.is_meta and out_dtype is not None:
+            return out
+        extra = {} if out_dtype is None else {"out_dtype": out_dtype}
+        return original(*args, out=out, **extra, **kwargs)
+
+    torch.addmm = addmm
 
 
 def config(record: dict[str, Any]) -> str:

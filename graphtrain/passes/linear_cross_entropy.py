@@ -10,8 +10,9 @@ What
     A plain-torch top-1 accuracy on the same logits is folded into the op's statistics
     (linear_cross_entropy_accuracy.py). The op: graphtrain/custom_ops/linear_cross_entropy/.
     Mode: compile.lce_mode; "auto" on CUDA without tensor parallelism first leaves the loss to
-    Inductor where its unfused logits fit compile.lce_memory_budget (it is faster there:
-    benchmarks/RESULTS.md, the 1b profile on an H200); else, and on CPU, it takes fast unless
+    Inductor where its unfused logits fit compile.lce_memory_budget (it was faster there, with
+    a Triton grad_weight GEMM the op no longer uses: benchmarks/RESULTS.md, the 1b profile on
+    an H200; kept until measured again); else, and on CPU, it takes fast unless
     fast_mode_extra_bytes exceeds the budget (0: a quarter of the free memory; under tensor
     parallelism the smallest over the tp group, so all its ranks decide alike). Each refusal and
     the chosen mode are stated in a note. Matched model line: GPT.head_loss (models/gpt.py).
@@ -440,8 +441,8 @@ def _choose_mode(
         if unfused <= budget:
             return None, (
                 f"auto: Inductor's unfused loss ({unfused / gib:.2f} GiB of logits and their "
-                f"gradient) fits the budget of {budget / gib:.2f} GiB ({source}) and is faster on "
-                "CUDA; compile.lce_mode = 'fast' or 'low_memory' fuses anyway"
+                f"gradient) fits the budget of {budget / gib:.2f} GiB ({source}) and was measured "
+                "faster on CUDA; compile.lce_mode = 'fast' or 'low_memory' fuses anyway"
             )
     tried = []
     # fp32 accumulation first; a 16-bit weight's own dtype (four roundings) only if needed.

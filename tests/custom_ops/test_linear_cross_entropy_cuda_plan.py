@@ -97,27 +97,67 @@ class _Recorder:
     ],
 )
 def test_dh_launch_is_one_fixed_tile(monkeypatch, dtype, tile, launch):
-    """Fast mode's grad_weight GEMM at V = 128256, H = 4096, 2048-row chunks: one launch with
-    the dtype's fixed tile and warps/stages, covering the whole accumulator (meta tensors; no
-    autotuner, so nothing runs the in-place update twice or clones the accumulator)."""
+    """Low-memory mode's grad_hidden GEMM (sweep A) at N = 8192, H = 4096, vocab chunks of 8192:
+    one launch with the dtype's fixed tile and warps/stages, covering the whole accumulator
+    (meta tensors; no autotuner, so nothing runs the in-place update twice or clones the
+    accumulator)."""
     rec = _Recorder()
     monkeypatch.setattr(cuda, "_lce_dh_kernel", rec)
     monkeypatch.setattr(cuda, "_interpreting", lambda: False)
-    V, H, rows = 128256, 4096, 2048
-    logits = torch.empty(rows, V, dtype=dtype, device="meta")
-    h = torch.empty(rows, H, dtype=dtype, device="meta")
-    acc = torch.empty(V, H, dtype=torch.float32, device="meta")
-    cuda._launch_dh(logits.t(), h, acc, acc, first=False, has_alpha=False)
+    N, H, chunk = 8192, 4096, 8192
+    assert (
+        cuda._vocab_chunk(
+            N, 128256, torch.empty((), dtype=dtype).element_size(), options.SWEEP_A_BUFFER_BYTES
+        )
+        == chunk
+    )
+    p = torch.empty(N, chunk, dtype=dtype, device="meta")
+    w = torch.empty(chunk, H, dtype=dtype, device="meta")
+    acc = torch.empty(N, H, dtype=torch.float32, device="meta")
+    alpha = torch.empty(N, dtype=torch.float32, device="meta")
+    cuda._launch_dh(p, w, acc, alpha, first=False, has_alpha=True)
     ((grid, kw),) = rec.launches
     assert {k: kw[k] for k in tile} == tile and {k: kw[k] for k in launch} == launch
-    assert grid == (triton.cdiv(V, tile["BLOCK_M"]) * triton.cdiv(H, tile["BLOCK_N"]),)
-    assert kw["K"] == rows and kw["INPUT_PRECISION"] == (
+    assert grid == (triton.cdiv(N, tile["BLOCK_M"]) * triton.cdiv(H, tile["BLOCK_N"]),)
+    assert kw["K"] == chunk and kw["INPUT_PRECISION"] == (
         "ieee" if dtype == torch.float32 else "tf32"
     )
     assert not isinstance(kernels._lce_dh_kernel, triton.runtime.autotuner.Autotuner)
     assert not any(
         isinstance(v, triton.runtime.autotuner.Autotuner) for v in vars(kernels).values()
     )
+
+
+def test_fast_mode_grad_weight_is_cublas_into_the_accumulator(monkeypatch):
+    """Fast mode with 16-bit operands and an fp32 weight (the trainer's master head) at
+    8192 x 4096 x 128256: grad_weight is one cuBLAS GEMM per token chunk, torch.addmm with
+    out_dtype fp32 into the fp32 accumulator itself (the chunks add up in it), never the Triton
+    accumulation kernel; the accumulator is the gradient returned (meta tensors)."""
+    calls = []
+
+    def addmm(acc, a, b, *, out_dtype, out):
+        calls.append((acc, a.shape, a.stride(), b.shape, out_dtype, out))
+        return out
+
+    monkeypatch.setattr(torch, "addmm", addmm)
+    monkeypatch.setattr(cuda, "_interpreting", lambda: False)
+    for name in ("_lce_dh_kernel", "_lce_stats_kernel", "_lce_grad_kernel"):
+        monkeypatch.setattr(cuda, name, _Recorder())
+    N, H, V = 8192, 4096, 128256
+    hidden = torch.empty(N, H, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(V, H, dtype=torch.float32, device="meta")
+    target = torch.empty(N, dtype=torch.int64, device="meta")
+    row_scale = torch.empty(N, dtype=torch.float32, device="meta")
+    out = cuda._lce_triton(hidden, weight, target, row_scale=row_scale, lse_in=None, mode="fast")
+    rows = _fast_token_chunk(N, V, 2, False)
+    assert len(calls) == N // rows == 4
+    acc = calls[0][0]
+    for self_, a_shape, a_stride, b_shape, out_dtype, out_ in calls:
+        assert self_ is acc and out_ is acc and out_dtype == torch.float32
+        assert acc.shape == (V, H) and acc.dtype == torch.float32
+        assert a_shape == (V, rows) and a_stride == (1, V) and b_shape == (rows, H)  # G^T, a view
+    assert not cuda._lce_dh_kernel.launches
+    assert out[3] is acc  # the fp32 accumulator is the fp32 weight's gradient, not a copy
 
 
 def test_dh_tiles_fit_hopper():
@@ -129,6 +169,3 @@ def test_dh_tiles_fit_hopper():
     ):
         per_stage = (tile["BLOCK_M"] + tile["BLOCK_N"]) * tile["BLOCK_K"] * elem
         assert per_stage * launch["num_stages"] <= 232448
-    # Token chunks are the K of the grad_weight GEMM and the M of the two cuBLAS ones.
-    for edge in ("BLOCK_K", "BLOCK_M"):
-        assert options.FAST_ROW_MULTIPLE % kernels._DH_CONFIG_16BIT[edge] == 0

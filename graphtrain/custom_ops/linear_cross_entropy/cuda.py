@@ -10,8 +10,10 @@ What
 Numerics
     Logits rounded to the input dtype by cuBLAS; statistics, coefficients and the grad_hidden
     accumulator in fp32; grad_weight accumulated in fp32 (fast mode: in fp32 into an fp32
-    weight's gradient, in an fp32 buffer, or in a 16-bit weight's own dtype over <= 4 chunks).
-    No host synchronisation; _lce_dh_kernel runs one fixed tile per dtype (no autotuning).
+    weight's gradient, in an fp32 buffer, or in a 16-bit weight's own dtype over <= 4 chunks;
+    16-bit operands into fp32 by cuBLAS, torch.addmm with out_dtype, reading and writing C).
+    No host synchronisation; _lce_dh_kernel (low-memory mode's grad_hidden accumulator) runs
+    one fixed tile per dtype (no autotuning).
 """
 
 from __future__ import annotations
@@ -375,8 +377,8 @@ def _fast_chunk_grads(
     if gw_acc is not None:  # GEMM 3
         if gw_acc.dtype == h.dtype:  # fp32 inside the GEMM, one rounding per chunk
             gw_acc.addmm_(logits.t(), h)
-        else:  # 16-bit operands, accumulated in fp32 in place
-            _launch_dh(logits.t(), h, gw_acc, gw_acc, first=False, has_alpha=False)
+        else:  # 16-bit operands into the fp32 accumulator: cuBLAS's fp32 C, read and written
+            torch.addmm(gw_acc, logits.t(), h, out_dtype=torch.float32, out=gw_acc)
 
 
 def _lce_triton(

@@ -42,9 +42,9 @@ _MAX_VOCAB_CHUNK = 8192  # one row of a chunk is held in registers by the per-ro
 # lose speed; above 4096 the buffer grows without a gain).
 FAST_BUFFER_BYTES = 512 << 20
 _FAST_MIN_ROWS, _FAST_MAX_ROWS = 2048, 4096
-# Token chunks are a whole number of GEMM tiles (the largest tile edge of the cuBLAS and
-# _lce_dh_kernel configurations): at V = 128256 the buffer alone would give 2092 rows, ragged
-# tiles in all three GEMMs and a second _lce_dh_kernel shape (K = 1916) for the remainder.
+# Token chunks are a whole number of GEMM tiles (256, the largest tile edge of cuBLAS's
+# configurations): at V = 128256 the buffer alone would give 2092 rows, ragged tiles in all
+# three GEMMs and a 1916-row remainder.
 FAST_ROW_MULTIPLE = 256
 _MAX_INPUT_DTYPE_CHUNKS = 4  # 16-bit grad_weight accumulation: at most four roundings
 

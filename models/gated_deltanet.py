@@ -26,6 +26,7 @@ function with a fused kernel of the same contract.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.fx.traceback
@@ -33,6 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers import RMSNorm, init_trunc_normal, local_tensor
+
+# The loop over chunks, (u_v, u_s, k_end, chunk_decay) -> (u, states): `chunk_recurrence`.
+Recurrence = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
 
 # The annotation key of the recurrence region (gated_delta_rule): a compiler pass looks for it.
 REGION_KEY = "gated_delta_rule_region"
@@ -82,18 +88,20 @@ def chunk_gated_delta_rule(
     segments: torch.Tensor | None = None,
     chunk_size: int = 64,
     scale: float | None = None,
+    recurrence: Recurrence | None = None,
 ) -> torch.Tensor:
     """The gated delta rule, chunked. q, k: (B, T, H, Dk); v: (B, T, H, Dv); g (log decay, <= 0),
     beta: (B, T, H); segments: (B, T) from `segment_ids` or None. Returns o (B, T, H, Dv) in v's
     dtype; the state starts at zero in each row and at each segment start. scale: q's factor
-    (default Dk ** -0.5).
+    (default Dk ** -0.5). recurrence: the loop over chunks (default `chunk_recurrence`); a
+    kernel of the same contract may stand in for it.
 
     Per chunk of C positions with c_i the sum of g over the chunk's positions <= i in i's
     segment and D_ij = exp(c_i - c_j) for j <= i in one segment (else 0), the C delta-rule writes u solve (I + L) u = beta v - beta k-read
     of the incoming state, L_ij = beta_i D_ij k_i.k_j (j < i); outputs and the next state
     follow from u by matmuls (the WY form of DeltaNet and FLA's chunk kernels).
     """
-    B, T, H, Dk = q.shape
+    B, T, _, Dk = q.shape
     out_dtype = v.dtype
     ct = _compute_dtype(v)
     scale = Dk**-0.5 if scale is None else scale
@@ -136,14 +144,28 @@ def chunk_gated_delta_rule(
     q_state = q * state_decay.unsqueeze(-1)
     k_end = k * end_decay.unsqueeze(-1)
 
-    state = torch.zeros(B, H, Dk, v.shape[-1], dtype=ct, device=q.device)
-    outs = []
-    for n in range(N):
-        u = u_v[:, :, n] - u_s[:, :, n] @ state  # (B, H, C, Dv): what chunk n writes
-        outs.append(q_state[:, :, n] @ state + intra[:, :, n] @ u)
-        state = state * chunk_decay[:, :, n] + k_end[:, :, n].transpose(-1, -2) @ u
-    o = torch.stack(outs, 2).flatten(2, 3)[:, :, :T]  # (B, H, T, Dv)
+    u, states = (recurrence or chunk_recurrence)(u_v, u_s, k_end, chunk_decay)
+    o = (q_state @ states + intra @ u).flatten(2, 3)[:, :, :T]  # (B, H, T, Dv)
     return o.transpose(1, 2).to(out_dtype)
+
+
+def chunk_recurrence(
+    u_v: torch.Tensor, u_s: torch.Tensor, k_end: torch.Tensor, chunk_decay: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential part of `chunk_gated_delta_rule`: over the chunks n of each (B, H), from a
+    zero state S_0 (Dk, Dv),
+        u_n = u_v[n] - u_s[n] @ S_n,    S_{n+1} = chunk_decay[n] S_n + k_end[n]^T @ u_n.
+    u_v (B, H, N, C, Dv), u_s and k_end (B, H, N, C, Dk), chunk_decay (B, H, N, 1, 1). Returns
+    u (B, H, N, C, Dv), what each chunk writes, and the states entering the chunks (B, H, N, Dk,
+    Dv)."""
+    B, H, N, _, Dk = u_s.shape
+    state = u_v.new_zeros(B, H, Dk, u_v.shape[-1])
+    us, states = [], []
+    for n in range(N):
+        states.append(state)
+        us.append(u_v[:, :, n] - u_s[:, :, n] @ state)
+        state = state * chunk_decay[:, :, n] + k_end[:, :, n].transpose(-1, -2) @ us[-1]
+    return torch.stack(us, 2), torch.stack(states, 2)
 
 
 @torch.compiler.nested_compile_region

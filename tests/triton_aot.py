@@ -366,20 +366,23 @@ def _cases() -> None:
             )
         )  # fmt: skip
 
-    # Gated DeltaNet recurrence at Qwen3-Next's head shape (32 value heads of 128, keys 128),
-    # packed documents, sequence 4096 (a constexpr of the kernels).
+    # Gated DeltaNet's loop over chunks at Qwen3-Next's head shape (32 value heads of 128, keys
+    # 128), sequence 4096 in 64 chunks of 64 (N and C are constexprs of the kernels); the
+    # chunk terms are torch's. 16-bit inputs: tf32 products (fp32 inputs take "ieee").
     gdr = importlib.import_module("graphtrain.custom_ops.gated_delta_rule")
-    B, T, H, Dk = 1, 4096, 32, 128
-    q, v = _meta(B, T, H, Dk, dtype=bf16), _meta(B, T, H, Dk, dtype=bf16)
-    g, beta = _meta(B, T, H, dtype=f32), _meta(B, T, H, dtype=bf16)
-    seg = _meta(B, T, dtype=torch.int64)
-    opts = gdr.GatedDeltaRuleOptions(scale=Dk**-0.5, chunk_size=64)
-    case("gated_delta_rule fwd bf16 1x4096x32x128 segments", "fast")(
-        lambda: gdr.chunk_gated_delta_rule_triton(q, q, v, g, beta, seg, opts)
-    )
-    case("gated_delta_rule bwd bf16 1x4096x32x128 segments", "fast")(
-        lambda: gdr.chunk_gated_delta_rule_backward_triton(v, q, q, v, g, beta, seg, opts)
-    )
+    shape = (1, 32, 64, 64)  # B, H, N, C
+    u_v, u_s, k_end = (_meta(*shape, 128, dtype=f32) for _ in range(3))
+    decay = _meta(*shape[:3], 1, 1, dtype=f32)
+    states = _meta(*shape[:3], 128, 128, dtype=f32)
+    for precision, subset in (("tf32", "fast"), ("tf32x3", "ci")):
+        case(f"gated_delta_rule recurrence fwd 1x32x4096 D=128 {precision}", subset)(
+            lambda p=precision: gdr.chunk_recurrence_triton(u_v, u_s, k_end, decay, p)
+        )
+        case(f"gated_delta_rule recurrence bwd 1x32x4096 D=128 {precision}", subset)(
+            lambda p=precision: gdr.chunk_recurrence_backward_triton(
+                u_v, states, u_s, k_end, decay, u_v, states, p
+            )
+        )
 
     # MoE dispatch (permute / unpermute and its backward).
     for T, k, D, xdt, subset in (

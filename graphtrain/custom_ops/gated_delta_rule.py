@@ -15,13 +15,14 @@ What
     imports, else ours). CPU and float64 run the reference.
 
 Layers (docs/design/gated_delta_rule.md, "The op"): GatedDeltaRuleOptions, the reference
-chunk_gated_delta_rule_ref, our Triton kernels _gdr_fwd_kernel and _gdr_bwd_kernel, FLA's
-through chunk_gated_delta_rule_fla and its backward, choose_kernels, the registration.
+chunk_gated_delta_rule_ref, our CUDA path (the model's chunked form with its loop over chunks
+in _gdr_chunk_fwd_kernel and _gdr_chunk_bwd_kernel), FLA's through chunk_gated_delta_rule_fla
+and its backward, choose_kernels, the registration.
 
 Numerics
-    fp32 state and accumulation for bf16/fp32 inputs (float64 stays float64 on the reference).
-    On CPU: the model's own chunked code, bitwise the eager result. Our kernels step position by
-    position, FLA's chunk by chunk: agreement to fp32 rounding.
+    fp32 state and accumulation for bf16/fp32 inputs (float64 stays float64 on the reference);
+    on CPU the model's own chunked code, bitwise the eager result; ours on CUDA the same form
+    (the loop's products TF32 for 16-bit inputs, 3xTF32 for fp32), FLA's with TF32 dots.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from graphtrain.custom_ops.utils import schema_arguments
+from models.gated_deltanet import Recurrence
 from models.gated_deltanet import chunk_gated_delta_rule as _model_chunk_gated_delta_rule
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -107,214 +109,234 @@ def chunk_gated_delta_rule_ref(
     )
 
 
+def _vjp(
+    forward: Any, grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    segments: Tensor | None, opts: GatedDeltaRuleOptions,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """(dq, dk, dv, dg, dbeta) of forward(q, k, v, g, beta, segments, opts), recomputed.
+    torch.func rather than torch.autograd.grad: inside an op's kernel the autograd keys are
+    excluded from dispatch (no graph would be recorded), functorch's transform brings its own."""
+
+    def run(*xs: Tensor) -> Tensor:
+        return forward(*xs, segments, opts)
+
+    _, vjp = torch.func.vjp(run, q, k, v, g, beta)
+    return vjp(grad_o)
+
+
 def chunk_gated_delta_rule_backward_ref(
     grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     segments: Tensor | None, opts: GatedDeltaRuleOptions,
 ) -> tuple[Tensor, ...]:  # fmt: skip
-    """(dq, dk, dv, dg, dbeta): the reference's vjp, recomputed. torch.func rather than
-    torch.autograd.grad: inside an op's kernel the autograd keys are excluded from dispatch
-    (no graph would be recorded), functorch's transform brings its own."""
-
-    def forward(*xs: Tensor) -> Tensor:
-        return chunk_gated_delta_rule_ref(*xs, segments, opts)
-
-    _, vjp = torch.func.vjp(forward, q, k, v, g, beta)
-    return vjp(grad_o)
+    """(dq, dk, dv, dg, dbeta): the reference's vjp, recomputed."""
+    return _vjp(chunk_gated_delta_rule_ref, grad_o, q, k, v, g, beta, segments, opts)
 
 
 # --------------------------------------------------------------------------------------------
-# Triton kernels (ours)
+# Triton kernels (ours): the model's chunked form, its loop over chunks in one kernel
 # --------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _gdr_step(
-    state, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v, mask_k, mask_v, ok,
-    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+def _gdr_chunk_fwd_kernel(
+    u_v_ptr, u_s_ptr, k_end_ptr, decay_ptr, u_ptr, states_ptr,
+    N: tl.constexpr,  # constant: Triton's interpreter needs constant loop bounds
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One step of the recurrence at position t from `state` (S_{t-1}), fp32: loads k, v, the
-    decay a = exp(g) (0 where t starts a new document) and beta, then S' = a S_{t-1},
-    r = S'^T k, w = beta (v - r), S_t = S' + k w^T. Returns (k, v, a, beta, S', r, w, S_t).
-    `ok` False (past the end) loads zeros, which leave the state unchanged. Masks are combined
-    with tl.where, not `&`: triton 3.9's interpreter makes int32 of `block & scalar`, which a
-    load refuses as a mask."""
-    mk, mv = tl.where(ok, mask_k, False), tl.where(ok, mask_v, False)
-    k = tl.load(k_ptr + row * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + row * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g_ptr + row, mask=ok, other=0.0).to(tl.float32))
-    beta = tl.load(beta_ptr + row, mask=ok, other=0.0).to(tl.float32)
-    if HAS_SEGMENTS:
-        if t > 0:
-            cur = tl.load(seg_ptr + b * T + t, mask=ok, other=0)
-            prev = tl.load(seg_ptr + b * T + t - 1, mask=ok, other=0)
-            decay = tl.where(cur == prev, decay, 0.0)  # a new document: the state restarts
-    decayed = state * decay
-    read = tl.sum(decayed * k[:, None], axis=0)  # S'^T k, (BLOCK_V,)
-    write = beta * (v - read)
-    return k, v, decay, beta, decayed, read, write, decayed + k[:, None] * write[None, :]
+    # One program: one (batch, head) row bh, value columns [pid_v * BLOCK_V, ...); the state
+    # S (BLOCK_K, BLOCK_V) in fp32 registers across the N chunks (models' chunk_recurrence):
+    #   states[n] = S;  u[n] = u_v[n] - u_s[n] @ S;  S = decay[n] S + k_end[n]^T @ u[n].
+    # Inputs contiguous fp32: u_v, u (BH, N, C, DV); u_s, k_end (BH, N, C, DK); decay (BH, N);
+    # states (BH, N, DK, DV). Padding rows and columns load as zeros and are not stored.
+    bh = tl.program_id(0)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ck = (offs_c[:, None] < C) & (offs_k[None, :] < DK)
+    cv = (offs_c[:, None] < C) & (offs_v[None, :] < DV)
+    kv = (offs_k[:, None] < DK) & (offs_v[None, :] < DV)
+    tile_ck = offs_c[:, None] * DK + offs_k[None, :]
+    tile_cv = offs_c[:, None] * DV + offs_v[None, :]
+    tile_kv = offs_k[:, None] * DV + offs_v[None, :]
+    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    for n in range(N):
+        chunk = bh * N + n
+        tl.store(states_ptr + chunk * DK * DV + tile_kv, state, mask=kv)
+        u_s = tl.load(u_s_ptr + chunk * C * DK + tile_ck, mask=ck, other=0.0)
+        u = tl.load(u_v_ptr + chunk * C * DV + tile_cv, mask=cv, other=0.0)
+        u -= tl.dot(u_s, state, input_precision=PRECISION)
+        tl.store(u_ptr + chunk * C * DV + tile_cv, u, mask=cv)
+        k_end = tl.load(k_end_ptr + chunk * C * DK + tile_ck, mask=ck, other=0.0)
+        state = state * tl.load(decay_ptr + chunk) + tl.dot(
+            tl.trans(k_end), u, input_precision=PRECISION
+        )
 
 
 @triton.jit
-def _gdr_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, o_ptr, H, scale,
-    T: tl.constexpr,  # constant: Triton's interpreter needs constant loop bounds
-    DK: tl.constexpr, DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+def _gdr_chunk_bwd_kernel(
+    u_s_ptr, k_end_ptr, decay_ptr, du_ptr, dstates_ptr, du_v_ptr, dnext_ptr,
+    N: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # One program: batch b, head h, value columns [pid_v * BLOCK_V, ...). Inputs contiguous
-    # (B, T, H, D); the state S (BLOCK_K, BLOCK_V) stays in fp32 registers for the whole row.
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    # The forward's loop backwards, over the forward's program grid: dS, the gradient of the
+    # state leaving chunk n (zero after the last), is kept (dnext[n]) and carried:
+    #   du_v[n] = du[n] + k_end[n] @ dS
+    #   dS = dstates[n] + decay[n] dS - u_s[n]^T @ du_v[n]       (the gradient of S_n)
+    # The rest of the gradient (u_s, k_end, decay) is batched GEMMs over dnext afterwards.
+    bh = tl.program_id(0)
+    offs_c = tl.arange(0, BLOCK_C)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k = offs_k < DK
-    mask_v = offs_v < DV
-    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    for t in range(T):
-        row = (b * T + t) * H + h  # (b, t, h)
-        q = tl.load(q_ptr + row * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32) * scale
-        _, _, _, _, _, _, _, state = _gdr_step(
-            state, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v, mask_k,
-            mask_v, True, T, DK, DV, HAS_SEGMENTS,
-        )  # fmt: skip
-        o = tl.sum(state * q[:, None], axis=0)
-        tl.store(o_ptr + row * DV + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
-
-
-@triton.jit
-def _gdr_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, do_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
-    h_ptr,  # (B*H, NUM_CHUNKS, BLOCK_K, BLOCK_V) fp32: the state entering each chunk
-    scratch_ptr,  # (B*H, CHUNK, BLOCK_K, BLOCK_V) fp32: the states inside the current chunk
-    H, scale,
-    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-):  # fmt: skip
-    # One program per (batch, head), the whole state: dq and dk sum over the value columns.
-    # Pass 1 runs the recurrence and keeps the state entering each chunk; pass 2 walks the
-    # chunks backwards, recomputes a chunk's states from its entry state into scratch, then
-    # steps back through it carrying dS, the gradient of the state (fp32 throughout).
-    pid = tl.program_id(0)
-    b = pid // H
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
-    mask_k = offs_k < DK
-    mask_v = offs_v < DV
-    tile = offs_k[:, None] * BLOCK_V + offs_v[None, :]
-    size = BLOCK_K * BLOCK_V
-    h_base = h_ptr + pid * NUM_CHUNKS * size
-    s_base = scratch_ptr + pid * CHUNK * size
-    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    for t in range(T):
-        if t % CHUNK == 0:
-            tl.store(h_base + (t // CHUNK) * size + tile, state)
-        row = (b * T + t) * H + pid % H
-        _, _, _, _, _, _, _, state = _gdr_step(
-            state, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v, mask_k,
-            mask_v, True, T, DK, DV, HAS_SEGMENTS,
-        )  # fmt: skip
-
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ck = (offs_c[:, None] < C) & (offs_k[None, :] < DK)
+    cv = (offs_c[:, None] < C) & (offs_v[None, :] < DV)
+    kv = (offs_k[:, None] < DK) & (offs_v[None, :] < DV)
+    tile_ck = offs_c[:, None] * DK + offs_k[None, :]
+    tile_cv = offs_c[:, None] * DV + offs_v[None, :]
+    tile_kv = offs_k[:, None] * DV + offs_v[None, :]
     dstate = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    for cc in range(NUM_CHUNKS):
-        c = NUM_CHUNKS - 1 - cc
-        state = tl.load(h_base + c * size + tile)
-        for i in range(CHUNK):
-            t = c * CHUNK + i
-            # The last chunk may be partial: past T, zero k, beta and g leave S unchanged.
-            tl.store(s_base + i * size + tile, state)
-            row = (b * T + t) * H + pid % H
-            _, _, _, _, _, _, _, state = _gdr_step(
-                state, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v,
-                mask_k, mask_v, t < T, T, DK, DV, HAS_SEGMENTS,
-            )  # fmt: skip
-        tl.debug_barrier()  # scratch written above is read below
-        for j in range(CHUNK):
-            i = CHUNK - 1 - j
-            t = c * CHUNK + i
-            ok = t < T
-            prev_state = tl.load(s_base + i * size + tile)  # S_{t-1}
-            row = (b * T + t) * H + pid % H
-            mk, mv = tl.where(ok, mask_k, False), tl.where(ok, mask_v, False)
-            q = tl.load(q_ptr + row * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
-            do = tl.load(do_ptr + row * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
-            k, v, decay, beta, decayed, read, write, new_state = _gdr_step(
-                prev_state, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, b, t, row, offs_k, offs_v,
-                mask_k, mask_v, ok, T, DK, DV, HAS_SEGMENTS,
-            )  # fmt: skip
-            dstate += (q * scale)[:, None] * do[None, :]  # o = S_t^T (scale q)
-            dq = tl.sum(new_state * do[None, :], axis=1) * scale
-            dwrite = tl.sum(dstate * k[:, None], axis=0)
-            dk = tl.sum(dstate * write[None, :], axis=1)
-            dv = beta * dwrite
-            dbeta = tl.sum(dwrite * (v - read), axis=0)
-            dread = -beta * dwrite
-            ddecayed = dstate + k[:, None] * dread[None, :]
-            dk += tl.sum(decayed * dread[None, :], axis=1)
-            dg = tl.sum(tl.sum(ddecayed * prev_state, axis=1), axis=0) * decay  # da/dg = a
-            dstate = ddecayed * decay
-            tl.store(dq_ptr + row * DK + offs_k, dq.to(dq_ptr.dtype.element_ty), mask=mk)
-            tl.store(dk_ptr + row * DK + offs_k, dk.to(dk_ptr.dtype.element_ty), mask=mk)
-            tl.store(dv_ptr + row * DV + offs_v, dv.to(dv_ptr.dtype.element_ty), mask=mv)
-            tl.store(dg_ptr + row, dg.to(dg_ptr.dtype.element_ty), mask=ok)
-            tl.store(dbeta_ptr + row, dbeta.to(dbeta_ptr.dtype.element_ty), mask=ok)
-        tl.debug_barrier()  # the next chunk overwrites scratch
+    for nn in range(N):
+        chunk = bh * N + N - 1 - nn
+        tl.store(dnext_ptr + chunk * DK * DV + tile_kv, dstate, mask=kv)
+        k_end = tl.load(k_end_ptr + chunk * C * DK + tile_ck, mask=ck, other=0.0)
+        du = tl.load(du_ptr + chunk * C * DV + tile_cv, mask=cv, other=0.0)
+        du += tl.dot(k_end, dstate, input_precision=PRECISION)
+        tl.store(du_v_ptr + chunk * C * DV + tile_cv, du, mask=cv)
+        u_s = tl.load(u_s_ptr + chunk * C * DK + tile_ck, mask=ck, other=0.0)
+        dstate = (
+            tl.load(dstates_ptr + chunk * DK * DV + tile_kv, mask=kv, other=0.0)
+            + tl.load(decay_ptr + chunk) * dstate
+            - tl.dot(tl.trans(u_s), du, input_precision=PRECISION)
+        )
 
 
-def _launch_args(q: Tensor, v: Tensor, segments: Tensor | None) -> tuple[Tensor, dict]:
-    """Both kernels' segment pointer (q where unread: no segments) and shape constants."""
-    seg = segments.contiguous() if segments is not None else q
-    return seg, dict(T=q.shape[1], DK=q.shape[3], DV=v.shape[3], HAS_SEGMENTS=segments is not None)
+def _chunk_launch(u_s: Tensor, u_v: Tensor, precision: str) -> tuple[tuple[int, int], dict]:
+    """Both kernels' grid and constants: tiles of at least 16 (tl.dot's minimum), value columns
+    in blocks of 32, 8 warps, no pipelining. At Qwen3-Next's heads (Dk = Dv = 128, chunks of
+    64), compiled for sm_90 (tests/triton_aot.py): tf32 122 and 137 registers, 56 KiB of shared
+    memory, no spills (3 stages or 64 columns spill or overflow shared memory); tf32x3 (fp32
+    inputs) spills ~260 B a thread, none on sm_100."""
+    _, _, N, C, DK = u_s.shape
+    DV = u_v.shape[-1]
+    block_v = max(16, min(32, triton.next_power_of_2(DV)))
+    meta = dict(
+        N=N, C=C, DK=DK, DV=DV, BLOCK_C=max(16, triton.next_power_of_2(C)),
+        BLOCK_K=max(16, triton.next_power_of_2(DK)), BLOCK_V=block_v, PRECISION=precision,
+        num_warps=8, num_stages=1,
+    )  # fmt: skip
+    return (u_s.shape[0] * u_s.shape[1], triton.cdiv(DV, block_v)), meta
+
+
+def chunk_recurrence_triton(
+    u_v: Tensor, u_s: Tensor, k_end: Tensor, chunk_decay: Tensor, precision: str
+) -> tuple[Tensor, Tensor]:
+    """models.gated_deltanet.chunk_recurrence by _gdr_chunk_fwd_kernel (fp32 tensors shaped as
+    the model makes them); differentiable as _ChunkRecurrence."""
+    u, states = _chunk_recurrence_fake(u_v, u_s, k_end, chunk_decay, precision)
+    grid, meta = _chunk_launch(u_s, u_v, precision)
+    _gdr_chunk_fwd_kernel[grid](
+        u_v.contiguous(), u_s.contiguous(), k_end.contiguous(), chunk_decay.contiguous(),
+        u, states, **meta,
+    )  # fmt: skip
+    return u, states
+
+
+def _chunk_recurrence_fake(u_v, u_s, k_end, chunk_decay, precision):
+    """(u, states), contiguous whatever the inputs' strides (the kernels write them so)."""
+    B, H, N, _, DK = u_s.shape
+    return u_v.new_empty(u_v.shape), u_v.new_empty(B, H, N, DK, u_v.shape[-1])
+
+
+def chunk_recurrence_backward_triton(
+    du: Tensor, dstates: Tensor, u_s: Tensor, k_end: Tensor, chunk_decay: Tensor, u: Tensor,
+    states: Tensor, precision: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(du_v, du_s, dk_end, dchunk_decay) of chunk_recurrence_triton: _gdr_chunk_bwd_kernel's
+    loop, then the gradients that need no loop as batched GEMMs over its dnext."""
+    du_v = u.new_empty(u.shape)
+    dnext = states.new_empty(states.shape)
+    grid, meta = _chunk_launch(u_s, u, precision)
+    _gdr_chunk_bwd_kernel[grid](
+        u_s.contiguous(), k_end.contiguous(), chunk_decay.contiguous(), du.contiguous(),
+        dstates.contiguous(), du_v, dnext, **meta,
+    )  # fmt: skip
+    du_s = -(du_v @ states.transpose(-1, -2))  # u = u_v - u_s S_n
+    dk_end = u @ dnext.transpose(-1, -2)  # S_{n+1} = decay S_n + k_end^T u
+    ddecay = (dnext * states).sum((-1, -2), keepdim=True)
+    return du_v, du_s, dk_end, ddecay
+
+
+# Ops of their own so that torch.func (the op's backward) calls the launchers with plain tensors.
+_chunk_recurrence = torch.library.custom_op(
+    "graphtrain::gated_delta_chunk_recurrence", chunk_recurrence_triton, mutates_args=()
+)
+_chunk_recurrence.register_fake(_chunk_recurrence_fake)
+_chunk_recurrence_backward = torch.library.custom_op(
+    "graphtrain::gated_delta_chunk_recurrence_backward",
+    chunk_recurrence_backward_triton,
+    mutates_args=(),
+)
+
+
+@_chunk_recurrence_backward.register_fake
+def _chunk_recurrence_backward_fake(du, dstates, u_s, k_end, chunk_decay, u, states, precision):
+    return tuple(x.new_empty(x.shape) for x in (u, u_s, k_end, chunk_decay))
+
+
+class _ChunkRecurrence(torch.autograd.Function):
+    """The recurrence op with its backward op as its gradient, in the forward/setup_context form
+    torch.func.vjp (the op's backward) differentiates through."""
+
+    @staticmethod
+    def forward(
+        u_v: Tensor, u_s: Tensor, k_end: Tensor, chunk_decay: Tensor, precision: str
+    ) -> tuple[Tensor, Tensor]:
+        return _chunk_recurrence(u_v, u_s, k_end, chunk_decay, precision)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        _, u_s, k_end, chunk_decay, ctx.precision = inputs
+        ctx.save_for_backward(u_s, k_end, chunk_decay, *output)
+
+    @staticmethod
+    def backward(ctx: Any, du: Tensor, dstates: Tensor) -> tuple:
+        grads = _chunk_recurrence_backward(du, dstates, *ctx.saved_tensors, ctx.precision)
+        return (*grads, None)
+
+
+def _triton_recurrence(dtype: torch.dtype) -> Recurrence:
+    """The kernels' loop for inputs of `dtype`: fp32 products for fp32 inputs, tf32 for 16-bit
+    ones (whose values carry 8 to 11 bits; tf32 keeps 11)."""
+    precision = "tf32x3" if dtype == torch.float32 else "tf32"
+    return lambda u_v, u_s, k_end, decay: _ChunkRecurrence.apply(u_v, u_s, k_end, decay, precision)
 
 
 def chunk_gated_delta_rule_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Tensor | None,
     opts: GatedDeltaRuleOptions,
 ) -> Tensor:  # fmt: skip
-    """o by _gdr_fwd_kernel."""
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o = torch.empty_like(v)
-    if o.numel() == 0:
-        return o
-    seg, meta = _launch_args(q, v, segments)
-    block_v = min(triton.next_power_of_2(meta["DV"]), 32)
-    grid = (q.shape[0] * q.shape[2], triton.cdiv(meta["DV"], block_v))
-    block_k = triton.next_power_of_2(meta["DK"])
-    _gdr_fwd_kernel[grid](
-        q, k, v, g, beta, seg, o, q.shape[2], opts.scale, BLOCK_K=block_k, BLOCK_V=block_v, **meta
-    )
-    return o
+    """o: the model's chunked form (batched over chunks) with its loop over chunks in
+    _gdr_chunk_fwd_kernel."""
+    if v.numel() == 0:
+        return torch.empty_like(v)
+    return _model_chunk_gated_delta_rule(
+        q, k, v, g, beta, segments, chunk_size=opts.chunk_size, scale=opts.scale,
+        recurrence=_triton_recurrence(v.dtype),
+    )  # fmt: skip
 
 
 def chunk_gated_delta_rule_backward_triton(
     grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    segments: Tensor | None, opts: GatedDeltaRuleOptions, chunk: int | None = None,
+    segments: Tensor | None, opts: GatedDeltaRuleOptions,
 ) -> tuple[Tensor, ...]:  # fmt: skip
-    """(dq, dk, dv, dg, dbeta) by _gdr_bwd_kernel; `chunk` (default opts.chunk_size): positions
-    between kept states. Memory: fp32 states of cdiv(T, chunk) + chunk positions per (batch,
-    head), e.g. 80 MiB a head at T = 4096, chunk 64, Dk = Dv = 128."""
-    chunk = chunk or opts.chunk_size
-    q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
-    grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+    """(dq, dk, dv, dg, dbeta): the vjp of chunk_gated_delta_rule_triton, its forward
+    recomputed (the chunk terms' autograd in torch, the loop's by _gdr_chunk_bwd_kernel)."""
     if v.numel() == 0:
-        return tuple(grads)
-    seg, meta = _launch_args(q, v, segments)
-    B, T, H, _ = q.shape
-    block_k, block_v = triton.next_power_of_2(meta["DK"]), triton.next_power_of_2(meta["DV"])
-    num_chunks = triton.cdiv(T, chunk)
-    f32 = torch.float32
-    states = torch.empty(B * H, num_chunks, block_k, block_v, dtype=f32, device=q.device)
-    scratch = torch.empty(B * H, chunk, block_k, block_v, dtype=f32, device=q.device)
-    # The (Dk, Dv) fp32 state and its gradient live in registers: at 128 x 128, 4 warps spill
-    # 18 KB per thread on sm_90, 16 warps 540 B (tests/triton_aot.py).
-    _gdr_bwd_kernel[(B * H,)](
-        q, k, v, g, beta, seg, grad_o, *grads, states, scratch, H, opts.scale,
-        BLOCK_K=block_k, BLOCK_V=block_v, CHUNK=chunk, NUM_CHUNKS=num_chunks, num_warps=16,
-        **meta,
-    )  # fmt: skip
-    return tuple(grads)
+        return tuple(torch.empty_like(x) for x in (q, k, v, g, beta))
+    grads = _vjp(chunk_gated_delta_rule_triton, grad_o, q, k, v, g, beta, segments, opts)
+    return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta), strict=True))
 
 
 # --------------------------------------------------------------------------------------------

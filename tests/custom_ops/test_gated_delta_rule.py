@@ -1,9 +1,9 @@
 """graphtrain::chunk_gated_delta_rule: the op against the step-by-step recurrence (float64,
-forward and every gradient, documents), its checks and opcheck; the Triton kernels under
-TRITON_INTERPRET=1 in fp32 (a child process: the interpreter is chosen at import); the choice of
-CUDA kernels (ours or FLA's) and, where fla-core is installed, FLA's kernels under the
-interpreter against our reference and through the op; GPU tests (marker gpu) check the CUDA
-paths against float64."""
+forward and every gradient, documents), its checks and opcheck; our CUDA path (the chunked
+form, its loop over chunks in Triton) under TRITON_INTERPRET=1 in fp32 (a child process: the
+interpreter is chosen at import); the choice of CUDA kernels (ours or FLA's) and, where fla-core
+is installed, FLA's kernels under the interpreter against our reference and through the op; GPU
+tests (marker gpu) check the CUDA paths against float64."""
 
 import os
 import sys
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import graphtrain.custom_ops.gated_delta_rule as gdr
 from graphtrain.custom_ops.utils import interpreting
-from models.gated_deltanet import gated_delta_rule_recurrent, l2norm, segment_ids
+from models.gated_deltanet import chunk_recurrence, gated_delta_rule_recurrent, l2norm, segment_ids
 
 OP = torch.ops.graphtrain.chunk_gated_delta_rule
 
@@ -162,19 +162,23 @@ def test_fla_documents_are_our_segments():
 
 
 def _interpreter_checks() -> None:
-    """Run in a child with TRITON_INTERPRET=1: the Triton forward and backward on CPU, fp32,
-    against the float64 recurrence and its autograd; Dk, Dv not powers of two, Dv over one
-    column block, documents (one of length 1)."""
+    """Run in a child with TRITON_INTERPRET=1: our CUDA path on CPU, fp32 (the model's chunk
+    terms, the loop over chunks by the Triton kernels, the backward through torch.func) against
+    the float64 recurrence and its autograd; Dk, Dv not powers of two, chunks shorter than a
+    dot tile, a partial last chunk, documents across chunk boundaries (one of length 1), and
+    two column blocks of the kernels (Dv 40 and 96). Then the loop alone against the model's
+    chunk_recurrence with nonzero gradients for every output, states included."""
     assert interpreting()
-    for B, T, H, Dk, Dv, lengths in [
-        (1, 9, 1, 4, 4, None),
-        (2, 13, 2, 6, 5, [[3, 1, 9], [13]]),
-        (1, 7, 1, 8, 40, [[2, 5]]),  # two column blocks of 32
+    for B, T, H, Dk, Dv, chunk, lengths in [
+        (1, 9, 1, 4, 4, 4, None),
+        (2, 13, 2, 6, 5, 4, [[3, 1, 9], [13]]),
+        (1, 7, 1, 8, 40, 4, [[2, 5]]),
+        (1, 40, 2, 16, 96, 16, [[17, 23]]),
     ]:
         xs = _inputs(B, T, H, Dk, Dv, seed=T)
         seg = None if lengths is None else _segments(lengths)
         ref = gated_delta_rule_recurrent(*xs, seg, scale=0.6)
-        opts = gdr.GatedDeltaRuleOptions(scale=0.6)
+        opts = gdr.GatedDeltaRuleOptions(scale=0.6, chunk_size=chunk)
         out = gdr.chunk_gated_delta_rule_triton(*(x.float() for x in xs), seg, opts)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
@@ -182,14 +186,35 @@ def _interpreter_checks() -> None:
         ref = gated_delta_rule_recurrent(*xs, seg, scale=0.6)
         grad_o = torch.randn_like(ref)
         expected = torch.autograd.grad(ref, xs, grad_o)
-        # chunk 4: several chunks of kept states, the last one partial.
         grads = gdr.chunk_gated_delta_rule_backward_triton(
-            grad_o.float(), *(x.detach().float() for x in xs), seg, opts, chunk=4
+            grad_o.float(), *(x.detach().float() for x in xs), seg, opts
         )
         for name, a, b in zip("q k v g beta".split(), grads, expected, strict=True):
             assert a.dtype == torch.float32 and b.abs().max() > 0, name
             torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
-        print(f"interpreter B={B} T={T} H={H} Dk={Dk} Dv={Dv} ok")
+        print(f"interpreter B={B} T={T} H={H} Dk={Dk} Dv={Dv} chunk={chunk} ok")
+
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 3, 5, 6)  # B, H, N, C
+    leaves = [
+        torch.randn(*shape, 40, generator=gen, dtype=torch.float64),  # u_v
+        torch.randn(*shape, 12, generator=gen, dtype=torch.float64) * 0.3,  # u_s
+        torch.randn(*shape, 12, generator=gen, dtype=torch.float64) * 0.3,  # k_end
+        torch.rand(*shape[:3], 1, 1, generator=gen, dtype=torch.float64),  # chunk_decay
+    ]
+    leaves = [x.requires_grad_() for x in leaves]
+    want = chunk_recurrence(*leaves)
+    weights = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
+    expected = torch.autograd.grad(want, leaves, weights)
+    ours = [x.detach().float().requires_grad_() for x in leaves]
+    got = gdr._ChunkRecurrence.apply(*ours, "ieee")
+    for name, a, b in zip(("u", "states"), got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+    grads = torch.autograd.grad(got, ours, [w.float() for w in weights])
+    for name, a, b in zip(("u_v", "u_s", "k_end", "chunk_decay"), grads, expected, strict=True):
+        assert b.abs().max() > 0, name
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+    print("interpreter recurrence ok")
     print("interpreter all ok")
 
 
@@ -312,8 +337,8 @@ def test_fla_kernels_under_interpreter(monkeypatch):
 # ------------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-# fp32 tolerance of the relative error: ours computes in fp32 throughout; FLA's dots take fp32
-# inputs as TF32 (10-bit mantissa).
+# fp32 tolerance of the relative error: ours computes in fp32 (torch's GEMMs, 3xTF32 in the
+# loop's kernels); FLA's dots take fp32 inputs as TF32 (10-bit mantissa).
 KERNELS_FP32_TOL = [
     ("triton", 1e-4),
     pytest.param("fla", 5e-3, marks=pytest.mark.skipif(not FLA_INSTALLED, reason="no fla-core")),

@@ -244,11 +244,11 @@ stages() {
         bench gated_delta_rule 180 gated_delta_rule.py
         # hybrid-1b's step, plain torch.compile against graphtrain with the pass off (the
         # default) and on (the op's kernels as compile.gdr_kernels chooses: FLA's where
-        # installed): the 1.2x target and whether the pass may be on by default; 12 GDN layers
-        # to compile per row: ~2-3 min each.
-        bench e2e-hybrid-1b 170 e2e.py --model hybrid-1b --steps 10 --warmup 3
-        bench e2e-hybrid-1b-gdr 150 e2e.py --model hybrid-1b --steps 10 --warmup 3 \
-            --set=--compile.passes=+gated_delta_rule
+        # installed, then ours, chunked, as a variant row): the 1.2x target and whether the pass
+        # may be on by default; 12 GDN layers to compile per row: ~1-2 min each.
+        bench e2e-hybrid-1b 150 e2e.py --model hybrid-1b --steps 10 --warmup 3
+        bench e2e-hybrid-1b-gdr 190 e2e.py --model hybrid-1b --steps 10 --warmup 3 \
+            --set=--compile.passes=+gated_delta_rule --variant=--compile.gdr_kernels=triton
         ;;
     profile-fp8)
         # The 3b preset with training.fp8, one sequence of 4096 (~63 GiB): 3 profiled steps, then

@@ -1,9 +1,11 @@
 """benchmarks/e2e.py's rows on CPU (debug model, a few steps): the trainer's step, the plain
 torch.compile loop and the torchtitan row run, so a change to the trainer's build or step
-breaks here rather than on the GPU. Nothing is timed or recorded."""
+breaks here rather than on the GPU; the GPU stages' e2e.py commands parse. Nothing is timed or
+recorded."""
 
 import importlib.util
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -119,3 +121,19 @@ def test_bad_arguments_are_named(e2e, capsys):
         e2e.parse_args(["--device=cpu", "--model=debug", "--force-balance"])
     with pytest.raises(SystemExit):
         e2e.parse_args(["--device=cpu", "--steps=0"])
+
+
+def test_the_gpu_stages_e2e_commands_parse(e2e):
+    """Every e2e.py command of benchmarks/gpu_session.sh passes e2e.py's own checks (presets,
+    every --set and --variant override against the config), so a misspelt key fails here and
+    not minutes into a GPU stage."""
+    script = (BENCHMARKS / "gpu_session.sh").read_text().replace("\\\n", " ")
+    commands = [
+        shlex.split(line.split("e2e.py", 1)[1])
+        for line in script.splitlines()
+        if line.strip().startswith("bench ") and " e2e.py " in line
+    ]
+    assert len(commands) >= 6, commands
+    for argv in commands:
+        args = e2e.parse_args([*argv, "--device=cpu"])
+        assert args.model in e2e.JOB_PRESETS, argv

@@ -35,10 +35,8 @@ from torch import nn
 
 from models.layers import RMSNorm, init_trunc_normal, local_tensor
 
-# The loop over chunks, (u_v, u_s, k_end, chunk_decay) -> (u, states): `chunk_recurrence`.
-Recurrence = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
-]
+# The loop over chunks, (q_state, intra, u_v, u_s, k_end, chunk_decay) -> o: `chunk_recurrence`.
+Recurrence = Callable[..., torch.Tensor]
 
 # The annotation key of the recurrence region (gated_delta_rule): a compiler pass looks for it.
 REGION_KEY = "gated_delta_rule_region"
@@ -144,28 +142,34 @@ def chunk_gated_delta_rule(
     q_state = q * state_decay.unsqueeze(-1)
     k_end = k * end_decay.unsqueeze(-1)
 
-    u, states = (recurrence or chunk_recurrence)(u_v, u_s, k_end, chunk_decay)
-    o = (q_state @ states + intra @ u).flatten(2, 3)[:, :, :T]  # (B, H, T, Dv)
+    o = (recurrence or chunk_recurrence)(q_state, intra, u_v, u_s, k_end, chunk_decay)
+    o = o.flatten(2, 3)[:, :, :T]  # (B, H, T, Dv)
     return o.transpose(1, 2).to(out_dtype)
 
 
 def chunk_recurrence(
-    u_v: torch.Tensor, u_s: torch.Tensor, k_end: torch.Tensor, chunk_decay: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q_state: torch.Tensor,
+    intra: torch.Tensor,
+    u_v: torch.Tensor,
+    u_s: torch.Tensor,
+    k_end: torch.Tensor,
+    chunk_decay: torch.Tensor,
+) -> torch.Tensor:
     """The sequential part of `chunk_gated_delta_rule`: over the chunks n of each (B, H), from a
     zero state S_0 (Dk, Dv),
-        u_n = u_v[n] - u_s[n] @ S_n,    S_{n+1} = chunk_decay[n] S_n + k_end[n]^T @ u_n.
-    u_v (B, H, N, C, Dv), u_s and k_end (B, H, N, C, Dk), chunk_decay (B, H, N, 1, 1). Returns
-    u (B, H, N, C, Dv), what each chunk writes, and the states entering the chunks (B, H, N, Dk,
-    Dv)."""
+        u_n = u_v[n] - u_s[n] @ S_n                   what chunk n writes
+        o_n = q_state[n] @ S_n + intra[n] @ u_n       its output
+        S_{n+1} = chunk_decay[n] S_n + k_end[n]^T @ u_n.
+    q_state, u_s, k_end (B, H, N, C, Dk); intra (B, H, N, C, C); u_v (B, H, N, C, Dv);
+    chunk_decay (B, H, N, 1, 1). Returns o (B, H, N, C, Dv)."""
     B, H, N, _, Dk = u_s.shape
     state = u_v.new_zeros(B, H, Dk, u_v.shape[-1])
-    us, states = [], []
+    outs = []
     for n in range(N):
-        states.append(state)
-        us.append(u_v[:, :, n] - u_s[:, :, n] @ state)
-        state = state * chunk_decay[:, :, n] + k_end[:, :, n].transpose(-1, -2) @ us[-1]
-    return torch.stack(us, 2), torch.stack(states, 2)
+        u = u_v[:, :, n] - u_s[:, :, n] @ state
+        outs.append(q_state[:, :, n] @ state + intra[:, :, n] @ u)
+        state = state * chunk_decay[:, :, n] + k_end[:, :, n].transpose(-1, -2) @ u
+    return torch.stack(outs, 2)
 
 
 @torch.compiler.nested_compile_region

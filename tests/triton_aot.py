@@ -371,16 +371,18 @@ def _cases() -> None:
     # chunk terms are torch's. 16-bit inputs: tf32 products (fp32 inputs take "ieee").
     gdr = importlib.import_module("graphtrain.custom_ops.gated_delta_rule")
     shape = (1, 32, 64, 64)  # B, H, N, C
-    u_v, u_s, k_end = (_meta(*shape, 128, dtype=f32) for _ in range(3))
-    decay = _meta(*shape[:3], 1, 1, dtype=f32)
+    q_state, u_v, u_s, k_end = (_meta(*shape, 128, dtype=f32) for _ in range(4))
+    intra, decay = _meta(*shape, 64, dtype=f32), _meta(*shape[:3], 1, 1, dtype=f32)
     states = _meta(*shape[:3], 128, 128, dtype=f32)
     for precision, subset in (("tf32", "fast"), ("tf32x3", "ci")):
         case(f"gated_delta_rule recurrence fwd 1x32x4096 D=128 {precision}", subset)(
-            lambda p=precision: gdr.chunk_recurrence_triton(u_v, u_s, k_end, decay, p)
+            lambda p=precision: gdr.chunk_recurrence_triton(
+                q_state, intra, u_v, u_s, k_end, decay, p
+            )
         )
         case(f"gated_delta_rule recurrence bwd 1x32x4096 D=128 {precision}", subset)(
             lambda p=precision: gdr.chunk_recurrence_backward_triton(
-                u_v, states, u_s, k_end, decay, u_v, states, p
+                u_v, q_state, intra, u_s, k_end, decay, u_v, states, p
             )
         )
 

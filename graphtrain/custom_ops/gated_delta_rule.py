@@ -139,7 +139,7 @@ def chunk_gated_delta_rule_backward_ref(
 
 @triton.jit
 def _gdr_chunk_fwd_kernel(
-    u_v_ptr, u_s_ptr, k_end_ptr, decay_ptr, u_ptr, states_ptr,
+    q_state_ptr, intra_ptr, u_v_ptr, u_s_ptr, k_end_ptr, decay_ptr, o_ptr, u_ptr, states_ptr,
     N: tl.constexpr,  # constant: Triton's interpreter needs constant loop bounds
     C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -147,9 +147,11 @@ def _gdr_chunk_fwd_kernel(
 ):  # fmt: skip
     # One program: one (batch, head) row bh, value columns [pid_v * BLOCK_V, ...); the state
     # S (BLOCK_K, BLOCK_V) in fp32 registers across the N chunks (models' chunk_recurrence):
-    #   states[n] = S;  u[n] = u_v[n] - u_s[n] @ S;  S = decay[n] S + k_end[n]^T @ u[n].
-    # Inputs contiguous fp32: u_v, u (BH, N, C, DV); u_s, k_end (BH, N, C, DK); decay (BH, N);
-    # states (BH, N, DK, DV). Padding rows and columns load as zeros and are not stored.
+    #   states[n] = S;  u[n] = u_v[n] - u_s[n] @ S;  o[n] = q_state[n] @ S + intra[n] @ u[n];
+    #   S = decay[n] S + k_end[n]^T @ u[n]   (u and states kept for the backward).
+    # Inputs contiguous fp32: u_v, o, u (BH, N, C, DV); q_state, u_s, k_end (BH, N, C, DK);
+    # intra (BH, N, C, C); decay (BH, N); states (BH, N, DK, DV). Padding rows and columns
+    # load as zeros and are not stored.
     bh = tl.program_id(0)
     offs_c = tl.arange(0, BLOCK_C)
     offs_k = tl.arange(0, BLOCK_K)
@@ -160,6 +162,8 @@ def _gdr_chunk_fwd_kernel(
     tile_ck = offs_c[:, None] * DK + offs_k[None, :]
     tile_cv = offs_c[:, None] * DV + offs_v[None, :]
     tile_kv = offs_k[:, None] * DV + offs_v[None, :]
+    cc = (offs_c[:, None] < C) & (offs_c[None, :] < C)
+    tile_cc = offs_c[:, None] * C + offs_c[None, :]
     state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     for n in range(N):
         chunk = bh * N + n
@@ -168,6 +172,11 @@ def _gdr_chunk_fwd_kernel(
         u = tl.load(u_v_ptr + chunk * C * DV + tile_cv, mask=cv, other=0.0)
         u -= tl.dot(u_s, state, input_precision=PRECISION)
         tl.store(u_ptr + chunk * C * DV + tile_cv, u, mask=cv)
+        q_state = tl.load(q_state_ptr + chunk * C * DK + tile_ck, mask=ck, other=0.0)
+        intra = tl.load(intra_ptr + chunk * C * C + tile_cc, mask=cc, other=0.0)
+        o = tl.dot(q_state, state, input_precision=PRECISION)
+        o += tl.dot(intra, u, input_precision=PRECISION)
+        tl.store(o_ptr + chunk * C * DV + tile_cv, o, mask=cv)
         k_end = tl.load(k_end_ptr + chunk * C * DK + tile_ck, mask=ck, other=0.0)
         state = state * tl.load(decay_ptr + chunk) + tl.dot(
             tl.trans(k_end), u, input_precision=PRECISION
@@ -215,9 +224,9 @@ def _gdr_chunk_bwd_kernel(
 def _chunk_launch(u_s: Tensor, u_v: Tensor, precision: str) -> tuple[tuple[int, int], dict]:
     """Both kernels' grid and constants: tiles of at least 16 (tl.dot's minimum), value columns
     in blocks of 32, 8 warps, no pipelining. At Qwen3-Next's heads (Dk = Dv = 128, chunks of
-    64), compiled for sm_90 (tests/triton_aot.py): tf32 122 and 137 registers, 56 KiB of shared
-    memory, no spills (3 stages or 64 columns spill or overflow shared memory); tf32x3 (fp32
-    inputs) spills ~260 B a thread, none on sm_100."""
+    64), compiled for sm_90 (tests/triton_aot.py): tf32 199 and 137 registers, 72 and 56 KiB of
+    shared memory, no spills (3 stages or 64 columns spill or overflow shared memory); tf32x3
+    (fp32 inputs) spills 928 and 268 B a thread (16 columns spill more), none on sm_100."""
     _, _, N, C, DK = u_s.shape
     DV = u_v.shape[-1]
     block_v = max(16, min(32, triton.next_power_of_2(DV)))
@@ -230,42 +239,50 @@ def _chunk_launch(u_s: Tensor, u_v: Tensor, precision: str) -> tuple[tuple[int, 
 
 
 def chunk_recurrence_triton(
-    u_v: Tensor, u_s: Tensor, k_end: Tensor, chunk_decay: Tensor, precision: str
-) -> tuple[Tensor, Tensor]:
+    q_state: Tensor, intra: Tensor, u_v: Tensor, u_s: Tensor, k_end: Tensor, chunk_decay: Tensor,
+    precision: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """models.gated_deltanet.chunk_recurrence by _gdr_chunk_fwd_kernel (fp32 tensors shaped as
-    the model makes them); differentiable as _ChunkRecurrence."""
-    u, states = _chunk_recurrence_fake(u_v, u_s, k_end, chunk_decay, precision)
+    the model makes them): (o, u, states), u and the states entering the chunks kept for the
+    backward; differentiable as _ChunkRecurrence."""
+    o, u, states = _chunk_recurrence_fake(q_state, intra, u_v, u_s, k_end, chunk_decay, precision)
     grid, meta = _chunk_launch(u_s, u_v, precision)
     _gdr_chunk_fwd_kernel[grid](
-        u_v.contiguous(), u_s.contiguous(), k_end.contiguous(), chunk_decay.contiguous(),
-        u, states, **meta,
+        *(x.contiguous() for x in (q_state, intra, u_v, u_s, k_end, chunk_decay)), o, u, states,
+        **meta,
     )  # fmt: skip
-    return u, states
+    return o, u, states
 
 
-def _chunk_recurrence_fake(u_v, u_s, k_end, chunk_decay, precision):
-    """(u, states), contiguous whatever the inputs' strides (the kernels write them so)."""
+def _chunk_recurrence_fake(q_state, intra, u_v, u_s, k_end, chunk_decay, precision):
+    """(o, u, states), contiguous whatever the inputs' strides (the kernels write them so)."""
     B, H, N, _, DK = u_s.shape
-    return u_v.new_empty(u_v.shape), u_v.new_empty(B, H, N, DK, u_v.shape[-1])
+    states = u_v.new_empty(B, H, N, DK, u_v.shape[-1])
+    return u_v.new_empty(u_v.shape), u_v.new_empty(u_v.shape), states
 
 
 def chunk_recurrence_backward_triton(
-    du: Tensor, dstates: Tensor, u_s: Tensor, k_end: Tensor, chunk_decay: Tensor, u: Tensor,
-    states: Tensor, precision: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(du_v, du_s, dk_end, dchunk_decay) of chunk_recurrence_triton: _gdr_chunk_bwd_kernel's
-    loop, then the gradients that need no loop as batched GEMMs over its dnext."""
+    do: Tensor, q_state: Tensor, intra: Tensor, u_s: Tensor, k_end: Tensor, chunk_decay: Tensor,
+    u: Tensor, states: Tensor, precision: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The gradients of chunk_recurrence_triton's o for (q_state, intra, u_v, u_s, k_end,
+    chunk_decay): what o's products give batched, _gdr_chunk_bwd_kernel's loop, then the rest
+    batched over its dnext."""
+    dq_state = do @ states.transpose(-1, -2)  # o = q_state S_n + intra u
+    dintra = do @ u.transpose(-1, -2)
+    du = intra.transpose(-1, -2) @ do
+    dstates = q_state.transpose(-1, -2) @ do
     du_v = u.new_empty(u.shape)
     dnext = states.new_empty(states.shape)
     grid, meta = _chunk_launch(u_s, u, precision)
     _gdr_chunk_bwd_kernel[grid](
-        u_s.contiguous(), k_end.contiguous(), chunk_decay.contiguous(), du.contiguous(),
-        dstates.contiguous(), du_v, dnext, **meta,
+        u_s.contiguous(), k_end.contiguous(), chunk_decay.contiguous(), du, dstates, du_v, dnext,
+        **meta,
     )  # fmt: skip
     du_s = -(du_v @ states.transpose(-1, -2))  # u = u_v - u_s S_n
     dk_end = u @ dnext.transpose(-1, -2)  # S_{n+1} = decay S_n + k_end^T u
     ddecay = (dnext * states).sum((-1, -2), keepdim=True)
-    return du_v, du_s, dk_end, ddecay
+    return dq_state, dintra, du_v, du_s, dk_end, ddecay
 
 
 # Ops of their own so that torch.func (the op's backward) calls the launchers with plain tensors.
@@ -281,28 +298,28 @@ _chunk_recurrence_backward = torch.library.custom_op(
 
 
 @_chunk_recurrence_backward.register_fake
-def _chunk_recurrence_backward_fake(du, dstates, u_s, k_end, chunk_decay, u, states, precision):
-    return tuple(x.new_empty(x.shape) for x in (u, u_s, k_end, chunk_decay))
+def _chunk_recurrence_backward_fake(do, q_state, intra, u_s, k_end, chunk_decay, u, states, prec):
+    return tuple(x.new_empty(x.shape) for x in (q_state, intra, u, u_s, k_end, chunk_decay))
 
 
 class _ChunkRecurrence(torch.autograd.Function):
     """The recurrence op with its backward op as its gradient, in the forward/setup_context form
-    torch.func.vjp (the op's backward) differentiates through."""
+    torch.func.vjp (the op's backward) differentiates through: returns (o, u, states), the last
+    two not differentiable (kept for the backward)."""
 
     @staticmethod
-    def forward(
-        u_v: Tensor, u_s: Tensor, k_end: Tensor, chunk_decay: Tensor, precision: str
-    ) -> tuple[Tensor, Tensor]:
-        return _chunk_recurrence(u_v, u_s, k_end, chunk_decay, precision)
+    def forward(*terms_and_precision: Any) -> tuple[Tensor, Tensor, Tensor]:
+        return _chunk_recurrence(*terms_and_precision)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        _, u_s, k_end, chunk_decay, ctx.precision = inputs
-        ctx.save_for_backward(u_s, k_end, chunk_decay, *output)
+        q_state, intra, _, u_s, k_end, chunk_decay, ctx.precision = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(q_state, intra, u_s, k_end, chunk_decay, *output[1:])
 
     @staticmethod
-    def backward(ctx: Any, du: Tensor, dstates: Tensor) -> tuple:
-        grads = _chunk_recurrence_backward(du, dstates, *ctx.saved_tensors, ctx.precision)
+    def backward(ctx: Any, do: Tensor, *_: Tensor) -> tuple:
+        grads = _chunk_recurrence_backward(do.contiguous(), *ctx.saved_tensors, ctx.precision)
         return (*grads, None)
 
 
@@ -310,7 +327,7 @@ def _triton_recurrence(dtype: torch.dtype) -> Recurrence:
     """The kernels' loop for inputs of `dtype`: fp32 products for fp32 inputs, tf32 for 16-bit
     ones (whose values carry 8 to 11 bits; tf32 keeps 11)."""
     precision = "tf32x3" if dtype == torch.float32 else "tf32"
-    return lambda u_v, u_s, k_end, decay: _ChunkRecurrence.apply(u_v, u_s, k_end, decay, precision)
+    return lambda *terms: _ChunkRecurrence.apply(*terms, precision)[0]
 
 
 def chunk_gated_delta_rule_triton(

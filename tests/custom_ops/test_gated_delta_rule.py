@@ -197,6 +197,8 @@ def _interpreter_checks() -> None:
     gen = torch.Generator().manual_seed(3)
     shape = (2, 3, 5, 6)  # B, H, N, C
     leaves = [
+        torch.randn(*shape, 12, generator=gen, dtype=torch.float64),  # q_state
+        torch.randn(*shape, 6, generator=gen, dtype=torch.float64).tril(),  # intra
         torch.randn(*shape, 40, generator=gen, dtype=torch.float64),  # u_v
         torch.randn(*shape, 12, generator=gen, dtype=torch.float64) * 0.3,  # u_s
         torch.randn(*shape, 12, generator=gen, dtype=torch.float64) * 0.3,  # k_end
@@ -204,14 +206,14 @@ def _interpreter_checks() -> None:
     ]
     leaves = [x.requires_grad_() for x in leaves]
     want = chunk_recurrence(*leaves)
-    weights = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
-    expected = torch.autograd.grad(want, leaves, weights)
+    weight = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(want, leaves, weight)
     ours = [x.detach().float().requires_grad_() for x in leaves]
-    got = gdr._ChunkRecurrence.apply(*ours, "ieee")
-    for name, a, b in zip(("u", "states"), got, want, strict=True):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
-    grads = torch.autograd.grad(got, ours, [w.float() for w in weights])
-    for name, a, b in zip(("u_v", "u_s", "k_end", "chunk_decay"), grads, expected, strict=True):
+    got = gdr._ChunkRecurrence.apply(*ours, "ieee")[0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(got, ours, weight.float())
+    names = ("q_state", "intra", "u_v", "u_s", "k_end", "chunk_decay")
+    for name, a, b in zip(names, grads, expected, strict=True):
         assert b.abs().max() > 0, name
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
     print("interpreter recurrence ok")

@@ -323,6 +323,21 @@ class _ChunkRecurrence(torch.autograd.Function):
         return (*grads, None)
 
 
+def triton_refusal(chunk_size: int, dk: int) -> str | None:
+    """Why our kernels cannot take this chunk size and key head dim (None: they can). A
+    chunk's (C x Dk) and (C x C) fp32 tiles sit in shared memory: with C and Dk padded to
+    powers of two, C (Dk + C) <= 32768 fits sm_90's 227 KiB (C = 128 with Dk = 128: 160 KiB;
+    C = 256 with Dk = 128 would need 432 KiB, C = 128 with Dk = 256 240 KiB)."""
+    c, d = max(16, triton.next_power_of_2(chunk_size)), max(16, triton.next_power_of_2(dk))
+    if c * (d + c) <= 32768:
+        return None
+    return (
+        f"graphtrain's gated delta rule kernels take chunk_size * (key head dim + chunk_size) "
+        f"<= 32768 (powers of two), got chunk_size {chunk_size} and key head dim {dk}: a smaller "
+        "model.linear_chunk_size, or compile.gdr_kernels = 'fla'"
+    )
+
+
 def _triton_recurrence(dtype: torch.dtype) -> Recurrence:
     """The kernels' loop for inputs of `dtype`: fp32 products for fp32 inputs, tf32 for 16-bit
     ones (whose values carry 8 to 11 bits; tf32 keeps 11)."""
@@ -338,6 +353,9 @@ def chunk_gated_delta_rule_triton(
     _gdr_chunk_fwd_kernel."""
     if v.numel() == 0:
         return torch.empty_like(v)
+    refusal = triton_refusal(opts.chunk_size, q.shape[-1])
+    if refusal:
+        raise ValueError(refusal)
     return _model_chunk_gated_delta_rule(
         q, k, v, g, beta, segments, chunk_size=opts.chunk_size, scale=opts.scale,
         recurrence=_triton_recurrence(v.dtype),

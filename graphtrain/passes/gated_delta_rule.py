@@ -97,6 +97,12 @@ def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any], kern
         "chunk_size": int(options["chunk_size"]),
         "kernels": kernels,
     }
+    v = fx.val(args[2])
+    runs = gdr.choose_kernels(kernels, v.dtype, v.device.type)
+    dk = fx.val(args[0]).shape[-1]
+    refusal = runs == "triton" and gdr.triton_refusal(kwargs["chunk_size"], dk)
+    if refusal:
+        raise Refuse(refusal)
     with graph.inserting_before(node):
         new = fx.emit(graph, "call_function", _OP, tuple(args), kwargs, like=node)
     for user in users:
@@ -108,8 +114,6 @@ def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any], kern
         graph.erase_node(holder)
         delattr(gm, holder.target)
     names = ", ".join("None" if a is None else a.name for a in args)
-    v = fx.val(args[2])
-    runs = gdr.choose_kernels(kernels, v.dtype, v.device.type)
     return (
         f"replaced the region {node.name} with {new.name} = "
         f"graphtrain.chunk_gated_delta_rule({names}, scale={kwargs['scale']:.6g}, "
@@ -117,9 +121,9 @@ def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any], kern
     )
 
 
-# Off by default: its Triton kernels step through positions without tensor cores and have not
-# been timed; Inductor's code for the chunked form may well be faster (RESULTS.md, prediction).
-# "+gated_delta_rule" switches it on.
+# Off by default: neither our kernels (chunked since 2026-11-27) nor FLA's have been timed
+# against Inductor's code for the chunked form (RESULTS.md, predictions). "+gated_delta_rule"
+# switches it on.
 @register_pass("gated_delta_rule", stage="pre_grad", default_on=False, preserves_numerics=False)
 def gated_delta_rule_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext

@@ -118,6 +118,21 @@ def test_choose_kernels(monkeypatch, kernels, dtype, device, fla_imports, expect
     assert gdr.choose_kernels(kernels, dtype, device) == expected
 
 
+@pytest.mark.parametrize(
+    "chunk, dk, fits",
+    [(64, 128, True), (128, 128, True), (64, 256, True), (256, 128, False), (128, 256, False)],
+)
+def test_our_kernels_refuse_chunks_whose_tiles_overflow_shared_memory(chunk, dk, fits):
+    """The bound the sm_90 compiles drew (triton_refusal's docstring); the op refuses before any
+    launch, naming both values."""
+    assert (gdr.triton_refusal(chunk, dk) is None) == fits
+    if not fits:
+        xs = _inputs(1, 8, 1, dk, 4, dtype=torch.float32)
+        opts = gdr.GatedDeltaRuleOptions(scale=0.5, chunk_size=chunk)
+        with pytest.raises(ValueError, match=f"got chunk_size {chunk} and key head dim {dk}"):
+            gdr.chunk_gated_delta_rule_triton(*xs, None, opts)
+
+
 def test_fla_missing_is_one_clear_error(monkeypatch):
     """Asked for where fla-core does not import: the op's kernels and the pass (at compile
     time) raise one error naming the option and the package."""

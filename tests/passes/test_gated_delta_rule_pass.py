@@ -62,6 +62,29 @@ def test_pass_replaces_the_region_and_keeps_values_and_gradients(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_chunk_our_kernels_cannot_take_leaves_the_region(tmp_path, monkeypatch):
+    """Where our CUDA kernels would run (choose_kernels made to say so on CPU) with a chunk
+    whose tiles overflow shared memory, the region stays (the model's code runs) and the note
+    names the chunk size, the key head dim and the ways out."""
+    import graphtrain.custom_ops.gated_delta_rule as gdr
+
+    model = _model("hybrid-debug")
+    block = model.layers["0"]
+    monkeypatch.setattr(gdr, "choose_kernels", lambda kernels, dtype, device: "triton")
+    for module in block.modules():
+        if hasattr(module, "chunk_size"):
+            monkeypatch.setattr(module, "chunk_size", 256)
+    out, grads = _run(block, *_block_inputs(model))
+    out_c, grads_c = _run(block, *_block_inputs(model), dump=tmp_path)
+    step = pass_step(tmp_path, "gated_delta_rule")
+    assert OP not in step["op_diff"], step
+    note = step["notes"][0]
+    assert "chunk_size 256 and key head dim" in note and "compile.gdr_kernels = 'fla'" in note
+    assert torch.equal(out_c, out)
+    for a, b in zip(grads_c, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_pass_off_leaves_the_region_and_eager_numerics(tmp_path):
     model = _model("hybrid-debug")
     block = model.layers["1"]

@@ -182,7 +182,7 @@ def _interpreter_checks() -> None:
     the float64 recurrence and its autograd; Dk, Dv not powers of two, chunks shorter than a
     dot tile, a partial last chunk, documents across chunk boundaries (one of length 1), and
     two column blocks of the kernels (Dv 40 and 96). Then the loop alone against the model's
-    chunk_recurrence with nonzero gradients for every output, states included."""
+    chunk_recurrence, every input's gradient; then a compiled block running it."""
     assert interpreting()
     for B, T, H, Dk, Dv, chunk, lengths in [
         (1, 9, 1, 4, 4, 4, None),
@@ -232,7 +232,54 @@ def _interpreter_checks() -> None:
         assert b.abs().max() > 0, name
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
     print("interpreter recurrence ok")
+    _compiled_block_with_our_kernels()
     print("interpreter all ok")
+
+
+def _compiled_block_with_our_kernels() -> None:
+    """hybrid-debug's first block compiled as the trainer compiles it (graphtrain's backend,
+    aot_eager) with the gated_delta_rule pass on and our CUDA path standing in on CPU
+    (choose_kernels made to pick it): the op's forward and its backward op (torch.func through
+    the loop's ops) inside the compiled graphs; output and every gradient as eager's, two
+    documents in a row."""
+    from graphtrain.compile import backend
+    from models import MODEL_PRESETS, build_model
+
+    torch.manual_seed(0)
+    model = build_model(MODEL_PRESETS["hybrid-debug"])
+    model.init_weights(seed=0)
+    block = model.layers["0"]
+    T = 70
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, T, model.cfg.dim, generator=gen)
+    rope = model.rope[torch.arange(T)].expand(2, T, -1, -1)
+    doc = torch.tensor([[0] * 30 + [1] * (T - 30), [0] * T])
+    picked = []
+
+    def choose(kernels, dtype, device):
+        picked.append(kernels)
+        return "triton"
+
+    gdr.choose_kernels = choose
+    results = []
+    for compiled in (False, True):
+        xi = x.clone().requires_grad_()
+        fn = block
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(
+                block, backend=backend(inner="aot_eager", passes=("+gated_delta_rule",)),
+                fullgraph=True,
+            )  # fmt: skip
+        out = fn(xi, rope, None, doc)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        results.append((out.detach(), torch.autograd.grad(out, [xi, *block.parameters()], g)))
+    assert len(picked) >= 3, picked  # the pass, then the op's forward and backward ran ours
+    (out, grads), (out_c, grads_c) = results
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_c, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    print("interpreter compiled block ok")
 
 
 def test_triton_kernels_under_interpreter():

@@ -339,8 +339,8 @@ def triton_refusal(chunk_size: int, dk: int) -> str | None:
 
 
 def _triton_recurrence(dtype: torch.dtype) -> Recurrence:
-    """The kernels' loop for inputs of `dtype`: fp32 products for fp32 inputs, tf32 for 16-bit
-    ones (whose values carry 8 to 11 bits; tf32 keeps 11)."""
+    """The kernels' loop for inputs of `dtype`: 3xTF32 products (about fp32's accuracy) for
+    fp32 inputs, TF32 for 16-bit ones (whose values carry 8 to 11 bits; TF32 keeps 11)."""
     precision = "tf32x3" if dtype == torch.float32 else "tf32"
     return lambda *terms: _ChunkRecurrence.apply(*terms, precision)[0]
 

@@ -1,6 +1,7 @@
 """The CUDA paths that had no GPU test (issue 26): `graphtrain train` for a few steps (dense with
-flex attention on packed documents and working weights, then with varlen attention; MoE with
-FP8, MTP under CUDA graphs and AdamWCopies), the varlen kernel against SDPA, FP8 under
+flex attention on packed documents and working weights, then with varlen attention; hybrid with
+our chunked Gated DeltaNet kernels; MoE with FP8, MTP under CUDA graphs and AdamWCopies), the
+varlen kernel against SDPA, FP8 under
 Inductor, the AdamWCopies optimizer, `inspect --profile`, the energy metric, checkpoint save /
 resume / export, `generate` and `eval`. They skip without CUDA.
 
@@ -170,6 +171,22 @@ def test_dense_train_varlen_attention_follows_eager_fp32(dense, tmp_path):
     _follows(run, ref, rtol=2e-2)
     ops = _captured_ops(run.run_dir, "block")
     assert ops.get("torch_attn._varlen_attn") == 1, ops
+    torch._dynamo.reset()
+
+
+def test_hybrid_train_with_our_chunked_gdn_kernels_follows_eager_fp32(corpus, tmp_path):
+    """hybrid-debug compiled with the gated_delta_rule pass on and our chunked kernels
+    (compile.gdr_kernels=triton: the chunk terms in torch, the loop over chunks in Triton, the
+    backward through torch.func): the op is inserted and the run follows the same job run
+    eagerly in fp32 (the model's own chunked form)."""
+    ours = ("--compile.passes=+gated_delta_rule", "--compile.gdr_kernels=triton",
+            "--compile.dump_graphs=true", "--checkpoint.final=false")  # fmt: skip
+    run = _train(_args(corpus, tmp_path / "run", "hybrid-debug", *ours))
+    ref = _train(
+        _args(corpus, tmp_path / "ref", "hybrid-debug", *EAGER_FP32, "--checkpoint.final=false")
+    )
+    _follows(run, ref, rtol=2e-2)
+    assert _inserted(run.run_dir).get("graphtrain.chunk_gated_delta_rule.default", 0) >= 1
     torch._dynamo.reset()
 
 

@@ -238,10 +238,14 @@ stages() {
         bench tp_overlap 80 tp_overlap.py
         ;;
     hybrid)
+        # First the op's GPU tests (ours and FLA's against float64, forward and backward; the
+        # Triton kernels compile once each): our chunked kernels have not run on a GPU yet.
+        item gdr-tests 70 "$python" -m pytest -m gpu -q -rfEs \
+            tests/custom_ops/test_gated_delta_rule.py
         # gated_delta_rule.py at Qwen3-Next's shapes (batch 1, 4096 tokens, 32 value heads of
         # 128): the compiled chunked reference (~30-60 s to compile the unrolled chunk loop),
         # graphtrain's op, FLA's kernels (the fla-core wheel in .whl): ~2 min.
-        bench gated_delta_rule 180 gated_delta_rule.py
+        bench gated_delta_rule 160 gated_delta_rule.py
         # hybrid-1b's step, plain torch.compile against graphtrain with the pass off (the
         # default) and on (the op's kernels as compile.gdr_kernels chooses: FLA's where
         # installed, then ours, chunked, as a variant row): the 1.2x target and whether the pass

@@ -199,9 +199,12 @@ stages() {
         # torch's F.linear_cross_entropy: 2 shapes x 10 rows per precision, each row do_bench
         # 50 + 300 ms plus one memory pass (~1 s a row, ~20 s); the compiled rows compile once
         # per shape, ~30 s each: ~2-3 min per precision. One item per precision, so each
-        # records its own section even if the other runs over.
-        bench cross_entropy-bf16 250 cross_entropy.py --precision bf16
-        bench cross_entropy-fp32-master 250 cross_entropy.py --precision fp32-master
+        # records its own section even if the other runs over. First the op's GPU tests (fast
+        # mode's grad_weight is a cuBLAS call that has not run on a GPU yet): ~30-60 s.
+        item lce-tests 70 "$python" -m pytest -m gpu -q -rfEs \
+            tests/custom_ops/test_linear_cross_entropy.py
+        bench cross_entropy-bf16 220 cross_entropy.py --precision bf16
+        bench cross_entropy-fp32-master 220 cross_entropy.py --precision fp32-master
         ;;
     fp8)
         # fp8_linear.py: GEMM-only rates, 3 linear shapes x 4 rows, 3 rmsnorm + linear rows, the

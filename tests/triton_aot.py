@@ -368,7 +368,7 @@ def _cases() -> None:
 
     # Gated DeltaNet's loop over chunks at Qwen3-Next's head shape (32 value heads of 128, keys
     # 128), sequence 4096 in 64 chunks of 64 (N and C are constexprs of the kernels); the
-    # chunk terms are torch's. 16-bit inputs: tf32 products (fp32 inputs take "ieee").
+    # chunk terms are torch's. 16-bit inputs: tf32 products (fp32 inputs: tf32x3, the ci tier).
     gdr = importlib.import_module("graphtrain.custom_ops.gated_delta_rule")
     shape = (1, 32, 64, 64)  # B, H, N, C
     q_state, u_v, u_s, k_end = (_meta(*shape, 128, dtype=f32) for _ in range(4))

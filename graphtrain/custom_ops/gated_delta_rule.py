@@ -138,6 +138,25 @@ def chunk_gated_delta_rule_backward_ref(
 
 
 @triton.jit
+def _chunk_tiles(
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Both loop kernels' masks and offsets within one chunk, for this program's value columns:
+    (C x DK), (C x DV) and (DK x DV) tiles of contiguous fp32 blocks."""
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ck = (offs_c[:, None] < C) & (offs_k[None, :] < DK)
+    cv = (offs_c[:, None] < C) & (offs_v[None, :] < DV)
+    kv = (offs_k[:, None] < DK) & (offs_v[None, :] < DV)
+    tile_ck = offs_c[:, None] * DK + offs_k[None, :]
+    tile_cv = offs_c[:, None] * DV + offs_v[None, :]
+    tile_kv = offs_k[:, None] * DV + offs_v[None, :]
+    return ck, cv, kv, tile_ck, tile_cv, tile_kv
+
+
+@triton.jit
 def _gdr_chunk_fwd_kernel(
     q_state_ptr, intra_ptr, u_v_ptr, u_s_ptr, k_end_ptr, decay_ptr, o_ptr, u_ptr, states_ptr,
     N: tl.constexpr,  # constant: Triton's interpreter needs constant loop bounds
@@ -153,15 +172,8 @@ def _gdr_chunk_fwd_kernel(
     # intra (BH, N, C, C); decay (BH, N); states (BH, N, DK, DV). Padding rows and columns
     # load as zeros and are not stored.
     bh = tl.program_id(0)
+    ck, cv, kv, tile_ck, tile_cv, tile_kv = _chunk_tiles(C, DK, DV, BLOCK_C, BLOCK_K, BLOCK_V)
     offs_c = tl.arange(0, BLOCK_C)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    ck = (offs_c[:, None] < C) & (offs_k[None, :] < DK)
-    cv = (offs_c[:, None] < C) & (offs_v[None, :] < DV)
-    kv = (offs_k[:, None] < DK) & (offs_v[None, :] < DV)
-    tile_ck = offs_c[:, None] * DK + offs_k[None, :]
-    tile_cv = offs_c[:, None] * DV + offs_v[None, :]
-    tile_kv = offs_k[:, None] * DV + offs_v[None, :]
     cc = (offs_c[:, None] < C) & (offs_c[None, :] < C)
     tile_cc = offs_c[:, None] * C + offs_c[None, :]
     state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
@@ -196,15 +208,7 @@ def _gdr_chunk_bwd_kernel(
     #   dS = dstates[n] + decay[n] dS - u_s[n]^T @ du_v[n]       (the gradient of S_n)
     # The rest of the gradient (u_s, k_end, decay) is batched GEMMs over dnext afterwards.
     bh = tl.program_id(0)
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    ck = (offs_c[:, None] < C) & (offs_k[None, :] < DK)
-    cv = (offs_c[:, None] < C) & (offs_v[None, :] < DV)
-    kv = (offs_k[:, None] < DK) & (offs_v[None, :] < DV)
-    tile_ck = offs_c[:, None] * DK + offs_k[None, :]
-    tile_cv = offs_c[:, None] * DV + offs_v[None, :]
-    tile_kv = offs_k[:, None] * DV + offs_v[None, :]
+    ck, cv, kv, tile_ck, tile_cv, tile_kv = _chunk_tiles(C, DK, DV, BLOCK_C, BLOCK_K, BLOCK_V)
     dstate = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     for nn in range(N):
         chunk = bh * N + N - 1 - nn

@@ -1,5 +1,5 @@
 """End-to-end training throughput of what users run: graphtrain's trainer against plain
-torch.compile of the same model and against torchtitan's Llama 3 trainer, one GPU.
+torch.compile of the same model and against torchtitan's trainer, one GPU.
 
     python benchmarks/e2e.py [--model 1b] [--seq-len 4096] [--batch 2] [--grad-accum 1] \\
         [--steps 20] [--warmup 5]
@@ -23,15 +23,18 @@ replay them. bf16 autocast with fp32 master weights, AdamW, a constant learning 
     accumulation, fp32 gradient finishing, clipping, step statistics, the FLOPs count). Left
     out of the loop: its log steps (one host sync every metrics.log_interval steps),
     validation and checkpoints.
-  * torchtitan: torchtitan==0.3.0 (the `peer` extra), its Trainer driven step by step through
-    Trainer.train_step with the same batches. Its Llama 3 model with graphtrain's dims (heads,
-    kv heads, FFN width, vocabulary, RoPE theta, tied or not), compile of model and loss, its
-    defaults otherwise: FSDP2's mixed precision on a one-rank mesh (fp32 master weights, bf16
-    compute), CUDA graphs, the chunked loss, its own init (so its loss differs by init) and
-    weight decay on every parameter; activation checkpointing off as in the other rows. It
-    masks documents by the positions the loader resets at every document start (block-causal
-    FlexAttention): the same mask. Dense models only; where it cannot run (not installed, no
-    CUDA, an error on this torch) its row says why instead of numbers.
+  * torchtitan: torchtitan==0.2.2 (the `peer` extra; the newest release that imports on torch
+    2.11), its Trainer driven step by step through Trainer.train_step with the same batches.
+    Dense: its Llama 3 with graphtrain's dims; MoE: its Qwen3 with MoE layers (GQA without
+    Qwen3's q/k norms, our first_k_dense dense layers, shared experts, score function, groups,
+    route scaling, expert-bias balancing at our rate, round-robin routing for --force-balance);
+    the parameter counts equal ours (tests/test_e2e_benchmark.py). Compile of model and loss,
+    its defaults otherwise: bf16 autocast over fp32 weights on one rank, FlexAttention
+    compiled with max-autotune (its warm-up is long), the unfused fp32 loss, its own init (so
+    its loss differs by init) and weight decay on every parameter; activation checkpointing
+    off as in the other rows. It resets RoPE at the loader's positions and masks documents at
+    the eos that ends each: the same mask. Where it cannot run (not installed, no CUDA, an
+    error on this torch) its row says why instead of numbers.
 --fp8: rows torch.compile (plain) bf16, graphtrain bf16, graphtrain with training.fp8; the FP8
 loss after the same steps must lie within FP8_LOSS_RTOL of the plain bf16 row's.
 --variant="--SECTION.KEY=VALUE ..." (repeatable): one more graphtrain row with these overrides on
@@ -51,6 +54,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import itertools
 import math
 import os
 import shlex
@@ -69,6 +73,7 @@ from graphtrain.optim import WorkingWeights, optimizer_from_config
 from graphtrain.run import build_run
 from graphtrain.step import ForwardLoss
 from models import MODEL_PRESETS, build_model
+from models.hybrid import HybridConfig
 from models.moe import MoEConfig
 
 GIB = 2**30
@@ -176,9 +181,9 @@ def measure(
 # The rows
 
 
-def graphtrain_row(name: str, cfg: JobConfig, warmup: int) -> tuple[Row, list, Path | None]:
+def graphtrain_row(name: str, cfg: JobConfig, warmup: int) -> tuple[Row, list, int | None]:
     """The trainer's own step on batches from its own loader; (row, the batches of every step,
-    the tokenizer file the loader used)."""
+    the loader's document separator: eos_id, None where documents are not marked)."""
     device = torch.device(cfg.training.device)
     _fresh_device(device)
     run = build_run(cfg, device, rank=0, world_size=1)
@@ -194,8 +199,7 @@ def graphtrain_row(name: str, cfg: JobConfig, warmup: int) -> tuple[Row, list, P
 
     row = measure(name, cfg, step, step_batches, warmup)
     run.metrics.close()
-    tokenizer = run.data.tokenizer
-    return row, step_batches, tokenizer.path if tokenizer is not None else None
+    return row, step_batches, run.data.train.eos_id
 
 
 def variant_row(args: argparse.Namespace, run_dir: str, variant: str, step_batches: list) -> Row:
@@ -270,13 +274,14 @@ def plain_compile_row(name: str, cfg: JobConfig, step_batches: list, warmup: int
     return measure(name, cfg, step, step_batches, warmup)
 
 
+TORCHTITAN = "torchtitan 0.2.2"
+
+
 def torchtitan_row(
-    name: str, cfg: JobConfig, step_batches: list, warmup: int, tokenizer: Path | None
+    name: str, cfg: JobConfig, step_batches: list, warmup: int, eos_id: int | None
 ) -> Row:
-    """torchtitan's Llama 3 trainer on the same batches, or a row that says why not."""
+    """torchtitan's trainer on the same batches, or a row that says why not."""
     device = torch.device(cfg.training.device)
-    if isinstance(cfg.model, MoEConfig):
-        return Row(name, note="not run: this benchmark drives torchtitan's Llama 3 (dense) trainer")
     if device.type != "cuda":
         return Row(name, note="not run: torchtitan's trainer needs CUDA")
     try:
@@ -284,18 +289,24 @@ def torchtitan_row(
     except ImportError as e:
         return Row(name, note=f"not run: torchtitan is not importable ({e})")
     _fresh_device(device)
+    trainer = None
     try:
-        trainer = _torchtitan_trainer(cfg, tokenizer, micro_batches=len(step_batches[0]))
+        trainer = torchtitan_trainer(cfg, eos_id, micro_batches=len(step_batches[0]))
+        return torchtitan_measure(name, cfg, trainer, step_batches, warmup)
     except Exception as e:  # a peer that fails on this torch is a row that says so
         return Row(name, note=_not_run(e))
-    try:
-        return _torchtitan_measure(name, cfg, trainer, step_batches, warmup)
-    except Exception as e:
-        return Row(name, note=_not_run(e))
     finally:
+        close_torchtitan(trainer)
+
+
+def close_torchtitan(trainer) -> None:
+    """Its trainer closed (if it was built), the garbage collector it turns off on again, its
+    process group gone."""
+    if trainer is not None:
         trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    gc.enable()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _not_run(error: BaseException) -> str:
@@ -306,118 +317,159 @@ def _not_run(error: BaseException) -> str:
     return f"not run: {type(error).__name__}: {lines[0] if lines else ''}".replace("|", "/")
 
 
-def _torchtitan_trainer(cfg: JobConfig, tokenizer: Path | None, *, micro_batches: int):
-    """A torchtitan 0.3.0 Trainer whose Llama 3 model has cfg.model's dims (built as its own
-    flavors are, torchtitan/models/llama3/__init__.py), one rank, compile on, `micro_batches`
-    per step."""
-    from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import CompileConfig, TrainingConfig
-    from torchtitan.models import llama3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3.model import Llama3Model
-    from torchtitan.trainer import Trainer
+def torchtitan_model(cfg: JobConfig, eos_id: int | None):
+    """(torchtitan's train spec name, model class, model args) with cfg.model's dims: dense,
+    its Llama 3; MoE, its Qwen3 with MoE layers (GQA without Qwen3's q/k norms, shared experts,
+    the first first_k_dense layers dense): the two of its models whose attention is ours."""
+    m, seq_len = cfg.model, cfg.training.seq_len
+    if isinstance(m, HybridConfig):
+        raise ValueError("it has no Gated DeltaNet model (a hybrid model.layer_pattern)")
+    if m.mtp_depth:
+        raise ValueError(f"its Llama 3 and Qwen3 have no MTP (model.mtp_depth={m.mtp_depth})")
+    common = {  # the model args its Llama 3 and Qwen3 share
+        "dim": m.dim,
+        "n_layers": m.num_layers,
+        "n_heads": m.num_heads,
+        "n_kv_heads": m.num_kv_heads,
+        "vocab_size": m.vocab_size,
+        "norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "max_seq_len": seq_len,
+        "attn_type": "flex",
+        "attn_mask_type": "causal" if eos_id is None else "block_causal",
+        "eos_id": -1 if eos_id is None else eos_id,
+    }
+    if not isinstance(m, MoEConfig):
+        from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
-    class ReplayedBatches(BaseDataLoader):
-        """Its Trainer builds a loader; the batches come from graphtrain's, replayed
-        (_torchtitan_measure), so this one is never iterated."""
+        if m.tie_embeddings:
+            raise ValueError("its Llama 3 has no tied embeddings (model.tie_embeddings=true)")
+        # Its FFN width is 8 dim / 3, times ffn_dim_multiplier, rounded up to multiple_of:
+        # with multiple_of = ffn_dim and a multiplier that lands in (0, ffn_dim], ffn_dim.
+        args = TransformerModelArgs(
+            multiple_of=m.ffn_dim, ffn_dim_multiplier=m.ffn_dim / int(8 * m.dim / 3), **common
+        )
+        return "llama3", Transformer, args
 
-        @dataclasses.dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            pass
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.model import TransformerBlock
 
-        def __init__(self, config: Config, **kwargs) -> None:
-            self.config = config
+    class FirstLayersDense(Qwen3Model):
+        def __init__(self, model_args: Qwen3ModelArgs) -> None:
+            super().__init__(model_args)
+            dense = dataclasses.replace(model_args, moe_enabled=False)
+            for layer_id in range(m.first_k_dense):
+                self.layers[str(layer_id)] = TransformerBlock(layer_id, dense)
 
-        def __iter__(self):
-            raise RuntimeError("the benchmark feeds torchtitan's train_step itself")
-
-        def state_dict(self) -> dict:
-            return {}
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            pass
-
-    m, training = cfg.model, cfg.training
-    model = Llama3Model.Config(
-        dim=m.dim,
-        vocab_size=m.vocab_size,
+    moe = MoEArgs(
+        num_experts=m.num_experts,
+        num_shared_experts=m.num_shared_experts,
+        score_func=m.score_func,
+        route_norm=m.normalize_weights,
+        route_scale=m.route_scale,
+        score_before_experts=False,  # the weights scale the experts' outputs, as ours
+        top_k=m.top_k,
+        num_expert_groups=m.num_groups if m.num_groups > 1 else None,
+        num_limited_groups=m.topk_groups if m.num_groups > 1 else None,
+        load_balance_coeff=m.bias_update_rate if m.expert_bias else None,
+    )
+    args = Qwen3ModelArgs(
+        head_dim=m.head_dim,
+        hidden_dim=m.ffn_dim,
+        qk_norm=False,
         enable_weight_tying=m.tie_embeddings,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=m.vocab_size,
-            embedding_dim=m.dim,
-            param_init=llama3._EMBEDDING_INIT,
-        ),
-        norm=RMSNorm.Config(normalized_shape=m.dim, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(
-            in_features=m.dim,
-            out_features=m.vocab_size,
-            param_init=llama3._output_linear_init(m.dim),
-        ),
-        layers=llama3._build_llama3_layers(
-            n_layers=m.num_layers,
-            dim=m.dim,
-            n_heads=m.num_heads,
-            n_kv_heads=m.num_kv_heads,
-            hidden_dim=m.ffn_dim,
-            rope=ComplexRoPE.Config(dim=m.head_dim, max_seq_len=m.max_seq_len, theta=m.rope_theta),
-            attn_backend="flex",
+        moe_enabled=True,
+        moe_inter_dim=m.moe_ffn_dim,
+        moe_args=moe,
+        **common,
+    )
+    return "qwen3", FirstLayersDense, args
+
+
+def torchtitan_trainer(cfg: JobConfig, eos_id: int | None, *, micro_batches: int):
+    """A torchtitan 0.2.2 Trainer (the release that imports on torch 2.11: 0.3.0 needs
+    torch.distributed.fsdp's DataParallelMeshDims) for cfg.model's dims (torchtitan_model),
+    one rank, model and loss compiled on CUDA (eager on CPU, for tests: its MoE's CPU index
+    path does not compile), `micro_batches` per step; no loader (the batches are replayed:
+    torchtitan_measure); its tokenizer only names the document separator."""
+    from torchtitan.components.tokenizer import BaseTokenizer
+    from torchtitan.config import JobConfig as TitanConfig
+    from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+    from torchtitan.train import Trainer
+
+    class DocumentSeparator(BaseTokenizer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.eos_id = eos_id
+
+        def encode(self, *args, **kwargs) -> list[int]:
+            raise RuntimeError("the benchmark feeds token ids")
+
+        decode = encode
+
+        def get_vocab_size(self) -> int:
+            return cfg.model.vocab_size
+
+    base, model_cls, model_args = torchtitan_model(cfg, eos_id)
+    spec = f"graphtrain-e2e-{next(_TITAN_SPECS)}"  # one per trainer: the model class differs
+    register_train_spec(
+        spec,
+        dataclasses.replace(
+            get_train_spec(base),
+            model_cls=model_cls,
+            model_args={"e2e": model_args},
+            build_dataloader_fn=None,
+            build_tokenizer_fn=lambda job_config: DocumentSeparator(),
+            build_validator_fn=None,
         ),
     )
-    spec = dataclasses.replace(llama3.model_registry("debugmodel"), flavor="e2e", model=model)
-    # Its assets and dump folder beside the run directory (the benchmark's temporary one).
-    assets = Path(training.run_dir).parent / "torchtitan"
-    assets.mkdir(parents=True, exist_ok=True)
-    if tokenizer is not None:  # its trainer loads one; the batches come tokenized already
-        (assets / "tokenizer.json").write_bytes(Path(tokenizer).read_bytes())
+    training, optim = cfg.training, cfg.optim
+    cuda = torch.device(training.device).type == "cuda"
+    config = TitanConfig()
+    config.job.dump_folder = str(Path(training.run_dir).parent / "torchtitan")
+    config.model.name, config.model.flavor = spec, "e2e"
+    config.training.local_batch_size = training.micro_batch_size
+    config.training.global_batch_size = micro_batches * training.micro_batch_size
+    config.training.seq_len, config.training.steps = training.seq_len, training.steps
+    config.training.max_norm = optim.max_norm
+    # Autocast (one rank, no FSDP) in bf16 over fp32 weights on CUDA; fp32 on CPU (tests).
+    config.training.mixed_precision_param = "bfloat16" if cuda else "float32"
+    config.optimizer.lr, config.optimizer.weight_decay = optim.lr, optim.weight_decay
+    config.optimizer.beta1, config.optimizer.beta2 = optim.betas
+    config.optimizer.implementation = "fused" if cuda else "foreach"
+    config.lr_scheduler.warmup_steps, config.lr_scheduler.decay_ratio = 0, 0.0  # constant
+    # It logs (a host sync) at step 1 and every log_freq steps: only in the warm-up here.
+    config.metrics.log_freq = training.steps + 1
+    config.activation_checkpoint.mode = "none"
+    config.compile.enable, config.compile.components = cuda, ["model", "loss"]
+    config.compile.backend = cfg.compile.backend
+    config.debug.seed = training.seed
+    config.debug.moe_force_load_balance = getattr(cfg.model, "force_balance", False)
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "29533")
-    config = Trainer.Config(
-        model_spec=spec,
-        hf_assets_path=str(assets),
-        dataloader=ReplayedBatches.Config(),
-        dump_folder=str(assets),
-        loss=ChunkedLossWrapper.Config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=m.vocab_size)
-        ),
-        optimizer=default_adamw(
-            lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
-        ),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0),
-        training=TrainingConfig(
-            local_batch_size=training.micro_batch_size,
-            global_batch_size=micro_batches * training.micro_batch_size,
-            seq_len=training.seq_len,
-            steps=training.steps,
-            max_norm=cfg.optim.max_norm,
-        ),
-        # It logs (a host sync) at step 1 and every log_freq steps: only in the warm-up here.
-        metrics=MetricsProcessor.Config(log_freq=training.steps + 1),
-        activation_checkpoint=None,
-        compile=CompileConfig(enable=True, components=["model", "loss"]),
-    )
-    config.debug.seed = training.seed
     return Trainer(config)
 
 
-def _torchtitan_measure(name: str, cfg: JobConfig, trainer, step_batches: list, warmup: int) -> Row:
+_TITAN_SPECS = itertools.count()
+
+
+def torchtitan_measure(name: str, cfg: JobConfig, trainer, step_batches: list, warmup: int) -> Row:
     losses: list[torch.Tensor] = []
     forward_backward = trainer.forward_backward_step
 
     def forward_backward_step(**kwargs) -> torch.Tensor:
         # Its loss is the micro-batch's summed token loss over the step's labelled tokens, so
-        # the micro-batches' losses add up to the step's mean. Cloned: a CUDA graph replay
-        # overwrites its output.
+        # the micro-batches' losses add up to the step's mean.
         loss = forward_backward(**kwargs)
-        losses.append(loss.detach().clone())
+        losses.append(loss.detach())
         return loss
 
     trainer.forward_backward_step = forward_backward_step
-    # Its batches: ({"input", "positions"}, labels) with -100 where no label, as graphtrain's.
+    # Its batches: ({"input", "positions"}, labels) with -100 where no label, as graphtrain's;
+    # its model resets RoPE at the positions and masks documents at eos, as ours.
     micro_batches = iter(
         [
             ({"input": b["input_ids"], "positions": b["position_ids"]}, b["labels"])
@@ -448,7 +500,7 @@ def rows_for(args: argparse.Namespace, rows: list[Row]) -> None:
     with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
         cfg = job_config(args, f"{tmp}/bf16")
         precision = " bf16" if args.fp8 else ""
-        row, step_batches, tokenizer = graphtrain_row(f"graphtrain{precision}", cfg, args.warmup)
+        row, step_batches, eos_id = graphtrain_row(f"graphtrain{precision}", cfg, args.warmup)
         rows.append(row)
         plain = f"torch.compile (plain){precision}"
         rows.insert(0, plain_compile_row(plain, cfg, step_batches, args.warmup))
@@ -458,9 +510,7 @@ def rows_for(args: argparse.Namespace, rows: list[Row]) -> None:
         for i, variant in enumerate(args.variant):
             rows.append(variant_row(args, f"{tmp}/v{i}", variant, step_batches))
         if not args.fp8:
-            rows.append(
-                torchtitan_row("torchtitan 0.3.0", cfg, step_batches, args.warmup, tokenizer)
-            )
+            rows.append(torchtitan_row(TORCHTITAN, cfg, step_batches, args.warmup, eos_id))
 
 
 def table(rows: list[Row], args: argparse.Namespace) -> str:

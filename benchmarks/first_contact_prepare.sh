@@ -7,10 +7,14 @@
 #    graphtrain imports and the GPU image lacks: tensordict and its pyvers (pure Python; its
 #    cloudpickle and numpy are in the image), and nvidia-ml-py (pynvml, the energy metric; in
 #    the image too, carried so the metric does not hang on the image's contents), fla-core and
-#    einops (FLA's Gated DeltaNet kernels: gpu_session.sh's hybrid stage). Python 3.12,
-#    installed there with pip --no-index --no-deps --target, nothing into the image's
-#    environment. The image has torch, triton, safetensors, tokenizers, pyarrow, numpy and
-#    tensorboard.
+#    einops (FLA's Gated DeltaNet kernels: gpu_session.sh's hybrid stage); and the peers of
+#    gpu_session.sh's stages (their rows say "not run: why" without them): liger-kernel and
+#    cut-cross-entropy (cross_entropy.py), torchao (fp8_linear.py), torchtitan 0.2.2 (e2e.py)
+#    with the wheels its trainer imports (the Requires-Dist of each, less what torch, the
+#    image and Python 3.12 bring; wandb and pillow left out: the modules e2e.py imports load
+#    without them). Python 3.12, ~28 MB, installed there with pip --no-index --no-deps
+#    --target, nothing into the image's environment. The image has torch, triton,
+#    safetensors, tokenizers, pyarrow, numpy and tensorboard.
 # 2. Checks the script's syntax; with --dry-run also runs its CPU dry run (~1-3 min).
 # 3. Prints the command with GRAPHTRAIN_COMMIT set to this checkout's HEAD (the device copy's
 #    git HEAD can be stale), and warns when the tree is dirty (the results would be stamped with
@@ -20,7 +24,14 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 python=${PYTHON:-$(command -v python3 || command -v python)}
-wheels=(tensordict==0.15.3 pyvers==0.2.3 nvidia-ml-py==13.615.71 fla-core==0.6.0 einops==0.8.1)
+wheels=(tensordict==0.15.3 pyvers==0.2.3 nvidia-ml-py==13.615.71 fla-core==0.6.0 einops==0.8.1
+    liger-kernel==0.8.5 cut-cross-entropy==25.1.1 torchao==0.18.0
+    torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+    datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 xxhash==4.1.0 pandas==3.1.1
+    python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 six==1.17.0 huggingface-hub==2.4.0
+    hf-xet==1.8.0 httpx==0.28.1 httpcore==1.0.9 anyio==4.16.0 h11==0.16.0 sniffio==1.3.1
+    requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1
+    charset-normalizer==3.5.3 tqdm==4.70.1 pyyaml==6.0.4 packaging==26.4)
 
 mkdir -p .whl
 missing=()

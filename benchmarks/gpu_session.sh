@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One stage of the pending GPU work on one H100 (or H200), after the first contact
-# (benchmarks/first_contact.sh), in the order of issue 25 item 3: e2e, loss, fp8, mtp, kernels
-# (then profile-fp8). Each stage ends inside 9 minutes: every item runs under its own cap, cut to
+# (benchmarks/first_contact.sh), in the order of issue 25 item 3: e2e, profile, loss, fp8, mtp,
+# kernels (then hybrid, profile-fp8). Each stage ends inside 9 minutes: every item runs under its own cap, cut to
 # what is left of BUDGET seconds (default 520, counted from the start of this script, the wheel
 # install and preflight included), and an item that no longer has 20 s is skipped and named so
 # in summary.txt. Items run most important first within a stage.
 #
 #   GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]
 #
-# STAGE: preflight | tests | e2e | loss | fp8 | mtp | kernels | hybrid | profile-fp8
+# STAGE: preflight | tests | e2e | profile | loss | fp8 | mtp | kernels | hybrid | profile-fp8
 # (see `stages` below and "Running the GPU benchmarks" in benchmarks/RESULTS.md). LOG_DIR
 # (default $OUT, else ./gpu-logs; at most 8 files, what a device run brings back) gets one log
 # per item, the sections this stage appended to
@@ -22,34 +22,10 @@
 # needs tensordict (graphtrain.step, the data loader: the tests and e2e stages); the peers are
 # optional, and every benchmark prints a "not run: why" row where one is missing or fails:
 # liger-kernel and cut-cross-entropy (cross_entropy.py), torchao (fp8_linear.py), torchtitan
-# 0.3.0 (e2e.py, dense models). Download them where the network is, as Python 3.12 manylinux
-# x86_64 wheels without resolving (the dependency lists below are the wheels' Requires-Dist,
-# less what torch brings, filelock, fsspec and typing-extensions, and numpy), into .whl/
-# (git-ignored; about 28 MB):
-#
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#     --platform manylinux2014_x86_64 -d .whl \
-#     tensordict==0.15.3 cloudpickle pyvers==0.2.3 \
-#     liger-kernel==0.8.5 cut-cross-entropy==25.1.1 torchao==0.18.0 \
-#     torchtitan==0.3.0 torchdata==0.11.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser \
-#     typeguard einops torch_checkpointing==0.1.1 datasets==4.7.0 dill==0.4.0 \
-#     multiprocess==0.70.18 xxhash pandas python-dateutil pytz tzdata six huggingface-hub \
-#     hf-xet httpx httpcore anyio h11 sniffio requests urllib3 idna certifi \
-#     charset-normalizer tqdm pyyaml packaging
-#
-# and, only where `preflight` reports them missing, graphtrain's own requirements that its
-# trainer imports (about 60 MB more): numpy tokenizers pyarrow.
-#
-#   tensordict:        cloudpickle, pyvers, numpy
-#   liger-kernel, cut-cross-entropy, torchao: torch and triton only
-#   torchtitan:        torchdata (requests, urllib3), spmd_types, tyro (docstring-parser,
-#                      typeguard), einops, torch_checkpointing, datasets (dill, multiprocess,
-#                      xxhash, pandas, huggingface-hub, httpx, requests, tqdm, pyyaml, packaging,
-#                      pyarrow: a graphtrain dependency) and their own; torchtitan's trainer
-#                      imports datasets at import time. wandb, tensorboard and pillow are left
-#                      out: the modules e2e.py imports load without them (a need at run time
-#                      would show as the torchtitan row's "not run: why").
+# 0.2.2 (e2e.py). `bash benchmarks/first_contact_prepare.sh` downloads them all, with the
+# wheels they import, as Python 3.12 manylinux x86_64 wheels into .whl/ (git-ignored; ~28 MB);
+# only where `preflight` reports them missing, graphtrain's own requirements that its trainer
+# imports (about 60 MB more): numpy tokenizers pyarrow.
 #
 # Bring .whl/ along with the repository; each stage installs whatever *.whl it
 # finds in $GRAPHTRAIN_WHEELS (default .whl) with
@@ -70,12 +46,12 @@ wheels=${GRAPHTRAIN_WHEELS:-$root/.whl}
 
 usage() {
     echo "usage: GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]" >&2
-    echo "STAGE: preflight tests e2e loss fp8 mtp kernels hybrid profile-fp8" >&2
+    echo "STAGE: preflight tests e2e profile loss fp8 mtp kernels hybrid profile-fp8" >&2
     exit 2
 }
 
 case $stage in
-preflight | tests | e2e | loss | fp8 | mtp | kernels | hybrid | profile-fp8) ;;
+preflight | tests | e2e | profile | loss | fp8 | mtp | kernels | hybrid | profile-fp8) ;;
 *) usage ;;
 esac
 mkdir -p "$log_dir" || exit 2
@@ -143,7 +119,7 @@ print(f"torch {torch.__version__}, triton {triton.__version__}, "
 print(f"GRAPHTRAIN_COMMIT={os.environ.get('GRAPHTRAIN_COMMIT') or '(unset: git HEAD, may be stale)'}")
 for name in ("tensordict", "safetensors", "tokenizers", "numpy", "pyarrow", "tensorboard",
              "graphtrain.step", "liger_kernel.transformers", "cut_cross_entropy",
-             "torchao.float8", "torchtitan.trainer"):
+             "torchao.float8", "torchtitan.train"):
     try:
         importlib.import_module(name)
         print(f"  {name}: ok")
@@ -168,30 +144,33 @@ stages() {
         ;;
     e2e)
         # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, four variant rows, torchtitan
-        # 0.3.0; 15 timed steps of 8192 tokens (~0.15 s each, first contact) after 4 warm-up
+        # 0.2.2; 15 timed steps of 8192 tokens (~0.15 s each, first contact) after 4 warm-up
         # steps. The variants are the A/B of four defaults in the same process (the plain row,
         # the tokenised corpus and the Inductor cache shared: ~25 s each): the fused loss's fast
         # mode forced (auto leaves 1b's loss to Inductor on CUDA, first contact), autocast's
         # casts instead of the working weights, graphtrain's AdamW (optim.implementation, opt-in
         # until measured), varlen attention (FlashAttention-2's kernel) instead of flex. The
-        # rest is the builds and compiles (plain ~10 s, graphtrain ~25 s, torchtitan with CUDA
-        # graphs ~1-2 min) and the corpus's tokenisation: ~4.5-5.5 min.
-        bench e2e-1b 360 e2e.py --model 1b --steps 15 --warmup 4 \
+        # rest is the builds and compiles (plain ~10 s, graphtrain ~25 s, torchtitan's with its
+        # FlexAttention under max-autotune ~1-3 min, not measured yet) and the corpus's
+        # tokenisation: ~4-6 min. torchtitan's row is last: a cap that cuts it keeps the others.
+        bench e2e-1b 330 e2e.py --model 1b --steps 15 --warmup 4 \
             --variant=--compile.lce_mode=fast --variant=--training.working_weights=false \
             --variant=--optim.implementation=graphtrain --variant=--training.attention=varlen
-        # moe-1b with random balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain
-        # (warm-up ~30 s), graphtrain (~55 s), graphtrain's AdamW (~30 s; torchtitan not run,
-        # dense only): ~2.5 min.
-        bench e2e-moe-1b 170 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
+        # moe-1b with balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain (warm-up
+        # ~30 s), graphtrain (~55 s), graphtrain's AdamW (~30 s), torchtitan's Qwen3-style MoE
+        # with moe-1b's dims (~1-3 min): ~3-4.5 min, what is left of the budget.
+        bench e2e-moe-1b 260 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
             --warmup 4 --variant=--optim.implementation=graphtrain
+        ;;
+    profile)
         # `graphtrain inspect --profile 3`: the regions compiled with the default passes, 3 steps
         # under torch.profiler, kernel time by region, FX node and source line (summary.txt,
         # report.html in --out, outside LOG_DIR: only the log comes back), then each fusing
-        # pass's region re-timed with that pass off: ~1.5-2 min each. What is left of the
-        # budget, most likely less than the caps: the moe-1b profile is the first to go.
-        item profile-1b 110 "$python" -m graphtrain inspect --preset 1b --device cuda \
+        # pass's region re-timed with that pass off: ~1.5-3 min each. Its own stage since the
+        # e2e stage has torchtitan's rows.
+        item profile-1b 240 "$python" -m graphtrain inspect --preset 1b --device cuda \
             --profile 3 --out "$work/inspect-1b"
-        item profile-moe-1b 120 "$python" -m graphtrain inspect --preset moe-1b --device cuda \
+        item profile-moe-1b 240 "$python" -m graphtrain inspect --preset moe-1b --device cuda \
             --profile 3 --out "$work/inspect-moe-1b" --model.force_balance=true
         ;;
     loss)

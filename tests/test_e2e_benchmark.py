@@ -3,13 +3,19 @@ torch.compile loop and the torchtitan row run, so a change to the trainer's buil
 breaks here rather than on the GPU; the GPU stages' e2e.py commands parse. Nothing is timed or
 recorded."""
 
+import functools
 import importlib.util
 import math
+import re
 import shlex
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from graphtrain.attention import document_causal_mask
+from models import build_model
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -73,14 +79,115 @@ def test_rows_train_the_same_batches_alike_and_fp8_stays_close(e2e, corpus, tmp_
 
 def test_torchtitan_row_says_why_it_did_not_run(e2e, tmp_path):
     args = e2e.parse_args(["--device=cpu", "--model=debug", "--seq-len=64"])
-    row = e2e.torchtitan_row("torchtitan 0.3.0", e2e.job_config(args, str(tmp_path)), [], 0, None)
+    row = e2e.torchtitan_row(e2e.TORCHTITAN, e2e.job_config(args, str(tmp_path)), [], 0, None)
     assert row.note == "not run: torchtitan's trainer needs CUDA" and math.isnan(row.loss)
     text = e2e.table([e2e.Row("plain", tokens_per_s=10.0, loss=1.0), row], args)
-    assert "| torchtitan 0.3.0 | not run: torchtitan's trainer needs CUDA |" in text
-    moe = e2e.job_config(
-        e2e.parse_args(["--device=cpu", "--model=moe-debug", "--seq-len=64"]), str(tmp_path)
+    assert "| torchtitan 0.2.2 | not run: torchtitan's trainer needs CUDA |" in text
+    # Models it has no counterpart of: refused by name (its row says so on a GPU).
+    for model, extra, why in [
+        ("hybrid-debug", [], "no Gated DeltaNet model"),
+        ("debug", ["--set=--model.mtp_depth=1"], "no MTP (model.mtp_depth=1)"),
+    ]:
+        args = e2e.parse_args(["--device=cpu", f"--model={model}", "--seq-len=64", *extra])
+        with pytest.raises(ValueError, match=re.escape(why)):
+            e2e.torchtitan_model(e2e.job_config(args, str(tmp_path)), 0)
+
+
+@pytest.fixture
+def torchtitan_on_cpu(monkeypatch):
+    """torchtitan 0.2.2 (the dev extra) on CPU: its modules' CUDA device and memory monitor
+    become CPU's and a stub; its FlexAttention (no CPU backward) becomes SDPA with the block
+    mask (built on CPU, uncompiled) made dense, which records that mask; its MoE takes its CPU index path and an
+    integer histc CPU lacks. Returns the masks it attends with, as it does."""
+    import torchtitan.components.metrics as metrics
+    import torchtitan.models.attention as attention
+    import torchtitan.models.moe.utils as moe_utils
+
+    # Every module that took CUDA as its device loaded before the sweep below.
+    importlib.import_module("torchtitan.models.qwen3")
+    importlib.import_module("torchtitan.train")
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("torchtitan")]:
+        if getattr(module, "device_type", None) == "cuda":
+            monkeypatch.setattr(module, "device_type", "cpu")
+        if getattr(module, "device_module", None) is torch.cuda:
+            monkeypatch.setattr(module, "device_module", torch.cpu)
+
+    class NoDeviceMemory:
+        device_name = "cpu"
+
+        def reset_peak_stats(self):
+            pass
+
+        def get_peak_stats(self):
+            return metrics.DeviceMemStats(0, 0, 0, 0, 0, 0)
+
+    monkeypatch.setattr(metrics, "build_device_memory_monitor", NoDeviceMemory)
+    masks = []
+
+    def sdpa(q, k, v, *, block_mask, scale=None, enable_gqa=False, return_lse=False):
+        B, T = block_mask.shape[0], q.shape[-2]
+        masks.append(create_mask(block_mask.mask_mod, B, None, T, T, device=q.device))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=masks[-1], scale=scale, enable_gqa=enable_gqa
+        )
+
+    monkeypatch.setattr(attention.FlexAttentionWrapper, "_compiled_flex_attn", sdpa)
+    block_mask = functools.partial(create_block_mask, device="cpu")  # its default: CUDA
+    monkeypatch.setattr(attention, "_compiled_create_block_mask", block_mask)
+    permute = moe_utils.generate_permute_indices
+    monkeypatch.setattr(
+        moe_utils, "generate_permute_indices", functools.partial(permute, use_cpu=True)
     )
-    assert "Llama 3 (dense)" in e2e.torchtitan_row("t", moe, [], 0, None).note
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda x, **kw: histc(x.float(), **kw).to(x.dtype))
+    return masks
+
+
+@pytest.mark.parametrize("model", ["debug", "moe-debug"])
+def test_torchtitan_trains_our_dims_on_our_batches(e2e, corpus, tmp_path, torchtitan_on_cpu, model):
+    # Its model for ours (dense: Llama 3; MoE: Qwen3 with our layers' layout): the same
+    # parameter count; fed the same tokens, positions and labels, it attends within documents
+    # as ours does; the row's loss is its step's mean token loss (its own init: not ours).
+    balance = ["--force-balance"] if model.startswith("moe") else []
+    args = e2e.parse_args(_args(corpus, tmp_path, f"--model={model}", *balance))
+    cfg = e2e.job_config(args, str(tmp_path / "run"))
+    _, step_batches, eos_id = e2e.graphtrain_row("graphtrain", cfg, args.warmup)
+    trainer = e2e.torchtitan_trainer(cfg, eos_id, micro_batches=args.grad_accum)
+    seen, labels, sums = [], [], []
+    trainer.model_parts[0].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((args[0], kwargs["positions"])),
+        with_kwargs=True,
+    )
+    loss_fn = trainer.loss_fn
+
+    def recording_loss(pred, y):
+        labels.append(y)
+        sums.append(
+            torch.nn.functional.cross_entropy(pred.flatten(0, 1), y.flatten(), reduction="sum")
+        )
+        return loss_fn(pred, y)
+
+    trainer.loss_fn = recording_loss
+    try:
+        row = e2e.torchtitan_measure("torchtitan", cfg, trainer, step_batches, args.warmup)
+    finally:
+        e2e.close_torchtitan(trainer)
+    with torch.device("meta"):
+        reference = build_model(cfg.model)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(trainer.model_parts[0]) == count(reference)
+    batches = [b for step in step_batches for b in step]
+    assert len(seen) == len(batches) == (args.warmup + args.steps) * args.grad_accum
+    for (tokens, positions), y, batch in zip(seen, labels, batches, strict=True):
+        assert torch.equal(tokens, batch["input_ids"])
+        assert torch.equal(positions, batch["position_ids"])
+        assert torch.equal(y, batch["labels"])
+    assert batches[0]["document_ids"].max() > 0  # several documents: not the causal mask
+    assert torch.equal(torchtitan_on_cpu[0], document_causal_mask(batches[0]["document_ids"]))
+    last = sum(sums[-args.grad_accum :]) / sum(b["num_label_tokens"] for b in step_batches[-1])
+    assert not row.note and row.loss == pytest.approx(last.item(), rel=1e-5)
 
 
 def test_a_failing_variant_is_a_row_that_says_why(e2e, tmp_path, monkeypatch):

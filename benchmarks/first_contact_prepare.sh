@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# Prepare the first GPU command on a machine with the network (no GPU needed), then print it.
+# Prepare a GPU command on a machine with the network (no GPU needed), then print it.
 #
 #   bash benchmarks/first_contact_prepare.sh [--dry-run]
 #
 # 1. Downloads into .whl/ (git-ignored; it must be carried to the GPU machine) the wheels that
-#    graphtrain imports and the GPU image lacks: tensordict and its pyvers (pure Python; its
-#    cloudpickle and numpy are in the image), and nvidia-ml-py (pynvml, the energy metric; in
-#    the image too, carried so the metric does not hang on the image's contents), fla-core and
-#    einops (FLA's Gated DeltaNet kernels: gpu_session.sh's hybrid stage); and the peers of
-#    gpu_session.sh's stages (their rows say "not run: why" without them): liger-kernel and
-#    cut-cross-entropy (cross_entropy.py), torchao (fp8_linear.py), torchtitan 0.2.2 (e2e.py)
-#    with the wheels its trainer imports (the Requires-Dist of each, less what torch, the
-#    image and Python 3.12 bring; wandb and pillow left out: the modules e2e.py imports load
-#    without them). Python 3.12, ~28 MB, installed there with pip --no-index --no-deps
-#    --target, nothing into the image's environment. The image has torch, triton,
-#    safetensors, tokenizers, pyarrow, numpy and tensorboard.
+#    graphtrain and the peers of gpu_session.sh's stages import and the GPU image lacks:
+#    tensordict and its pyvers; nvidia-ml-py (pynvml, the energy metric; in the image too,
+#    carried so the metric does not hang on the image's version); fla-core (FLA's Gated
+#    DeltaNet kernels: the hybrid stage); liger-kernel and cut-cross-entropy (cross_entropy.py),
+#    torchao (fp8_linear.py); torchtitan 0.2.2 (e2e.py) with the wheels its trainer imports
+#    that the image lacks (torchdata, tyro, datasets and theirs). Python 3.12, ~9 MB,
+#    installed there with pip --no-index --no-deps --target, nothing into the image's
+#    environment. The image has torch, triton, safetensors, tokenizers, pyarrow, numpy,
+#    tensorboard, einops, pandas, requests, httpx, huggingface-hub, pyyaml, tqdm and xxhash
+#    (its package list as read on 2026-11-17); a peer that still misses one is a row that
+#    says "not run: ModuleNotFoundError ...".
 # 2. Checks the script's syntax; with --dry-run also runs its CPU dry run (~1-3 min).
 # 3. Prints the command with GRAPHTRAIN_COMMIT set to this checkout's HEAD (the device copy's
 #    git HEAD can be stale), and warns when the tree is dirty (the results would be stamped with
@@ -24,14 +24,10 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 python=${PYTHON:-$(command -v python3 || command -v python)}
-wheels=(tensordict==0.15.3 pyvers==0.2.3 nvidia-ml-py==13.615.71 fla-core==0.6.0 einops==0.8.1
+wheels=(tensordict==0.15.3 pyvers==0.2.3 nvidia-ml-py==13.615.71 fla-core==0.6.0
     liger-kernel==0.8.5 cut-cross-entropy==25.1.1 torchao==0.18.0
     torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
-    datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 xxhash==4.1.0 pandas==3.1.1
-    python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 six==1.17.0 huggingface-hub==2.4.0
-    hf-xet==1.8.0 httpx==0.28.1 httpcore==1.0.9 anyio==4.16.0 h11==0.16.0 sniffio==1.3.1
-    requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1
-    charset-normalizer==3.5.3 tqdm==4.70.1 pyyaml==6.0.4 packaging==26.4)
+    datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18)
 
 mkdir -p .whl
 missing=()
@@ -64,4 +60,8 @@ The first-contact command (one call, carry .whl, timeout_s 600; it ends within ~
     GRAPHTRAIN_COMMIT=$commit bash benchmarks/first_contact.sh
 
 \$OUT then holds summary.txt (read it first), one log per item and artifacts.tar.gz.
+After first contact, the next pending stage instead (benchmarks/RESULTS.md, "Running the GPU
+benchmarks"; same call shape, it ends within ~9 min):
+
+    GRAPHTRAIN_COMMIT=$commit bash benchmarks/gpu_session.sh STAGE
 EOF

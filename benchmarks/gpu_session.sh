@@ -22,8 +22,8 @@
 # needs tensordict (graphtrain.step, the data loader: the tests and e2e stages); the peers are
 # optional, and every benchmark prints a "not run: why" row where one is missing or fails:
 # liger-kernel and cut-cross-entropy (cross_entropy.py), torchao (fp8_linear.py), torchtitan
-# 0.2.2 (e2e.py). `bash benchmarks/first_contact_prepare.sh` downloads them all, with the
-# wheels they import, as Python 3.12 manylinux x86_64 wheels into .whl/ (git-ignored; ~28 MB);
+# 0.2.2 (e2e.py). `bash benchmarks/first_contact_prepare.sh` downloads them, with what they
+# import that the image lacks, as Python 3.12 wheels into .whl/ (git-ignored; ~8 MB);
 # only where `preflight` reports them missing, graphtrain's own requirements that its trainer
 # imports (about 60 MB more): numpy tokenizers pyarrow.
 #

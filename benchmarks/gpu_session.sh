@@ -164,14 +164,21 @@ stages() {
             --warmup 4
         ;;
     profile)
+        # attention.py: 1b's attention over the default corpus's packed documents (the e2e
+        # rows' batches), fwd and fwd+bwd: flex (Triton, the default), varlen (FlashAttention-2),
+        # flex's FlashAttention-4 backend where flash-attn-4 is installed (it is not carried:
+        # its CUDA library wheel is ~92 MB, over what a device call carries), causal SDPA
+        # without documents as a bound; each against fp32 math. The 1.15x verdict's attention
+        # term (~23 ms of a 1b step). Tokeniser and corpus as e2e's, then ~4 compiles: ~1-2 min.
+        bench attention 150 attention.py
         # `graphtrain inspect --profile 3`: the regions compiled with the default passes, 3 steps
         # under torch.profiler, kernel time by region, FX node and source line (summary.txt,
         # report.html in --out, outside LOG_DIR: only the log comes back), then each fusing
         # pass's region re-timed with that pass off: ~1.5-3 min each. Its own stage since the
         # e2e stage has torchtitan's rows.
-        item profile-1b 240 "$python" -m graphtrain inspect --preset 1b --device cuda \
+        item profile-1b 200 "$python" -m graphtrain inspect --preset 1b --device cuda \
             --profile 3 --out "$work/inspect-1b"
-        item profile-moe-1b 240 "$python" -m graphtrain inspect --preset moe-1b --device cuda \
+        item profile-moe-1b 200 "$python" -m graphtrain inspect --preset moe-1b --device cuda \
             --profile 3 --out "$work/inspect-moe-1b" --model.force_balance=true
         ;;
     loss)

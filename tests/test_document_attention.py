@@ -321,3 +321,13 @@ def test_compiled_trainer_forward_with_varlen_matches_sdpa(cpu_varlen, tmp_path)
     ops = " ".join(p.read_text() for p in tmp_path.glob("block-0/**/summary.json"))
     assert "torch_attn._varlen_attn" in ops
     torch._dynamo.reset()
+
+
+def test_attention_benchmark_cpu_smoke():
+    """benchmarks/attention.py imports, and its FlexAttention row agrees with float32 math on
+    packed documents (its GPU rows say why they did not run)."""
+    from conftest import run_benchmark_smoke
+
+    run_benchmark_smoke(
+        "attention.py", "cpu smoke: the document rows that run on CPU agree with float32 math"
+    )

@@ -97,8 +97,8 @@ def test_torchtitan_row_says_why_it_did_not_run(e2e, tmp_path):
 def torchtitan_on_cpu(monkeypatch):
     """torchtitan 0.2.2 (the dev extra) on CPU: its modules' CUDA device and memory monitor
     become CPU's and a stub; its FlexAttention (no CPU backward) becomes SDPA with the block
-    mask (built on CPU, uncompiled) made dense, which records that mask; its MoE takes its CPU index path and an
-    integer histc CPU lacks. Returns the masks it attends with, as it does."""
+    mask (built on CPU, uncompiled) made dense, which records that mask; its MoE takes its
+    CPU index path and an integer histc CPU lacks. Returns the masks it attends with."""
     import torchtitan.components.metrics as metrics
     import torchtitan.models.attention as attention
     import torchtitan.models.moe.utils as moe_utils
@@ -141,7 +141,7 @@ def torchtitan_on_cpu(monkeypatch):
         moe_utils, "generate_permute_indices", functools.partial(permute, use_cpu=True)
     )
     histc = torch.histc
-    monkeypatch.setattr(torch, "histc", lambda x, **kw: histc(x.float(), **kw).to(x.dtype))
+    monkeypatch.setattr(torch, "histc", lambda x, *a, **kw: histc(x.float(), *a, **kw).to(x.dtype))
     return masks
 
 
@@ -157,7 +157,7 @@ def test_torchtitan_trains_our_dims_on_our_batches(e2e, corpus, tmp_path, torcht
     trainer = e2e.torchtitan_trainer(cfg, eos_id, micro_batches=args.grad_accum)
     seen, labels, sums = [], [], []
     trainer.model_parts[0].register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append((args[0], kwargs["positions"])),
+        lambda module, inputs, kwargs: seen.append((inputs[0], kwargs["positions"])),
         with_kwargs=True,
     )
     loss_fn = trainer.loss_fn

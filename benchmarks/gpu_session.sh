@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One stage of the pending GPU work on one H100 (or H200), after the first contact
 # (benchmarks/first_contact.sh), in the order of issue 25 item 3: e2e, profile, loss, fp8, mtp,
-# kernels (then hybrid, profile-fp8). Each stage ends inside 9 minutes: every item runs under its own cap, cut to
-# what is left of BUDGET seconds (default 520, counted from the start of this script, the wheel
-# install and preflight included), and an item that no longer has 20 s is skipped and named so
-# in summary.txt. Items run most important first within a stage.
+# kernels (then hybrid, profile-fp8). Each stage ends inside 9 minutes: every item runs under
+# its own cap, cut to what is left of BUDGET seconds (default 520, counted from the start of
+# this script, the wheel install and preflight included), and an item that no longer has 20 s
+# is skipped and named so in summary.txt. Items run most important first within a stage.
 #
 #   GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]
 #
@@ -166,8 +166,8 @@ stages() {
     profile)
         # attention.py: 1b's attention over the default corpus's packed documents (the e2e
         # rows' batches), fwd and fwd+bwd: flex (Triton, the default), varlen (FlashAttention-2),
-        # flex's FlashAttention-4 backend where flash-attn-4 is installed (it is not carried:
-        # its CUDA library wheel is ~92 MB, over what a device call carries), causal SDPA
+        # flex's FlashAttention-4 backend where flash-attn-4 is installed (not in .whl/: its
+        # CUDA library wheel alone is ~92 MB), causal SDPA
         # without documents as a bound; each against fp32 math. The 1.15x verdict's attention
         # term (~23 ms of a 1b step). Tokeniser and corpus as e2e's, then ~4 compiles: ~1-2 min.
         bench attention 150 attention.py

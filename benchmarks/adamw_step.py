@@ -37,7 +37,7 @@ import argparse
 
 import torch
 import triton.testing
-from harness import record  # run as a script: benchmarks/ is on sys.path
+from harness import parse_args, record  # run as a script: benchmarks/ is on sys.path
 
 from graphtrain.optim import (
     AdamWCopies,
@@ -133,15 +133,17 @@ def run(preset: str, device: torch.device, timed: bool) -> str:
     return "\n".join(lines)
 
 
+def cpu_smoke() -> None:
+    """moe-tiny on CPU, untimed."""
+    print(run("moe-tiny", torch.device("cpu"), timed=False))
+    print("cpu smoke: every row steps and writes its copies")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="moe-1b", choices=list(MODEL_PRESETS))
-    parser.add_argument("--cpu-smoke", action="store_true", help="moe-tiny on CPU, untimed")
-    parser.add_argument("--no-record", action="store_true", help="print only")
-    args = parser.parse_args()
-    if args.cpu_smoke:
-        print(run("moe-tiny", torch.device("cpu"), timed=False))
-        print("cpu smoke: every row steps and writes its copies")
+    args = parse_args(parser, cpu_smoke)
+    if args is None:
         return
     body = run(args.model, torch.device("cuda"), timed=True)
     if args.no_record:

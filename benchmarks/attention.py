@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import triton.testing
-from harness import record, sqnr  # run as a script: benchmarks/ is on sys.path
+from harness import parse_args, record, sqnr  # run as a script: benchmarks/ is on sys.path
 from torch.nn.attention.flex_attention import flex_attention
 
 from graphtrain.attention import build_attention_mask, document_causal_mask
@@ -208,14 +208,9 @@ def main() -> None:
     parser.add_argument("--preset", default="1b")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--no-record", action="store_true")
-    parser.add_argument("--cpu-smoke", action="store_true")
-    args = parser.parse_args()
-    if args.cpu_smoke:
-        cpu_smoke()
+    args = parse_args(parser, cpu_smoke)
+    if args is None:
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/attention.py needs a CUDA GPU (or --cpu-smoke)")
     document_ids, pairs = corpus_document_ids(args.preset, args.batch, args.seq)
     device = torch.device("cuda")
     results = run(args.preset, document_ids, pairs, device, torch.bfloat16, timed=True)

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from harness import record, sqnr  # run as a script: benchmarks/ is on sys.path
+from harness import parse_args, record, sqnr  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend
@@ -316,16 +316,9 @@ def main() -> None:
     parser.add_argument(
         "--impl", default=",".join(IMPLS), help=f"comma list from {', '.join(IMPLS)}"
     )
-    parser.add_argument(
-        "--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md"
-    )
-    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: check the rows agree")
-    args = parser.parse_args()
-    if args.cpu_smoke:
-        cpu_smoke()
+    args = parse_args(parser, cpu_smoke)
+    if args is None:
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/cross_entropy.py needs a CUDA GPU (or --cpu-smoke)")
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]

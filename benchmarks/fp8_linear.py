@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from harness import record, sqnr  # run as a script: benchmarks/ is on sys.path
+from harness import parse_args, record, sqnr  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain.custom_ops  # noqa: F401  (registers graphtrain::fp8_linear, fp8_grouped_mm)
 from graphtrain.compile import backend
@@ -286,14 +286,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
-    parser.add_argument("--no-record", action="store_true")
-    parser.add_argument("--cpu-smoke", action="store_true")
-    args = parser.parse_args()
-    if args.cpu_smoke:
-        cpu_smoke()
+    args = parse_args(parser, cpu_smoke)
+    if args is None:
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/fp8_linear.py needs a CUDA GPU (or --cpu-smoke)")
     lines = [
         "| shape | impl | fwd+bwd ms | vs first row of its kind | SQNR dB out / dx / dW vs that row "
         "(GEMM rows: their rate) |",

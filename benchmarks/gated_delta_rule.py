@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from harness import record  # run as a script: benchmarks/ is on sys.path
+from harness import parse_args, record  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain.custom_ops.gated_delta_rule  # registers the op
 from graphtrain.compile import backend as graphtrain_backend
@@ -139,14 +139,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--documents", type=int, default=1, help="equal documents per row")
-    parser.add_argument("--no-record", action="store_true")
-    parser.add_argument("--cpu-smoke", action="store_true")
-    args = parser.parse_args()
-    if args.cpu_smoke:
-        cpu_smoke()
+    args = parse_args(parser, cpu_smoke)
+    if args is None:
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gated_delta_rule.py needs a CUDA GPU (or --cpu-smoke)")
     B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
     xs, grad_o = inputs(B, T, H, D, "cuda", torch.bfloat16)
     fns = builds(D, *documents(B, T, args.documents, "cuda"))

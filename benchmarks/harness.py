@@ -3,15 +3,18 @@
 record(title, body) prints "## title (date, device, torch/triton versions, commit)" with the
 table under it and appends it to benchmarks/RESULTS.md; git_commit() is the commit it stamps
 ($GRAPHTRAIN_COMMIT where the copy's git HEAD is stale); sqnr(got, want) the signal-to-noise
-ratio in dB by which rows are checked against a reference. The benchmarks run as scripts, so
-they import this module as `harness` (benchmarks/ is first on their sys.path).
+ratio in dB by which rows are checked against a reference; parse_args(parser, cpu_smoke) the
+options every benchmark has (--no-record, --cpu-smoke). The benchmarks run as scripts, so they
+import this module as `harness` (benchmarks/ is first on their sys.path).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,3 +75,22 @@ def sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
     want = want.double()
     noise = (got.double() - want).pow(2).sum().clamp_min(1e-300)
     return (10 * torch.log10(want.pow(2).sum() / noise)).item()
+
+
+def parse_args(
+    parser: argparse.ArgumentParser, cpu_smoke: Callable[[], None]
+) -> argparse.Namespace | None:
+    """A benchmark's options with --no-record and --cpu-smoke added. --cpu-smoke runs cpu_smoke()
+    (no GPU: tiny shapes, the rows checked against each other) and gives None, for the caller
+    to return; otherwise the benchmark needs a CUDA GPU, and says so."""
+    parser.add_argument("--no-record", action="store_true", help="print only: RESULTS.md untouched")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="no GPU: tiny shapes, rows checked"
+    )
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        cpu_smoke()
+        return None
+    if not torch.cuda.is_available():
+        raise SystemExit(f"benchmarks/{parser.prog} needs a CUDA GPU (or --cpu-smoke)")
+    return args

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from harness import record  # run as a script: benchmarks/ is on sys.path
+from harness import parse_args, record  # run as a script: benchmarks/ is on sys.path
 from moe_router import HBM_BYTES_PER_S, kernel_ms
 
 from graphtrain.compile import backend as graphtrain_backend
@@ -121,14 +121,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--no-record", action="store_true")
-    parser.add_argument("--cpu-smoke", action="store_true")
-    args = parser.parse_args()
-    if args.cpu_smoke:
-        cpu_smoke()
+    args = parse_args(parser, cpu_smoke)
+    if args is None:
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/moe_dispatch.py needs a CUDA GPU (or --cpu-smoke)")
     T, k, D = args.tokens, args.top_k, args.dim
     data = inputs(T, k, D, "cuda", torch.bfloat16)
     x, ys, weights, experts, *_ = data

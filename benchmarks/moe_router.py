@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from harness import record  # run as a script: benchmarks/ is on sys.path
+from harness import parse_args, record  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend
@@ -226,18 +226,9 @@ def main() -> None:
     parser.add_argument(
         "--impl", default=",".join(IMPLS), help=f"comma list from {', '.join(IMPLS)}"
     )
-    parser.add_argument(
-        "--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md"
-    )
-    parser.add_argument(
-        "--cpu-smoke", action="store_true", help="no GPU: check the plain code and the op agree"
-    )
-    args = parser.parse_args()
-    if args.cpu_smoke:
-        cpu_smoke()
+    args = parse_args(parser, cpu_smoke)
+    if args is None:
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/moe_router.py needs a CUDA GPU (or --cpu-smoke)")
     routers = [r.strip() for r in args.router.split(",") if r.strip()]
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
     for name, known in [(r, ROUTERS) for r in routers] + [(i, IMPLS) for i in impls]:

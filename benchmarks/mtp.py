@@ -30,7 +30,7 @@ import dataclasses
 import torch
 import triton
 import triton.testing
-from harness import record  # run as a script: benchmarks/ is on sys.path
+from harness import parse_args, record  # run as a script: benchmarks/ is on sys.path
 
 from graphtrain.compile import backend as graphtrain_backend
 from models import PRESETS, build_model
@@ -99,14 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--no-record", action="store_true")
-    parser.add_argument("--cpu-smoke", action="store_true")
-    args = parser.parse_args()
-    if args.cpu_smoke:
-        cpu_smoke()
+    args = parse_args(parser, cpu_smoke)
+    if args is None:
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/mtp.py needs a CUDA GPU (or --cpu-smoke)")
     layer, rope = mtp_layer(PRESETS["1b"], "cuda", torch.bfloat16)
     lines = ["| tokens | " + " | ".join(f"{i} ms" for i in IMPLS) + " | max rel err |"]
     lines.append("|---|" + "---:|" * (len(IMPLS) + 1))

@@ -29,7 +29,7 @@ import argparse
 import torch
 import triton
 import triton.testing
-from harness import record  # run as a script: benchmarks/ is on sys.path
+from harness import parse_args, record  # run as a script: benchmarks/ is on sys.path
 
 # Llama-3-8B
 DIM, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336
@@ -127,11 +127,8 @@ def cpu_smoke() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--no-record", action="store_true")
-    parser.add_argument("--cpu-smoke", action="store_true")
-    args = parser.parse_args()
-    if args.cpu_smoke:
-        cpu_smoke()
+    args = parse_args(parser, cpu_smoke)
+    if args is None:
         return
     rows = measure(args.tokens, "cuda")
     text = table(rows, args.tokens)

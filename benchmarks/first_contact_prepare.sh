@@ -9,7 +9,7 @@
 #    carried so the metric does not hang on the image's version); fla-core (FLA's Gated
 #    DeltaNet kernels: the hybrid stage); liger-kernel and cut-cross-entropy (cross_entropy.py),
 #    torchao (fp8_linear.py); torchtitan 0.2.2 (e2e.py) with the wheels its trainer imports
-#    that the image lacks (torchdata, tyro, datasets and theirs). Python 3.12, ~9 MB,
+#    that the image lacks (torchdata, tyro, datasets and theirs). Python 3.12, ~8 MB,
 #    installed there with pip --no-index --no-deps --target, nothing into the image's
 #    environment. The image has torch, triton, safetensors, tokenizers, pyarrow, numpy,
 #    tensorboard, einops, pandas, requests, httpx, huggingface-hub, pyyaml, tqdm and xxhash

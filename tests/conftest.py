@@ -162,6 +162,21 @@ def run_interpreter_checks(script: str, marker: str) -> None:
     _run_python([script, "--interpreter-checks"], marker, {**os.environ, "TRITON_INTERPRET": "1"})
 
 
+def poisoned_model(cfg, seed: int = 0) -> torch.nn.Module:
+    """cfg's model (models.build_model) built on meta and materialised on CPU with every
+    parameter and buffer NaN, then init_weights(seed): whatever init_weights forgets stays NaN."""
+    from models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(float("nan"))
+    model.init_weights(seed=seed)
+    return model
+
+
 def run_benchmark_smoke(name: str, marker: str) -> None:
     """Run `python benchmarks/NAME --cpu-smoke`; it must succeed and print `marker`."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / name

@@ -4,6 +4,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import poisoned_model
 
 from graphtrain.attention import document_causal_mask
 from models.gpt import GPT, PRESETS, GPTConfig, apply_rope, rope_cache
@@ -13,21 +14,9 @@ SMALL = GPTConfig(
 )
 
 
-def build(cfg: GPTConfig, seed: int = 0) -> GPT:
-    with torch.device("meta"):
-        model = GPT(cfg)
-    model.to_empty(device="cpu")
-    # Poison everything: whatever init_weights forgets stays NaN.
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            t.fill_(float("nan"))
-    model.init_weights(seed=seed)
-    return model
-
-
 @pytest.mark.parametrize("tie", [False, True])
 def test_every_parameter_and_buffer_is_initialized(tie):
-    model = build(GPTConfig(**{**SMALL.__dict__, "tie_embeddings": tie}))
+    model = poisoned_model(GPTConfig(**{**SMALL.__dict__, "tie_embeddings": tie}))
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         assert torch.isfinite(t).all(), f"{name} not initialized"
     if tie:
@@ -35,7 +24,11 @@ def test_every_parameter_and_buffer_is_initialized(tie):
 
 
 def test_init_is_seeded():
-    a, b, c = build(SMALL, seed=1), build(SMALL, seed=1), build(SMALL, seed=2)
+    a, b, c = (
+        poisoned_model(SMALL, seed=1),
+        poisoned_model(SMALL, seed=1),
+        poisoned_model(SMALL, seed=2),
+    )
     for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(pa, pb), n
         if pa.ndim > 1:
@@ -106,9 +99,9 @@ def test_rope_depends_only_on_relative_position():
 
 def test_gqa_matches_repeated_kv_heads():
     """Grouped-query attention equals full attention with each kv head repeated."""
-    model = build(SMALL)
+    model = poisoned_model(SMALL)
     full_cfg = GPTConfig(**{**SMALL.__dict__, "num_kv_heads": SMALL.num_heads})
-    full = build(full_cfg)
+    full = poisoned_model(full_cfg)
     full.load_state_dict(
         {
             k: (
@@ -128,7 +121,7 @@ def test_gqa_matches_repeated_kv_heads():
 def test_packed_documents_equal_separate_documents():
     """A row holding two documents gives each the output it gets alone: no attention across the
     boundary, positions restart."""
-    model = build(SMALL)
+    model = poisoned_model(SMALL)
     torch.manual_seed(1)
     a, b = torch.randint(0, SMALL.vocab_size, (1, 11)), torch.randint(0, SMALL.vocab_size, (1, 9))
     packed = torch.cat([a, b], dim=1)
@@ -143,7 +136,7 @@ def test_packed_documents_equal_separate_documents():
 def test_flex_mask_matches_sdpa_mask_forward():
     from graphtrain.attention import document_block_mask
 
-    model = build(SMALL)
+    model = poisoned_model(SMALL)
     torch.manual_seed(2)
     x = torch.randint(0, SMALL.vocab_size, (2, 32))
     doc = torch.tensor([[0] * 7 + [1] * 20 + [2] * 5, [0] * 32]).int()
@@ -154,7 +147,7 @@ def test_flex_mask_matches_sdpa_mask_forward():
 
 
 def test_loss_is_mean_cross_entropy_over_labelled_tokens():
-    model = build(SMALL)
+    model = poisoned_model(SMALL)
     x = torch.randint(0, SMALL.vocab_size, (2, 10))
     y = torch.randint(0, SMALL.vocab_size, (2, 10))
     y[0, :4] = -100

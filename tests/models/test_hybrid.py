@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import job, torchrun_jobs
+from conftest import job, poisoned_model, torchrun_jobs
 
 from graphtrain.attention import document_causal_mask
 from graphtrain.config import load_config
@@ -23,18 +23,6 @@ from models.moe import MoEBlock
 
 DEBUG = MODEL_PRESETS["hybrid-debug"]
 MOE_DEBUG = MODEL_PRESETS["hybrid-moe-debug"]
-
-
-def build(cfg, seed=0):
-    with torch.device("meta"):
-        model = build_model(cfg)
-    model.to_empty(device="cpu")
-    # Poison everything: whatever init_weights forgets stays NaN.
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            t.fill_(float("nan"))
-    model.init_weights(seed=seed)
-    return model
 
 
 @pytest.mark.parametrize(
@@ -55,11 +43,11 @@ def test_config_errors_name_values(change, message):
 
 def test_pattern_repeats_to_the_layers_and_picks_ffn_kinds():
     cfg = dataclasses.replace(DEBUG, num_layers=8, layer_pattern="G*")
-    model = build(cfg)
+    model = poisoned_model(cfg)
     assert type(model) is HybridGPT
     kinds = [type(b) for b in model.layers.values()]
     assert kinds == [GatedDeltaNetBlock, TransformerBlock] * 4
-    moe = build(dataclasses.replace(MOE_DEBUG, mtp_depth=1))
+    moe = poisoned_model(dataclasses.replace(MOE_DEBUG, mtp_depth=1))
     assert type(moe) is HybridMoEGPT
     assert [type(b) for b in moe.layers.values()] == [
         GatedDeltaNetBlock,  # first_k_dense = 1
@@ -80,7 +68,10 @@ def test_pattern_repeats_to_the_layers_and_picks_ffn_kinds():
 
 @pytest.mark.parametrize("preset", ["hybrid-debug", "hybrid-moe-debug"])
 def test_every_parameter_and_buffer_is_initialized_and_seeded(preset):
-    a, b = build(MODEL_PRESETS[preset], seed=3), build(MODEL_PRESETS[preset], seed=3)
+    a, b = (
+        poisoned_model(MODEL_PRESETS[preset], seed=3),
+        poisoned_model(MODEL_PRESETS[preset], seed=3),
+    )
     for (name, t), u in zip(
         [*a.named_parameters(), *a.named_buffers()], [*b.parameters(), *b.buffers()], strict=True
     ):
@@ -103,7 +94,7 @@ def test_packed_documents_equal_separate_documents():
     the mask, Gated DeltaNet blocks by resetting their state and convolution (float64; the MoE
     FFN works per token, and its grouped GEMMs have no float64)."""
     cfg = dataclasses.replace(DEBUG, linear_chunk_size=8)
-    model = build(cfg).double().eval()
+    model = poisoned_model(cfg).double().eval()
     lengths = [11, 3, 20]
     T = sum(lengths)
     ids = torch.randint(0, cfg.vocab_size, (1, T))
@@ -195,7 +186,7 @@ def test_hybrid_forward_flops_match_the_flop_counter_on_the_model(gated, mtp_dep
 
     rope = {} if gated else {"gated_attention": False, "partial_rotary_factor": 1.0}
     cfg = dataclasses.replace(DEBUG, linear_chunk_size=8, mtp_depth=mtp_depth, **rope)
-    model = build(cfg)
+    model = poisoned_model(cfg)
     B, T = 2, 16
     tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:

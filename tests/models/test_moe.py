@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import poisoned_model
 
 import graphtrain.compile  # noqa: F401  (lets torch.compile trace fp32 grouped GEMMs)
 import models.moe as moe
@@ -27,18 +28,6 @@ SMALL = MoEConfig(
     seq_aux_loss_coef=0.0,
 )
 DEBUG = MODEL_PRESETS["moe-debug"]
-
-
-def build(cfg: MoEConfig, seed: int = 0) -> MoEGPT:
-    with torch.device("meta"):
-        model = build_model(cfg)
-    model.to_empty(device="cpu")
-    # Poison everything: whatever init_weights forgets stays NaN.
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            t.fill_(float("nan"))
-    model.init_weights(seed=seed)
-    return model
 
 
 def make_router(cfg: MoEConfig, seed: int = 0) -> Router:
@@ -91,7 +80,7 @@ def test_presets_and_parameter_names():
     cfg = MODEL_PRESETS["moe-1b"]
     assert (cfg.num_experts, cfg.top_k, cfg.num_shared_experts) == (64, 6, 2)
 
-    model = build(DEBUG)
+    model = poisoned_model(DEBUG)
     keys = set(model.state_dict())
     assert "layers.0.feed_forward.w1.weight" in keys  # first_k_dense=1: a dense block
     assert {
@@ -107,7 +96,11 @@ def test_presets_and_parameter_names():
 
 
 def test_every_parameter_and_buffer_is_initialized_and_seeded():
-    a, b, c = build(DEBUG, seed=1), build(DEBUG, seed=1), build(DEBUG, seed=2)
+    a, b, c = (
+        poisoned_model(DEBUG, seed=1),
+        poisoned_model(DEBUG, seed=1),
+        poisoned_model(DEBUG, seed=2),
+    )
     for name, t in [*a.named_parameters(), *a.named_buffers()]:
         assert torch.isfinite(t).all(), f"{name} not initialized"
     for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
@@ -120,7 +113,7 @@ def test_every_parameter_and_buffer_is_initialized_and_seeded():
 
 
 def test_active_params_counts_the_weights_a_token_meets():
-    model = build(DEBUG)
+    model = poisoned_model(DEBUG)
     cfg = DEBUG
     total = 0
     for name, p in model.named_parameters():
@@ -321,7 +314,7 @@ def test_bias_changes_selection_never_weights():
 
 
 def test_router_buffers_stay_fp32_under_bf16_casts():
-    model = build(DEBUG)
+    model = poisoned_model(DEBUG)
     _, router = model.routers()[0]
     bias = torch.linspace(-1e-3, 1e-3, DEBUG.num_experts) + 1.0  # not representable in bf16
     router.expert_bias.copy_(bias)
@@ -393,7 +386,7 @@ def test_injected_aux_gradient_equals_explicit_loss(coef, monkeypatch):
         ("aux_loss_coef", "seq_aux_loss_coef", "global_aux_loss_coef", "z_loss_coef"), 0.0
     )
     cfg = replace(DEBUG, **{**off, coef: 0.5})
-    model = build(cfg)
+    model = poisoned_model(cfg)
     model.set_aux_loss_scale(0.25)
     x = torch.randint(0, cfg.vocab_size, (2, 12))
     y = torch.randint(0, cfg.vocab_size, (2, 12))
@@ -468,7 +461,7 @@ def test_grouped_experts_match_a_loop_with_empty_experts():
 
 
 def test_moe_under_bf16_autocast_is_close_to_fp32():
-    model = build(DEBUG)
+    model = poisoned_model(DEBUG)
     x = torch.randint(0, DEBUG.vocab_size, (2, 16))
     y = torch.randint(0, DEBUG.vocab_size, (2, 16))
     ref = model(x, y)
@@ -498,7 +491,7 @@ def test_force_balance_routes_uniformly_with_gradient_to_the_gate():
 
 
 def test_moe_debug_trains_on_random_tokens():
-    model = build(DEBUG)
+    model = poisoned_model(DEBUG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(0)
     x = torch.randint(0, DEBUG.vocab_size, (4, 32))
@@ -521,8 +514,8 @@ def test_moe_debug_trains_on_random_tokens():
 
 
 def test_compiled_loss_equals_eager():
-    eager = build(DEBUG)
-    compiled = build(DEBUG)
+    eager = poisoned_model(DEBUG)
+    compiled = poisoned_model(DEBUG)
     x = torch.randint(0, DEBUG.vocab_size, (2, 16))
     y = torch.randint(0, DEBUG.vocab_size, (2, 16))
     loss = eager(x, y)
@@ -548,7 +541,7 @@ def test_non_finite_router_logits_are_counted_per_layer(tmp_path):
     x = torch.randint(0, DEBUG.vocab_size, (2, 16))
     y = torch.randint(0, DEBUG.vocab_size, (2, 16))
     for compiled in (False, True):
-        model = build(DEBUG)
+        model = poisoned_model(DEBUG)
         (first, _), (name, router) = model.routers()
         with torch.no_grad():
             router.gate.weight[3, 5] = float("nan")  # expert 3's logit is NaN for every token

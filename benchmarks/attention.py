@@ -96,20 +96,18 @@ def candidates(document_ids: torch.Tensor, device: torch.device) -> dict[str, Ca
     block_mask = build_attention_mask(document_ids, "flex", device)
     rows["flex (Triton)"] = functools.partial(torch.compile(attend), attn_mask=block_mask)
     if device.type != "cuda":
-        rows["flex FLASH (FA4)"] = "not run: needs CUDA"
-    elif importlib.util.find_spec("flash_attn") is None or (
+        rows["flex FLASH (FA4)"] = rows["varlen (FA2)"] = "not run: needs CUDA"
+        return rows
+    if importlib.util.find_spec("flash_attn") is None or (
         importlib.util.find_spec("flash_attn.cute") is None
     ):
         rows["flex FLASH (FA4)"] = "not run: flash_attn.cute (flash-attn-4) is not installed"
     else:
         compiled = torch.compile(flex_flash, dynamic=False)
         rows["flex FLASH (FA4)"] = functools.partial(compiled, block_mask=block_mask)
-    if device.type != "cuda":
-        rows["varlen (FA2)"] = "not run: needs CUDA"
-    else:
-        spans = build_attention_mask(document_ids.cpu(), "varlen", device)
-        rows["varlen (FA2)"] = functools.partial(attend, attn_mask=spans)
-        rows["sdpa causal, no documents"] = functools.partial(torch.compile(attend), attn_mask=None)
+    spans = build_attention_mask(document_ids.cpu(), "varlen", device)
+    rows["varlen (FA2)"] = functools.partial(attend, attn_mask=spans)
+    rows["sdpa causal, no documents"] = functools.partial(torch.compile(attend), attn_mask=None)
     return rows
 
 

@@ -35,6 +35,7 @@ import argparse
 import functools
 import importlib.util
 import os
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,6 +155,7 @@ def run(preset, document_ids, pairs, device, dtype, timed: bool) -> list[tuple[s
         try:
             row = measure(fn, q, k, v, grad_out, want, timed)
         except Exception as e:  # a backend that fails on this torch is a row that says so
+            traceback.print_exc()  # the whole story in the log: a GPU run is rare
             while e.__cause__ is not None:
                 e = e.__cause__
             first = (str(e).strip().splitlines() or [""])[0]

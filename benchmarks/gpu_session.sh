@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One stage of the pending GPU work on one H100 (or H200), after the first contact
 # (benchmarks/first_contact.sh), in the order of issue 25 item 3: e2e, profile, loss, fp8, mtp,
-# kernels (then hybrid, profile-fp8). Each stage ends inside 9 minutes: every item runs under
-# its own cap, cut to what is left of BUDGET seconds (default 520, counted from the start of
-# this script, the wheel install and preflight included), and an item that no longer has 20 s
-# is skipped and named so in summary.txt. Items run most important first within a stage.
+# kernels (then hybrid, profile-fp8; fa4 in the call after any stage). Each stage ends inside
+# 9 minutes: every item runs under its own cap, cut to what is left of BUDGET seconds (default
+# 520, counted from the start of this script, the wheel install and preflight included), and an
+# item that no longer has 20 s is skipped and named so in summary.txt. Items run most important
+# first within a stage.
 #
 #   GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]
 #
-# STAGE: preflight | tests | e2e | profile | loss | fp8 | mtp | kernels | hybrid | profile-fp8
+# STAGE: preflight | tests | e2e | profile | loss | fp8 | mtp | kernels | hybrid | profile-fp8 | fa4
 # (see `stages` below and "Running the GPU benchmarks" in benchmarks/RESULTS.md). LOG_DIR
 # (default $OUT, else ./gpu-logs; at most 8 files, what a device run brings back) gets one log
 # per item, the sections this stage appended to
@@ -32,6 +33,11 @@
 #   python -m pip install --no-index --no-deps --target "$TMPDIR/graphtrain-wheels" .whl/*.whl
 # and puts that directory on PYTHONPATH, so nothing is installed into the machine's environment.
 # `preflight` (seconds) prints what imports and what does not.
+#
+# FlashAttention-4 (`first_contact_prepare.sh --fa4`) comes in two halves, .fa4/one and
+# .fa4/two, one per call on the same warm machine (a call carries 64 MiB): where both are here,
+# every stage joins the cut wheel, checks its sha256 and installs it with the rest; where one
+# is, summary.txt says which the next call must carry.
 
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -46,12 +52,12 @@ wheels=${GRAPHTRAIN_WHEELS:-$root/.whl}
 
 usage() {
     echo "usage: GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]" >&2
-    echo "STAGE: preflight tests e2e profile loss fp8 mtp kernels hybrid profile-fp8" >&2
+    echo "STAGE: preflight tests e2e profile loss fp8 mtp kernels hybrid profile-fp8 fa4" >&2
     exit 2
 }
 
 case $stage in
-preflight | tests | e2e | profile | loss | fp8 | mtp | kernels | hybrid | profile-fp8) ;;
+preflight | tests | e2e | profile | loss | fp8 | mtp | kernels | hybrid | profile-fp8 | fa4) ;;
 *) usage ;;
 esac
 mkdir -p "$log_dir" || exit 2
@@ -94,15 +100,45 @@ bench() {  # bench NAME CAP SCRIPT ARGS...: a benchmark script of this directory
     item "$name" "$cap" "$python" "benchmarks/$script" "$@"
 }
 
+# fa4_wheels: prints the FlashAttention-4 wheels to install, the cut one joined into $work,
+# where both halves are here; else says (in summary.txt too) what is missing.
+fa4_wheels() {
+    local one=$root/.fa4/one two=$root/.fa4/two part name
+    [ -d "$one" ] || [ -d "$two" ] || return 0
+    if [ ! -d "$one" ] || [ ! -d "$two" ]; then
+        local here=.fa4/one missing=.fa4/two
+        [ -d "$one" ] || { here=.fa4/two; missing=.fa4/one; }
+        echo "FlashAttention-4: not installed, only $here is here: carry $missing with the" \
+            "next call on this machine" | tee -a "$log_dir/summary.txt" >&2
+        return 0
+    fi
+    for part in "$one"/*.part1; do
+        name=$(basename "$part" .part1)
+        cat "$part" "$two/$name.part2" >"$work/$name" 2>/dev/null
+        if [ "$(sha256sum "$work/$name" | cut -d' ' -f1)" != "$(cat "$one/$name.sha256")" ]; then
+            echo "FlashAttention-4: not installed, $name joined from .fa4/one and .fa4/two" \
+                "fails its sha256" | tee -a "$log_dir/summary.txt" >&2
+            return 0
+        fi
+        echo "$work/$name"
+    done
+    ls "$one"/*.whl
+}
+
 install_wheels() {
     shopt -s nullglob
     local found=("$wheels"/*.whl)
     shopt -u nullglob
+    mapfile -t -O ${#found[@]} found < <(fa4_wheels)
     if ((${#found[@]})); then
         local target="${TMPDIR:-/tmp}/graphtrain-wheels"
         "$python" -m pip install -q --no-index --no-deps --target "$target" "${found[@]}" \
             >"$log_dir/install.log" 2>&1 || echo "wheel install failed: see $log_dir/install.log"
         export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+        # A --target install leaves .pth files unread: cutlass-dsl's puts its packages' folder
+        # on sys.path (without it, `import cutlass` fails: seen, FlashAttention-4's import).
+        local dsl=$target/nvidia_cutlass_dsl/dsl_packages
+        [ -d "$dsl" ] && export PYTHONPATH="$PYTHONPATH:$dsl"
         echo "installed ${#found[@]} wheels from $wheels into $target"
     else
         echo "no wheels in $wheels: the peers' rows will say 'not run'"
@@ -119,7 +155,7 @@ print(f"torch {torch.__version__}, triton {triton.__version__}, "
 print(f"GRAPHTRAIN_COMMIT={os.environ.get('GRAPHTRAIN_COMMIT') or '(unset: git HEAD, may be stale)'}")
 for name in ("tensordict", "safetensors", "tokenizers", "numpy", "pyarrow", "tensorboard",
              "graphtrain.step", "liger_kernel.transformers", "cut_cross_entropy",
-             "torchao.float8", "torchtitan.train"):
+             "torchao.float8", "torchtitan.train", "flash_attn.cute"):
     try:
         importlib.import_module(name)
         print(f"  {name}: ok")
@@ -245,6 +281,15 @@ stages() {
         bench e2e-hybrid-1b 150 e2e.py --model hybrid-1b --steps 10 --warmup 3
         bench e2e-hybrid-1b-gdr 190 e2e.py --model hybrid-1b --steps 10 --warmup 3 \
             --set=--compile.passes=+gated_delta_rule --variant=--compile.gdr_kernels=triton
+        ;;
+    fa4)
+        # attention.py with flex's FlashAttention-4 row (its wheels installed above): flex's
+        # Triton kernel, FA4, varlen (FA2) and causal SDPA on the same batch, each against fp32
+        # math; FA4's CuTe DSL kernels compile at first call (~1 min, forward and backward
+        # together, not measured yet) beside the ~1-2 min of the other rows. A failing FA4 row
+        # prints its traceback in attention.log. Where it is faster than flex's Triton kernel,
+        # FA4 becomes a training.attention choice and an e2e variant row, not before.
+        bench attention 200 attention.py
         ;;
     profile-fp8)
         # The 3b preset with training.fp8, one sequence of 4096 (~63 GiB): 3 profiled steps, then

@@ -1,11 +1,15 @@
 """benchmarks/gpu_session.sh checked on CPU, so that a GPU stage (minutes of a rarely lent
 machine) does not find a slip: the script parses; every `bench` names a benchmark that exists;
 every pytest item's selection collects tests; every `graphtrain inspect` item passes inspect's
-option and config checks. Its e2e.py commands: tests/test_e2e_benchmark.py."""
+option and config checks; FlashAttention-4's two carried halves are joined, checked and
+installed. Its e2e.py commands: tests/test_e2e_benchmark.py."""
 
+import hashlib
+import os
 import shlex
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -59,3 +63,57 @@ def test_each_inspect_item_passes_inspects_checks():
         source, own, rest = _split(_after(words, "inspect"))
         assert source is None and own["device"] == "cuda" and own["profile"].isdigit(), words
         assert load_config(rest).preset, words  # every --section.key=value a known key
+
+
+def _fake_fa4_wheel(path: Path) -> None:
+    """A wheel laid out as FlashAttention-4's cutlass-dsl: `import flash_attn.cute` imports
+    `cutlass`, which lives in nvidia_cutlass_dsl/dsl_packages (a .pth puts it on sys.path)."""
+    files = {
+        "flash_attn/__init__.py": "",
+        "flash_attn/cute/__init__.py": "import cutlass\n",
+        "nvidia_cutlass_dsl/__init__.py": "",
+        "nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py": "",
+        "fake_fa4-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: fake-fa4\nVersion: 1.0\n",
+        "fake_fa4-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files["fake_fa4-1.0.dist-info/RECORD"] = "".join(f"{name},,\n" for name in files)
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+
+
+@pytest.mark.parametrize("case", ["both", "one", "corrupt"])
+def test_flashattention_4_halves_are_joined_checked_and_installed(tmp_path, case):
+    """first_contact_prepare.sh --fa4 cuts the wheel in two (.fa4/one, .fa4/two: one per call);
+    the script joins them, checks the sha256, installs, and puts cutlass-dsl's package folder on
+    the path; with a half missing or a bad join it says so in summary.txt and installs nothing."""
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    (root / "benchmarks" / "gpu_session.sh").write_text(SCRIPT.read_text())
+    wheel = tmp_path / "fake_fa4-1.0-py3-none-any.whl"
+    _fake_fa4_wheel(wheel)
+    data = wheel.read_bytes()
+    one, two = root / ".fa4" / "one", root / ".fa4" / "two"
+    one.mkdir(parents=True)
+    (one / f"{wheel.name}.part1").write_bytes(data[:100])
+    (one / f"{wheel.name}.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+    if case != "one":
+        two.mkdir()
+        (two / f"{wheel.name}.part2").write_bytes(data[100:] + (b"x" if case == "corrupt" else b""))
+    logs, tmp = tmp_path / "logs", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHON": sys.executable,
+           "GRAPHTRAIN_WHEELS": str(tmp_path / "no-wheels")}  # fmt: skip
+    run = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu_session.sh"), "preflight", str(logs)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    summary = (logs / "summary.txt").read_text()
+    installed = tmp / "graphtrain-wheels" / "flash_attn" / "cute" / "__init__.py"
+    if case == "both":
+        assert "flash_attn.cute: ok" in run.stdout, run.stdout + run.stderr
+        assert installed.is_file() and "FlashAttention-4" not in summary
+    else:
+        assert not installed.exists() and "flash_attn.cute: MISSING" in run.stdout
+        why = "carry .fa4/two with the next call" if case == "one" else "fails its sha256"
+        assert why in summary, summary

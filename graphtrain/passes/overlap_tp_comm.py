@@ -6,9 +6,9 @@ What
     to [B, T, D], read by one or more row-wise GEMMs: q, k, v; w1, w3; the backward's dgrad)
     and GEMM -> scatter (a GEMM's output reduce-scattered: wo, w2). Each is rewritten so that
     communication and compute overlap:
-      chunked    (any process group, gloo included) the shard's rows in `chunks` blocks: every
-                 block's collective starts first, each block's GEMMs run as it arrives (or
-                 before the next scatter); the outputs are put back in row order.
+      chunked    (any process group, gloo included) the shard's rows in `chunks` blocks: all
+                 collectives start first (on gloo one at a time: _Builder), a block's GEMMs run
+                 as it arrives (or before the next scatter); outputs put back in row order.
       symm_mem   (CUDA groups with symmetric memory) torch's fused_all_gather_matmul /
                  fused_matmul_reduce_scatter.
     Options (PassContext.options): "tp_overlap_chunks" (0: the tp size), "tp_overlap_variant"
@@ -64,7 +64,32 @@ def _shape(node: Node) -> list[int]:
 
 
 class _Builder(fx.AtenBuilder):
-    """fx.AtenBuilder and the row reorderings between sequence and rank-major layouts."""
+    """fx.AtenBuilder, the row reorderings between sequence and rank-major layouts, and the
+    blocks' collectives: each in flight until its block is needed, but on gloo (CPU tensors)
+    waited on before the next starts. Two collectives in flight on one gloo group while
+    another group's collective runs corrupt the heap: torch 2.11, 2.13 and 2.14 (gloo's TCP
+    transport; seen as "malloc(): unaligned tcache chunk detected" and SIGSEGV in
+    gloo::transport::tcp::Pair::prepareRead, in MoE layouts with expert parallelism beside
+    tp). The blocks and their arithmetic stay the same (bitwise); a CPU run loses only the
+    overlap of a gloo collective with a GEMM."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: Node, fake_mode: Any, collective: Node):
+        super().__init__(graph, anchor, fake_mode)
+        self.one_in_flight = not collective.meta["val"].is_cuda
+
+    def start(self, op: Any, *args: Any) -> Node:
+        """A block's collective: its handle, or on gloo the tensor, already waited on."""
+        handle = self(op, *args)
+        return self(_c10d.wait_tensor.default, handle) if self.one_in_flight else handle
+
+    def arrive(self, handle: Node) -> Node:
+        """The block's tensor once its collective (started by `start`) is done."""
+        return handle if self.one_in_flight else self(_c10d.wait_tensor.default, handle)
+
+    def chunked(self, chunks: int) -> str:
+        """The note's word for the rewrite."""
+        serial = ", one collective in flight at a time (gloo)" if self.one_in_flight else ""
+        return f"chunked into {chunks}{serial}"
 
     def rank_major_to_sequence(self, blocks: list[Node], tp: int, batch: int, seq: int) -> Node:
         """[B, tp * S, W] from blocks[j] = rows j of every rank's [B * S] rows, rank-major
@@ -227,7 +252,7 @@ def _overlap_gather(
     # the backward) come right after it. The GEMMs' weights (transposes) move up to there.
     for gemm in gemms:
         _hoist(gemm.args[1], full)
-    b = _Builder(gm.graph, full, fake_mode)
+    b = _Builder(gm.graph, full, fake_mode, ag)
     names = ", ".join(g.name for g in gemms)
     if symm_mem:
         # (the gathered [B, T, D], [each GEMM's [B, T, N]]), pipelined over the peers.
@@ -249,7 +274,7 @@ def _overlap_gather(
         return f"all_gather {ag.name} -> mm ({names}): symm_mem fused_all_gather_matmul"
     flat = b(aten.view.default, x, [batch * seq, dim])
     started = [
-        b(
+        b.start(
             _c10d.all_gather_into_tensor.default,
             b(aten.slice.Tensor, flat, 0, j * block, (j + 1) * block),
             tp,
@@ -259,7 +284,7 @@ def _overlap_gather(
     ]
     arrived, parts = [], {gemm: [] for gemm in gemms}
     for handle in started:
-        arrived.append(b(_c10d.wait_tensor.default, handle))
+        arrived.append(b.arrive(handle))
         for gemm in gemms:  # this block's GEMMs run while the later blocks are in flight
             parts[gemm].append(b(aten.mm.default, arrived[-1], gemm.args[1]))
     for gemm in gemms:
@@ -268,7 +293,7 @@ def _overlap_gather(
         gm.graph.erase_node(gemm)
     _replace_rest(gm, full, lambda: b.rank_major_to_sequence(arrived, tp, batch, seq))
     _erase_chain(gm, [full, *reversed(pieces), wait, ag])
-    return f"all_gather {ag.name} -> mm ({names}): chunked into {chunks}"
+    return f"all_gather {ag.name} -> mm ({names}): {b.chunked(chunks)}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,7 +347,7 @@ def _overlap_fp8_gather(
     block = _row_block(batch * seq, chunks)
     for linear in linears:  # the weights (views of parameters) move up to the first block
         _hoist(fx.op_arg(linear, "weight"), as_fp8)
-    b = _Builder(gm.graph, as_fp8, fake_mode)
+    b = _Builder(gm.graph, as_fp8, fake_mode, ag)
     started = []
     for j in range(chunks):  # the cast is elementwise with one scale: the same bytes per block
         part = b(_FP8_CAST, b(aten.slice.Tensor, rows, 0, j * block, (j + 1) * block),
@@ -331,11 +356,11 @@ def _overlap_fp8_gather(
             scale_inv = b(operator.getitem, part, _CAST_OUT["scale_inv"])
             counts = b(operator.getitem, part, _CAST_OUT["counts"])
         u8 = b(aten.view.dtype, b(operator.getitem, part, _CAST_OUT["y"]), torch.uint8)
-        started.append(b(_c10d.all_gather_into_tensor.default, u8, tp, group))
+        started.append(b.start(_c10d.all_gather_into_tensor.default, u8, tp, group))
     arrived, parts = [], {linear: [] for linear in linears}
     weights = {}  # each linear's (w8_t, w_scale_inv, E4M3 weight as _scaled_mm's operand)
     for j, handle in enumerate(started):
-        arrived.append(b(_c10d.wait_tensor.default, handle))
+        arrived.append(b.arrive(handle))
         x8 = b(aten.view.dtype, arrived[-1], dtype)  # [tp * block, D], rank-major
         for linear in linears:
             if j == 0:
@@ -377,7 +402,7 @@ def _overlap_fp8_gather(
     _erase_chain(gm, erased)
     names = ", ".join(linear.name for linear in linears)
     fused = " (symm_mem has no FP8 variant wired here: chunked)" if symm_mem else ""
-    return f"fp8 all_gather {ag.name} -> fp8_linear_precast ({names}): chunked into {chunks}{fused}"
+    return f"fp8 all_gather {ag.name} -> fp8_linear_precast ({names}): {b.chunked(chunks)}{fused}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,7 +465,7 @@ def _overlap_scatter(
         raise Refuse("its result is not waited on once")
     gemms = [n for n in between if _is(n, aten.mm.default)]
     names = ", ".join(g.name for g in gemms)
-    b = _Builder(gm.graph, rs, fake_mode)
+    b = _Builder(gm.graph, rs, fake_mode, rs)
     if symm_mem and terms[0] != "add":  # the fused op takes one GEMM, not a sum of several
         gemm, rows = terms
         fused = _symm_mem().fused_matmul_reduce_scatter.default
@@ -464,15 +489,15 @@ def _overlap_scatter(
 
     # Block j's scatter is in flight while block j + 1 is multiplied.
     started = [
-        b(_c10d.reduce_scatter_tensor.default, block_of(terms, j), "sum", tp, group)
+        b.start(_c10d.reduce_scatter_tensor.default, block_of(terms, j), "sum", tp, group)
         for j in range(chunks)
     ]
     b.anchor = wait
-    arrived = [b(_c10d.wait_tensor.default, handle) for handle in started]
+    arrived = [b.arrive(handle) for handle in started]
     out = b(aten.view.default, b(aten.cat.default, arrived), _shape(wait))
     wait.replace_all_uses_with(out)
     _erase_chain(gm, [wait, rs, *between])
-    return f"mm ({names}) -> reduce_scatter {rs.name}: chunked into {chunks}"
+    return f"mm ({names}) -> reduce_scatter {rs.name}: {b.chunked(chunks)}"
 
 
 @register_pass("overlap_tp_comm", preserves_numerics=True)

@@ -2,15 +2,16 @@
 
 Each compiles a model (aot_eager) with a post-grad pass (spec "toggle": overlap_tp_comm, or
 fp8_all_gather with "+fp8_linear" in spec "passes") switched off and on, trains it the same few
-steps in both, and returns the losses, the gradients of every step and the pass's notes (rank
-0's graph dumps; overlap_tp_comm's too), so the test can assert bitwise equality and what was
-rewritten. A spec's "also" (passes) adds a third run: the on run with those switched too.
+steps in both, and returns the losses, the gradients of every step, the pass's notes (rank
+0's graph dumps; overlap_tp_comm's too) and the most collectives of a group its graphs keep in
+flight at once, so the test can assert bitwise equality and what was rewritten. A spec's "also" (passes) adds a third run: the on run with those switched too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,30 @@ def _gathered(model: torch.nn.Module) -> dict[str, list[torch.dtype]]:
     return {p._param_fqn: [t.dtype for t in p.all_gather_outputs] for p in group.fsdp_params}
 
 
+_COLLECTIVE = re.compile(
+    r"(\w+): \"[^\"]*\" = torch\.ops\._c10d_functional\.(\w+)\.default\(([^)]*)\)"
+)
+
+
+def _most_in_flight(dump: Path) -> int:
+    """The most collectives of one group started and not yet waited on at once, over the graphs
+    overlap_tp_comm rewrote (their dumps, in the order the graphs run)."""
+    most = 0
+    for graph in dump.glob("*/*/*_overlap_tp_comm.txt"):
+        group_of: dict[str, str] = {}
+        in_flight: dict[str, set[str]] = {}
+        for name, op, args in _COLLECTIVE.findall(graph.read_text()):
+            if op == "wait_tensor":
+                handle = args.strip()
+                if handle in group_of:
+                    in_flight[group_of[handle]].discard(handle)
+                continue
+            group_of[name] = args.rsplit(",", 1)[-1].strip().strip("'")
+            in_flight.setdefault(group_of[name], set()).add(name)
+            most = max(most, len(in_flight[group_of[name]]))
+    return most
+
+
 def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
     """For each spec: the off and on runs, and the pass's notes of the on run."""
     out = {}
@@ -130,7 +155,8 @@ def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any
             on = _train(rank, world, spec, True, Path(tmp) / "on")
             notes = _notes(Path(tmp) / "on", spec.get("toggle", "overlap_tp_comm"))
             overlap_notes = _notes(Path(tmp) / "on")  # the same unless another pass is toggled
-            out[spec["name"]] = {"off": off, "on": on, "notes": notes, "overlap": overlap_notes}
+            out[spec["name"]] = {"off": off, "on": on, "notes": notes, "overlap": overlap_notes,
+                                 "in_flight": _most_in_flight(Path(tmp) / "on")}  # fmt: skip
             if "also" in spec:  # a third run: the on run with these passes switched too
                 out[spec["name"]]["also"] = _train(
                     rank, world, spec, True, Path(tmp) / "also", tuple(spec["also"])

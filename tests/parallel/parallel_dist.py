@@ -8,7 +8,6 @@ blocking CI: the children are killed and TimeoutError is raised.
 from __future__ import annotations
 
 import faulthandler
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -58,24 +57,9 @@ def run_ranks(
     """fn(rank, world_size, *args) on every rank; returns the results in rank order.
 
     fn and args must be picklable (a module-level function). An exception on any rank is
-    re-raised here (torch.multiprocessing.ProcessRaisedException, with the rank's traceback).
+    re-raised here (torch.multiprocessing.ProcessRaisedException, with the rank's traceback);
+    a rank killed by a signal prints every thread's stack (faulthandler) and fails it too.
     """
-    try:
-        return _launch(fn, world_size, args, timeout, backend)
-    except mp.ProcessExitedException as e:
-        # A rank killed by a signal (seen once in CI: 4 gloo ranks on the loaded 2-core machine,
-        # glibc aborting on a corrupted heap; faulthandler prints the rank's stacks above) gets
-        # one more launch, as in conftest.torchrun_jobs. A rank that raises fails the test at
-        # once, and so does a second crash.
-        if e.signal_name is None:
-            raise
-        print(f"run_ranks: {e}; launching again", file=sys.stderr)
-    return _launch(fn, world_size, args, timeout, backend)
-
-
-def _launch(
-    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, backend: str
-) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _entry,

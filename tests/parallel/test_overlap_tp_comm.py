@@ -95,6 +95,16 @@ def test_tp2_bitwise(ranks2, name):
     _assert_bitwise(ranks2[0][name])
 
 
+def test_gloo_keeps_one_collective_of_a_group_in_flight(ranks2, ranks4):
+    """On gloo each block's collective is waited on before the next starts: two in flight on one
+    group beside another group's collective corrupt gloo's heap (overlap_tp_comm._Builder). The
+    chunked runs kept two (chunks = tp) or four in flight before; the symm_mem stand-in has one
+    fused op per pair."""
+    results = {**ranks2[0], "dense_tp4": ranks4[0]["dense_tp4"]}
+    for name in [*(spec["name"] for spec in SPECS_2 if spec["dims"]["tp"] > 1), "dense_tp4"]:
+        assert results[name]["in_flight"] == 1, name
+
+
 def test_symm_mem_variant(ranks2):
     # The fused ops where they apply (the forward's gathers and single-GEMM scatters); the
     # backward's scatter of a sum of dgrads stays chunked. Checked through torch's fallback

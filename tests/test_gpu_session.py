@@ -74,7 +74,8 @@ def _fake_fa4_wheel(path: Path) -> None:
         "nvidia_cutlass_dsl/__init__.py": "",
         "nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py": "",
         "fake_fa4-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: fake-fa4\nVersion: 1.0\n",
-        "fake_fa4-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        "fake_fa4-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
     }
     files["fake_fa4-1.0.dist-info/RECORD"] = "".join(f"{name},,\n" for name in files)
     with zipfile.ZipFile(path, "w") as z:

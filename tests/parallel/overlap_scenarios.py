@@ -4,7 +4,8 @@ Each compiles a model (aot_eager) with a post-grad pass (spec "toggle": overlap_
 fp8_all_gather with "+fp8_linear" in spec "passes") switched off and on, trains it the same few
 steps in both, and returns the losses, the gradients of every step, the pass's notes (rank
 0's graph dumps; overlap_tp_comm's too) and the most collectives of a group its graphs keep in
-flight at once, so the test can assert bitwise equality and what was rewritten. A spec's "also" (passes) adds a third run: the on run with those switched too.
+flight at once, so the test can assert bitwise equality and what was rewritten. A spec's "also"
+(passes) adds a third run: the on run with those switched too.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def _most_in_flight(dump: Path) -> int:
 
 
 def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
-    """For each spec: the off and on runs, and the pass's notes of the on run."""
+    """For each spec: the off and on runs, and the pass's notes and most in flight of the on run."""
     out = {}
     for spec in specs:
         if spec.get("variant") == "symm_mem" and spec.get("device", "cpu") == "cpu":

@@ -5,9 +5,10 @@ sum (same ranks, same order), so the losses and every gradient of every step mus
 equal to the unrewritten graphs: dense tp=2 (chunks = tp and 4), MoE with expert TP (etp=tp),
 tp=4, and the symm_mem variant. The fp8_all_gather pass (FP8 bytes gathered into fp8_linear)
 is checked here too, on the same launches: bitwise against the FP8 run without it, and its FP8
-gathers chunked by this pass bitwise against them unchunked. Composed with FSDP (dp2 x tp2),
-the pass is on by default in tests/parallel/test_parallel_train.py, which follows the single
-process.
+gathers chunked by this pass bitwise against them unchunked. On gloo the rewritten graphs keep
+one collective of a group in flight at a time (two corrupt gloo's heap beside another group's
+collective: overlap_tp_comm._Builder). Composed with FSDP (dp2 x tp2), the pass is on by
+default in tests/parallel/test_parallel_train.py, which follows the single process.
 """
 
 from __future__ import annotations

@@ -305,8 +305,9 @@ class OptimConfig:
     implementation: Literal["auto", "fused", "foreach", "graphtrain"] = option(
         "auto",
         'AdamW kernel: torch\'s "fused" or "foreach", or "graphtrain" (fp32 masters: the '
-        "step also writes the bf16 working copies, graphtrain.optim.adamw_copies; opt-in until "
-        'measured on a GPU); "auto": fused where supported, else foreach. AdamW kernel',
+        'step also writes the bf16 working copies, graphtrain.optim.adamw_copies); "auto": '
+        "graphtrain for fp32 parameters on CUDA (measured faster: benchmarks/RESULTS.md), else "
+        "fused where supported, else foreach.",
     )
     max_norm: float = option(1.0, "gradient clipping by the global norm; <= 0 disables clipping")
     state_dtype: Literal["float32", "bfloat16"] = option(

@@ -11,8 +11,9 @@ What
     clipping multiplying them in a pass of its own (the gradients are left unscaled).
     Each step is one graphtrain::adamw_step launch per (param group, step count, with or without
     copies): four or so for the trainer's decay / no-decay and plain / DTensor groups.
-    Opt-in (optim.implementation = "graphtrain") until benchmarks/adamw_step.py has measured
-    it against torch's fused step on a GPU; "auto" keeps torch's.
+    optim.implementation = "graphtrain", and "auto"'s choice for fp32 parameters on CUDA since
+    benchmarks/adamw_step.py measured it on an H200: 9.1 ms against torch's clip + fused step
+    + refresh's 13.7 for moe-1b (benchmarks/RESULTS.md).
 
 State dict
     torch.optim.AdamW's: per parameter "step" (a float32 tensor), "exp_avg", "exp_avg_sq"; the

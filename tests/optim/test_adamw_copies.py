@@ -5,6 +5,7 @@ torch's AdamW, bf16 moments as AdamWBF16, refusals, and build_optimizer's choice
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphtrain.optim import (
     AdamWBF16,
@@ -13,6 +14,7 @@ from graphtrain.optim import (
     build_optimizer,
     clip_grad_norm_,
 )
+from graphtrain.optim.optimizer import _choose_implementation
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 
@@ -191,6 +193,11 @@ def test_build_optimizer_choice():
     assert isinstance(make(implementation="graphtrain"), AdamWCopies)
     opt = make(implementation="graphtrain", state_dtype="bfloat16")
     assert isinstance(opt, AdamWCopies) and opt.state_dtype == torch.bfloat16
-    # "auto" keeps torch's AdamW (opt-in until measured on a GPU).
+    # "auto" keeps torch's AdamW on CPU, and takes ours for fp32 CUDA parameters (measured
+    # faster there; fake CUDA tensors: no GPU needed to make the choice).
     assert type(make()) is torch.optim.AdamW
     assert isinstance(make(state_dtype="bfloat16"), AdamWBF16)
+    with FakeTensorMode():
+        fp32, bf16 = torch.empty(4, 4, device="cuda"), torch.empty(4, device="cuda").bfloat16()
+    assert _choose_implementation([fp32, fp32], "auto") == "graphtrain"
+    assert _choose_implementation([fp32, bf16], "auto") == "fused"

@@ -44,7 +44,9 @@ RUNS = {
     # The layouts.
     "tp2": (2, (*_SLICED, "--parallel.tp=2", _MB[1])),
     "tp2_etp2": (2, ("--parallel.tp=2", "--parallel.etp=2", _MB[1])),
-    "dp2_tp2_ep2": (4, (*_SPLIT, "--parallel.ep=2", _MB[2])),
+    # With graphtrain's AdamW (AdamWCopies, "auto"'s choice on CUDA) against the reference's
+    # torch AdamW: its step on FSDP, TP and expert-parallel shards, the clip in its step.
+    "dp2_tp2_ep2": (4, (*_SPLIT, "--parallel.ep=2", _MB[2], "--optim.implementation=graphtrain")),
     "dp2_tp2_etp2": (4, (*_SPLIT, "--parallel.etp=2", _MB[2])),
     # Saves at step 2 too, for the resume test.
     "dp2_tp2_ep2_etp2": (
@@ -115,7 +117,8 @@ def test_tensor_and_expert_parallel_train_like_data_parallel(runs, layout):
     ep=2 (experts split over the two ranks, all-to-all dispatch); tp=2 with expert TP 1 (each tp
     rank routes its own sequence slice; MoE gradients summed over tp) or 2 (experts split on
     their hidden dim, sequence gathered, router gradients summed over tp); dp_shard=2 x tp=2
-    with ep=2 (FSDP, TP and the all-to-all together), with etp=2 (FSDP over the tp-split
+    with ep=2 (FSDP, TP and the all-to-all together; graphtrain's AdamW, against torch's in
+    the reference), with etp=2 (FSDP over the tp-split
     experts) or with both (each rank's experts split over tp); HSDP 2 x 2 with ep=2 (expert
     weights replicated over dp_replicate: their gradients summed over the replicas).
     moe-debug has every aux loss on (global_aux counts all-reduced across ranks) and the

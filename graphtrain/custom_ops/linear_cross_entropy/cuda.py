@@ -143,6 +143,21 @@ def _grad_launch(
     )
 
 
+def _row_statistics(N: int, lse_in: Tensor | None, dev: torch.device) -> tuple[Tensor, ...]:
+    """Sweep A's per-token running statistics, initialised: (max, sum-exp, target logit, logit
+    sum, rescale factor). With a known lse the first is it, and sum-exp, logit sum and rescale
+    alias it (the KNOWN_LSE kernel reads none of them)."""
+    f32 = torch.float32
+    zt = torch.zeros(N, dtype=f32, device=dev)
+    if lse_in is not None:
+        m = lse_in.to(f32).contiguous()
+        return m, m, zt, m, m
+    m = torch.full((N,), float("-inf"), dtype=f32, device=dev)
+    s = torch.zeros(N, dtype=f32, device=dev)
+    zsum = torch.zeros(N, dtype=f32, device=dev)
+    return m, s, zt, zsum, torch.empty(N, dtype=f32, device=dev)
+
+
 def _lce_triton_low_memory(
     hidden: Tensor,
     weight: Tensor,
@@ -152,7 +167,10 @@ def _lce_triton_low_memory(
     lse_in: Tensor | None,
     vocab_chunk: int | None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """mode="low_memory": two sweeps over vocab chunks (docs/design/linear_cross_entropy.md)."""
+    """mode="low_memory": two sweeps over vocab chunks (docs/design/linear_cross_entropy.md).
+    `weight` may be the fp32 master weight of 16-bit hidden: each sweep casts it a chunk at a
+    time, as autocast's F.linear would cast it whole, so no 16-bit copy of the whole weight is
+    held; its gradient is fp32, each chunk rounded to hidden's dtype first (autocast's)."""
     N, H = hidden.shape
     V = weight.shape[0]
     f32, dev = torch.float32, hidden.device
@@ -166,30 +184,25 @@ def _lce_triton_low_memory(
     chunk_b = vocab_chunk or _vocab_chunk(N, V, elem, _SWEEP_B_BUFFER_BYTES)
 
     # ---- sweep A: statistics, and the grad_hidden accumulator --------------------------------
-    zt = torch.zeros(N, dtype=f32, device=dev)
-    if known_lse:
-        m = lse_in.to(f32).contiguous()
-        s = zsum = alpha = m  # unused by the KNOWN_LSE kernel
-    else:
-        m = torch.full((N,), float("-inf"), dtype=f32, device=dev)
-        s = torch.zeros(N, dtype=f32, device=dev)
-        zsum = torch.zeros(N, dtype=f32, device=dev)
-        alpha = torch.empty(N, dtype=f32, device=dev)
+    m, s, zt, zsum, alpha = _row_statistics(N, lse_in, dev)
     acc = torch.empty(N, H, dtype=f32, device=dev) if want_gh else None
+    smoothing = want_gh and opts.label_smoothing > 0.0
+    wsum = torch.zeros(H, dtype=f32, device=dev) if smoothing else None
     if not known_lse or want_gh:
         buf = torch.empty(N * min(chunk_a, V), dtype=hidden.dtype, device=dev)
         for i, v0 in enumerate(range(0, V, chunk_a)):
             vc = min(chunk_a, V - v0)
             logits = buf[: N * vc].view(N, vc)
-            torch.mm(hidden, weight[v0 : v0 + vc].t(), out=logits)  # cuBLAS, input dtype
+            w_c = weight[v0 : v0 + vc].to(hidden.dtype)  # a master weight's chunk, cast
+            torch.mm(hidden, w_c.t(), out=logits)  # cuBLAS, input dtype
             _stats_launch(
                 logits, target, m, s, zt, zsum, alpha, v_start + v0,
                 known_lse=known_lse, write_p=want_gh,
             )  # fmt: skip
             if want_gh:
-                _launch_dh(
-                    logits, weight[v0 : v0 + vc], acc, alpha, first=i == 0, has_alpha=not known_lse
-                )
+                _launch_dh(logits, w_c, acc, alpha, first=i == 0, has_alpha=not known_lse)
+            if smoothing:
+                wsum += w_c.sum(dim=0, dtype=f32)
         # `logits` is a view of the buffer: both go, or sweep A's chunk buffer (128 MiB at
         # 8192 tokens) would still be alive next to grad_weight (measured on an H100).
         del buf, logits
@@ -211,7 +224,8 @@ def _lce_triton_low_memory(
         b_final = torch.where(local, coef_a * torch.exp(zt - lse) + coef_b, 0.0)
         if not known_lse:  # P was normalised by this rank's running max, not by the lse
             coef_a = coef_a / s_global if r_scale is None else coef_a * r_scale / s_global
-        grad_hidden = _finalize_dh(acc, weight, t_idx, coef_a, b_final, coef_c, opts, hidden)
+        w_t = weight[t_idx].to(hidden.dtype)  # each token's target row ([N, H], as cast)
+        grad_hidden = _finalize_dh(acc, w_t, wsum, coef_a, b_final, coef_c, opts, hidden)
         del acc  # free the fp32 accumulator before grad_weight exists: the peak is sweep B's
 
     if want_gw:
@@ -239,43 +253,49 @@ def _sweep_b(
     for v0 in range(0, V, chunk_b):
         vc = min(chunk_b, V - v0)
         logits = buf[: N * vc].view(N, vc)
-        torch.mm(hidden, weight[v0 : v0 + vc].t(), out=logits)
+        torch.mm(hidden, weight[v0 : v0 + vc].to(hidden.dtype).t(), out=logits)
         _grad_launch(logits, target, lse_c, coefs, v_start + v0)
-        # fp32 accumulation over all N tokens inside the GEMM, one rounding on store.
-        torch.mm(logits.t(), hidden, out=grad_weight[v0 : v0 + vc])
+        # fp32 accumulation over all N tokens inside the GEMM, one rounding on store (to the
+        # input dtype: a master weight's fp32 gradient gets that chunk widened).
+        g = grad_weight[v0 : v0 + vc]
+        if g.dtype == hidden.dtype:
+            torch.mm(logits.t(), hidden, out=g)
+        else:
+            g.copy_(torch.mm(logits.t(), hidden))
     return grad_weight
 
 
 def _finalize_dh(
     acc: Tensor,
-    weight: Tensor,
-    t_idx: Tensor,
+    w_t: Tensor,
+    wsum: Tensor | None,
     coef_a: Tensor,
     coef_b: Tensor,
     coef_c: Tensor,
     opts: LCEOptions,
     hidden: Tensor,
 ) -> Tensor:
-    """grad_hidden = a acc + b W[target] + c sum_v W_v (low-memory mode, after sweep A)."""
+    """grad_hidden = a acc + b W[target] + c sum_v W_v (low-memory mode, after sweep A):
+    `w_t` [N, H] each token's target row, `wsum` the rows' fp32 sum (label smoothing; None
+    without)."""
     N, H = acc.shape
-    smoothing = opts.label_smoothing > 0.0
-    wsum = weight.sum(dim=0, dtype=torch.float32) if smoothing else coef_c  # dummy when unused
+    smoothing = wsum is not None
+    wsum = wsum if smoothing else coef_c  # a dummy pointer when unused
     tp = _group_rank_size(opts.group_name)[1]
     # Tensor parallel: the partial sums are all-reduced in fp32, then cast.
     out = acc if tp > 1 else torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
     block_h = min(1024, triton.next_power_of_2(H))
     _lce_dh_finalize_kernel[(N, triton.cdiv(H, block_h))](
         acc,
-        weight,
+        w_t,
         wsum,
         out,
-        t_idx,
         coef_a.contiguous(),
         coef_b.contiguous(),
         coef_c.contiguous(),
         H,
         acc.stride(0),
-        weight.stride(0),
+        w_t.stride(0),
         out.stride(0),
         HAS_SMOOTHING=smoothing,
         BLOCK_H=block_h,
@@ -399,12 +419,7 @@ def _lce_triton(
     hidden, weight, target = hidden.contiguous(), weight.contiguous(), target.contiguous()
     if opts.mode == "fast":
         return _lce_triton_fast(hidden, weight, target, opts, row_scale, lse_in, vocab_chunk)
-    # Low-memory mode works in the input dtype throughout; a master weight is cast for it and
-    # its gradient cast back, as autocast's F.linear would.
-    w_in = weight.to(hidden.dtype)
-    out = _lce_triton_low_memory(hidden, w_in, target, opts, row_scale, lse_in, vocab_chunk)
-    loss_tok, lse, gh, gw, stats = out
-    return loss_tok, lse, gh, None if gw is None else gw.to(weight.dtype), stats
+    return _lce_triton_low_memory(hidden, weight, target, opts, row_scale, lse_in, vocab_chunk)
 
 
 def _triton_ok(hidden: Tensor) -> bool:

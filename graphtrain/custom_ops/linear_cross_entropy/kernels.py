@@ -3,7 +3,7 @@
 What
     _lce_stats_kernel        online max / sum-exp / target logit / logit sum per row, P over L
     _lce_dh_kernel           acc = alpha * acc + P @ W_c in fp32 (one tile per dtype: _DH_CONFIG_*)
-    _lce_dh_finalize_kernel  grad_hidden = a acc + b W[target] + c sum_v W_v
+    _lce_dh_finalize_kernel  grad_hidden = a acc + b W[target] + c sum_v W_v (a W row per token)
     _lce_grad_kernel         G = a softmax + b onehot + c, in place of the logits
     _lce_scale_kernel        x *= g in fp32, g read on the device
 
@@ -125,16 +125,15 @@ def _lce_dh_kernel(
 @triton.jit
 def _lce_dh_finalize_kernel(
     acc_ptr,  # [N, H] fp32
-    w_ptr,  # [V, H] weight (local shard)
+    wt_ptr,  # [N, H] per token, its target's weight row (local shard; any row where b is 0)
     wsum_ptr,  # [H] fp32 sum of the weight rows (label smoothing)
     out_ptr,  # [N, H] output (may be acc_ptr itself: each element is read before written)
-    tidx_ptr,  # [N] int64 local row of the target, clamped into [0, V)
     a_ptr,  # [N] fp32 coefficient of acc
     b_ptr,  # [N] fp32 coefficient of W[target] (0 where the target is ignored or not local)
     c_ptr,  # [N] fp32 coefficient of wsum
     H,
     stride_acc,
-    stride_w,
+    stride_wt,
     stride_out,
     HAS_SMOOTHING: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -142,9 +141,8 @@ def _lce_dh_finalize_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
-    t = tl.load(tidx_ptr + row)
     x = tl.load(a_ptr + row) * tl.load(acc_ptr + row * stride_acc + cols, mask=mask, other=0.0)
-    w_t = tl.load(w_ptr + t * stride_w + cols, mask=mask, other=0.0).to(tl.float32)
+    w_t = tl.load(wt_ptr + row * stride_wt + cols, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(b_ptr + row) * w_t
     if HAS_SMOOTHING:
         x += tl.load(c_ptr + row) * tl.load(wsum_ptr + cols, mask=mask, other=0.0)

@@ -233,6 +233,21 @@ def _sources(module: _Module, key: str, extern: bool) -> list[tuple[str, str]]:
     return list(found.items())
 
 
+def _kernel_row(module: _Module, key: str, extern: bool) -> KernelTime:
+    """An empty row of the kernel table: a kernel or extern call of `module`, with its nodes
+    and source lines."""
+    sources = _sources(module, key, extern)
+    return KernelTime(
+        module.graph,
+        key.rpartition(":")[0],
+        list(module.code.kernels.get(key, {}).get("nodes", [])),
+        [source for source, _ in sources],
+        0.0,
+        0,
+        [code for _, code in sources],
+    )
+
+
 def kernel_us(prof: torch.profiler.profile, device: torch.device) -> tuple[float, float, list]:
     """(kernel us, call us, [(call event, items)]) summed over every compiled call."""
     calls = [e for e in prof.events() if e.name.startswith(_CALL_PREFIX)]
@@ -265,6 +280,7 @@ def attribute(
     elif not any(m.kernels or m.externs for m in modules):
         notes.append("no provenance handles in the generated code: this torch does not track them")
     graphs: dict[str, float] = defaultdict(float)
+    unmatched: dict[str, float] = defaultdict(float)  # what the (unattributed) line holds, us
     kernel_rows: dict[tuple[str, str], KernelTime] = {}
     attributed = 0.0
     for call, items in per_call:
@@ -273,36 +289,33 @@ def attribute(
         score, _, module = max(scored, default=(-1, 0, None), key=lambda s: s[:2])
         if module is None or score < 0:
             graphs["(unmatched compiled call)"] += sum(i.us for i in items)
+            for item in items:
+                unmatched[item.name] += item.us
             continue
         pending = list(module.externs)
         for item in items:
             graphs[module.graph] += item.us
             if item.extern:
                 k = next((k for k, (op, _) in enumerate(pending) if op == item.name), None)
-                if k is None:
-                    continue  # e.g. an allocation the wrapper made: not a kernel of the graph
+                if k is None:  # e.g. an allocation the wrapper made: not a kernel of the graph
+                    unmatched[item.name] += item.us
+                    continue
                 key = pending.pop(k)[1]
             else:
                 key = module.kernels[item.name]
             attributed += item.us
             row = kernel_rows.get((module.graph, key))
             if row is None:
-                sources = _sources(module, key, item.extern)
-                row = kernel_rows[(module.graph, key)] = KernelTime(
-                    module.graph,
-                    key.rpartition(":")[0],
-                    list(module.code.kernels.get(key, {}).get("nodes", [])),
-                    [source for source, _ in sources],
-                    0.0,
-                    0,
-                    [code for _, code in sources],
-                )
+                row = kernel_rows[(module.graph, key)] = _kernel_row(module, key, item.extern)
             row.ms += item.us / 1e3 / steps
             row.calls += 1
     for row in kernel_rows.values():
         row.calls //= steps
     lines = _by_line(
-        list(kernel_rows.values()), kernel_total / 1e3 / steps, attributed / 1e3 / steps
+        list(kernel_rows.values()),
+        kernel_total / 1e3 / steps,
+        attributed / 1e3 / steps,
+        {name: us / 1e3 / steps for name, us in unmatched.items()},
     )
     if device.type == "cpu":
         notes.append(
@@ -323,7 +336,11 @@ def attribute(
     )
 
 
-def _by_line(rows: list[KernelTime], kernel_ms: float, attributed_ms: float) -> list[LineTime]:
+def _by_line(
+    rows: list[KernelTime], kernel_ms: float, attributed_ms: float, unmatched: dict[str, float]
+) -> list[LineTime]:
+    """Per source line; the kernel time matched to none is one "(unattributed)" line that names
+    its largest operators or kernels (`unmatched`: name -> ms per step)."""
     lines: dict[str, LineTime] = {}
     for row in rows:
         sources = list(zip(row.sources, row.codes, strict=True))
@@ -333,7 +350,11 @@ def _by_line(rows: list[KernelTime], kernel_ms: float, attributed_ms: float) -> 
             line.ms += row.ms / len(sources)
             line.kernels.append(f"{row.graph}:{row.kernel}")
     if kernel_ms > attributed_ms:
-        note = "compiled calls' operators matched to no generated kernel"
+        top = sorted(unmatched.items(), key=lambda kv: -kv[1])[:4]
+        named = ", ".join(f"{name} {ms:.3f} ms" for name, ms in top if ms > 0)
+        note = "compiled calls' operators matched to no generated kernel" + (
+            f": {named}" if named else ""
+        )
         lines["(unattributed)"] = LineTime("(unattributed)", note, kernel_ms - attributed_ms, 0, [])
     for line in lines.values():
         line.share = line.ms / kernel_ms if kernel_ms else 0.0

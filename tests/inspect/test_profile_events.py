@@ -43,7 +43,8 @@ def _launch(kernel, us, start):
     return _event(kernel, [_event("cuLaunchKernelEx", kernels=[(kernel, us)])], start=start)
 
 
-def test_triton_launch_records_are_generated_kernels_on_cuda():
+def _report():
+    """A report of one graph whose generated module is _CODE."""
     code = GeneratedCode(
         stage="forward",
         path="output_code_0.py",
@@ -59,25 +60,36 @@ def test_triton_launch_records_are_generated_kernels_on_cuda():
             "sum_1": ["models/m.py:12 in forward", "return z.sum()"],
         },
     )
-    report = SimpleNamespace(graphs=[SimpleNamespace(name="block-0", output_code=[code])])
+    return SimpleNamespace(graphs=[SimpleNamespace(name="block-0", output_code=[code])])
+
+
+def _extern(op, kernel, us, start):
+    """An operator record (an extern call) and the device kernel it launched."""
+    return _event(op, [_event("cudaLaunchKernel", kernels=[(kernel, us)])], start=start)
+
+
+def _profile(steps, *extra):
+    """`steps` calls of _CODE's module, each with `extra` records after its three."""
+    calls = [
+        _event(
+            f"## Call CompiledFxGraph fabc{step} ##",
+            [
+                _launch("triton_poi_fused_add_0", 30.0, 1),
+                _extern("aten::mm", "sm90_gemm", 70.0, 2),
+                _launch("triton_red_fused_sum_1", 20.0, 3),
+                *extra,
+            ],
+        )
+        for step in range(steps)
+    ]
+    return SimpleNamespace(events=lambda: calls)
+
+
+def test_triton_launch_records_are_generated_kernels_on_cuda():
     steps = 2
-    calls = []
-    for step in range(steps):
-        mm = _event(
-            "aten::mm", [_event("cudaLaunchKernel", kernels=[("sm90_gemm", 70.0)])], start=2
-        )
-        calls.append(
-            _event(
-                f"## Call CompiledFxGraph fabc{step} ##",
-                [
-                    _launch("triton_poi_fused_add_0", 30.0, 1),
-                    mm,
-                    _launch("triton_red_fused_sum_1", 20.0, 3),
-                ],
-            )
-        )
-    prof = SimpleNamespace(events=lambda: calls)
-    profile = attribute(prof, report, steps=steps, step_ms=1.0, device=torch.device("cuda"))
+    profile = attribute(
+        _profile(steps), _report(), steps=steps, step_ms=1.0, device=torch.device("cuda")
+    )
     assert profile.kernel_ms == pytest.approx(0.12)
     # Every microsecond matched: before the fix the Triton launches were read as extern calls,
     # matched none and fell out of the tables (attributed 0.07 of 0.12 ms).
@@ -122,3 +134,21 @@ def test_pass_off_model_shares_the_weights_instead_of_copying_them():
     other = load_config(["--preset", "debug", "--model.num_layers=2"])
     with pytest.raises(AttributeError):
         share_weights(model, _build(other, torch.device("meta")))
+
+
+def test_unattributed_time_names_its_operators():
+    # Two extern calls the module does not make (the generated code has one mm): their time is
+    # kernel time of the region but no line's, and the (unattributed) line names them.
+    steps = 2
+    extra = (
+        _extern("aten::addmm", "sm90_gemm_bias", 50.0, 4),
+        _extern("aten::_efficient_attention_backward", "fmha_bwd", 10.0, 5),
+    )
+    profile = attribute(
+        _profile(steps, *extra), _report(), steps=steps, step_ms=1.0, device=torch.device("cuda")
+    )
+    assert profile.kernel_ms == pytest.approx(0.18)
+    assert profile.attributed_ms == pytest.approx(0.12)
+    line = next(line for line in profile.lines if line.source == "(unattributed)")
+    assert line.ms == pytest.approx(0.06)
+    assert line.code.endswith(": addmm 0.050 ms, _efficient_attention_backward 0.010 ms")

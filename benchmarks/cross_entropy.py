@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 import json
 import tempfile
@@ -62,7 +63,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from harness import parse_args, record, sqnr  # run as a script: benchmarks/ is on sys.path
+from harness import (
+    kernel_table,
+    parse_args,
+    record,
+    sqnr,
+)  # run as a script: benchmarks/ is on sys.path
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend
@@ -160,16 +166,30 @@ def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "fp32-master")
 
 
+def fwd_bwd(
+    fn: LossFn,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    t: torch.Tensor,
+    precision: str,
+    device: str,
+    fresh_grads: bool = False,
+) -> torch.Tensor:
+    """One row's forward and backward (h.grad and w.grad set to None first with fresh_grads);
+    the loss."""
+    if fresh_grads:
+        h.grad = w.grad = None
+    with _autocast(precision, device):
+        loss = fn(h, w, t)
+    loss.backward()
+    return loss
+
+
 def measure(
     fn: LossFn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, precision: str
 ) -> tuple[tuple[float, float, float], tuple[torch.Tensor, torch.Tensor]]:
     """((median ms of fwd+bwd, extra peak GiB, loss), (grad_hidden, grad_weight))."""
-
-    def step() -> torch.Tensor:
-        with _autocast(precision, "cuda"):
-            loss = fn(h, w, t)
-        loss.backward()
-        return loss
+    step = functools.partial(fwd_bwd, fn, h, w, t, precision, "cuda")
 
     for _ in range(2):  # compile, autotune, warm the allocator
         h.grad = w.grad = None
@@ -272,6 +292,26 @@ def run_table(shapes: list, precisions: list[str], impls: list[str]) -> tuple[li
     return lines, verdicts
 
 
+def kernel_tables(shapes: list, precisions: list[str], impls: list[str], device: str) -> list:
+    """--kernels: where each row's fwd+bwd time goes, kernel by kernel (harness.kernel_table);
+    a row that cannot run here says why."""
+    out = []
+    for N, H, V in shapes:
+        for precision in precisions:
+            h, w, t = inputs(N, H, V, precision, device)
+            for impl in impls:
+                torch._dynamo.reset()
+                fn, note = build(impl, precision)
+                out += ["", f"### {impl}, {N} x {H} x {V}, {precision}", ""]
+                if fn is None:
+                    out.append(f"not run: {note}")
+                    continue
+                step = functools.partial(fwd_bwd, fn, h, w, t, precision, device, True)
+                step()  # compile and autotune outside the profile
+                out += kernel_table(step)
+    return out
+
+
 def cpu_smoke() -> None:
     """Tiny shape on CPU, both precisions: eager, both op modes and the pass (aot_eager) agree
     in loss and gradients, and the pass fires (no timing; peers need a GPU)."""
@@ -302,6 +342,9 @@ def cpu_smoke() -> None:
         print(f"cpu smoke {precision}: eager, graphtrain modes and the pass agree")
     for impl in ("liger", "cut-cross-entropy", "torch-lce"):
         print(f"cpu smoke: {impl} not run ({_peer(impl)[1] or 'GPU rows only'})")
+    table = kernel_tables([(N, H, V)], ["bf16"], ["graphtrain-fast"], "cpu")
+    assert table[-1].startswith("| all ") and len(table) > 6, table  # --kernels' table
+    print("\n".join(table))
     print("cpu smoke done")
 
 
@@ -316,6 +359,11 @@ def main() -> None:
     parser.add_argument(
         "--impl", default=",".join(IMPLS), help=f"comma list from {', '.join(IMPLS)}"
     )
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="instead of the timed table: each row's kernels under torch.profiler (printed)",
+    )
     args = parse_args(parser, cpu_smoke)
     if args is None:
         return
@@ -326,6 +374,9 @@ def main() -> None:
         if name not in known:
             raise SystemExit(f"unknown {name!r}; known: {', '.join(known)}")
 
+    if args.kernels:
+        print("\n".join(kernel_tables(shapes, precisions, impls, "cuda")))
+        return
     lines, verdicts = run_table(shapes, precisions, impls)
     body = "\n".join([*lines, "", *(f"- {v}" for v in verdicts)])
     if args.no_record:

@@ -3,8 +3,9 @@
 record(title, body) prints "## title (date, device, torch/triton versions, commit)" with the
 table under it and appends it to benchmarks/RESULTS.md; git_commit() is the commit it stamps
 ($GRAPHTRAIN_COMMIT where the copy's git HEAD is stale); sqnr(got, want) the signal-to-noise
-ratio in dB by which rows are checked against a reference; parse_args(parser, cpu_smoke) the
-options every benchmark has (--no-record, --cpu-smoke). The benchmarks run as scripts, so they
+ratio in dB by which rows are checked against a reference; kernel_table(step) where a row's
+time goes, kernel by kernel; parse_args(parser, cpu_smoke) the options every benchmark has
+(--no-record, --cpu-smoke). The benchmarks run as scripts, so they
 import this module as `harness` (benchmarks/ is first on their sys.path).
 """
 
@@ -75,6 +76,35 @@ def sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
     want = want.double()
     noise = (got.double() - want).pow(2).sum().clamp_min(1e-300)
     return (10 * torch.log10(want.pow(2).sum() / noise)).item()
+
+
+def kernel_table(step: Callable[[], object], *, iters: int = 3, top: int = 12) -> list[str]:
+    """Markdown rows "| kernel | calls | ms per call |" of the `top` kernels by time of `iters`
+    calls of `step` (after one unprofiled call) under torch.profiler, then the total: device
+    time on CUDA, the operators' own CPU time on CPU. Time per call of `step`."""
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    step()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(iters):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:  # the device kernels, not the operators that launched them
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        us = {e.key: (e.self_device_time_total, e.count) for e in events}
+    else:
+        us = {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages()}
+    rows = sorted(us.items(), key=lambda kv: -kv[1][0])
+    lines = ["| kernel | calls | ms per call |", "|---|---:|---:|"]
+    for name, (total, count) in rows[:top]:
+        name = name.replace("|", "/")[:100]
+        lines.append(f"| {name} | {count // iters} | {total / 1e3 / iters:.3f} |")
+    total = sum(t for t, _ in us.values()) / 1e3 / iters
+    lines.append(f"| all {len(us)} kernels | | {total:.3f} |")
+    return lines
 
 
 def parse_args(

@@ -51,6 +51,7 @@ from graphtrain.optim import (
     LRSchedule,
     WorkingWeights,
     cast_parameters_,
+    describe_optimizer,
     optimizer_from_config,
     optimizer_state_bytes,
 )
@@ -145,7 +146,10 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     _describe_run_dir(cfg, run_dir, dims, data, rank)
     if rank == 0:
         logger.info(
-            "\n%s", _banner(cfg, run_dir, dims, model, batch_schedule, precision, device, progress)
+            "\n%s",
+            _banner(
+                cfg, run_dir, dims, model, optimizer, batch_schedule, precision, device, progress
+            ),
         )
     metrics = MetricsLogger(
         run_dir,
@@ -472,6 +476,7 @@ def _banner(
     run_dir: Path,
     dims: ParallelDims,
     model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
     batch_schedule: BatchSizeSchedule,
     precision: Precision,
     device: torch.device,
@@ -493,4 +498,5 @@ def _banner(
             seq_len=training.seq_len,
             dp_world_size=dims.dp_size,
         ),
+        optimizer=describe_optimizer(optimizer),
     )

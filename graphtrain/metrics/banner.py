@@ -77,11 +77,13 @@ def start_banner(
     param_dtype: str,
     device: str,
     micro_batches_per_step: int,
+    optimizer: str,
 ) -> str:
     """The banner's lines, e.g. "run dir      runs/tiny-...".
 
     num_params: every parameter (unsharded); active_params: the weights one token is multiplied
-    with (MoE models; None for dense ones); micro_batches_per_step: at the first step.
+    with (MoE models; None for dense ones); micro_batches_per_step: at the first step;
+    optimizer: the AdamW kernel that runs (graphtrain.optim.describe_optimizer).
     """
     from graphtrain.passes import resolve_passes
 
@@ -119,6 +121,7 @@ def start_banner(
             f"compute {param_dtype}, master weights {t.master_dtype}, gradient reduction "
             f"{t.reduce_dtype}, AdamW moments {cfg.optim.state_dtype}",
         ),
+        ("optimizer", f"{optimizer} (optim.implementation = {cfg.optim.implementation})"),
         ("compile", compiled),
         ("checkpoints", _checkpoint_plan(cfg)),
     ]

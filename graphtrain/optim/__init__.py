@@ -5,7 +5,7 @@ from graphtrain.optim.adamw_bf16 import AdamWBF16
 from graphtrain.optim.adamw_copies import AdamWCopies
 from graphtrain.optim.clip import clip_grad_norm_, global_norm, scale_grads_
 from graphtrain.optim.memory import optimizer_state_bytes
-from graphtrain.optim.optimizer import build_optimizer, optimizer_from_config
+from graphtrain.optim.optimizer import build_optimizer, describe_optimizer, optimizer_from_config
 from graphtrain.optim.precision import FP32GradAccumulator, cast_parameters_
 from graphtrain.optim.schedule import (
     DECAY_STYLES,
@@ -26,6 +26,7 @@ __all__ = [
     "build_optimizer",
     "cast_parameters_",
     "clip_grad_norm_",
+    "describe_optimizer",
     "global_norm",
     "optimizer_from_config",
     "optimizer_state_bytes",

@@ -151,6 +151,16 @@ def build_optimizer(
     )
 
 
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """Which AdamW kernel `optimizer` runs, for the start banner: "AdamWCopies (graphtrain's
+    kernel)", "AdamWBF16", "torch AdamW, fused" or "torch AdamW, foreach"."""
+    if isinstance(optimizer, AdamWCopies):
+        return "AdamWCopies (graphtrain's kernel)"
+    if isinstance(optimizer, AdamWBF16):
+        return "AdamWBF16"
+    return f"torch AdamW, {'fused' if optimizer.defaults.get('fused') else 'foreach'}"
+
+
 def optimizer_from_config(model: nn.Module, optim: Any) -> torch.optim.Optimizer:
     """build_optimizer with the keys of the config's `optim` section (graphtrain.config.OptimConfig)."""
     return build_optimizer(

@@ -15,7 +15,8 @@ def _banner(cfg, dims: ParallelDims, **fields) -> dict[str, str]:
     """start_banner's lines by field name, for cfg on dims: a 1-rank fp32 CPU run of 10
     parameters unless fields say otherwise."""
     kwargs = {"run_dir": Path("r"), "num_params": 10, "active_params": None,
-              "param_dtype": "float32", "device": "cpu", "micro_batches_per_step": 1}  # fmt: skip
+              "param_dtype": "float32", "device": "cpu", "micro_batches_per_step": 1,
+              "optimizer": "torch AdamW, fused"}  # fmt: skip
     text = start_banner(cfg, dims=dims, **{**kwargs, **fields})
     return {line[:12].strip(): line[13:] for line in text.splitlines()}
 
@@ -38,6 +39,7 @@ def test_dense_banner_fields():
         "tokens",
         "layout",
         "precision",
+        "optimizer",
         "compile",
         "checkpoints",
     ]
@@ -58,6 +60,7 @@ def test_dense_banner_fields():
         "4 rank(s) on cuda: pp 2 (gpipe) x dp_replicate 1 x dp_shard 2 x tp 1"
     )
     assert f["precision"].startswith("compute bfloat16, master weights float32")
+    assert f["optimizer"] == "torch AdamW, fused (optim.implementation = auto)"
     assert f["compile"].startswith("inductor; passes on: ")
     assert "fuse_linear_cross_entropy" not in f["compile"]
     assert f["checkpoints"] == "every 50 steps and at the end, keep the last 2"

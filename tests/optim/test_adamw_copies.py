@@ -13,6 +13,7 @@ from graphtrain.optim import (
     WorkingWeights,
     build_optimizer,
     clip_grad_norm_,
+    describe_optimizer,
 )
 from graphtrain.optim.optimizer import _choose_implementation
 
@@ -201,3 +202,10 @@ def test_build_optimizer_choice():
         fp32, bf16 = torch.empty(4, 4, device="cuda"), torch.empty(4, device="cuda").bfloat16()
     assert _choose_implementation([fp32, fp32], "auto") == "graphtrain"
     assert _choose_implementation([fp32, bf16], "auto") == "fused"
+    # What the start banner says of each.
+    assert describe_optimizer(make(implementation="graphtrain")) == (
+        "AdamWCopies (graphtrain's kernel)"
+    )
+    assert describe_optimizer(make()) == "torch AdamW, fused"
+    assert describe_optimizer(make(implementation="foreach")) == "torch AdamW, foreach"
+    assert describe_optimizer(make(state_dtype="bfloat16")) == "AdamWBF16"

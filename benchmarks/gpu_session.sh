@@ -179,25 +179,27 @@ stages() {
             --continue-on-collection-errors tests
         ;;
     e2e)
-        # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, four variant rows, torchtitan
-        # 0.2.2; 15 timed steps of 8192 tokens (~0.15 s each, first contact) after 4 warm-up
-        # steps. The variants are the A/B of four defaults in the same process (the plain row,
-        # the tokenised corpus and the Inductor cache shared: ~25 s each): the fused loss's fast
-        # mode forced (auto leaves 1b's loss to Inductor on CUDA, first contact), autocast's
-        # casts instead of the working weights, graphtrain's AdamW (optim.implementation, opt-in
-        # until measured), varlen attention (FlashAttention-2's kernel) instead of flex. The
-        # rest is the builds and compiles (plain ~10 s, graphtrain ~25 s, torchtitan's with its
-        # FlexAttention under max-autotune ~1-3 min, not measured yet) and the corpus's
-        # tokenisation: ~4-6 min. torchtitan's row is last: a cap that cuts it keeps the others.
+        # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, three variant rows,
+        # torchtitan 0.2.2; 15 timed steps of 8192 tokens (~0.15 s each) after 4 warm-up steps.
+        # The variants are the A/B of three defaults in the same process (the plain row, the
+        # tokenised corpus and the Inductor cache shared): torch's fused AdamW instead of
+        # AdamWCopies (auto's CUDA choice since 2026-11-27), autocast's casts instead of the
+        # working weights (a wash with torch's AdamW; predicted ~1 ms in the copies' favour
+        # with AdamWCopies), the fused loss's fast mode forced (auto leaves 1b's loss to
+        # Inductor). A fourth row with 4 warm-up steps of the learning rate: on 2026-11-27 the
+        # 1b rows' loss rose from ~12.27 to 12.445 in 19 steps at the constant 3e-4 where
+        # torchtitan's fell to 7.9 (RESULTS.md: the first Adam step with our SwiGLU init; does a
+        # warm-up let it learn?). Measured 2026-11-27 (H200) with four variants and
+        # torchtitan: 141 s.
         bench e2e-1b 330 e2e.py --model 1b --steps 15 --warmup 4 \
-            --variant=--compile.lce_mode=fast --variant=--training.working_weights=false \
-            --variant=--optim.implementation=graphtrain --variant=--training.attention=varlen
-        # moe-1b with balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain (warm-up
-        # ~30 s), graphtrain (~55 s), torchtitan's Qwen3-style MoE with moe-1b's dims (~1-3 min):
-        # ~2.5-4 min, what is left of the budget. No AdamW variant here: 1b's row measures that
-        # choice, and the kernels stage times it at moe-1b's 1,046M parameters.
+            --variant=--optim.implementation=fused --variant=--training.working_weights=false \
+            --variant=--compile.lce_mode=fast --variant=--schedule.warmup_steps=4
+        # moe-1b with balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain,
+        # graphtrain, one variant row without the working weights (is it their 1.8 GiB that
+        # put graphtrain's peak 1.0 GiB above plain's on 2026-11-27?), torchtitan's Qwen3-style
+        # MoE with moe-1b's dims. Measured 2026-11-27 without the variant: 203 s.
         bench e2e-moe-1b 260 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
-            --warmup 4
+            --warmup 4 --variant=--training.working_weights=false
         ;;
     profile)
         # attention.py: 1b's attention over the default corpus's packed documents (the e2e
@@ -222,14 +224,20 @@ stages() {
         # torch's F.linear_cross_entropy: 2 shapes x 10 rows per precision, each row do_bench
         # 50 + 300 ms plus one memory pass (~1 s a row, ~20 s); the compiled rows compile once
         # per shape, ~30 s each: ~2-3 min per precision. One item per precision, so each
-        # records its own section even if the other runs over. First the op's GPU tests (fast
-        # mode's grad_weight is a cuBLAS call that has not run on a GPU yet), less the slow
-        # fp32 cases of test_cuda_matches_float64 (FMA-only Triton GEMMs): ~30-60 s.
+        # records its own section even if the other runs over. First the op's GPU tests (13
+        # passed in 13 s on 2026-11-27; since then low-memory mode casts a master weight chunk
+        # by chunk: test_cuda_low_memory_master_weight), less the slow fp32 cases of
+        # test_cuda_matches_float64 (FMA-only Triton GEMMs).
         item lce-tests 70 "$python" -m pytest -m gpu -q -rfEs \
-            -k "fast_mode or graph_capture or (matches_float64 and dtype0)" \
+            -k "fast_mode or graph_capture or master_weight or (matches_float64 and dtype0)" \
             tests/custom_ops/test_linear_cross_entropy.py
         bench cross_entropy-bf16 220 cross_entropy.py --precision bf16
         bench cross_entropy-fp32-master 220 cross_entropy.py --precision fp32-master
+        # Where fast mode's 4.2 ms over torch.compile go at the first shape (2026-11-27, H200),
+        # and low-memory mode's fp32-master memory: each row's kernels under torch.profiler.
+        bench lce-kernels 120 cross_entropy.py --kernels \
+            --shape 8192,4096,128256 \
+            --impl torch.compile,graphtrain-fast,graphtrain-fast-bf16acc,graphtrain-low_memory
         ;;
     fp8)
         # fp8_linear.py: GEMM-only rates, 3 linear shapes x 4 rows, 3 rmsnorm + linear rows, the
@@ -288,7 +296,8 @@ stages() {
         # math; FA4's CuTe DSL kernels compile at first call (~1 min, forward and backward
         # together, not measured yet) beside the ~1-2 min of the other rows. A failing FA4 row
         # prints its traceback in attention.log. Where it is faster than flex's Triton kernel,
-        # FA4 becomes a training.attention choice and an e2e variant row, not before.
+        # FA4 becomes a training.attention choice and an e2e variant row, not before (2026-11-27,
+        # H200, flash-attn-4 4.0.0b36: 2.41 ms fwd+bwd against flex's 1.16, 54 s in all: not).
         bench attention 200 attention.py
         ;;
     profile-fp8)

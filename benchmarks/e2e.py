@@ -146,17 +146,20 @@ def measure(
 ) -> Row:
     """Run steps 0 .. cfg.training.steps - 1, timing those after `warmup` on the host clock
     with the device synchronised at both ends; step_batches[i] holds step i's micro-batches
-    once it ran (a replaying row reads them, the trainer's row appends what its loader drew)."""
+    once it ran (a replaying row reads them, the trainer's row appends what its loader drew).
+    Prints the loss of every step after the timing (kept on the device until then)."""
     device = torch.device(cfg.training.device)
+    losses = []
     start = time.perf_counter()
     for i in range(warmup):
-        step(i)
+        losses.append(torch.as_tensor(step(i)).detach())
     _sync(device)
     timed_from = time.perf_counter()
     for i in range(warmup, cfg.training.steps):
-        loss = step(i)
+        losses.append(torch.as_tensor(step(i)).detach())
     _sync(device)
     seconds = time.perf_counter() - timed_from
+    print(f"{name}: loss by step " + " ".join(f"{float(x):.3f}" for x in losses), flush=True)
     timed = [batch for batches in step_batches[warmup : cfg.training.steps] for batch in batches]
     flops = sum(
         model_training_flops(
@@ -173,7 +176,7 @@ def measure(
         mfu=flops / seconds / peak if peak else math.nan,
         peak_mem_gib=torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else math.nan,
         warmup_s=timed_from - start,
-        loss=float(loss),
+        loss=float(losses[-1]),
     )
 
 

@@ -74,7 +74,11 @@ def test_rows_train_the_same_batches_alike_and_fp8_stays_close(e2e, corpus, tmp_
     assert bf16.loss == plain.loss
     assert fp8.loss != bf16.loss  # FP8 did change the GEMMs
     assert fp8.loss == pytest.approx(plain.loss, rel=e2e.FP8_LOSS_RTOL)
-    assert "within 2% (FP8_LOSS_RTOL)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "within 2% (FP8_LOSS_RTOL)" in out
+    # Every row's loss by step (3 steps), the last one the row's.
+    by_step = next(line for line in out.splitlines() if line.startswith("graphtrain bf16: loss"))
+    assert by_step.split()[-1] == f"{bf16.loss:.3f}" and len(by_step.split()) == 5 + 3
 
 
 def test_torchtitan_row_says_why_it_did_not_run(e2e, tmp_path):

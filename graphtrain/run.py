@@ -145,12 +145,8 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
         progress = _resume(cfg, checkpoints, model, optimizer, data, schedules, rank)
     _describe_run_dir(cfg, run_dir, dims, data, rank)
     if rank == 0:
-        logger.info(
-            "\n%s",
-            _banner(
-                cfg, run_dir, dims, model, optimizer, batch_schedule, precision, device, progress
-            ),
-        )
+        fields = (cfg, run_dir, dims, model, optimizer, batch_schedule, precision, device, progress)
+        logger.info("\n%s", _banner(*fields))
     metrics = MetricsLogger(
         run_dir,
         rank=rank,

@@ -233,8 +233,8 @@ stages() {
             tests/custom_ops/test_linear_cross_entropy.py
         bench cross_entropy-bf16 220 cross_entropy.py --precision bf16
         bench cross_entropy-fp32-master 220 cross_entropy.py --precision fp32-master
-        # Where fast mode's 4.2 ms over torch.compile go at the first shape (2026-11-27, H200),
-        # and low-memory mode's fp32-master memory: each row's kernels under torch.profiler.
+        # Where fast mode's 4.2 ms over torch.compile go at the first shape (2026-11-27, H200):
+        # each row's kernels under torch.profiler, both precisions.
         bench lce-kernels 120 cross_entropy.py --kernels \
             --shape 8192,4096,128256 \
             --impl torch.compile,graphtrain-fast,graphtrain-fast-bf16acc,graphtrain-low_memory

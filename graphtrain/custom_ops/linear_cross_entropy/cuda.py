@@ -224,9 +224,12 @@ def _lce_triton_low_memory(
         b_final = torch.where(local, coef_a * torch.exp(zt - lse) + coef_b, 0.0)
         if not known_lse:  # P was normalised by this rank's running max, not by the lse
             coef_a = coef_a / s_global if r_scale is None else coef_a * r_scale / s_global
-        w_t = weight[t_idx].to(hidden.dtype)  # each token's target row ([N, H], as cast)
-        grad_hidden = _finalize_dh(acc, w_t, wsum, coef_a, b_final, coef_c, opts, hidden)
-        del acc  # free the fp32 accumulator before grad_weight exists: the peak is sweep B's
+        # Each token's target row ([N, H], as cast), passed and not held: like the fp32
+        # accumulator, gone before grad_weight exists (the peak is sweep B's).
+        grad_hidden = _finalize_dh(
+            acc, weight[t_idx].to(hidden.dtype), wsum, coef_a, b_final, coef_c, opts, hidden
+        )
+        del acc
 
     if want_gw:
         grad_weight = _sweep_b(hidden, weight, target, lse, row_scale, opts, v_start, chunk_b)

@@ -179,9 +179,9 @@ stages() {
             --continue-on-collection-errors tests
         ;;
     e2e)
-        # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, three variant rows,
+        # e2e.py 1b, trainer mode: plain torch.compile, graphtrain, four variant rows,
         # torchtitan 0.2.2; 15 timed steps of 8192 tokens (~0.15 s each) after 4 warm-up steps.
-        # The variants are the A/B of three defaults in the same process (the plain row, the
+        # Three variants are the A/B of three defaults in the same process (the plain row, the
         # tokenised corpus and the Inductor cache shared): torch's fused AdamW instead of
         # AdamWCopies (auto's CUDA choice since 2026-11-27), autocast's casts instead of the
         # working weights (a wash with torch's AdamW; predicted ~1 ms in the copies' favour

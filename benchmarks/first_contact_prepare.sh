@@ -102,10 +102,10 @@ The first-contact command (one call, carry .whl, timeout_s 600; it ends within ~
     GRAPHTRAIN_COMMIT=$commit bash benchmarks/first_contact.sh
 
 \$OUT then holds summary.txt (read it first), one log per item and artifacts.tar.gz.
-After first contact, the next pending stage instead (benchmarks/RESULTS.md, "Running the GPU
-benchmarks"; same call shape, it ends within ~9 min):
+After first contact, the next pending stages instead (benchmarks/RESULTS.md, "Running the GPU
+benchmarks"; same call shape, it ends within ~9 min; a chain shares one budget):
 
-    GRAPHTRAIN_COMMIT=$commit bash benchmarks/gpu_session.sh STAGE
+    GRAPHTRAIN_COMMIT=$commit bash benchmarks/gpu_session.sh STAGE[,STAGE...]
 EOF
 if ((fa4)); then
     cat <<EOF

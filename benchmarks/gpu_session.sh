@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# One stage of the pending GPU work on one H100 (or H200), after the first contact
-# (benchmarks/first_contact.sh), in the order of issue 25 item 3: e2e, profile, loss, fp8, mtp,
-# kernels (then hybrid, profile-fp8; fa4 in the call after any stage). Each stage ends inside
-# 9 minutes: every item runs under its own cap, cut to what is left of BUDGET seconds (default
-# 520, counted from the start of this script, the wheel install and preflight included), and an
-# item that no longer has 20 s is skipped and named so in summary.txt. Items run most important
-# first within a stage.
+# One stage, or a chain of stages, of the pending GPU work on one H100 (or H200), after the
+# first contact (benchmarks/first_contact.sh), in the order of issue 25 item 3: e2e, profile,
+# loss, fp8, mtp, kernels (then hybrid, profile-fp8; fa4 in the call after any stage). A call
+# ends inside 9 minutes: every item runs under its own cap, cut to what is left of BUDGET seconds
+# (default 520, counted from the start of this script, the wheel install and preflight
+# included), and an item that no longer has 20 s is skipped and named so in summary.txt. Items
+# run most important first within a stage, the stages of a chain in the order given, on the one
+# budget: a stage that runs shorter than its caps leaves its time to the next.
 #
-#   GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]
+#   GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE[,STAGE...] [LOG_DIR]
 #
 # STAGE: preflight | tests | e2e | profile | loss | fp8 | mtp | kernels | hybrid | profile-fp8 | fa4
-# (see `stages` below and "Running the GPU benchmarks" in benchmarks/RESULTS.md). LOG_DIR
-# (default $OUT, else ./gpu-logs; at most 8 files, what a device run brings back) gets one log
-# per item, the sections this stage appended to
-# benchmarks/RESULTS.md (results-STAGE.md) and a summary of every item's exit code. A failing
-# item never stops the stage: all items run, and the stage exits non-zero if any failed.
+# (see `stages` below and "Running the GPU benchmarks" in benchmarks/RESULTS.md); at most 5 in a
+# chain, e.g. `fp8,mtp`. LOG_DIR (default $OUT, else ./gpu-logs; what a device run brings back
+# is at most 8 files) gets summary.txt (every item's start, end and exit code), preflight.log
+# (the wheel install too), one log per stage (STAGE.log: its items' output in turn) and
+# results.md (the sections the call appended to benchmarks/RESULTS.md). A failing item never
+# stops the call: all items run, and the call exits non-zero if any failed.
 #
 # GRAPHTRAIN_COMMIT: the commit the results are stamped with (benchmarks/cross_entropy.py's
 # git_commit()); set it by hand where the repository copy's git HEAD is stale.
@@ -44,22 +46,31 @@ export PYTHONUNBUFFERED=1
 
 START=$SECONDS
 BUDGET=${BUDGET:-520}
-stage=${1:-}
+IFS=, read -r -a chain <<<"${1:-}"
 log_dir=${2:-${OUT:-./gpu-logs}}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-$(command -v python3 || command -v python)}
 wheels=${GRAPHTRAIN_WHEELS:-$root/.whl}
 
 usage() {
-    echo "usage: GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE [LOG_DIR]" >&2
-    echo "STAGE: preflight tests e2e profile loss fp8 mtp kernels hybrid profile-fp8 fa4" >&2
+    echo "usage: GRAPHTRAIN_COMMIT=<commit> bash benchmarks/gpu_session.sh STAGE[,STAGE...]" \
+        "[LOG_DIR]" >&2
+    echo "STAGE: preflight tests e2e profile loss fp8 mtp kernels hybrid profile-fp8 fa4" \
+        "(at most 5)" >&2
     exit 2
 }
 
-case $stage in
-preflight | tests | e2e | profile | loss | fp8 | mtp | kernels | hybrid | profile-fp8 | fa4) ;;
-*) usage ;;
-esac
+# Five stages: summary.txt, preflight.log, results.md and a log per stage are the 8 files.
+((${#chain[@]} >= 1 && ${#chain[@]} <= 5)) || usage
+for stage in "${chain[@]}"; do
+    case $stage in
+    preflight | tests | e2e | profile | loss | fp8 | mtp | kernels | hybrid | profile-fp8 | fa4) ;;
+    *)
+        echo "unknown stage '$stage'" >&2
+        usage
+        ;;
+    esac
+done
 mkdir -p "$log_dir" || exit 2
 log_dir=$(cd "$log_dir" && pwd)
 # Bulky outputs (inspect's report folders) stay out of LOG_DIR, which must keep to 8 files.
@@ -69,10 +80,10 @@ cd "$root" || exit 2
 names=()
 codes=()
 
-# item NAME CAP_SECONDS COMMAND...: run COMMAND with its output in LOG_DIR/NAME.log (and on the
-# terminal), killed after CAP_SECONDS or what is left of BUDGET less 10 s, whichever is less;
+# item NAME CAP_SECONDS COMMAND...: run COMMAND with its output appended to LOG_DIR/STAGE.log
+# (and on the terminal), killed after CAP_SECONDS or what is left of BUDGET less 10 s, whichever is less;
 # skipped when that is under 20 s. Its exit code is kept for the summary (124: over the cap;
-# 99: skipped).
+# 99: skipped). With GPU_SESSION_DRY_RUN set, COMMAND is named but not run.
 item() {
     local name=$1 cap=$2
     shift 2
@@ -85,9 +96,11 @@ item() {
         codes+=(99)
         return
     fi
-    echo "=== $name (cap ${cap} s, t=$((SECONDS - START)) s): $*" | tee -a "$log_dir/summary.txt"
+    echo "=== $name (cap ${cap} s, t=$((SECONDS - START)) s): $*" \
+        | tee -a "$log_dir/summary.txt" "$log_dir/$stage.log"
     local start=$SECONDS
-    timeout --signal=INT --kill-after=10 "$cap" "$@" 2>&1 | tee "$log_dir/$name.log"
+    [ -n "${GPU_SESSION_DRY_RUN:-}" ] && set -- true  # the chain's bookkeeping, on CPU: a test
+    timeout --signal=INT --kill-after=10 "$cap" "$@" 2>&1 | tee -a "$log_dir/$stage.log"
     local code=$?
     echo "=== $name: exit $code after $((SECONDS - start)) s" | tee -a "$log_dir/summary.txt"
     names+=("$name")
@@ -133,7 +146,7 @@ install_wheels() {
     if ((${#found[@]})); then
         local target="${TMPDIR:-/tmp}/graphtrain-wheels"
         "$python" -m pip install -q --no-index --no-deps --target "$target" "${found[@]}" \
-            >"$log_dir/install.log" 2>&1 || echo "wheel install failed: see $log_dir/install.log"
+            >"$log_dir/preflight.log" 2>&1 || echo "wheel install failed: see $log_dir/preflight.log"
         export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
         # A --target install leaves .pth files unread: cutlass-dsl's puts its packages' folder
         # on sys.path (without it, `import cutlass` fails: seen, FlashAttention-4's import).
@@ -312,17 +325,20 @@ stages() {
 }
 
 install_wheels
-preflight 2>&1 | tee "$log_dir/preflight.log"
+preflight 2>&1 | tee -a "$log_dir/preflight.log"
 results=benchmarks/RESULTS.md
 before=$(wc -c <"$results" 2>/dev/null || echo 0)
-stages
-tail -c +$((before + 1)) "$results" >"$log_dir/results-$stage.md" 2>/dev/null
+for stage in "${chain[@]}"; do
+    echo "=== stage $stage (t=$((SECONDS - START)) s)" | tee -a "$log_dir/summary.txt"
+    stages
+done
+tail -c +$((before + 1)) "$results" >"$log_dir/results.md" 2>/dev/null
 
 failed=0
-echo "=== stage $stage: exit codes" | tee -a "$log_dir/summary.txt"
+echo "=== ${1}: exit codes" | tee -a "$log_dir/summary.txt"
 for i in "${!names[@]}"; do
     echo "  ${names[$i]}: ${codes[$i]}" | tee -a "$log_dir/summary.txt"
     [ "${codes[$i]}" = 0 ] || failed=1
 done
-echo "logs in $log_dir; sections appended to $results: $log_dir/results-$stage.md"
+echo "logs in $log_dir; sections appended to $results: $log_dir/results.md"
 exit $failed

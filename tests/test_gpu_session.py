@@ -1,11 +1,13 @@
 """benchmarks/gpu_session.sh checked on CPU, so that a GPU stage (minutes of a rarely lent
 machine) does not find a slip: the script parses; every `bench` names a benchmark that exists;
 every pytest item's selection collects tests; every `graphtrain inspect` item passes inspect's
-option and config checks; FlashAttention-4's two carried halves are joined, checked and
-installed. Its e2e.py commands: tests/test_e2e_benchmark.py."""
+option and config checks; a chain of stages runs each in turn on one budget within the 8 files a
+device run brings back; FlashAttention-4's two carried halves are joined, checked and installed.
+Its e2e.py commands: tests/test_e2e_benchmark.py."""
 
 import hashlib
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -65,6 +67,58 @@ def test_each_inspect_item_passes_inspects_checks():
         assert load_config(rest).preset, words  # every --section.key=value a known key
 
 
+def _stage_items() -> dict[str, list[str]]:
+    """Stage -> the names of its items, in the order of the script's `stages` function."""
+    body = SCRIPT.read_text().replace("\\\n", " ")
+    body = body[body.index("\nstages() {") : body.index("\ninstall_wheels\n")]
+    stages: dict[str, list[str]] = {}
+    for line in body.splitlines():
+        label = re.fullmatch(r"    ([\w-]+)\)", line)
+        if label:
+            stages[label.group(1)] = current = []
+        elif line.strip().startswith(("item ", "bench ")):
+            current.append(line.split()[1])
+    return stages
+
+
+def _session(
+    args: list[str], tmp_path: Path, script: Path = SCRIPT, **env: str
+) -> subprocess.CompletedProcess:
+    """gpu_session.sh ARGS with TMPDIR in tmp_path/tmp and no wheels to install."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHON": sys.executable,
+           "GRAPHTRAIN_WHEELS": str(tmp_path / "no-wheels"), **env}  # fmt: skip
+    return subprocess.run(
+        ["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_chain_runs_its_stages_in_turn_within_the_files_that_come_back(tmp_path):
+    """Five stages in one call (GPU_SESSION_DRY_RUN: each item named, not run): every item of
+    each stage starts, in the chain's order, with its output in its stage's log, and LOG_DIR
+    holds the 8 files a device run brings back at most. A sixth stage, or an unknown one, is
+    refused before anything runs."""
+    chain = ["mtp", "hybrid", "kernels", "loss", "fp8"]
+    logs = tmp_path / "logs"
+    run = _session([",".join(chain), str(logs)], tmp_path, GPU_SESSION_DRY_RUN="1")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    files = {p.name for p in logs.iterdir()}
+    assert files == {"summary.txt", "preflight.log", "results.md"} | {f"{s}.log" for s in chain}
+    summary = (logs / "summary.txt").read_text()
+    started = re.findall(r"^=== ([\w-]+) \(cap \d+ s", summary, re.MULTILINE)
+    items = _stage_items()
+    assert started == [name for stage in chain for name in items[stage]], summary
+    assert "SKIPPED" not in summary and len(re.findall(r": exit 0 after", summary)) == len(started)
+    for stage in chain:
+        logged = re.findall(r"^=== ([\w-]+) ", (logs / f"{stage}.log").read_text(), re.MULTILINE)
+        assert logged == items[stage]
+    for bad in ("e2e,bogus", ",".join([*chain, "e2e"])):
+        run = _session([bad, str(tmp_path / "refused")], tmp_path)
+        assert run.returncode == 2 and "usage" in run.stderr, run.stderr
+        assert not (tmp_path / "refused").exists()
+
+
 def _fake_fa4_wheel(path: Path) -> None:
     """A wheel laid out as FlashAttention-4's cutlass-dsl: `import flash_attn.cute` imports
     `cutlass`, which lives in nvidia_cutlass_dsl/dsl_packages (a .pth puts it on sys.path)."""
@@ -102,13 +156,7 @@ def test_flashattention_4_halves_are_joined_checked_and_installed(tmp_path, case
         two.mkdir()
         (two / f"{wheel.name}.part2").write_bytes(data[100:] + (b"x" if case == "corrupt" else b""))
     logs, tmp = tmp_path / "logs", tmp_path / "tmp"
-    tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHON": sys.executable,
-           "GRAPHTRAIN_WHEELS": str(tmp_path / "no-wheels")}  # fmt: skip
-    run = subprocess.run(
-        ["bash", str(root / "benchmarks" / "gpu_session.sh"), "preflight", str(logs)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    run = _session(["preflight", str(logs)], tmp_path, root / "benchmarks" / "gpu_session.sh")
     summary = (logs / "summary.txt").read_text()
     installed = tmp / "graphtrain-wheels" / "flash_attn" / "cute" / "__init__.py"
     if case == "both":

@@ -198,18 +198,23 @@ class _Module:
         return cls(graph, code, record.group(1) if record else None, kernels, externs)
 
     def fits(self, items: list[_Item], stage: str) -> int:
-        """How well a profiled call's items match this module (-1: cannot be it)."""
+        """How well a profiled call's items match this module (-1: cannot be it). Kernels the
+        module does not generate (a device kernel launched outside Inductor's records, say)
+        leave it a candidate while they are fewer than the kernels it does generate; their
+        time stays unattributed, under their names."""
         if self.code.stage != stage:
             return -1
         named = [i for i in items if not i.extern]
         if any(i.graph_id is not None and i.graph_id != self.graph_id for i in named):
             return -1
-        if any(i.name not in self.kernels for i in named):
+        foreign = sum(i.name not in self.kernels for i in named)
+        if 2 * foreign >= len(named) > 0:
             return -1
         ops = {op for op, _ in self.externs}
-        matched = len(named) + sum(i.name in ops for i in items if i.extern)
-        # Among modules that hold all its kernels (two graphs can both have a "..._0" of the
-        # same name), the one whose call makes as many kernel and extern calls as were seen.
+        matched = len(named) - foreign + sum(i.name in ops for i in items if i.extern)
+        # The module that matches most of its kernels and extern calls (two graphs can both
+        # have a "..._0" of the same name), then the one whose call makes as many kernel and
+        # extern calls as were seen.
         return 1000 * matched - abs(len(self.kernels) + len(self.externs) - len(items))
 
 
@@ -256,6 +261,46 @@ def kernel_us(prof: torch.profiler.profile, device: torch.device) -> tuple[float
     return kernel, sum(c.cpu_time_total for c in calls), per_call
 
 
+@dataclass
+class _Join:
+    """What attribute() gathers over the profiled calls, in microseconds."""
+
+    graphs: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    unmatched: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # by name
+    lost: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # stage -> calls
+    rows: dict[tuple[str, str], KernelTime] = field(default_factory=dict)  # (graph, key) ->
+    attributed: float = 0.0
+
+    def add(self, items: list[_Item], module: _Module | None, stage: str, steps: int) -> None:
+        """One compiled call's items, matched to `module` (None: to none: all unattributed)."""
+        if module is None:
+            self.lost[stage] += 1
+            self.graphs["(unmatched compiled call)"] += sum(i.us for i in items)
+            for item in items:
+                self.unmatched[item.name] += item.us
+            return
+        pending = list(module.externs)
+        for item in items:
+            self.graphs[module.graph] += item.us
+            if item.extern:
+                k = next((k for k, (op, _) in enumerate(pending) if op == item.name), None)
+                if k is None:  # e.g. an allocation the wrapper made: not a kernel of the graph
+                    self.unmatched[item.name] += item.us
+                    continue
+                key = pending.pop(k)[1]
+            elif item.name in module.kernels:
+                key = module.kernels[item.name]
+            else:  # a kernel the module does not generate (_Module.fits)
+                self.unmatched[item.name] += item.us
+                continue
+            self.attributed += item.us
+            row = self.rows.get((module.graph, key))
+            if row is None:
+                row = self.rows[(module.graph, key)] = _kernel_row(module, key, item.extern)
+            row.ms += item.us / 1e3 / steps
+            row.calls += 1
+
+
 def attribute(
     prof: torch.profiler.profile,
     report: Report,
@@ -279,43 +324,26 @@ def attribute(
         )
     elif not any(m.kernels or m.externs for m in modules):
         notes.append("no provenance handles in the generated code: this torch does not track them")
-    graphs: dict[str, float] = defaultdict(float)
-    unmatched: dict[str, float] = defaultdict(float)  # what the (unattributed) line holds, us
-    kernel_rows: dict[tuple[str, str], KernelTime] = {}
-    attributed = 0.0
+    join = _Join()
     for call, items in per_call:
         stage = _stage(call)
         scored = [(m.fits(items, stage), k, m) for k, m in enumerate(modules)]
         score, _, module = max(scored, default=(-1, 0, None), key=lambda s: s[:2])
-        if module is None or score < 0:
-            graphs["(unmatched compiled call)"] += sum(i.us for i in items)
-            for item in items:
-                unmatched[item.name] += item.us
-            continue
-        pending = list(module.externs)
-        for item in items:
-            graphs[module.graph] += item.us
-            if item.extern:
-                k = next((k for k, (op, _) in enumerate(pending) if op == item.name), None)
-                if k is None:  # e.g. an allocation the wrapper made: not a kernel of the graph
-                    unmatched[item.name] += item.us
-                    continue
-                key = pending.pop(k)[1]
-            else:
-                key = module.kernels[item.name]
-            attributed += item.us
-            row = kernel_rows.get((module.graph, key))
-            if row is None:
-                row = kernel_rows[(module.graph, key)] = _kernel_row(module, key, item.extern)
-            row.ms += item.us / 1e3 / steps
-            row.calls += 1
-    for row in kernel_rows.values():
+        join.add(items, module if score >= 0 else None, stage, steps)
+    for row in join.rows.values():
         row.calls //= steps
+    if join.lost:
+        notes.append(
+            f"{sum(join.lost.values())} of {len(per_call)} compiled calls matched no generated "
+            "module ("
+            + ", ".join(f"{n} {stage}" for stage, n in sorted(join.lost.items()))
+            + "): their time is in the (unattributed) line"
+        )
     lines = _by_line(
-        list(kernel_rows.values()),
+        list(join.rows.values()),
         kernel_total / 1e3 / steps,
-        attributed / 1e3 / steps,
-        {name: us / 1e3 / steps for name, us in unmatched.items()},
+        join.attributed / 1e3 / steps,
+        {name: us / 1e3 / steps for name, us in join.unmatched.items()},
     )
     if device.type == "cpu":
         notes.append(
@@ -328,9 +356,9 @@ def attribute(
         step_ms=step_ms,
         region_ms=call_total / 1e3 / steps,
         kernel_ms=kernel_total / 1e3 / steps,
-        attributed_ms=attributed / 1e3 / steps,
-        graphs={g: us / 1e3 / steps for g, us in sorted(graphs.items())},
-        kernels=sorted(kernel_rows.values(), key=lambda r: -r.ms),
+        attributed_ms=join.attributed / 1e3 / steps,
+        graphs={g: us / 1e3 / steps for g, us in sorted(join.graphs.items())},
+        kernels=sorted(join.rows.values(), key=lambda r: -r.ms),
         lines=lines,
         notes=notes,
     )

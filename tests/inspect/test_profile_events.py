@@ -152,3 +152,48 @@ def test_unattributed_time_names_its_operators():
     line = next(line for line in profile.lines if line.source == "(unattributed)")
     assert line.ms == pytest.approx(0.06)
     assert line.code.endswith(": addmm 0.050 ms, _efficient_attention_backward 0.010 ms")
+
+
+def test_a_foreign_kernel_leaves_the_rest_of_its_call_attributed():
+    # A device kernel that the module does not generate, hung directly on the call (launched
+    # outside any record): before, one such kernel left the whole call unmatched (attributed 0
+    # of 0.125 ms, every line lost); now only its own time is unattributed, under its name.
+    steps = 2
+    profile = attribute(
+        _profile(steps, _event("cuLaunchKernelEx", kernels=[("nvjet_tst_128x256", 5.0)], start=4)),
+        _report(),
+        steps=steps,
+        step_ms=1.0,
+        device=torch.device("cuda"),
+    )
+    assert profile.kernel_ms == pytest.approx(0.125)
+    assert profile.attributed_ms == pytest.approx(0.12)
+    assert profile.graphs == {"block-0/forward": pytest.approx(0.125)}
+    line = next(line for line in profile.lines if line.source == "(unattributed)")
+    assert line.ms == pytest.approx(0.005) and line.code.endswith(": nvjet_tst_128x256 0.005 ms")
+    assert not profile.notes
+
+
+def test_a_call_of_another_module_is_not_taken_for_this_one():
+    # Most of its kernels are not this module's: the call matches none, and the note says how
+    # many calls of which stage went unmatched.
+    steps = 1
+    other = _event(
+        "## Call CompiledFxGraph fother ##",
+        [_launch("triton_poi_fused_mul_0", 30.0, 1), _launch("triton_poi_fused_add_0", 10.0, 2)],
+    )
+    prof = _profile(steps)
+    calls = [*prof.events(), other]
+    profile = attribute(
+        SimpleNamespace(events=lambda: calls),
+        _report(),
+        steps=steps,
+        step_ms=1.0,
+        device=torch.device("cuda"),
+    )
+    assert profile.attributed_ms == pytest.approx(0.12)
+    assert profile.graphs["(unmatched compiled call)"] == pytest.approx(0.04)
+    assert profile.notes == [
+        "1 of 2 compiled calls matched no generated module (1 forward): their time is in the "
+        "(unattributed) line"
+    ]

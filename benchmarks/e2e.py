@@ -9,13 +9,15 @@ torch.compile of the same model and against torchtitan's trainer, one GPU.
 
 Every row trains on the same packed micro-batches of real text (the default run's embedded
 corpus and tokenizer): the graphtrain row draws them from the trainer's own loader, the others
-replay them. bf16 autocast with fp32 master weights, AdamW, a constant learning rate
-(optim.lr), gradients clipped at optim.max_norm, --grad-accum micro-batches per step.
+replay them. bf16 autocast with fp32 master weights, AdamW, the learning rate warmed up over
+the untimed --warmup steps (linear to optim.lr, torchtitan's formula), then constant: the timed
+steps are a stable phase (without a warm-up 1b's loss rose from the first step, 2026-11-27),
+gradients clipped at optim.max_norm, --grad-accum micro-batches per step.
   * torch.compile (plain): the models/ model built and initialised as the trainer does, every
     block and the head+loss compiled with plain Inductor, in a hand-written loop (per
     micro-batch: autocast forward and backward with the loss weighted by its share of the
-    step's labelled tokens; then clip, AdamW; MoE: no expert-bias updates, which the trainer
-    runs as a step hook). Its attention inputs are the trainer's
+    step's labelled tokens; then clip, the step's learning rate from the trainer's schedule,
+    AdamW; MoE: no expert-bias updates, which the trainer runs as a step hook). Its attention inputs are the trainer's
     (graphtrain.step.model_inputs): FlexAttention with the same-document causal mask on CUDA
     (SDPA with that mask as a block-diagonal one on CPU), so document masking does not differ.
   * graphtrain: the `graphtrain train` code path: build_run (loader, parallel wrappers, the
@@ -69,7 +71,7 @@ from tensordict import TensorDict
 from graphtrain.attention import resolve_attention
 from graphtrain.config import JOB_PRESETS, JobConfig, load_config
 from graphtrain.metrics import model_training_flops, peak_flops
-from graphtrain.optim import WorkingWeights, optimizer_from_config
+from graphtrain.optim import WorkingWeights, lr_schedule_from_config, optimizer_from_config
 from graphtrain.run import build_run
 from graphtrain.step import ForwardLoss
 from models import MODEL_PRESETS, build_model
@@ -102,9 +104,9 @@ Step = Callable[[int], torch.Tensor]  # step(i) trains optimizer step i, returns
 def job_config(
     args: argparse.Namespace, run_dir: str, *, fp8: bool = False, variant: str = ""
 ) -> JobConfig:
-    """The job every row trains: the model's job preset at the benchmark's shape, a constant
-    learning rate (warm-up and decay off), nothing written but the run directory; a --variant
-    row's overrides last."""
+    """The job every row trains: the model's job preset at the benchmark's shape, the learning
+    rate warmed up over the untimed steps and constant after them (no decay), nothing written
+    but the run directory; a --variant row's overrides last."""
     return load_config(
         [
             "--preset",
@@ -116,7 +118,7 @@ def job_config(
             f"--training.fp8={str(fp8).lower()}",
             f"--training.run_dir={run_dir}",
             f"--schedule.batch_size={args.grad_accum * args.batch * args.seq_len}",
-            "--schedule.warmup_steps=0",
+            f"--schedule.warmup_steps={args.warmup}",
             "--schedule.decay_ratio=0",
             "--checkpoint.final=false",
             "--metrics.tensorboard=false",
@@ -248,6 +250,7 @@ def plain_compile_row(name: str, cfg: JobConfig, step_batches: list, warmup: int
     model.train()
     optim = cfg.optim
     optimizer = optimizer_from_config(model, optim)
+    lr_schedule = lr_schedule_from_config(cfg)
     # bf16 autocast over fp32 parameters on CUDA, fp32 on CPU: training.dtype=auto's choice.
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)
@@ -270,6 +273,7 @@ def plain_compile_row(name: str, cfg: JobConfig, step_batches: list, warmup: int
             (loss * weight).backward()
             step_loss += loss.detach().float() * weight
         torch.nn.utils.clip_grad_norm_(model.parameters(), optim.max_norm, foreach=True)
+        lr_schedule.apply(optimizer, i)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return step_loss
@@ -441,7 +445,8 @@ def torchtitan_trainer(cfg: JobConfig, eos_id: int | None, *, micro_batches: int
     config.optimizer.lr, config.optimizer.weight_decay = optim.lr, optim.weight_decay
     config.optimizer.beta1, config.optimizer.beta2 = optim.betas
     config.optimizer.implementation = "fused" if cuda else "foreach"
-    config.lr_scheduler.warmup_steps, config.lr_scheduler.decay_ratio = 0, 0.0  # constant
+    # Its warm-up (lr x (step + 1) / warmup_steps) is ours; no decay.
+    config.lr_scheduler.warmup_steps, config.lr_scheduler.decay_ratio = cfg.warmup_steps, 0.0
     # It logs (a host sync) at step 1 and every log_freq steps: only in the warm-up here.
     config.metrics.log_freq = training.steps + 1
     config.activation_checkpoint.mode = "none"

@@ -199,14 +199,16 @@ stages() {
         # AdamWCopies (auto's CUDA choice since 2026-11-27), autocast's casts instead of the
         # working weights (a wash with torch's AdamW; predicted ~1 ms in the copies' favour
         # with AdamWCopies), the fused loss's fast mode forced (auto leaves 1b's loss to
-        # Inductor). A fourth row with 4 warm-up steps of the learning rate: on 2026-11-27 the
-        # 1b rows' loss rose from ~12.27 to 12.445 in 19 steps at the constant 3e-4 where
-        # torchtitan's fell to 7.9 (RESULTS.md: the first Adam step with our SwiGLU init; does a
-        # warm-up let it learn?). Measured 2026-11-27 (H200) with four variants and
-        # torchtitan: 141 s.
+        # Inductor). Every row now warms the learning rate up over the 4 untimed steps: on
+        # 2026-11-27, at the constant 3e-4 from step 0, the 1b rows' loss rose from ~12.27 to
+        # 12.445 in 19 steps where torchtitan's fell to 7.9 (RESULTS.md: Adam's first full step
+        # with our SwiGLU init). The fourth variant is that constant rate again: it should
+        # rise again where the others learn; if they do not learn either, `w3` at the small
+        # std is the change. Measured 2026-11-27 (H200) with four variants and torchtitan:
+        # 141 s.
         bench e2e-1b 330 e2e.py --model 1b --steps 15 --warmup 4 \
             --variant=--optim.implementation=fused --variant=--training.working_weights=false \
-            --variant=--compile.lce_mode=fast --variant=--schedule.warmup_steps=4
+            --variant=--compile.lce_mode=fast --variant=--schedule.warmup_steps=0
         # moe-1b with balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain,
         # graphtrain, one variant row without the working weights (is it their 1.8 GiB that
         # put graphtrain's peak 1.0 GiB above plain's on 2026-11-27?), torchtitan's Qwen3-style

@@ -52,6 +52,7 @@ from graphtrain.optim import (
     WorkingWeights,
     cast_parameters_,
     describe_optimizer,
+    lr_schedule_from_config,
     optimizer_from_config,
     optimizer_state_bytes,
 )
@@ -422,15 +423,7 @@ def _build_optimizer(
             optim_state["optim_state_bytes"] / 2**20,
             optim_state["optim_state_bytes_fp32"] / 2**20,
         )
-    lr_schedule = LRSchedule(
-        lr=optim.lr,
-        min_lr=cfg.schedule.min_lr,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=cfg.decay_steps,
-        total_steps=cfg.training.steps,
-        decay_style=cfg.schedule.decay_style,
-    )
-    return optimizer, fp32_grads, lr_schedule, optim_state
+    return optimizer, fp32_grads, lr_schedule_from_config(cfg), optim_state
 
 
 def _resume(

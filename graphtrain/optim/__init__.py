@@ -11,6 +11,7 @@ from graphtrain.optim.schedule import (
     DECAY_STYLES,
     BatchSizeSchedule,
     LRSchedule,
+    lr_schedule_from_config,
     parse_token_count,
 )
 from graphtrain.optim.working_weights import WorkingWeights, working_weight_params
@@ -28,6 +29,7 @@ __all__ = [
     "clip_grad_norm_",
     "describe_optimizer",
     "global_norm",
+    "lr_schedule_from_config",
     "optimizer_from_config",
     "optimizer_state_bytes",
     "parse_token_count",

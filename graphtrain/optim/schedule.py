@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from graphtrain.config import JobConfig
 
 DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt", "inverse_sqrt")
 
@@ -179,6 +182,18 @@ def parse_token_count(text: str) -> int:
             "(K = 1024, M = 1024**2, G = 1024**3), e.g. 256K"
         )
     return int(match.group(1)) * _SUFFIXES[match.group(2)]
+
+
+def lr_schedule_from_config(cfg: JobConfig) -> LRSchedule:
+    """The job's learning-rate schedule: the trainer's, and that of the e2e benchmark's loop."""
+    return LRSchedule(
+        lr=cfg.optim.lr,
+        min_lr=cfg.schedule.min_lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.decay_steps,
+        total_steps=cfg.training.steps,
+        decay_style=cfg.schedule.decay_style,
+    )
 
 
 class BatchSizeSchedule:

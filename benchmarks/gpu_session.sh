@@ -202,10 +202,10 @@ stages() {
         # Inductor). Every row now warms the learning rate up over the 4 untimed steps: on
         # 2026-11-27, at the constant 3e-4 from step 0, the 1b rows' loss rose from ~12.27 to
         # 12.445 in 19 steps where torchtitan's fell to 7.9 (RESULTS.md: Adam's first full step
-        # with our SwiGLU init). The fourth variant is that constant rate again: it should
-        # rise again where the others learn; if they do not learn either, `w3` at the small
-        # std is the change. Measured 2026-11-27 (H200) with four variants and torchtitan:
-        # 141 s.
+        # with our SwiGLU init; on CPU at 1b's dims a 4-step warm-up removes the blow-up and
+        # our init then learns as torchtitan's does). The fourth variant is that constant rate
+        # again: it should rise where the others learn. Measured 2026-11-27 (H200) with four
+        # variants and torchtitan: 141 s.
         bench e2e-1b 330 e2e.py --model 1b --steps 15 --warmup 4 \
             --variant=--optim.implementation=fused --variant=--training.working_weights=false \
             --variant=--compile.lce_mode=fast --variant=--schedule.warmup_steps=0

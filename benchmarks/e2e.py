@@ -17,7 +17,8 @@ gradients clipped at optim.max_norm, --grad-accum micro-batches per step.
     block and the head+loss compiled with plain Inductor, in a hand-written loop (per
     micro-batch: autocast forward and backward with the loss weighted by its share of the
     step's labelled tokens; then clip, the step's learning rate from the trainer's schedule,
-    AdamW; MoE: no expert-bias updates, which the trainer runs as a step hook). Its attention inputs are the trainer's
+    torch's fused AdamW; MoE: no expert-bias updates, which the trainer runs as a step hook).
+    Its attention inputs are the trainer's
     (graphtrain.step.model_inputs): FlexAttention with the same-document causal mask on CUDA
     (SDPA with that mask as a block-diagonal one on CPU), so document masking does not differ.
   * graphtrain: the `graphtrain train` code path: build_run (loader, parallel wrappers, the
@@ -64,6 +65,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -237,6 +239,14 @@ def _plain_compile(model: torch.nn.Module, backend: str) -> None:
     model.head_loss = torch.compile(model.head_loss, backend=backend, fullgraph=True)
 
 
+def torch_adamw(model: torch.nn.Module, optim: Any) -> torch.optim.Optimizer:
+    """What a user writes: torch's AdamW, fused (or foreach where the job asks for it), with the
+    job's hyperparameters and groups; never graphtrain's AdamWCopies, which optim.implementation
+    "auto" takes for fp32 parameters on CUDA."""
+    torch_kernel = optim.implementation if optim.implementation == "foreach" else "fused"
+    return optimizer_from_config(model, dataclasses.replace(optim, implementation=torch_kernel))
+
+
 def plain_compile_row(name: str, cfg: JobConfig, step_batches: list, warmup: int) -> Row:
     """The same model and init under plain torch.compile, in the loop a user would write."""
     device = torch.device(cfg.training.device)
@@ -249,7 +259,7 @@ def plain_compile_row(name: str, cfg: JobConfig, step_batches: list, warmup: int
     model.init_weights(seed=cfg.training.seed)
     model.train()
     optim = cfg.optim
-    optimizer = optimizer_from_config(model, optim)
+    optimizer = torch_adamw(model, optim)
     lr_schedule = lr_schedule_from_config(cfg)
     # bf16 autocast over fp32 parameters on CUDA, fp32 on CPU: training.dtype=auto's choice.
     autocast = (

@@ -81,9 +81,9 @@ names=()
 codes=()
 
 # item NAME CAP_SECONDS COMMAND...: run COMMAND with its output appended to LOG_DIR/STAGE.log
-# (and on the terminal), killed after CAP_SECONDS or what is left of BUDGET less 10 s, whichever is less;
-# skipped when that is under 20 s. Its exit code is kept for the summary (124: over the cap;
-# 99: skipped). With GPU_SESSION_DRY_RUN set, COMMAND is named but not run.
+# (and on the terminal), killed after CAP_SECONDS or what is left of BUDGET less 10 s, whichever
+# is less; skipped when that is under 20 s. Its exit code is kept for the summary (124: over the
+# cap; 99: skipped). With GPU_SESSION_DRY_RUN set, COMMAND is named but not run.
 item() {
     local name=$1 cap=$2
     shift 2
@@ -146,7 +146,7 @@ install_wheels() {
     if ((${#found[@]})); then
         local target="${TMPDIR:-/tmp}/graphtrain-wheels"
         "$python" -m pip install -q --no-index --no-deps --target "$target" "${found[@]}" \
-            >"$log_dir/preflight.log" 2>&1 || echo "wheel install failed: see $log_dir/preflight.log"
+            >"$log_dir/preflight.log" 2>&1 || echo "wheel install failed: see preflight.log"
         export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
         # A --target install leaves .pth files unread: cutlass-dsl's puts its packages' folder
         # on sys.path (without it, `import cutlass` fails: seen, FlashAttention-4's import).

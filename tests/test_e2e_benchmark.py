@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from graphtrain.attention import document_causal_mask
+from graphtrain.config import load_config
 from graphtrain.optim import lr_schedule_from_config
 from models import build_model
 
@@ -83,6 +84,19 @@ def test_rows_train_the_same_batches_alike_and_fp8_stays_close(e2e, corpus, tmp_
     # Every row's loss by step (3 steps), the last one the row's.
     by_step = next(line for line in out.splitlines() if line.startswith("graphtrain bf16: loss"))
     assert by_step.split()[-1] == f"{bf16.loss:.3f}" and len(by_step.split()) == 5 + 3
+
+
+def test_the_plain_row_steps_torchs_adamw(e2e):
+    # optim.implementation "auto" takes graphtrain's AdamWCopies for fp32 parameters on CUDA
+    # ("graphtrain" here, on CPU); the plain row is what a user writes: torch's AdamW, fused
+    # unless the job asks for foreach, with the job's groups and hyperparameters.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    for implementation in ("auto", "graphtrain", "fused", "foreach"):
+        cfg = load_config(["--preset=debug", f"--optim.implementation={implementation}"])
+        optimizer = e2e.torch_adamw(model, cfg.optim)
+        assert type(optimizer) is torch.optim.AdamW, implementation
+        assert optimizer.defaults["fused"] is (implementation != "foreach"), implementation
+        assert [g["weight_decay"] for g in optimizer.param_groups] == [cfg.optim.weight_decay, 0]
 
 
 def test_torchtitan_row_says_why_it_did_not_run(e2e, tmp_path):

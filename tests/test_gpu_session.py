@@ -1,9 +1,9 @@
 """benchmarks/gpu_session.sh checked on CPU, so that a GPU stage (minutes of a rarely lent
 machine) does not find a slip: the script parses; every `bench` names a benchmark that exists;
 every pytest item's selection collects tests; every `graphtrain inspect` item passes inspect's
-option and config checks; a chain of stages runs each in turn on one budget within the 8 files a
-device run brings back; FlashAttention-4's two carried halves are joined, checked and installed.
-Its e2e.py commands: tests/test_e2e_benchmark.py."""
+option and config checks; a chain of stages runs each in turn within the 8 files a device run
+brings back; FlashAttention-4's two carried halves are joined, checked and installed. Its e2e.py
+commands: tests/test_e2e_benchmark.py."""
 
 import hashlib
 import os

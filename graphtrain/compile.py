@@ -157,11 +157,14 @@ def _inductor_post_grad_pass(post: _PostGradPasses) -> Any:
             post.run(graph.owning_module, ())
 
         def uuid(self) -> Any:
-            # Inductor's FX graph cache keys on this: the same passes give the same graphs.
-            # When dumping, None turns the cache off so every graph is really written out.
+            # Inductor's FX graph cache keys on this, beside the graph before these passes:
+            # the same passes with the same options (parallel.tp_overlap_variant changes what
+            # overlap_tp_comm writes) give the same graphs. When dumping, None turns the cache
+            # off so every graph is really written out.
             if post.dump_dir is not None:
                 return None
-            return tuple(p.name for p in post.passes)
+            options = tuple(sorted((key, repr(value)) for key, value in post.options.items()))
+            return tuple(p.name for p in post.passes), options
 
     return InductorPostGrad()
 

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import graphtrain  # noqa: F401  (registers the backend)
 from graphtrain.compile import apply_compile, backend
@@ -225,3 +226,44 @@ def test_step_hooks_hand_the_fp8_counters_to_the_step():
     stats = hook.statistics()
     assert stats["fp8/flushed/activation"].item() > 0.9
     assert hook.statistics()["fp8/flushed/activation"].item() == 0  # read and reset
+
+
+def relu_to_neg_pass(gm, example_inputs, *, ctx):
+    """Test post-grad pass: aten.relu becomes aten.neg where the option "negate" is on."""
+    if ctx.options.get("negate"):
+        for node in gm.graph.nodes:
+            if node.target == torch.ops.aten.relu.default:
+                node.target = torch.ops.aten.neg.default
+        gm.recompile()
+    return gm
+
+
+def test_inductors_graph_cache_keys_on_the_post_grad_passes_options(monkeypatch, tmp_path):
+    # The FX graph cache keys on the graph before the post-grad passes and on their uuid: the
+    # same graph compiled with an option of a post-grad pass changed (overlap_tp_comm's
+    # parallel.tp_overlap_variant) must not come back from the cache compiled with the old one
+    # (the uuid had only the passes' names: the second compile returned the first's code).
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    test_order = (("post_grad", "relu_to_neg", "test"),)
+    monkeypatch.setattr(order, "PASS_ORDER", test_order)
+    monkeypatch.setattr(registry, "PASS_ORDER", test_order)
+    register_pass("relu_to_neg", stage="post_grad", default_on=False, preserves_numerics=False)(
+        relu_to_neg_pass
+    )
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    x = torch.randn(8, 4)
+
+    def f(x):
+        return torch.relu(x) * 2
+
+    outs = {}
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        for negate in (False, True, False):
+            torch._dynamo.reset()
+            be = backend(passes=["+relu_to_neg"], inner="inductor", pass_options={"negate": negate})
+            outs.setdefault(negate, []).append(torch.compile(f, backend=be)(x))
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1  # the third compile: the first's code
+    torch.testing.assert_close(outs[False][0], torch.relu(x) * 2, rtol=0, atol=0)
+    torch.testing.assert_close(outs[True][0], -x * 2, rtol=0, atol=0)
+    torch.testing.assert_close(outs[False][1], outs[False][0], rtol=0, atol=0)

@@ -4,11 +4,13 @@ device."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 
 from graphtrain.config import load_config
+from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims
 from graphtrain.precision import Precision
 
@@ -49,9 +51,31 @@ def test_working_masters_follow_the_layout():
     cfg = load_config(["--preset", "debug"])
     with torch.device("meta"):
         model = build_model(cfg.model)
-    single = Precision.of(cfg, ParallelDims(), CUDA).working_masters(model)
+    single = Precision.of(cfg, ParallelDims(), CUDA).working_masters(model, cfg.compile)
     assert single and all(p.dim() == 2 for p in single)
-    assert (
-        Precision.of(cfg, ParallelDims(dp_shard=2, world_size=2), CUDA).working_masters(model) == []
-    )
-    assert Precision.of(cfg, ParallelDims(), CPU).working_masters(model) == []
+    fsdp = Precision.of(cfg, ParallelDims(dp_shard=2, world_size=2), CUDA)
+    assert fsdp.working_masters(model, cfg.compile) == []
+    assert Precision.of(cfg, ParallelDims(), CPU).working_masters(model, cfg.compile) == []
+
+
+def test_no_copies_of_the_weights_the_graph_concatenates():
+    """The experts' w1 and w3, which fuse_sibling_grouped_mm concatenates (the concatenation casts
+    them, and the backward keeps it), get no working copy; every other matmul weight does, and
+    with the pass off (or compile off) w1 and w3 do too."""
+    from models import build_model
+
+    cfg = load_config(["--preset", "moe-debug"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    precision = Precision.of(cfg, ParallelDims(), CUDA)
+    names = {id(p): name for name, p in model.named_parameters()}
+    matmul = [names[id(p)] for p in working_weight_params(model)]
+    concatenated = {f"layers.{i}.moe.experts.{w}" for i in (1, 2) for w in ("w1", "w3")}
+    copied = [names[id(p)] for p in precision.working_masters(model, cfg.compile)]
+    assert copied == [n for n in matmul if n not in concatenated]
+    assert concatenated < set(matmul) and "layers.1.moe.experts.w2" in copied
+    for compile_cfg in (
+        dataclasses.replace(cfg.compile, passes=["-fuse_sibling_grouped_mm"]),
+        dataclasses.replace(cfg.compile, enable=False),
+    ):
+        assert [names[id(p)] for p in precision.working_masters(model, compile_cfg)] == matmul

@@ -31,6 +31,7 @@ from graphtrain.config import JobConfig
 from graphtrain.custom_ops.linear_cross_entropy import fast_mode_extra_bytes, unfused_extra_bytes
 from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, check_layout
+from graphtrain.passes.fuse_sibling_grouped_mm import concatenated_weights
 from models import MoEConfig, build_model, tp_plan
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -141,6 +142,7 @@ def _rank_items(
     }
     if t.working_weights and master == 4 and compute == 2:
         matmul = {id(p) for p in working_weight_params(model)}
+        concatenated = {id(p) for p in concatenated_weights(model, cfg.compile)}
         copies = sum(
             p.numel()
             / _tp_divisor(name, plan, dims)
@@ -148,8 +150,11 @@ def _rank_items(
             / (dims.ep if ".experts." in name else 1)
             for name, p in model.named_parameters()
             # The trainer's choice (graphtrain.precision.Precision.working_masters).
-            if (dims.dp_size == 1 and id(p) in matmul)
-            or (dims.dp_size > 1 and dims.ep > 1 and ".experts." in name)
+            if id(p) not in concatenated
+            and (
+                (dims.dp_size == 1 and id(p) in matmul)
+                or (dims.dp_size > 1 and dims.ep > 1 and ".experts." in name)
+            )
         )
         if copies:
             items["working copies"] = int(copies)

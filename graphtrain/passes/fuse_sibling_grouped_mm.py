@@ -17,20 +17,42 @@ Invariant and numerics (preserves_numerics=False)
     Only the two GEMMs, their transposes and their uses change; every element of a and b is
     the same dot product, but the GEMM kernel (tile shape, hence summation order) may differ.
     Why and the refusals: docs/design/moe_dispatch.md.
+
+concatenated_weights(model, compile_cfg): the parameters it concatenates where the trainer runs
+it, which graphtrain.precision gives no working copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
+from torch import nn
 from torch.fx import Node
 
 from graphtrain.passes import fx
 from graphtrain.passes.fx import Refuse, val
-from graphtrain.passes.registry import PassContext, register_pass
+from graphtrain.passes.registry import PassContext, register_pass, resolve_passes
+from models.moe import GroupedExperts
+
+if TYPE_CHECKING:
+    from graphtrain.config import CompileConfig
+
+PASS = "fuse_sibling_grouped_mm"
+
+
+def concatenated_weights(model: nn.Module, compile_cfg: CompileConfig) -> list[nn.Parameter]:
+    """Where the trainer runs this pass (compile.enable, the pass not switched off): the
+    parameters it concatenates in a models/ model, each GroupedExperts' w1 and w3 (swiglu_experts
+    multiplies the same rows by both); else none. The concatenation reads them once per forward
+    and casts as it copies, and it is what the backward keeps: a bf16 working copy of them would
+    add its 2 bytes a weight to the peak and save no cast (docs/design/working_weights.md)."""
+    names = {p.name for p in resolve_passes(compile_cfg.passes)}
+    if not compile_cfg.enable or PASS not in names:
+        return []
+    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in (m.w1, m.w3)]
 
 
 def _is_grouped_mm(node: Node) -> bool:
@@ -115,7 +137,7 @@ def _fuse(gm: torch.fx.GraphModule, first: Node, second: Node) -> str:
     )
 
 
-@register_pass("fuse_sibling_grouped_mm", preserves_numerics=False)
+@register_pass(PASS, preserves_numerics=False)
 def fuse_sibling_grouped_mm_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

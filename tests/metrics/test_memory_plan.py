@@ -78,7 +78,8 @@ def test_plan_command_prints_a_layout_and_refuses_one_that_does_not_fit(capsys):
 def test_working_copies():
     """The bf16 working copies of the matmul weights: 2 bytes each, with one rank under bf16;
     none with data parallelism (FSDP2 casts), fp32 compute, or the key off; under FSDP with
-    ep=2, the routed experts' weights that FSDP leaves alone, half of them per rank."""
+    ep=2, the routed experts' weights that FSDP leaves alone, half of them per rank; never the
+    experts' w1 and w3 where fuse_sibling_grouped_mm concatenates them (the trainer's choice)."""
     cfg = load_config(["--preset", "debug", "--training.dtype=bfloat16"])
     with torch.device("meta"):
         model = build_model(cfg.model)
@@ -99,5 +100,14 @@ def test_working_copies():
     moe = load_config(["--preset", "moe-debug", "--training.dtype=bfloat16", "--parallel.ep=2"])
     with torch.device("meta"):
         model = build_model(moe.model)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    assert plan_memory(moe, 2).items["working copies"] == 2 * experts // 2
+    # The routed experts' w1 and w3 are concatenated in the graph (no copies): w2 alone.
+    w2 = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".experts.w2"))
+    assert plan_memory(moe, 2).items["working copies"] == 2 * w2 // 2
+    w13 = sum(
+        p.numel() for n, p in model.named_parameters() if n.endswith((".experts.w1", ".experts.w3"))
+    )
+    single, unfused = (
+        plan_memory(load_config(["--preset", "moe-debug", "--training.dtype=bfloat16", *a]), 1)
+        for a in ((), ('--compile.passes=["-fuse_sibling_grouped_mm"]',))
+    )
+    assert single.items["working copies"] == unfused.items["working copies"] - 2 * w13

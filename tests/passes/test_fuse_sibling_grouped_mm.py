@@ -17,6 +17,8 @@ from conftest import module_grads, pass_step
 from torch import nn
 
 from graphtrain.compile import backend
+from graphtrain.config import load_config
+from graphtrain.passes.fuse_sibling_grouped_mm import concatenated_weights
 from models import MODEL_PRESETS, build_model
 
 PASS = "fuse_sibling_grouped_mm"
@@ -137,3 +139,24 @@ def test_moe_layer_gate_and_up_fuse(autocast, tmp_path):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+def test_concatenated_weights_are_what_the_pass_concatenates(tmp_path):
+    """concatenated_weights (the weights graphtrain.precision gives no working copy) are each
+    MoE layer's experts.w1 and experts.w3, the two the pass's note says it concatenated in a
+    compiled layer; none with the pass switched off or compile off."""
+    cfg = load_config(["--preset", "moe-debug"])
+    model = build_model(cfg.model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    got = [names[id(p)] for p in concatenated_weights(model, cfg.compile)]
+    assert got == [f"layers.{i}.moe.experts.{w}" for i in (1, 2) for w in ("w1", "w3")]
+    for off in (
+        dataclasses.replace(cfg.compile, passes=[f"-{PASS}"]),
+        dataclasses.replace(cfg.compile, enable=False),
+    ):
+        assert concatenated_weights(model, off) == []
+    x = torch.randn(2, 11, cfg.model.dim, generator=torch.Generator().manual_seed(2))
+    module_grads(model.layers["1"].moe, x, tmp_path)
+    (note,) = _step(tmp_path)["notes"]
+    weights = "l_self_modules_experts_parameters_w1_, l_self_modules_experts_parameters_w3_"
+    assert f"cat([{weights}], 1)" in note, note

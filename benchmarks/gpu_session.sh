@@ -210,9 +210,12 @@ stages() {
             --variant=--optim.implementation=fused --variant=--training.working_weights=false \
             --variant=--compile.lce_mode=fast --variant=--schedule.warmup_steps=0
         # moe-1b with balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain,
-        # graphtrain, one variant row without the working weights (is it their 1.8 GiB that
-        # put graphtrain's peak 1.0 GiB above plain's on 2026-11-27?), torchtitan's Qwen3-style
-        # MoE with moe-1b's dims. Measured 2026-11-27 without the variant: 203 s.
+        # graphtrain, one variant row without the working weights, torchtitan's Qwen3-style
+        # MoE with moe-1b's dims. graphtrain's peak was 1.0 GiB above plain's on 2026-11-27:
+        # copies of the experts' w1 and w3 beside their concatenation, which the backward
+        # keeps (RESULTS.md, found on CPU); since then they get no copies. Predicted: peak
+        # ~24.5 GiB, at plain's; the variant row's the same. Measured 2026-11-27 without the
+        # variant: 203 s.
         bench e2e-moe-1b 260 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
             --warmup 4 --variant=--training.working_weights=false
         ;;

@@ -210,14 +210,17 @@ stages() {
             --variant=--optim.implementation=fused --variant=--training.working_weights=false \
             --variant=--compile.lce_mode=fast --variant=--schedule.warmup_steps=0
         # moe-1b with balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain,
-        # graphtrain, one variant row without the working weights, torchtitan's Qwen3-style
-        # MoE with moe-1b's dims. graphtrain's peak was 1.0 GiB above plain's on 2026-11-27:
-        # copies of the experts' w1 and w3 beside their concatenation, which the backward
-        # keeps (RESULTS.md, found on CPU); since then they get no copies. Predicted: peak
-        # ~24.5 GiB, at plain's; the variant row's the same. Measured 2026-11-27 without the
-        # variant: 203 s.
-        bench e2e-moe-1b 260 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
-            --warmup 4 --variant=--training.working_weights=false
+        # graphtrain, a variant row without the working weights, one without
+        # fold_routing_weights (new, on by default: its A/B), torchtitan's Qwen3-style MoE with
+        # moe-1b's dims. graphtrain's peak was 1.0 GiB above plain's on 2026-11-27: copies of
+        # the experts' w1 and w3 beside their concatenation, which the backward keeps
+        # (RESULTS.md, found on CPU); since then they get no copies, and fold_routing_weights
+        # keeps no expert outputs. Predicted peaks: ~22.8 GiB for graphtrain (plain's 24.6),
+        # the working-weights row the same, ~24.5 without the fold; the fold -0.2 to +0.4 ms a
+        # step (RESULTS.md). Measured 2026-11-27 without the variants: 203 s; ~60 s a variant.
+        bench e2e-moe-1b 330 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
+            --warmup 4 --variant=--training.working_weights=false \
+            --variant=--compile.passes=-fold_routing_weights
         ;;
     profile)
         # attention.py: 1b's attention over the default corpus's packed documents (the e2e

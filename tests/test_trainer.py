@@ -70,6 +70,7 @@ def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
             "fuse_moe_router",
             "fuse_moe_dispatch",
             "fuse_sibling_grouped_mm",
+            "fold_routing_weights",
         ]
         fused = head[labels.index("fuse_linear_cross_entropy")]["op_diff"]
         assert fused["graphtrain.linear_cross_entropy.default"] == 1

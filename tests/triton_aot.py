@@ -237,6 +237,7 @@ def _cases() -> None:
     from graphtrain.custom_ops import fp8_amax as fa
     from graphtrain.custom_ops import fp8_cast as fc
     from graphtrain.custom_ops import moe_permute as mp
+    from graphtrain.custom_ops import moe_swiglu as sw
     from graphtrain.custom_ops.fp8_grouped_mm import padded_width
 
     f32, bf16 = torch.float32, torch.bfloat16
@@ -406,6 +407,15 @@ def _cases() -> None:
                 _meta(T, D, dtype=x.dtype), ys, o, w, k
             )
         )
+
+    # The experts' weighted SwiGLU (fold_routing_weights), moe-1b's 16384 x 6 rows, F = 512.
+    ab, ws = _meta(98304, 1024), _meta(98304, dtype=f32)
+    case("moe_weighted_swiglu 98304 x [512|512] bf16", "fast")(
+        lambda: sw.moe_weighted_swiglu_triton(ab, ws)
+    )
+    case("moe_weighted_swiglu_bwd 98304 x [512|512] bf16", "fast")(
+        lambda: sw.moe_weighted_swiglu_backward_triton(_meta(98304, 512), ab, ws)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

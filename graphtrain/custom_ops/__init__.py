@@ -14,4 +14,5 @@ from graphtrain.custom_ops import (
     gated_delta_rule,  # noqa: F401  (graphtrain::chunk_gated_delta_rule, its backward)
     moe_permute,  # noqa: F401  (graphtrain::moe_permute, moe_unpermute)
     moe_route,  # noqa: F401  (graphtrain::moe_route)
+    moe_swiglu,  # noqa: F401  (graphtrain::moe_weighted_swiglu, its backward)
 )

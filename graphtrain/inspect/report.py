@@ -202,6 +202,8 @@ PASS_SAVES = {
     "their own backward, instead of indexing ops and their autograd",
     "fuse_sibling_grouped_mm": "one grouped GEMM instead of two over the same input rows (read "
     "once, one launch)",
+    "fold_routing_weights": "the routing weights scale the experts' hidden rows before the down "
+    "projection, so the backward keeps no copy of the expert outputs ([tokens x k, dim])",
     "gated_delta_rule": "the chunked recurrence kernel instead of the plain PyTorch recurrence",
     "fp8_linear": "the selected GEMMs (forward, dgrad, wgrad) in FP8 with current scaling",
     "fp8_all_gather": "the tensor-parallel all-gather moves FP8 bytes instead of bf16",

@@ -49,6 +49,7 @@ _NEEDS = {
     "fuse_moe_router": (lambda cfg, dims: hasattr(cfg.model, "num_experts"), "MoE"),
     "fuse_moe_dispatch": (lambda cfg, dims: hasattr(cfg.model, "num_experts"), "MoE"),
     "fuse_sibling_grouped_mm": (lambda cfg, dims: hasattr(cfg.model, "num_experts"), "MoE"),
+    "fold_routing_weights": (lambda cfg, dims: hasattr(cfg.model, "num_experts"), "MoE"),
     "fp8_linear": (lambda cfg, dims: cfg.training.fp8, "training.fp8"),
     "fp8_all_gather": (lambda cfg, dims: cfg.training.fp8, "training.fp8"),
     "fp8_cast_once": (lambda cfg, dims: cfg.training.fp8, "training.fp8"),

@@ -3,6 +3,7 @@
 import graphtrain.passes.linear_cross_entropy  # noqa: F401  (registers the pass)
 from graphtrain.passes import (  # noqa: F401  (each registers its pass)
     canonicalize,
+    fold_routing_weights,
     fp8_all_gather,
     fp8_cast_once,
     fp8_linear,

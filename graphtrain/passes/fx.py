@@ -157,6 +157,8 @@ FUNCTIONS: dict[Any, str] = {
     torch.floor_divide: "floor_divide",
     operator.floordiv: "floor_divide",
     torch.empty_like: "empty_like",
+    torch.narrow: "narrow",
+    F.silu: "silu",
 }
 # In-place operators (x /= y, x[i] = v, ...): read as their method, and seen by the in-place
 # checks.

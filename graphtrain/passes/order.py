@@ -31,6 +31,11 @@ PASS_ORDER: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "pre_grad",
+        "fold_routing_weights",
+        "after fuse_moe_dispatch, whose moe_unpermute it reads; before fp8_linear casts w2's rows",
+    ),
+    (
+        "pre_grad",
         "fp8_linear",
         "last: after the head is fused and w1/w3 merged (one wider FP8 GEMM, one cast of x)",
     ),

@@ -131,8 +131,8 @@ def test_fused_op_once_with_location_and_options(report):
 
 def test_moe_model_shows_its_blocks_and_the_fused_router():
     """moe-debug: a dense first block and MoE blocks (two graphs in the block region), the
-    router, the token permutation and the combine fused once each in the MoE block graph, the
-    head fused as for the dense model."""
+    router, the token permutation, the combine and the experts' weighted SwiGLU fused once each
+    in the MoE block graph, the head fused as for the dense model."""
     report = inspect_config(
         load_config(["--preset", "moe-debug", "--training.micro_batch_size=2"]),
         device="cpu",
@@ -145,6 +145,7 @@ def test_moe_model_shows_its_blocks_and_the_fused_router():
         "graphtrain.moe_route.default": 1,
         "graphtrain.moe_permute.default": 1,
         "graphtrain.moe_unpermute.default": 1,
+        "graphtrain.moe_weighted_swiglu.default": 1,
     }
     (router,) = [
         s

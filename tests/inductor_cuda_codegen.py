@@ -13,14 +13,22 @@ their fake kernels, and every extern torch._scaled_mm call is recorded with its 
 shapes, strides and dtypes.
 
 The backward: autograd's engine asks the accelerator for a device on CUDA tensors, which a CPU
-build refuses ("Cannot access accelerator device when none is available"), so only the forward
-regions (under no_grad, as validation runs them) are generated here.
+build refuses ("Cannot access accelerator device when none is available"), so the default run
+generates the forward regions (under no_grad, as validation runs them). --backward instead
+traces each region's forward and backward on fake *CPU* tensors (bf16 CPU autocast, the CPU
+attention), keeps the backward graph Inductor's partitioner cuts, then moves it to CUDA and
+generates its CUDA code under the stubs (and runs it on fake tensors, which records the
+_scaled_mm calls). What differs from a GPU's backward: decisions the passes and the model make
+from the device (the attention kernel, compile.lce_mode auto) are the CPU's. The report adds,
+per region, the tensors the forward keeps for the backward ("saved": what a step's activation
+memory is made of).
 
-    python tests/inductor_cuda_codegen.py --out report.json [--varlen] PRESET [--section.key=value ...]
+    python tests/inductor_cuda_codegen.py --out report.json [--varlen | --backward] PRESET
+        [--section.key=value ...]
 --varlen: packed documents through varlen attention (fake spans: only sizes matter here).
 Report: status ("ok" or the error), notes (per graph dump: the passes that changed it, their op
 diffs and notes), captured (per graph: the op counts Dynamo captured), kernels (name, config,
-shared, regs, spills, error), scaled_mm (one entry per call).
+shared, regs, spills, error), scaled_mm (one entry per call), saved (--backward).
 """
 
 from __future__ import annotations
@@ -262,64 +270,160 @@ def _notes(dump: Path) -> list[dict[str, Any]]:
     return found
 
 
+def _fake_model(cfg: Any, device: str) -> Any:
+    """cfg's model with fake parameters and buffers on `device` (under the caller's FakeTensorMode;
+    no to_empty swap)."""
+    import torch
+
+    from models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                fake = torch.empty(p.shape, dtype=p.dtype, device=device)
+                module._parameters[name] = torch.nn.Parameter(fake, p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+    return model
+
+
+def _inputs(cfg: Any, device: str, varlen: bool) -> tuple:
+    import torch
+
+    from models.gpt import DocumentSpans
+
+    t = cfg.training
+    shape = (t.micro_batch_size, t.seq_len + 1)
+    tokens = torch.randint(0, cfg.model.vocab_size, shape, device=device)
+    inputs: tuple = (tokens[:, :-1], tokens[:, 1:])
+    if varlen:  # fake: the kernels are generated, not run, so sizes are enough
+        cu = torch.zeros(8, dtype=torch.int32, device=device)  # up to 7 documents
+        ids = torch.zeros(shape[0], t.seq_len, dtype=torch.int32, device=device)
+        inputs += (None, DocumentSpans(cu, t.seq_len), ids)
+    return inputs
+
+
+def _trace_backward(cfg: Any, dump: Path) -> tuple[list[tuple], list[dict[str, Any]]]:
+    """(each region's backward graph with its post-grad pass, each region's saved tensors):
+    forward and backward traced on fake CPU tensors, Inductor's partition kept, its CPU code
+    never run."""
+    import torch
+    import torch._inductor.compile_fx as cfx
+    import torch._inductor.config as inductor_config
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphtrain.compile import apply_compile
+    from graphtrain.config import pass_options
+
+    graphs, saved = [], []
+    partition, inner = cfx.min_cut_rematerialization_partition, cfx._compile_fx_inner
+
+    def keep(joint: Any, inputs: Any, **kwargs: Any) -> Any:
+        fw, bw = partition(joint, inputs, **kwargs)
+        outs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+        kept = [o for o in outs[kwargs["num_fwd_outputs"] :] if o.op != "placeholder"]
+        vals = [(o.name, o.meta.get("val")) for o in kept]
+        tensors = [(n, v) for n, v in vals if isinstance(v, torch.Tensor)]
+        saved.append({
+            "bytes": sum(v.numel() * v.element_size() for _, v in tensors),
+            "tensors": [[n, str(v.dtype), list(v.shape)] for n, v in tensors],
+        })  # fmt: skip
+        # graphtrain's post-grad passes of this region, active while it compiles
+        graphs.append((bw, inductor_config.post_grad_custom_post_pass))
+        return fw, bw
+
+    def no_run(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        """Inductor's CPU code, called with fake outputs (running it reads no memory)."""
+        compiled = inner(gm, example_inputs, **kwargs)
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        vals = [o.meta.get("val") if hasattr(o, "meta") else o for o in out]
+        compiled.current_callable = lambda args: [
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) if isinstance(v, torch.Tensor)
+            else v for v in vals
+        ]  # fmt: skip
+        return compiled
+
+    cfx.min_cut_rematerialization_partition, cfx._compile_fx_inner = keep, no_run
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = _fake_model(cfg, "cpu")
+            apply_compile(
+                model, passes=cfg.compile.passes, inner="inductor", dump_dir=dump,
+                pass_options=pass_options(cfg), device_type="cpu",
+            )  # fmt: skip
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(*_inputs(cfg, "cpu", False))
+    finally:
+        cfx.min_cut_rematerialization_partition, cfx._compile_fx_inner = partition, inner
+    return graphs, saved
+
+
+def _generate_backward(graphs: list[tuple]) -> None:
+    """Each backward graph moved to fake CUDA tensors, its CUDA code generated and run (under
+    the stubs: install())."""
+    import torch
+    import torch._inductor.config as inductor_config
+    import torch.utils._triton as triton_utils
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    for name in dir(triton_utils):  # "no Triton" was cached while torch.cuda said no device
+        cache_clear = getattr(getattr(triton_utils, name), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+    cuda = torch.device("cuda")
+    for bw, post_grad in graphs:
+        for node in bw.graph.nodes:
+            if node.kwargs.get("device") == torch.device("cpu"):
+                node.update_kwarg("device", cuda)
+        bw.recompile()
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            inputs = [
+                torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=cuda)
+                if isinstance(v, torch.Tensor) else v
+                for v in (n.meta["val"] for n in bw.graph.nodes if n.op == "placeholder")
+            ]  # fmt: skip
+            FakeTensorProp(bw, mode).propagate(*inputs)
+            with inductor_config.patch(post_grad_custom_post_pass=post_grad):
+                compiled = compile_fx_inner(bw, inputs, is_backward=True)
+            compiled(list(inputs))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--backward", action="store_true", help="also try the backward")
+    parser.add_argument(
+        "--backward", action="store_true", help="the backward regions, traced on CPU (docstring)"
+    )
     parser.add_argument(
         "--varlen", action="store_true", help="packed documents through varlen attention"
     )
     parser.add_argument("preset")
     args, overrides = parser.parse_known_args(argv)
     sys.path.insert(0, str(HERE.parent))
-    install()
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    if not args.backward:  # the stubs before anything asks torch.cuda about the machine
+        install()
     import graphtrain  # noqa: F401  (registers the backend and the ops)
-    from graphtrain.compile import apply_compile
-    from graphtrain.config import load_config, pass_options
-    from graphtrain.inspect.capture import run_once
-    from models import build_model
-    from models.gpt import DocumentSpans
+    from graphtrain.config import load_config
 
     cfg = load_config(["--preset", args.preset, *overrides])
     dump = Path(tempfile.mkdtemp(prefix="cuda-codegen-"))
     start = time.time()
-    status = "ok"
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        for module in model.modules():  # fake CUDA parameters and buffers (no to_empty swap)
-            for name, p in list(module._parameters.items()):
-                if p is not None:
-                    fake = torch.empty(p.shape, dtype=p.dtype, device="cuda")
-                    module._parameters[name] = torch.nn.Parameter(fake, p.requires_grad)
-            for name, b in list(module._buffers.items()):
-                if b is not None:
-                    module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device="cuda")
-        apply_compile(
-            model, passes=cfg.compile.passes, inner="inductor", dump_dir=dump,
-            pass_options=pass_options(cfg), cudagraph_mtp=False, device_type="cuda",
-        )  # fmt: skip
-        t = cfg.training
-        shape = (t.micro_batch_size, t.seq_len + 1)
-        tokens = torch.randint(0, cfg.model.vocab_size, shape, device="cuda")
-        inputs: tuple = (tokens[:, :-1], tokens[:, 1:])
-        if args.varlen:  # fake: the kernels are generated, not run, so sizes are enough
-            cu = torch.zeros(8, dtype=torch.int32, device="cuda")  # up to 7 documents
-            ids = torch.zeros(shape[0], t.seq_len, dtype=torch.int32, device="cuda")
-            inputs += (None, DocumentSpans(cu, t.seq_len), ids)
-        try:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                if args.backward:
-                    run_once(model, inputs)
-                else:
-                    with torch.no_grad():
-                        model(*inputs)
-        except Exception as error:  # the report says how far it got
-            status = f"{type(error).__name__}: {str(error)[:500]}"
-            print("".join(traceback.format_tb(error.__traceback__)), file=sys.stderr)
+    status, saved = "ok", None
+    try:
+        if args.backward:
+            graphs, saved = _trace_backward(cfg, dump)
+            install()
+            _generate_backward(graphs)
+        else:
+            _generate_forward(cfg, dump, args.varlen)
+    except Exception as error:  # the report says how far it got
+        status = f"{type(error).__name__}: {str(error)[:500]}"
+        print("".join(traceback.format_tb(error.__traceback__)), file=sys.stderr)
     report = {
         "preset": args.preset,
         "overrides": overrides,
@@ -329,12 +433,31 @@ def main(argv: list[str] | None = None) -> int:
         "captured": _captured(dump),
         "kernels": KERNELS,
         "scaled_mm": SCALED_MM,
+        "saved": saved,
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1, default=str)
     print(f"{args.preset} {overrides}: {status}; {len(KERNELS)} Triton kernels, "
           f"{len(SCALED_MM)} _scaled_mm calls, {report['seconds']} s")  # fmt: skip
     return 0
+
+
+def _generate_forward(cfg: Any, dump: Path, varlen: bool) -> None:
+    """The forward regions on fake CUDA tensors, under no_grad as validation runs them."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphtrain.compile import apply_compile
+    from graphtrain.config import pass_options
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _fake_model(cfg, "cuda")
+        apply_compile(
+            model, passes=cfg.compile.passes, inner="inductor", dump_dir=dump,
+            pass_options=pass_options(cfg), cudagraph_mtp=False, device_type="cuda",
+        )  # fmt: skip
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+            model(*_inputs(cfg, "cuda", varlen))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
 """Inductor's CUDA code for graphtrain's compiled regions, generated on a CPU (issue 26):
 tests/inductor_cuda_codegen.py, in a child process (its CUDA stubs stay out of this one),
 compiles the forward regions of `debug`, `moe-debug` with FP8, `debug` with an MTP depth and
-varlen attention, and `hybrid-debug` (Gated DeltaNet blocks in their chunked form, then with the gated_delta_rule
-pass's op) on fake CUDA tensors. Asserted: the run completes; the passes fired as on a GPU (the fused
-cross-entropy, the router and dispatch, FP8 linears); every Triton kernel Inductor generated
-compiles for sm_90 within the shared memory and register limits without spilling; every
-extern torch._scaled_mm gets the layouts cuBLASLt takes (first operand row-major, second
+varlen attention, and `hybrid-debug` (Gated DeltaNet blocks in their chunked form, then with
+the gated_delta_rule pass's op) on fake CUDA tensors, and the backward regions of `moe-debug`
+with FP8. Asserted: the run completes; the passes fired as on a GPU (the fused cross-entropy,
+the router and dispatch, FP8 linears); every Triton kernel Inductor generated compiles for
+sm_90 within the shared memory and register limits without spilling; every extern
+torch._scaled_mm gets the layouts cuBLASLt takes (first operand row-major, second
 column-major, dimensions multiples of 16, per-tensor fp32 scales).
 
-The backward cannot be generated this way: autograd's engine asks for the accelerator on CUDA
-tensors, which a CPU build of torch refuses. Each preset takes ~30-60 s cold (a C++ device
-guard built once, Inductor, Triton for sm_90): slow-marked.
+The backward cannot be traced on fake CUDA tensors (autograd's engine asks for the
+accelerator, which a CPU build of torch refuses): --backward traces it on fake CPU tensors and
+generates the CUDA code of the backward graph Inductor's partitioner cut (the helper's
+docstring says what that leaves out). Each preset takes ~30-60 s cold (a C++ device guard
+built once, Inductor, Triton for sm_90): slow-marked.
 """
 
 from __future__ import annotations
@@ -133,6 +136,11 @@ def test_moe_debug_fp8_forward_regions(tmp_path):
     assert split >= 7, report["notes"]
     _assert_kernels_fit(report)
     assert len(report["scaled_mm"]) >= split, "each split linear calls an extern _scaled_mm"
+    _assert_scaled_mm_layouts(report)
+
+
+def _assert_scaled_mm_layouts(report: dict) -> None:
+    """Every extern _scaled_mm in the layouts cuBLASLt takes."""
     for call in report["scaled_mm"]:
         (a_shape, a_stride, a_dtype), (b_shape, b_stride, b_dtype) = call["a"], call["b"]
         assert a_stride[1] == 1, call  # row-major
@@ -141,6 +149,23 @@ def test_moe_debug_fp8_forward_regions(tmp_path):
         assert "float8" in a_dtype and "float8" in b_dtype, call
         for scale in (call["scale_a"], call["scale_b"]):
             assert scale[1] == "torch.float32" and all(d == 1 for d in scale[0]), call
+
+
+@pytest.mark.slow
+def test_moe_debug_fp8_backward_regions(tmp_path):
+    """--backward: moe-debug's backward regions (traced on fake CPU tensors, then generated for
+    sm_90) with FP8 at min_dim 16 and the fused router, dispatch and weighted SwiGLU: every
+    Triton kernel compiles within the limits, and the FP8 GEMMs of the backward that
+    fp8_cast_once splits (grad input and grad weight, 14 a step at least: two per linear of
+    the blocks) call _scaled_mm in cuBLASLt's layouts. Each region reports what its forward
+    keeps for the backward."""
+    report = _generate(
+        tmp_path, "moe-debug", "--backward", "--training.fp8=true", "--fp8.min_dim=16"
+    )
+    _assert_kernels_fit(report)
+    assert len(report["scaled_mm"]) >= 14, report["scaled_mm"]
+    _assert_scaled_mm_layouts(report)
+    assert len(report["saved"]) == 3 and all(r["bytes"] > 0 for r in report["saved"]), report
 
 
 @pytest.mark.slow

@@ -143,6 +143,17 @@ def _fused_op_counts(run_dir) -> dict[str, dict[str, int]]:
     return counts
 
 
+def _notes(run_dir, label: str) -> list[str]:
+    """The notes pass `label` left in every compiled region of the run (its graph dumps)."""
+    return [
+        note
+        for summary in sorted((run_dir / "graphs").glob("*/summary.json"))
+        for entry in json.loads(summary.read_text())
+        if entry["label"] == label
+        for note in entry.get("notes") or []
+    ]
+
+
 @pytest.mark.slow
 def test_expert_parallel_compiles_to_the_ops_of_data_parallel(runs):
     """dp_shard=2 with ep=2 (experts split over the two ranks, all-to-all dispatch) against
@@ -150,7 +161,9 @@ def test_expert_parallel_compiles_to_the_ops_of_data_parallel(runs):
     every compiled region holds the same graphtrain ops (moe_route, moe_permute,
     moe_unpermute) and the same number of grouped GEMMs (w1|w3 fused: 2 per MoE layer), the
     all-to-alls (tokens per expert, rows out, rows back) being the only additions, all in one
-    graph per block; and the run trains like data parallelism (_assert_trains_like), its
+    graph per block, except fold_routing_weights' moe_weighted_swiglu (the expert outputs come
+    back through an all-to-all: refused, with that note); and the run trains like data
+    parallelism (_assert_trains_like), its
     held-out loss (no_grad, through the same all-to-alls) equal to 1e-5 at steps 0 and 4."""
     (ref_dir, ref), (got_dir, got) = runs["dp2"], runs["dp2_ep2"]
     want_ops = _fused_op_counts(ref_dir)
@@ -164,8 +177,11 @@ def test_expert_parallel_compiles_to_the_ops_of_data_parallel(runs):
         if region in moe_regions:
             assert ops[route] == ops["graphtrain.moe_unpermute.default"] == 1, ops
             assert ops["torch._grouped_mm"] == 2, ops
+            assert ops.pop("graphtrain.moe_weighted_swiglu.default") == 1, ops
             ops = {**ops, "all_to_all_single": 3}
         assert got_ops[region] == ops, (region, got_ops)
+    folds = [n for n in _notes(got_dir, "fold_routing_weights") if "unchanged" in n]
+    assert folds and all("are not a grouped GEMM's" in n for n in folds), folds
     _assert_trains_like(got, ref)
     want_val, got_val = (
         {m["step"]: m["val_loss"] for m in _lines(d) if "val_loss" in m} for d in (ref_dir, got_dir)

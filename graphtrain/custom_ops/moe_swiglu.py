@@ -66,6 +66,25 @@ def moe_weighted_swiglu_backward_ref(
 
 
 @triton.jit
+def _rows(N, BLOCK_N: tl.constexpr):
+    """This program's BLOCK_N row indices (int64) and which of them exist."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < N
+
+
+@triton.jit
+def _gate_up(ab_ptr, rows, r_ok, f0, F: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Columns [f0, f0 + BLOCK_F) of the rows' gate a and up b (fp32), their offsets in ab
+    (the a half's; b's are F further), the row index times F plus the column, and the mask."""
+    c = f0 + tl.arange(0, BLOCK_F)
+    m = r_ok[:, None] & (c < F)[None, :]
+    at = rows[:, None] * (2 * F) + c[None, :]
+    a = tl.load(ab_ptr + at, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(ab_ptr + at + F, mask=m, other=0.0).to(tl.float32)
+    return a, b, at, rows[:, None] * F + c[None, :], m
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     ab_ptr,  # [N, 2F]
     ws_ptr,  # [N]
@@ -76,18 +95,12 @@ def _swiglu_fwd_kernel(
     BLOCK_F: tl.constexpr,
 ):
     """Rows [pid * BLOCK_N, +BLOCK_N): h = silu(a) * b * w."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_ok = rows < N
+    rows, r_ok = _rows(N, BLOCK_N)
     w = tl.load(ws_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
-    cols = tl.arange(0, BLOCK_F)
     for f0 in range(0, F, BLOCK_F):
-        c = f0 + cols
-        m = r_ok[:, None] & (c < F)[None, :]
-        at = ab_ptr + rows[:, None] * (2 * F) + c[None, :]
-        a = tl.load(at, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(at + F, mask=m, other=0.0).to(tl.float32)
+        a, b, _, at_h, m = _gate_up(ab_ptr, rows, r_ok, f0, F, BLOCK_F)
         h = a * tl.sigmoid(a) * b * w[:, None]
-        tl.store(h_ptr + rows[:, None] * F + c[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
+        tl.store(h_ptr + at_h, h.to(h_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -103,24 +116,17 @@ def _swiglu_bwd_kernel(
     BLOCK_F: tl.constexpr,
 ):
     """Rows [pid * BLOCK_N, +BLOCK_N): grad_ab and grad_ws = sum_f grad_h * silu(a) * b."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_ok = rows < N
+    rows, r_ok = _rows(N, BLOCK_N)
     w = tl.load(ws_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
     dot = tl.zeros([BLOCK_N], dtype=tl.float32)
-    cols = tl.arange(0, BLOCK_F)
+    out_ty = grad_ab_ptr.dtype.element_ty
     for f0 in range(0, F, BLOCK_F):
-        c = f0 + cols
-        m = r_ok[:, None] & (c < F)[None, :]
-        at = rows[:, None] * (2 * F) + c[None, :]
-        a = tl.load(ab_ptr + at, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(ab_ptr + at + F, mask=m, other=0.0).to(tl.float32)
-        g = tl.load(grad_h_ptr + rows[:, None] * F + c[None, :], mask=m, other=0.0)
-        g = g.to(tl.float32)
+        a, b, at, at_h, m = _gate_up(ab_ptr, rows, r_ok, f0, F, BLOCK_F)
+        g = tl.load(grad_h_ptr + at_h, mask=m, other=0.0).to(tl.float32)
         s = tl.sigmoid(a)
         silu = a * s
         dot += tl.sum(g * silu * b, axis=1)
         gw = g * w[:, None]
-        out_ty = grad_ab_ptr.dtype.element_ty
         tl.store(grad_ab_ptr + at, (gw * b * s * (1.0 + a * (1.0 - s))).to(out_ty), mask=m)
         tl.store(grad_ab_ptr + at + F, (gw * silu).to(out_ty), mask=m)
     tl.store(grad_ws_ptr + rows, dot.to(grad_ws_ptr.dtype.element_ty), mask=r_ok)

@@ -237,8 +237,12 @@ stages() {
         # e2e stage has torchtitan's rows.
         item profile-1b 200 "$python" -m graphtrain inspect --preset 1b --device cuda \
             --profile 3 --out "$work/inspect-1b"
+        # moe-1b: only fold_routing_weights (new, on by default, unmeasured) re-timed with the
+        # pass off: each re-time compiles the block region again (~1 min), and with the
+        # router's and the dispatch's (measured 2026-11-22) the item would outrun its cap.
         item profile-moe-1b 200 "$python" -m graphtrain inspect --preset moe-1b --device cuda \
-            --profile 3 --out "$work/inspect-moe-1b" --model.force_balance=true
+            --profile 3 --out "$work/inspect-moe-1b" --model.force_balance=true \
+            --compare fold_routing_weights
         ;;
     loss)
         # cross_entropy.py, fast / low-memory modes against eager, torch.compile, Liger, CCE,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +149,7 @@ def inspect_config(
     trace_dir: str | Path | None = None,
     validation: bool = True,
     profile_steps: int = 0,
-    compare_passes: bool = True,
+    compare: Collection[str] | None = None,
 ) -> Report:
     """Build the configured model (under parallel.pp > 1 each pp rank's stages:
     graphtrain.inspect.pipeline), compile its regions as training would (cfg.compile.passes,
@@ -160,9 +160,9 @@ def inspect_config(
     on a laptop.
 
     profile_steps > 0: then run that many forward+backward steps under torch.profiler and
-    attribute the kernel time (report.profile, graphtrain.inspect.profile); compare_passes:
-    also profile, for each pass that put a graphtrain kernel into a region, that region
-    compiled with the pass off (one more compile per such pass)."""
+    attribute the kernel time (report.profile, graphtrain.inspect.profile), then, for each
+    pass that put a graphtrain kernel into a region and that `compare` names (None: every one),
+    profile that region compiled with the pass off (one more compile per such pass)."""
     target = resolve_device(device)
     inner = _inner_backend(cfg, target, inner, profile_steps)
     pipelined = cfg.parallel.pp > 1
@@ -203,7 +203,7 @@ def inspect_config(
         )
         report = load_report(directory, inner=inner)
         if profile_steps:
-            report.profile = _profile(cfg, model, inputs, report, profile_steps, compare_passes)
+            report.profile = _profile(cfg, model, inputs, report, profile_steps, compare)
         return report
 
 
@@ -213,7 +213,7 @@ def _profile(
     inputs: tuple[torch.Tensor, torch.Tensor],
     report: Report,
     steps: int,
-    compare_passes: bool,
+    compare: Collection[str] | None,
 ) -> Profile:
     """The profile of `model` (already compiled) and, per fusing pass, of its region compiled
     again with that pass off, in a second model with the same weights."""
@@ -223,8 +223,10 @@ def _profile(
         result = attribute(prof, report, steps=steps, step_ms=step_ms, device=device)
         for name, region in fusing_passes(report):
             after = region_ms(result, region)
-            if not compare_passes:
-                result.passes.append(PassTime(name, region, after, None, "not measured"))
+            if compare is not None and name not in compare:
+                result.passes.append(
+                    PassTime(name, region, after, None, "not measured (--compare)")
+                )
                 continue
             # The same weight tensors, no copy (share_weights says why).
             without = share_weights(model, _build(cfg, torch.device("meta")))

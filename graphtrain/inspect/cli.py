@@ -11,7 +11,8 @@ from graphtrain.inspect.terminal import render_summary, use_color
 
 USAGE = """usage: graphtrain inspect [CONFIG.toml | RUN_DIR] [--preset NAME] [--out DIR]
                           [--backend aot_eager|inductor] [--device auto|cpu|cuda|meta]
-                          [--trace DIR] [--profile [STEPS]] [--section.key=value ...]
+                          [--trace DIR] [--profile [STEPS]] [--compare PASSES]
+                          [--section.key=value ...]
 
 Compiles the configured model's regions through the graphtrain backend without training (one
 forward and backward on random tokens, then one validation forward under no_grad) and reports
@@ -27,9 +28,11 @@ pp<rank>.<region>-<k>), and a table of the stages, their pp ranks and their grap
   --profile [N]     then run N (default 5) steps under torch.profiler and attribute the kernel
                     time to regions, FX nodes and source lines, and time each fusing pass's
                     region with the pass off (Inductor, a real device)
+  --compare P[,P]   with --profile: time only these passes' regions with the pass off (one
+                    compile each); "none" for none, "all" (the default) for every fusing pass
 """
 
-_OPTIONS = ("out", "backend", "device", "trace", "profile")
+_OPTIONS = ("out", "backend", "device", "trace", "profile", "compare")
 DEFAULT_PROFILE_STEPS = 5
 
 
@@ -59,6 +62,23 @@ def _split(args: list[str]) -> tuple[str | None, dict[str, str], list[str]]:
             rest.append(args[i])
         i += 1
     return source, own, rest
+
+
+def _compare(value: str) -> set[str] | None:
+    """--compare's passes: None for "all", none for "none", else the named passes (known ones)."""
+    from graphtrain.passes import all_passes
+
+    if value == "all":
+        return None
+    names = set() if value == "none" else {n for n in value.split(",") if n}
+    unknown = names - {p.name for p in all_passes()}
+    if unknown or (value != "none" and not names):
+        known = ", ".join(sorted(p.name for p in all_passes()))
+        raise ValueError(
+            f"--compare takes all, none or pass names, got {value!r} "
+            f"(unknown: {', '.join(sorted(unknown)) or 'none given'}; passes: {known})"
+        )
+    return names
 
 
 def default_out_dir(run_dir: str, preset: str) -> Path:
@@ -102,6 +122,7 @@ def main(args: list[str]) -> int:
         raise ValueError(f"--profile takes a number of steps >= 1, got {steps!r}")
     if "profile" in own and backend is None:
         backend = "inductor"  # the profile attributes Inductor's kernels
+    compare = _compare(own.get("compare", "all"))
     report = inspect_config(
         cfg,
         device=own.get("device", "auto"),
@@ -109,6 +130,7 @@ def main(args: list[str]) -> int:
         dump_dir=out / "graphs",
         trace_dir=own.get("trace"),
         profile_steps=int(steps),
+        compare=compare,
     )
     page = write_report(report, out)
     sys.stdout.write(render_summary(report, color=use_color()))

@@ -464,7 +464,7 @@ def test_inspect_profile_attributes_triton_kernels_to_model_lines(tmp_path):
         dump_dir=tmp_path,
         validation=False,
         profile_steps=2,
-        compare_passes=False,
+        compare=(),
     )
     prof = report.profile
     assert prof.steps == 2 and 0 < prof.kernel_ms <= prof.step_ms

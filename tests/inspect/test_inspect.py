@@ -337,6 +337,28 @@ def test_cli_smoke_writes_into_the_run_directory(tmp_path, capsys, monkeypatch):
     assert cli_main(["inspect", "--preset", "debug", "--profile", "x"]) == 2
 
 
+def test_compare_names_the_passes_to_time_with_the_pass_off(monkeypatch, tmp_path, capsys):
+    """--compare reaches inspect_config as the set of passes (None for all, the default; empty
+    for none); an unknown pass is refused with its name and the known ones (exit 2)."""
+    import graphtrain.inspect.cli as inspect_cli
+
+    seen = []
+
+    def fake_inspect(cfg, **kwargs):
+        seen.append(kwargs["compare"])
+        raise SystemExit(0)  # stop before any compile
+
+    monkeypatch.setattr(inspect_cli, "inspect_config", fake_inspect)
+    base = ["inspect", "--preset", "debug", "--out", str(tmp_path), "--profile", "1"]
+    two = "--compare=fold_routing_weights,fuse_moe_dispatch"
+    for extra in ([], ["--compare", "all"], ["--compare", "none"], [two]):
+        with pytest.raises(SystemExit):
+            cli_main([*base, *extra])
+    assert seen == [None, None, set(), {"fold_routing_weights", "fuse_moe_dispatch"}]
+    assert cli_main([*base, "--compare", "fuse_nothing"]) == 2
+    assert "unknown: fuse_nothing" in capsys.readouterr().err
+
+
 def test_default_out_dir():
     assert default_out_dir("runs/mine", "debug") == Path("runs/mine/inspect")
     fresh = default_out_dir("", "debug")

@@ -32,6 +32,8 @@ What
 
 Run
     python benchmarks/fp8_linear.py [--shapes 16384x4096x4096,...] [--no-record]
+    python benchmarks/fp8_linear.py --kernels --shapes 16384x4096x4096   # where the FP8 rows'
+        # time goes, kernel by kernel (printed; the grouped w1|w3 shape too)
     python benchmarks/fp8_linear.py --cpu-smoke   # no GPU: tiny shapes, fp32, every FP8 row
                                                   # agrees with the fp32 linear by SQNR and
                                                   # graphtrain's op with the plain recipe
@@ -46,7 +48,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from harness import parse_args, record, sqnr  # run as a script: benchmarks/ is on sys.path
+from harness import (
+    kernel_table,
+    parse_args,
+    record,
+    sqnr,
+)  # run as a script: benchmarks/ on sys.path
 
 import graphtrain.custom_ops  # noqa: F401  (registers graphtrain::fp8_linear, fp8_grouped_mm)
 from graphtrain.compile import backend
@@ -107,13 +114,16 @@ def torchao_fp8():
     cache: dict = {}
 
     def run(x, w):
+        # w enters as the module's weight for this call (functional_call), so that autograd
+        # reaches the benchmark's w: a Parameter made from it would cut the graph there
         if w.shape not in cache:
             lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device)
             config = Float8LinearConfig.from_recipe_name("tensorwise")
-            cache[w.shape] = torch.compile(convert_to_float8_training(lin, config=config))
-        module = cache[w.shape]
-        module.weight = torch.nn.Parameter(w.detach(), requires_grad=w.requires_grad)
-        return module(x)
+            module = convert_to_float8_training(lin.to(w.dtype), config=config)
+            cache[w.shape] = torch.compile(
+                lambda x, w: torch.func.functional_call(module, {"weight": w}, (x,))
+            )
+        return cache[w.shape](x, w)
 
     return run
 
@@ -250,6 +260,29 @@ def grouped_fwd_bwd(fn, x, w, offs, grad):
     return (out, *torch.autograd.grad(out, [x, w], grad))
 
 
+def kernel_tables(shapes: list[tuple[int, int, int]], grouped: bool, device: str) -> list[str]:
+    """--kernels: where the FP8 rows' fwd+bwd time goes, kernel by kernel (harness.kernel_table):
+    the plain recipe compiled, graphtrain's op, its pass with fp8_cast_once off and on, at each
+    linear shape; then (grouped) bf16 and FP8 grouped GEMMs at moe-1b's w1|w3 shape."""
+    out = []
+    for M, K, N in shapes:
+        inputs = linear_inputs(
+            M, K, N, device, torch.bfloat16 if device == "cuda" else torch.float32
+        )
+        rows = [*linear_rows()[1:3], *producer_rows(16 if device == "cpu" else 4096)[1:]]
+        for impl, fn in rows:
+            torch._dynamo.reset()
+            out += ["", f"### {impl}, {M}x{K}x{N}", ""]
+            out += kernel_table(lambda fn=fn, a=inputs: fwd_bwd(fn, *a))  # 1st call compiles
+    if grouped:
+        tokens, E, K, N = (16384 * 6, 64, 1024, 1024) if device == "cuda" else (64, 4, 32, 16)
+        x, w, offs, grad = grouped_inputs(tokens, E, K, N, device, torch.bfloat16, skewed=False)
+        for impl, fn in grouped_rows():
+            out += ["", f"### {impl}, {tokens}x{K}x{N} (E={E}, even)", ""]
+            out += kernel_table(lambda fn=fn: grouped_fwd_bwd(fn, x, w, offs, grad))
+    return out
+
+
 def cpu_smoke() -> None:
     x, w, grad = linear_inputs(64, 32, 48, "cpu", torch.float32)
     want = fwd_bwd(F.linear, x, w, grad)
@@ -274,7 +307,12 @@ def cpu_smoke() -> None:
     assert min(sqnr(g, t) for g, t in zip(got_on, want, strict=True)) > 20.0
     assert all(torch.equal(a, b) for a, b in zip(got_on, got_off, strict=True))  # fp32: bitwise
     peer = torchao_fp8()
-    print(f"torchao row: {peer if isinstance(peer, str) else 'importable'}")
+    if not isinstance(peer, str):  # where torchao imports: its row runs and agrees too
+        want = fwd_bwd(F.linear, x, w, grad)
+        assert min(sqnr(g, t) for g, t in zip(fwd_bwd(peer, x, w, grad), want, strict=True)) > 20
+    print(f"torchao row: {peer if isinstance(peer, str) else 'runs, agrees by SQNR'}")
+    table = kernel_tables([(64, 32, 48)], grouped=False, device="cpu")
+    assert sum(line.startswith("| all ") for line in table) == 4, table  # --kernels' tables
     print(
         "cpu smoke: fp8 rows agree with fp32 by SQNR, graphtrain equals the plain recipe, "
         "fp8_cast_once on equals off"
@@ -286,16 +324,25 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="instead of the timed table: the FP8 rows' kernels under torch.profiler (printed)",
+    )
     args = parse_args(parser, cpu_smoke)
     if args is None:
+        return
+    shapes = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
+    if args.kernels:
+        print("\n".join(kernel_tables(shapes, grouped=True, device="cuda")))
         return
     lines = [
         "| shape | impl | fwd+bwd ms | vs first row of its kind | SQNR dB out / dx / dW vs that row "
         "(GEMM rows: their rate) |",
         "|---|---|---:|---:|---|",
     ]
-    for shape in args.shapes.split(","):
-        M, K, N = (int(d) for d in shape.split("x"))
+    for M, K, N in shapes:
+        shape = f"{M}x{K}x{N}"
         torch._dynamo.reset()
         inputs = linear_inputs(M, K, N, "cuda", torch.bfloat16)
         measure(linear_rows(), inputs, shape, lines)

@@ -333,12 +333,19 @@ stages() {
         bench attention 200 attention.py
         ;;
     profile-fp8)
-        # The 3b preset with training.fp8, one sequence of 4096 (~63 GiB): 3 profiled steps, then
-        # the block region re-timed with each fusing pass off, fp8_linear and fp8_cast_once
-        # among them (fp8_cast_once's predicted gain: ~0.21 ms a layer, its "before" minus
-        # "after"). One 3b compile + ~3 block re-compiles: ~5-7 min.
+        # Where the FP8 rows' time goes, kernel by kernel (fp8_linear.py --kernels, printed):
+        # the plain recipe compiled, graphtrain's op, its pass with fp8_cast_once off and on at
+        # 16384x4096x4096 (the shape where the op lost most to the plain recipe), then bf16 and
+        # FP8 grouped GEMMs at moe-1b's w1|w3 (fp8_grouped_mm ran 5.5x slower). 3 compiles: ~1.5 min.
+        bench fp8-kernels 120 fp8_linear.py --kernels --shapes 16384x4096x4096
+        # The 3b preset with training.fp8 and fp8_cast_once (off by default: the compiled
+        # rmsnorm + linear ran slower with it on 2026-11-28), one sequence of 4096 (~63 GiB): 3
+        # profiled steps, then the block region re-timed with fp8_cast_once off and with
+        # fp8_linear off (the A/B that decides the pass's default, and where FP8's time goes:
+        # its casts, amaxes and GEMMs by kernel). One 3b compile + 2 block re-compiles: ~5 min.
         item profile-3b-fp8 480 "$python" -m graphtrain inspect --preset 3b --device cuda \
-            --profile 3 --out "$work/inspect-3b-fp8" --training.fp8=true
+            --profile 3 --out "$work/inspect-3b-fp8" --training.fp8=true \
+            --compile.passes=+fp8_cast_once --compare fp8_cast_once,fp8_linear
         ;;
     esac
 }

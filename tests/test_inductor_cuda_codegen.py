@@ -29,6 +29,9 @@ import torch
 
 HELPER = Path(__file__).resolve().parent / "inductor_cuda_codegen.py"
 SMEM_LIMIT = 232448
+# every linear and expert of the small preset in FP8 (the default min_dim keeps GEMMs under 4096
+# in bf16, where FP8 is slower), with fp8_cast_once (off by default) splitting the FP8 GEMMs
+FP8_CAST_ONCE = ("--training.fp8=true", "--fp8.min_dim=16", "--compile.passes=+fp8_cast_once")
 
 
 def _toolchain() -> bool:
@@ -119,9 +122,7 @@ def test_debug_forward_regions(debug):
 
 @pytest.mark.slow
 def test_moe_debug_fp8_forward_regions(tmp_path):
-    # min_dim 16: every linear and expert of the small preset in FP8 (the default keeps GEMMs
-    # under 4096 in bf16, where FP8 is slower)
-    report = _generate(tmp_path, "moe-debug", "--training.fp8=true", "--fp8.min_dim=16")
+    report = _generate(tmp_path, "moe-debug", *FP8_CAST_ONCE)
     fired = _fired(report)
     block = fired.get("block", {})
     for op in ("moe_route", "moe_permute", "moe_unpermute", "fp8_linear", "fp8_grouped_mm"):
@@ -159,9 +160,7 @@ def test_moe_debug_fp8_backward_regions(tmp_path):
     fp8_cast_once splits (grad input and grad weight, 14 a step at least: two per linear of
     the blocks) call _scaled_mm in cuBLASLt's layouts. Each region reports what its forward
     keeps for the backward."""
-    report = _generate(
-        tmp_path, "moe-debug", "--backward", "--training.fp8=true", "--fp8.min_dim=16"
-    )
+    report = _generate(tmp_path, "moe-debug", "--backward", *FP8_CAST_ONCE)
     _assert_kernels_fit(report)
     assert len(report["scaled_mm"]) >= 14, report["scaled_mm"]
     _assert_scaled_mm_layouts(report)

@@ -17,9 +17,11 @@ What
 Numerics
     An all-zero x casts to zeros, never NaN. A NaN makes every element NaN; an inf makes that
     element NaN: the trainer's non-finite check stops the run with the step named. Power-of-two
-    scales make the scaling exact at the cost of up to one bit of range. The kernel builds the
-    FP8 byte by hand and equals torch's conversion bit for bit (fp8_cast_ref), an input
-    NaN's sign too.
+    scales make the scaling exact at the cost of up to one bit of range. On a GPU the kernel
+    converts with the hardware's instruction (cvt.rn.satfinite: nearest-even, FP8 subnormals
+    kept; half the instructions of building the byte by hand), under the interpreter, whose
+    conversion flushes FP8 subnormals, it builds the byte by hand: both equal torch's
+    conversion bit for bit (fp8_cast_ref), an input NaN's sign too.
     Why both layouts, the per-slice and moved-column casts, the kernel: docs/design/fp8.md.
 """
 
@@ -40,6 +42,7 @@ _FORMATS = {
     torch.float8_e5m2: (57344.0, -14, 2, 57344.0 + 4096.0),
 }
 FP8_DTYPES = tuple(_FORMATS)
+_TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 TENSOR_CLASSES = ("activation", "weight", "gradient")
 _COUNTERS: dict[torch.device, Tensor] = {}  # [class, (clipped, flushed, total)] int64
@@ -149,6 +152,24 @@ def fp8_cast_ref(
 
 
 @triton.jit
+def _fp8_code(v, EMIN: tl.constexpr, MBITS: tl.constexpr):
+    """The FP8 byte of |v| (v fp32, |v| <= the format's max or NaN), sign bit clear."""
+    a = tl.abs(v)
+    # Round |v| to the FP8 grid: the spacing there is 2^(max(e, EMIN) - MBITS); adding and
+    # subtracting 2^23 times the spacing rounds to nearest-even in fp32.
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+    magic = ((e - MBITS + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    rbits = r.to(tl.int32, bitcast=True)
+    normal = (((rbits >> 23) - 127 - EMIN + 1) << MBITS) | (
+        (rbits >> (23 - MBITS)) & ((1 << MBITS) - 1)
+    )
+    subnormal = (r * (2.0 ** (MBITS - EMIN))).to(tl.int32)
+    code = tl.where(r >= 2.0**EMIN, normal, subnormal)
+    return tl.where(a != a, 0x7F, code)
+
+
+@triton.jit
 def _cast_kernel(
     x_ptr,  # [E, R, C]
     scale_ptr,  # [E] fp32
@@ -163,6 +184,8 @@ def _cast_kernel(
     CLIP: tl.constexpr,
     EMIN: tl.constexpr,
     MBITS: tl.constexpr,
+    FP8: tl.constexpr,  # the Triton type of the format (NATIVE)
+    NATIVE: tl.constexpr,  # convert with the GPU's instruction (not in the interpreter)
     TRANSPOSE: tl.constexpr,
     COL_MAP: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -178,20 +201,11 @@ def _cast_kernel(
     v = x * tl.load(scale_ptr + pid_s)
     clipped = tl.abs(v) > CLIP
     v = tl.where(v > FP8_MAX, FP8_MAX, tl.where(v < -FP8_MAX, -FP8_MAX, v))  # NaN stays NaN
-    vbits = v.to(tl.int32, bitcast=True)
-    a = tl.abs(v)
-    # Round |v| to the FP8 grid: the spacing there is 2^(max(e, EMIN) - MBITS); adding and
-    # subtracting 2^23 times the spacing rounds to nearest-even in fp32.
-    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
-    magic = ((e - MBITS + 23 + 127) << 23).to(tl.float32, bitcast=True)
-    r = (a + magic) - magic
-    rbits = r.to(tl.int32, bitcast=True)
-    normal = (((rbits >> 23) - 127 - EMIN + 1) << MBITS) | (
-        (rbits >> (23 - MBITS)) & ((1 << MBITS) - 1)
-    )
-    subnormal = (r * (2.0 ** (MBITS - EMIN))).to(tl.int32)
-    code = tl.where(r >= 2.0**EMIN, normal, subnormal)
-    code = tl.where(a != a, 0x7F, code) | ((vbits >> 24) & 0x80)
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    if NATIVE:  # the GPU's conversion (nearest-even, subnormals kept); a NaN keeps its sign
+        code = v.to(FP8).to(tl.uint8, bitcast=True).to(tl.int32) | sign
+    else:  # built by hand: the interpreter's conversion flushes FP8 subnormals
+        code = _fp8_code(v, EMIN, MBITS) | sign
     flushed = (x != 0) & ((code & 0x7F) == 0)
     code = code.to(tl.uint8)
     tl.store(y_ptr + rows[:, None] * C + cols[None, :], code, mask=mask)
@@ -241,6 +255,8 @@ def fp8_cast_triton(
             CLIP=clip,
             EMIN=emin,
             MBITS=mbits,
+            FP8=_TRITON_FP8[float8_dtype],
+            NATIVE=not _interpreting(),
             TRANSPOSE=transpose,
             COL_MAP=t_cols is not None,
             BLOCK_R=BLOCK_R,

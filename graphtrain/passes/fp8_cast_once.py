@@ -13,6 +13,8 @@ What
     as the op did. Inductor then fuses each amax into the kernel that produces its tensor.
     Left as the op, with a note: an empty x or gradient, a backward with a bias or with its
     gradient cast already (fp8_all_gather), fp8_linear_precast nodes.
+    Off by default (compile.passes = ["+fp8_cast_once"] turns it on): on an H200 it made the
+    compiled rmsnorm + linear slower, not faster (benchmarks/RESULTS.md, 2026-11-28).
 
 Invariant and numerics (preserves_numerics=True: bitwise)
     A maximum is exact in any order, so the aten amax equals graphtrain::fp8_amax; the casts and
@@ -182,7 +184,7 @@ def _groups(gm: torch.fx.GraphModule) -> list[list[Node]]:
     return list(groups.values())
 
 
-@register_pass("fp8_cast_once", preserves_numerics=True)
+@register_pass("fp8_cast_once", preserves_numerics=True, default_on=False)
 def fp8_cast_once_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

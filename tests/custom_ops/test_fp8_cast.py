@@ -4,11 +4,13 @@ The oracle is torch's own conversion (round to nearest-even, after a clamp to +-
 x * scale, scale = fp8_max / max(amax, EPS). The Triton kernels (fp8_amax's and fp8_cast's)
 run under TRITON_INTERPRET=1 in a child process on fp32 inputs and must equal the references
 bit for bit: odd shapes (not multiples of the 64 x 64 tile), all-zero, subnormal inputs,
-values that round to FP8 subnormals, values beyond amax (saturation), NaN and inf; and the
-per-slice forms (fp8_amax(x, per_slice=True), fp8_cast of x [E, R, C] with amax [E]) on a
-stack of such slices, against the 3-D reference and against the 2-D reference slice by
-slice; and the cast that writes y_t's columns where t_cols says (odd widths, zeros in the
-other columns). GPU tests (marker gpu) repeat this on CUDA in fp32 and bf16.
+values that round to FP8 subnormals, values beyond amax (saturation), NaN and inf, exact ties
+between FP8 neighbours (the kernel's conversion is built by hand in the interpreter, the GPU's
+own instruction on CUDA); and the per-slice forms (fp8_amax(x, per_slice=True), fp8_cast of
+x [E, R, C] with amax [E]) on a stack of such slices, against the 3-D reference and against
+the 2-D reference slice by slice; and the cast that writes y_t's columns where t_cols says
+(odd widths, zeros in the other columns). GPU tests (marker gpu) repeat this on CUDA in fp32
+and bf16.
 """
 
 from __future__ import annotations
@@ -24,7 +26,20 @@ from graphtrain.custom_ops import fp8_cast as fc
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SHAPES = [(37, 45), (1, 1), (65, 70)]  # (65, 70): 2 x 2 tiles of 64 x 64
-SPECIALS = ("random", "zero", "nan", "inf", "subnormal", "saturate")
+SPECIALS = ("random", "zero", "nan", "inf", "subnormal", "saturate", "ties")
+
+
+def _ties(n: int, g: torch.Generator) -> torch.Tensor:
+    """n values cycling through every finite E4M3 value and every midpoint between neighbours
+    (normal and subnormal), random signs, 448 first: with amax 448 the E4M3 scale is 1 and the
+    E5M2 scale 128, so the midpoints are exact ties of E4M3's grid and half the values ties of
+    E5M2's (round to nearest-even decides them)."""
+    grid = torch.arange(128, dtype=torch.uint8).view(E4M3).float()
+    grid = grid[grid.isfinite()].unique()
+    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    values = values[torch.randperm(values.numel(), generator=g)].repeat(n // values.numel() + 1)
+    signs = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+    return torch.cat([torch.tensor([448.0]), values[: n - 1] * signs[1:]])
 
 
 def _input(shape: tuple[int, int], special: str, seed: int = 0) -> tuple[torch.Tensor, float]:
@@ -45,6 +60,8 @@ def _input(shape: tuple[int, int], special: str, seed: int = 0) -> tuple[torch.T
         x = x * 1e-40  # fp32 subnormals, amax below EPS
     elif special == "saturate":
         factor = 0.25  # a stale amax: the largest values clip at +-fp8_max
+    elif special == "ties":
+        x = _ties(x.numel(), g).reshape(shape)
     return x, factor
 
 

@@ -374,9 +374,11 @@ def _sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
     return (10 * torch.log10(want.pow(2).sum() / noise)).item()
 
 
-def test_fp8_linear_under_inductor(tmp_path):
+@pytest.mark.parametrize("cast_once", ["-fp8_cast_once", "+fp8_cast_once"])
+def test_fp8_linear_under_inductor(tmp_path, cast_once):
     """The fp8_linear pass in a region compiled by Inductor on CUDA (bf16 autocast, as the
-    trainer runs): the FP8 op is in the graph and output and gradients keep the SQNR bounds of
+    trainer runs), with the post-grad fp8_cast_once off (the default) and on: the FP8 op is in
+    the graph and output and gradients keep the SQNR bounds of
     tests/passes/test_fp8_linear_pass.py against the fp32 eager module."""
     from graphtrain.compile import backend
 
@@ -399,7 +401,7 @@ def test_fp8_linear_under_inductor(tmp_path):
         backend=backend(
             inner="inductor",
             dump_dir=tmp_path,
-            passes=["+fp8_linear"],
+            passes=["+fp8_linear", cast_once],
             pass_options={"fp8.min_dim": 16},
         ),
         fullgraph=True,

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._dynamo
@@ -36,6 +36,9 @@ from torch import nn
 
 from graphtrain.passes import PassContext, PassSpec, resolve_passes
 from graphtrain.passes.dump import GraphDumper, write_compile_info
+
+if TYPE_CHECKING:
+    from graphtrain.config import Fp8Config
 
 logger = logging.getLogger(__name__)
 
@@ -273,14 +276,15 @@ def backend(**options: Any) -> GraphtrainBackend:
     return GraphtrainBackend(**options)
 
 
-def step_hooks(*, fp8: bool) -> list[Any]:
+def step_hooks(*, fp8: Fp8Config | None) -> list[Any]:
     """The step hooks (graphtrain.step.StepHook) of the ops the passes insert, so that the
-    step and the loop know no op: FP8's saturation counters when training.fp8 is on."""
-    if not fp8:
+    step and the loop know no op: FP8's saturation counters where training.fp8 is on (fp8: the
+    job's [fp8] section then, else None)."""
+    if fp8 is None:
         return []
     from graphtrain.passes.fp8_linear import FP8Saturation
 
-    return [FP8Saturation()]
+    return [FP8Saturation(fp8)]
 
 
 def cudagraph_fallback_reason(

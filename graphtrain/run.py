@@ -234,7 +234,7 @@ def _build_step(
         fp32_grads=fp32_grads,
         finish_gradients=finish_gradients,
         max_norm=cfg.optim.max_norm,
-        hooks=[*hooks, *step_hooks(fp8=cfg.training.fp8)],
+        hooks=[*hooks, *step_hooks(fp8=cfg.fp8 if cfg.training.fp8 else None)],
         model_cfg=cfg.model,
         micro_batch_size=cfg.training.micro_batch_size,
         seq_len=cfg.training.seq_len,

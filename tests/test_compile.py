@@ -209,23 +209,35 @@ def test_cudagraph_mtp_falls_back_with_one_log_line(caplog):
         assert words in reason, (change, reason)
 
 
-def test_step_hooks_hand_the_fp8_counters_to_the_step():
+def test_step_hooks_hand_the_fp8_counters_to_the_step(caplog):
     """training.fp8 gives the step one hook reading (and resetting) the FP8 casts' saturation
-    counters; without FP8 none. The step and the loop reach the ops only through it."""
+    counters; without FP8 none. The step and the loop reach the ops only through it. After a
+    first step with a cast it says nothing; after one without, it warns once, naming the
+    filters."""
     from graphtrain.compile import step_hooks
+    from graphtrain.config import Fp8Config
     from graphtrain.custom_ops import fp8_cast
 
-    assert step_hooks(fp8=False) == []
-    (hook,) = step_hooks(fp8=True)
+    assert step_hooks(fp8=None) == []
+    (idle,) = step_hooks(fp8=Fp8Config(min_dim=2048))
     fp8_cast.fp8_saturation_stats(reset=True)
+    with caplog.at_level("WARNING", logger="graphtrain"):
+        idle.statistics()
+        idle.statistics()
+    (warning,) = [r.getMessage() for r in caplog.records if "training.fp8" in r.getMessage()]
+    assert "no GEMM of this rank ran in FP8" in warning and "fp8.min_dim = 2048" in warning
+    caplog.clear()
+    (hook,) = step_hooks(fp8=Fp8Config())
     x, w = torch.randn(8, 32), torch.randn(16, 32)
     x[0, 0] = 1e6  # the rest of x flushes to zero in E4M3
     torch.ops.graphtrain.fp8_linear(x, w, None)
     with hook.micro_batch(1.0):
         pass
-    stats = hook.statistics()
+    with caplog.at_level("WARNING", logger="graphtrain"):
+        stats = hook.statistics()
     assert stats["fp8/flushed/activation"].item() > 0.9
     assert hook.statistics()["fp8/flushed/activation"].item() == 0  # read and reset
+    assert not [r for r in caplog.records if "training.fp8" in r.getMessage()]
 
 
 def relu_to_neg_pass(gm, example_inputs, *, ctx):

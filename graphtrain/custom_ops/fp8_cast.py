@@ -58,6 +58,12 @@ def record_saturation(tensor_class: str, counts: Tensor, numel: int) -> None:
     row[2] += numel
 
 
+def fp8_values_cast() -> int:
+    """How many values the FP8 casts recorded since the last reset of the counters, over
+    every class and device (a host read: once, not every step)."""
+    return int(sum(int(c[:, 2].sum()) for c in _COUNTERS.values()))
+
+
 def fp8_saturation_stats(reset: bool = True) -> dict[str, Tensor]:
     """Fraction of values clipped at the FP8 maximum and of nonzero values flushed to zero,
     per tensor class, since the last reset: {"fp8/clipped/activation": 0-d float64 tensor, ...,

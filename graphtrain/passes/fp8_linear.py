@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import logging
 import math
 import operator
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from torch.fx import Node
 
 from graphtrain.config import Fp8Config
 from graphtrain.custom_ops import fp8_grouped_mm, fp8_linear  # noqa: F401  (register the ops)
-from graphtrain.custom_ops.fp8_cast import fp8_saturation_stats
+from graphtrain.custom_ops.fp8_cast import fp8_saturation_stats, fp8_values_cast
 from graphtrain.passes import fx
 from graphtrain.passes.dump import module_path
 from graphtrain.passes.fx import Refuse
@@ -50,17 +51,35 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     f"fp8.{k}": v for k, v in dataclasses.asdict(Fp8Config()).items()
 }
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+logger = logging.getLogger(__name__)
 
 
 class FP8Saturation:
     """Step hook (graphtrain.step.StepHook): the fraction of values the step's FP8 casts
     clipped or flushed, per tensor class (graphtrain.custom_ops.fp8_cast's device-side
-    counters, read and reset per step). The trainer gets it from graphtrain.compile.step_hooks."""
+    counters, read and reset per step). The trainer gets it from graphtrain.compile.step_hooks.
+    After the first step it warns once if nothing was cast: training.fp8 is on, but the
+    filters (fp8: the job's [fp8] section) kept every GEMM of this rank in bf16."""
+
+    def __init__(self, fp8: Fp8Config) -> None:
+        self.fp8 = fp8
+        self.checked = False
 
     def micro_batch(self, weight: float) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def statistics(self) -> dict[str, torch.Tensor]:
+        if not self.checked:
+            self.checked = True
+            if not fp8_values_cast():
+                logger.warning(
+                    "training.fp8 = true, but no GEMM of this rank ran in FP8 in the first "
+                    "step: the fp8_linear pass's filters kept every one in bf16 (fp8.min_dim = "
+                    "%d: a GEMM with a dimension below it, where FP8 is slower, stays bf16; "
+                    "fp8.include %s, fp8.exclude %s); `graphtrain inspect` names each GEMM "
+                    "and why",
+                    self.fp8.min_dim, self.fp8.include, self.fp8.exclude,
+                )  # fmt: skip
         return fp8_saturation_stats()
 
 

@@ -47,7 +47,8 @@ after its overrides; one that drew other batches than the first graphtrain row s
 
 Each row: tokens/s and MFU over the timed steps after the warm-up (MFU from graphtrain's exact
 FLOPs of the very batches, document-causal attention pairs included: graphtrain.metrics.flops),
-peak memory, and the loss of the last step. The table goes to benchmarks/RESULTS.md (record());
+peak memory, the timed steps' median, fastest and slowest time (an uneven row shows), and the
+loss of the last step. The table goes to benchmarks/RESULTS.md (record());
 --device cpu runs the same rows on tiny shapes with nothing recorded (tests/test_e2e_benchmark.py).
 """
 
@@ -61,6 +62,7 @@ import itertools
 import math
 import os
 import shlex
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -98,6 +100,7 @@ class Row:
     peak_mem_gib: float = math.nan
     warmup_s: float = math.nan
     loss: float = math.nan  # the last step's mean loss over its labelled tokens
+    step_ms: tuple[float, ...] = ()  # each timed step's time (device events on CUDA)
 
 
 Step = Callable[[int], torch.Tensor]  # step(i) trains optimizer step i, returns its loss
@@ -151,7 +154,9 @@ def measure(
     """Run steps 0 .. cfg.training.steps - 1, timing those after `warmup` on the host clock
     with the device synchronised at both ends; step_batches[i] holds step i's micro-batches
     once it ran (a replaying row reads them, the trainer's row appends what its loader drew).
-    Prints the loss of every step after the timing (kept on the device until then)."""
+    Each timed step is also timed alone, between device events on CUDA (no synchronisation
+    in between), to show the spread: a slow step (a late compile, a host stall) stands out.
+    Prints the loss and time of every step after the timing (kept on the device until then)."""
     device = torch.device(cfg.training.device)
     losses = []
     start = time.perf_counter()
@@ -159,11 +164,15 @@ def measure(
         losses.append(torch.as_tensor(step(i)).detach())
     _sync(device)
     timed_from = time.perf_counter()
+    marks = [_mark(device)]
     for i in range(warmup, cfg.training.steps):
         losses.append(torch.as_tensor(step(i)).detach())
+        marks.append(_mark(device))
     _sync(device)
     seconds = time.perf_counter() - timed_from
+    step_ms = tuple(_elapsed_ms(a, b) for a, b in itertools.pairwise(marks))
     print(f"{name}: loss by step " + " ".join(f"{float(x):.3f}" for x in losses), flush=True)
+    print(f"{name}: ms by timed step " + " ".join(f"{t:.1f}" for t in step_ms), flush=True)
     timed = [batch for batches in step_batches[warmup : cfg.training.steps] for batch in batches]
     flops = sum(
         model_training_flops(
@@ -181,7 +190,22 @@ def measure(
         peak_mem_gib=torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else math.nan,
         warmup_s=timed_from - start,
         loss=float(losses[-1]),
+        step_ms=step_ms,
     )
+
+
+def _mark(device: torch.device) -> Any:
+    """A point in the step stream: a recorded CUDA event, else the host clock (CPU runs each
+    op before returning)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _elapsed_ms(a: Any, b: Any) -> float:
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
 
 
 # ------------------------------------------------------------------------------------------
@@ -536,16 +560,22 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
     base = rows[0].tokens_per_s if plain else math.nan
     steps = args.warmup + args.steps
     lines = [
-        f"| run | tokens/s | MFU | peak mem GiB | vs plain | warm-up s | loss after {steps} steps |",
-        "|---|---|---|---|---|---|---|",
+        f"| run | tokens/s | MFU | peak mem GiB | vs plain | step ms: median (min-max) | "
+        f"warm-up s | loss after {steps} steps |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.note:
-            lines.append(f"| {r.name} | {r.note} | | | | | |")
+            lines.append(f"| {r.name} | {r.note} | | | | | | |")
             continue
+        spread = (
+            f"{statistics.median(r.step_ms):.1f} ({min(r.step_ms):.1f}-{max(r.step_ms):.1f})"
+            if r.step_ms
+            else ""
+        )
         lines.append(
             f"| {r.name} | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | {r.peak_mem_gib:.1f} | "
-            f"{r.tokens_per_s / base:.2f}x | {r.warmup_s:.0f} | {r.loss:.3f} |"
+            f"{r.tokens_per_s / base:.2f}x | {spread} | {r.warmup_s:.0f} | {r.loss:.3f} |"
         )
     fp8 = [r.loss for r in rows if r.name == "graphtrain fp8"]
     if fp8 and plain:

@@ -12,7 +12,9 @@ What
     one launch. t_cols (int64 [R], 2-D x, transpose) writes row r of y to column t_cols[r] of a
     zero-filled y_t [C, t_width] (fp8_grouped_mm's padded wgrad layout). record ("activation",
     "weight" or "gradient") adds the counts to the device-side counters fp8_saturation_stats
-    turns into fractions, with no host synchronisation.
+    turns into fractions, with no host synchronisation. On CUDA one kernel launch does it all
+    (scale, scale_inv, the cast, both layouts, the counts and their recording), after one
+    zero fill of the counts.
 
 Numerics
     An all-zero x casts to zeros, never NaN. A NaN makes every element NaN; an inf makes that
@@ -48,12 +50,16 @@ TENSOR_CLASSES = ("activation", "weight", "gradient")
 _COUNTERS: dict[torch.device, Tensor] = {}  # [class, (clipped, flushed, total)] int64
 
 
-def record_saturation(tensor_class: str, counts: Tensor, numel: int) -> None:
-    """Add one cast's [clipped, flushed] counts to the device counters of its class."""
-    device = counts.device
+def _counters(device: torch.device) -> Tensor:
+    """The device's saturation counters, made (zeros) on first use."""
     if device not in _COUNTERS:
         _COUNTERS[device] = torch.zeros(len(TENSOR_CLASSES), 3, dtype=torch.int64, device=device)
-    row = _COUNTERS[device][TENSOR_CLASSES.index(tensor_class)]
+    return _COUNTERS[device]
+
+
+def record_saturation(tensor_class: str, counts: Tensor, numel: int) -> None:
+    """Add one cast's [clipped, flushed] counts to the device counters of its class."""
+    row = _counters(counts.device)[TENSOR_CLASSES.index(tensor_class)]
     row[:2] += counts
     row[2] += numel
 
@@ -122,10 +128,14 @@ def _check(
 
 
 def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tuple[Tensor, Tensor]:
-    """(scale, 1 / scale) as 0-d float32 device tensors; NaN amax gives NaN, inf gives 0."""
-    scale = _FORMATS[float8_dtype][0] / amax.clamp_min(EPS)
+    """(scale, 1 / scale) as float32 device tensors of amax's shape; NaN amax gives NaN, inf
+    gives 0. pow2_scale rounds the scale down to a power of two by clearing its mantissa bits
+    (exactly 2^floor(log2 scale): a log2 rounded up just below a power of two would give the
+    next one, and clip at the format's maximum). The cast kernel computes the same in fp32."""
+    scale = _FORMATS[float8_dtype][0] / amax.float().clamp_min(EPS)
     if pow2_scale:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        pow2 = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+        scale = torch.where(scale.isnan(), scale, pow2)
     return scale, scale.reciprocal()
 
 
@@ -176,17 +186,34 @@ def _fp8_code(v, EMIN: tl.constexpr, MBITS: tl.constexpr):
 
 
 @triton.jit
+def _scale(amax, FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr):
+    """fp8_scale's scale of an fp32 amax, as it computes it (IEEE division, the same clamp)."""
+    a = tl.where(amax < EPS_, EPS_, amax)  # as clamp_min: NaN stays NaN
+    scale = tl.math.div_rn(tl.full(a.shape, FP8_MAX, tl.float32), a)
+    if POW2:  # the mantissa bits cleared: 2^floor(log2 scale)
+        pow2 = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        scale = tl.where(scale != scale, scale, pow2)
+    return scale
+
+
+@triton.jit(do_not_specialize=["NUMEL"])
 def _cast_kernel(
     x_ptr,  # [E, R, C]
-    scale_ptr,  # [E] fp32
+    amax_ptr,  # [E] fp32
+    scale_inv_ptr,  # [E] fp32, written by each slice's first program
     y_ptr,  # [E, R, C] uint8 view of the FP8 output
     yt_ptr,  # [E, C, T_STRIDE] uint8 (TRANSPOSE)
     tcols_ptr,  # [R] int64: column of y_t that row r of x goes to (COL_MAP)
-    counts_ptr,  # [programs, 2] int32: clipped, flushed to zero
+    counts_ptr,  # [2] int64, zeros: clipped, flushed to zero (atomic adds)
+    record_ptr,  # [3] int64: a saturation counters row (RECORD): clipped, flushed, total
     R,
     C,
     T_STRIDE,  # row length of y_t: R, or t_width with COL_MAP
+    NUMEL,  # elements of x, added to the counters' total by program 0 (RECORD)
     FP8_MAX: tl.constexpr,
+    EPS_: tl.constexpr,
+    POW2: tl.constexpr,
+    RECORD: tl.constexpr,
     CLIP: tl.constexpr,
     EMIN: tl.constexpr,
     MBITS: tl.constexpr,
@@ -204,7 +231,12 @@ def _cast_kernel(
     start = pid_s.to(tl.int64) * R * C  # of the slice in x and y (COL_MAP: one slice)
     x_ptr, y_ptr, yt_ptr = x_ptr + start, y_ptr + start, yt_ptr + start
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    v = x * tl.load(scale_ptr + pid_s)
+    scale = _scale(tl.load(amax_ptr + pid_s), FP8_MAX, EPS_, POW2)
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(
+            scale_inv_ptr + pid_s, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        )
+    v = x * scale
     clipped = tl.abs(v) > CLIP
     v = tl.where(v > FP8_MAX, FP8_MAX, tl.where(v < -FP8_MAX, -FP8_MAX, v))  # NaN stays NaN
     sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
@@ -220,9 +252,20 @@ def _cast_kernel(
         dst = tl.load(tcols_ptr + rows, mask=rows < R, other=0) if COL_MAP else rows
         dst_ptr = yt_ptr + cols[:, None] * T_STRIDE + dst[None, :]
         tl.store(dst_ptr, tl.trans(code), mask=tl.trans(mask))
-    pid = (pid_s * tl.num_programs(0) + pid_r) * tl.num_programs(1) + pid_c
-    tl.store(counts_ptr + pid * 2, tl.sum(tl.sum((clipped & mask).to(tl.int32), 1), 0))
-    tl.store(counts_ptr + pid * 2 + 1, tl.sum(tl.sum((flushed & mask).to(tl.int32), 1), 0))
+    # the tile's counts, added where nonzero (most tiles clip nothing: few atomics contend)
+    n_clipped = tl.sum(tl.sum((clipped & mask).to(tl.int32), 1), 0).to(tl.int64)
+    n_flushed = tl.sum(tl.sum((flushed & mask).to(tl.int32), 1), 0).to(tl.int64)
+    if n_clipped > 0:
+        tl.atomic_add(counts_ptr, n_clipped)
+        if RECORD:
+            tl.atomic_add(record_ptr, n_clipped)
+    if n_flushed > 0:
+        tl.atomic_add(counts_ptr + 1, n_flushed)
+        if RECORD:
+            tl.atomic_add(record_ptr + 1, n_flushed)
+    if RECORD:
+        if (pid_r == 0) & (pid_c == 0) & (pid_s == 0):
+            tl.atomic_add(record_ptr + 2, NUMEL.to(tl.int64))
 
 
 def fp8_cast_triton(
@@ -233,9 +276,16 @@ def fp8_cast_triton(
     transpose: bool,
     t_cols: Tensor | None = None,
     t_width: int = 0,
+    record: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fp8_cast_ref's outputs from one kernel launch (plus the zeroed counts; the zero fill of
+    y_t with t_cols): the scale, its inverse and the counts come from the kernel, which also
+    adds them to the saturation counters of `record`'s class."""
+    if not x.numel():  # no launch: the same outputs from the reference, counts recorded
+        return _recorded(
+            fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width), x, record
+        )
     fp8_max, emin, mbits, clip = _FORMATS[float8_dtype]
-    scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
     x = x.contiguous()
     *E, R, C = x.shape  # E: [] or [num slices]
     y = torch.empty(*E, R, C, dtype=float8_dtype, device=x.device)
@@ -245,30 +295,36 @@ def fp8_cast_triton(
     y_t = alloc(y_t_shape, dtype=torch.uint8, device=x.device).view(float8_dtype)
     BLOCK_R, BLOCK_C = 64, 64
     grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C), E[0] if E else 1)
-    counts = torch.zeros(grid[0] * grid[1] * grid[2], 2, dtype=torch.int32, device=x.device)
-    if x.numel():
-        _cast_kernel[grid](
-            x,
-            scale.float().contiguous(),
-            y.view(torch.uint8),
-            y_t.view(torch.uint8),
-            t_cols if t_cols is not None else counts,  # unread without COL_MAP
-            counts,
-            R,
-            C,
-            y_t.shape[-1] if t_cols is not None else R,
-            FP8_MAX=fp8_max,
-            CLIP=clip,
-            EMIN=emin,
-            MBITS=mbits,
-            FP8=_TRITON_FP8[float8_dtype],
-            NATIVE=not _interpreting(),
-            TRANSPOSE=transpose,
-            COL_MAP=t_cols is not None,
-            BLOCK_R=BLOCK_R,
-            BLOCK_C=BLOCK_C,
-        )
-    return y, y_t, scale_inv, counts.sum(0, dtype=torch.int64)
+    counts = torch.zeros(2, dtype=torch.int64, device=x.device)
+    scale_inv = torch.empty(amax.shape, dtype=torch.float32, device=x.device)
+    _cast_kernel[grid](
+        x,
+        amax.float().contiguous(),
+        scale_inv,
+        y.view(torch.uint8),
+        y_t.view(torch.uint8),
+        t_cols if t_cols is not None else counts,  # unread without COL_MAP
+        counts,
+        _counters(x.device)[TENSOR_CLASSES.index(record)] if record else counts,  # unread
+        R,
+        C,
+        y_t.shape[-1] if t_cols is not None else R,
+        x.numel(),
+        FP8_MAX=fp8_max,
+        EPS_=EPS,
+        POW2=pow2_scale,
+        RECORD=record is not None,
+        CLIP=clip,
+        EMIN=emin,
+        MBITS=mbits,
+        FP8=_TRITON_FP8[float8_dtype],
+        NATIVE=not _interpreting(),
+        TRANSPOSE=transpose,
+        COL_MAP=t_cols is not None,
+        BLOCK_R=BLOCK_R,
+        BLOCK_C=BLOCK_C,
+    )
+    return y, y_t, scale_inv, counts
 
 
 def _use_triton(x: Tensor) -> bool:
@@ -323,8 +379,12 @@ def _fp8_cast_cuda(
     x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0, *, record=None
 ):
     _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
-    run = fp8_cast_triton if _use_triton(x) else fp8_cast_ref
-    return _recorded(run(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width), x, record)
+    if _use_triton(x):  # the kernel records its counts itself
+        return fp8_cast_triton(
+            x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width, record
+        )
+    out = fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
+    return _recorded(out, x, record)
 
 
 def _recorded(out: tuple[Tensor, ...], x: Tensor, record: str | None) -> tuple[Tensor, ...]:

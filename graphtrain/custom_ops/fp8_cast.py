@@ -12,18 +12,14 @@ What
     one launch. t_cols (int64 [R], 2-D x, transpose) writes row r of y to column t_cols[r] of a
     zero-filled y_t [C, t_width] (fp8_grouped_mm's padded wgrad layout). record ("activation",
     "weight" or "gradient") adds the counts to the device-side counters fp8_saturation_stats
-    turns into fractions, with no host synchronisation. On CUDA one kernel launch does it all
-    (scale, scale_inv, the cast, both layouts, the counts and their recording), after one
-    zero fill of the counts.
+    turns into fractions, with no host synchronisation. On CUDA one launch does all of it.
 
 Numerics
     An all-zero x casts to zeros, never NaN. A NaN makes every element NaN; an inf makes that
     element NaN: the trainer's non-finite check stops the run with the step named. Power-of-two
-    scales make the scaling exact at the cost of up to one bit of range. On a GPU the kernel
-    converts with the hardware's instruction (cvt.rn.satfinite: nearest-even, FP8 subnormals
-    kept; half the instructions of building the byte by hand), under the interpreter, whose
-    conversion flushes FP8 subnormals, it builds the byte by hand: both equal torch's
-    conversion bit for bit (fp8_cast_ref), an input NaN's sign too.
+    scales make the scaling exact at the cost of up to one bit of range. The kernel (the GPU's
+    cvt.rn.satfinite, or a byte built by hand in the interpreter) equals torch's conversion
+    bit for bit (fp8_cast_ref), an input NaN's sign too.
     Why both layouts, the per-slice and moved-column casts, the kernel: docs/design/fp8.md.
 """
 

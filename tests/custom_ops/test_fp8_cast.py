@@ -223,16 +223,16 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.graphtrain.fp8_cast.default, args)
 
 
-def check_recorded(run_cast) -> None:
+def check_recorded(run_cast, device: torch.device) -> None:
     """A cast with record adds its counts and x's size to its class's row of the saturation
-    counters (the kernel's own atomic adds on CUDA), nothing to the other rows; an empty x
-    adds nothing but is cast."""
+    counters of the device it ran on (the kernel's own atomic adds on CUDA), nothing to the
+    other rows; an empty x adds nothing but is cast."""
     for shape, special in (((65, 70), "saturate"), ((0, 5), "random")):
         x, factor = _input(shape, special) if shape[0] else (torch.zeros(shape), 1.0)
         amax = fa.fp8_amax_ref(x) * factor
-        before = fc._counters(x.device).clone()
+        before = fc._counters(device).cpu().clone()  # .cpu() of a CPU tensor is itself
         counts = run_cast(x, amax, "gradient")[3].cpu()
-        delta = fc._counters(x.device).cpu() - before.cpu()
+        delta = fc._counters(device).cpu() - before
         want = torch.zeros_like(delta)
         want[fc.TENSOR_CLASSES.index("gradient")] = torch.tensor([*counts.tolist(), x.numel()])
         assert torch.equal(delta, want), (shape, delta, counts)
@@ -249,7 +249,10 @@ def _interpreter_checks() -> None:
     check_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
     check_slice_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
     check_col_map_kernel(fc.fp8_cast_triton)
-    check_recorded(lambda x, amax, cls: fc.fp8_cast_triton(x, amax, E4M3, False, True, record=cls))
+    check_recorded(
+        lambda x, amax, cls: fc.fp8_cast_triton(x, amax, E4M3, False, True, record=cls),
+        torch.device("cpu"),
+    )
     print("interpreter all ok")
 
 
@@ -275,7 +278,8 @@ def test_cuda_kernels_match_reference():
     check_recorded(
         lambda x, amax, cls: torch.ops.graphtrain.fp8_cast(
             x.cuda(), amax.cuda(), E4M3, False, True, record=cls
-        )
+        ),
+        torch.device("cuda", torch.cuda.current_device()),
     )
     x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
     amax = torch.ops.graphtrain.fp8_amax(x)

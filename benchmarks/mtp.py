@@ -11,7 +11,10 @@ What
                                region with compile.cudagraph_mtp (Inductor's cudagraph trees,
                                "triton.cudagraphs" patched into the region's backend only)
     reporting the median time of one forward + backward (triton.testing.do_bench) and the
-    largest relative error of the output and input gradients against eager.
+    largest relative error of the output and input gradients against eager; under the table,
+    for the two graphed rows, Inductor's CUDA-graph counters while they compiled and captured:
+    captures skipped, and the inputs each recorded graph copies in at every replay (not
+    static: an input whose address is not known to stay, e.g. not a parameter).
     Every step starts with torch.compiler.cudagraph_mark_step_begin() in every row (a no-op
     without CUDA graphs), as a training loop with graphed regions does.
 
@@ -31,6 +34,7 @@ import torch
 import triton
 import triton.testing
 from harness import parse_args, record  # run as a script: benchmarks/ is on sys.path
+from torch._dynamo.utils import counters
 
 from graphtrain.compile import backend as graphtrain_backend
 from models import PRESETS, build_model
@@ -81,6 +85,15 @@ def step(fn, h, emb, keep, rope, grad):
     return out.detach(), dh, de
 
 
+def _cudagraph_counts() -> str:
+    """Inductor's CUDA-graph counters since the last counters.clear()."""
+    c = counters["inductor"]
+    return (
+        f"{c['cudagraph_skips']} skipped, "
+        f"{c['cudagraph_recorded_non_static_inputs']} non-static inputs recorded"
+    )
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -105,20 +118,24 @@ def main() -> None:
     layer, rope = mtp_layer(PRESETS["1b"], "cuda", torch.bfloat16)
     lines = ["| tokens | " + " | ".join(f"{i} ms" for i in IMPLS) + " | max rel err |"]
     lines.append("|---|" + "---:|" * (len(IMPLS) + 1))
+    graphs = []
     for B, T in SHAPES:
         data = inputs(B, T, layer.eh_proj.out_features, rope, "cuda", torch.bfloat16)
         want = step(layer, *data)
         times, err = [], 0.0
         for impl in IMPLS:
             torch._dynamo.reset()
+            counters.clear()
             fn = build(impl, layer)
             for _ in range(3):  # compile, warm up, capture
                 got = step(fn, *data)
+            if impl in ("reduce-overhead", "graphtrain"):
+                graphs.append(f"{B} x {T} {impl}: {_cudagraph_counts()}")
             err = max(err, *(_rel(g, w) for g, w in zip(got, want, strict=True)))
             times.append(triton.testing.do_bench(lambda fn=fn, data=data: step(fn, *data)))
         cells = " | ".join(f"{t:.3f}" for t in times)
         lines.append(f"| {B} x {T} | {cells} | {err:.1e} |")
-    table = "\n".join(lines)
+    table = "\n".join([*lines, "", "CUDA graphs, " + "; ".join(graphs)])
     if args.no_record:
         print(table)
     else:

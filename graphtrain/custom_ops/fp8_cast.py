@@ -350,10 +350,8 @@ def fp8_cast(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x scaled by fp8_max / amax, saturated and rounded to float8_dtype (and transposed,
     to the columns t_cols names); with record (a tensor class), its counts are added to the
-    saturation counters. The body is the CPU kernel."""
-    _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
-    out = fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
-    return _recorded(out, x, record)
+    saturation counters. The body is every device's kernel (cast() picks the Triton one)."""
+    return cast(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width, record=record)
 
 
 @fp8_cast.register_fake
@@ -370,12 +368,22 @@ def _fp8_cast_fake(
     )
 
 
-@fp8_cast.register_kernel("cuda")
-def _fp8_cast_cuda(
-    x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0, *, record=None
-):
+def cast(
+    x: Tensor,
+    amax: Tensor,
+    float8_dtype: torch.dtype,
+    pow2_scale: bool,
+    transpose: bool,
+    t_cols: Tensor | None = None,
+    t_width: int = 0,
+    *,
+    record: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """graphtrain::fp8_cast without the op's dispatch (what its kernels run; other ops' kernels,
+    fp8_linear's, call it directly: the dispatch is host time only): the Triton kernel for a
+    CUDA x (which records its counts itself), the reference elsewhere."""
     _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
-    if _use_triton(x):  # the kernel records its counts itself
+    if x.is_cuda and _use_triton(x):
         return fp8_cast_triton(
             x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width, record
         )

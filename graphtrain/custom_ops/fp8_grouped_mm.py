@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from graphtrain.custom_ops import fp8_amax
 from graphtrain.custom_ops.fp8_linear import E4M3, E5M2, cast_pair
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,9 +70,9 @@ def _cast_operands(
     w8 [E, N, K], w8_t [E, K, N], scale_inv [E] (each expert's weight scaled by its own
     amax: the per-slice amax and cast)."""
     dest, _, width = padded_columns(offs, x.shape[0])
-    ax = torch.ops.graphtrain.fp8_amax(x)
+    ax = fp8_amax.amax(x)
     x8, x8_t, sx = cast_pair(x, ax, E4M3, pow2_scale, "activation", dest, width)
-    aw = torch.ops.graphtrain.fp8_amax(weight, per_slice=True)
+    aw = fp8_amax.amax(weight, per_slice=True)
     w8, w8_t, sw = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
     return x8, x8_t, sx, w8, w8_t, sw
 
@@ -81,7 +82,7 @@ def _cast_grad(
 ):
     """g8 [M, N], g8_t [N, W] (columns in padded groups), scale_inv of the output gradient
     (per tensor)."""
-    amax = torch.ops.graphtrain.fp8_amax(grad_out)
+    amax = fp8_amax.amax(grad_out)
     return cast_pair(grad_out, amax, float8_dtype, pow2_scale, "gradient", dest, width)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from graphtrain.custom_ops import fp8_amax  # noqa: F401  (registers its op)
+from graphtrain.custom_ops import fp8_amax, fp8_cast
 from graphtrain.custom_ops.fp8_cast import record_saturation
 from graphtrain.custom_ops.utils import all_reduce, group_size
 
@@ -55,7 +55,7 @@ def cast_pair(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(t8, t8_t, scale_inv) of a 2-D tensor (or of each slice of a 3-D one, amax [E]; or
     t8_t with its columns moved, t_cols); the cast adds its saturation counts to the counters."""
-    t8, t8_t, scale_inv, _ = torch.ops.graphtrain.fp8_cast(
+    t8, t8_t, scale_inv, _ = fp8_cast.cast(
         t, amax, float8_dtype, pow2, True, t_cols, t_width, record=tensor_class
     )
     return t8, t8_t, scale_inv
@@ -85,9 +85,7 @@ def fp8_linear_ref(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The forward (the CPU kernel; on CUDA the same calls reach the Triton casts)."""
     x2 = x.reshape(-1, x.shape[-1])
-    ax, aw = reduce_amax(
-        [torch.ops.graphtrain.fp8_amax(x2), torch.ops.graphtrain.fp8_amax(weight)], tp_group
-    )
+    ax, aw = reduce_amax([fp8_amax.amax(x2), fp8_amax.amax(weight)], tp_group)
     x8, x8_t, sx = cast_pair(x2, ax, E4M3, pow2_scale, "activation")
     w8, w8_t, sw = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
     return _fp8_linear_forward(
@@ -152,7 +150,7 @@ def fp8_linear_precast_ref(
     _check_precast(x, x_scale_inv, weight, w_scale_inv, bias, out_dtype)
     x2 = x.reshape(-1, x.shape[-1])
     if x_scale_inv is None:
-        (ax,) = reduce_amax([torch.ops.graphtrain.fp8_amax(x2)], tp_group)
+        (ax,) = reduce_amax([fp8_amax.amax(x2)], tp_group)
         x_fp8 = cast_pair(x2, ax, E4M3, pow2_scale, "activation")
     else:
         if x_counts is not None:
@@ -160,7 +158,7 @@ def fp8_linear_precast_ref(
             record_saturation("activation", x_counts, x.numel() // tp)  # this rank's 1/tp
         x_fp8 = (x2, _transposed(x2), x_scale_inv.clone())
     if w_scale_inv is None:
-        (aw,) = reduce_amax([torch.ops.graphtrain.fp8_amax(weight)], tp_group)
+        (aw,) = reduce_amax([fp8_amax.amax(weight)], tp_group)
         w_fp8 = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
     else:
         w_fp8 = (weight, _transposed(weight), w_scale_inv.clone())
@@ -203,7 +201,7 @@ def fp8_linear_backward_ref(
     _check_backward(grad_out, has_bias, grad_scale_inv, grad_counts, e4m3_grads)
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     if grad_scale_inv is None:
-        (ag,) = reduce_amax([torch.ops.graphtrain.fp8_amax(g2)], tp_group)
+        (ag,) = reduce_amax([fp8_amax.amax(g2)], tp_group)
         g8, g8_t, sg = cast_pair(g2, ag, E4M3 if e4m3_grads else E5M2, pow2_scale, "gradient")
     else:  # cast before a tensor-parallel all-gather: this rank's counts are 1/tp of g2's
         tp = group_size(tp_group)

@@ -84,19 +84,16 @@ def _use_triton(x: Tensor) -> bool:
 
 
 def amax(x: Tensor, per_slice: bool = False) -> Tensor:
-    """graphtrain::fp8_amax without the op's dispatch (what the op runs; other ops' kernels,
-    fp8_linear's, call it directly: the dispatch is host time only): the Triton kernel for a
-    CUDA x, the reference elsewhere."""
+    """max |x| as a 0-d float32 device tensor (no host sync); with per_slice, [E] of x [E, ...].
+    graphtrain::fp8_amax's body on every device, and what other ops' kernels (fp8_linear's)
+    call directly, where the op's dispatch is host time only: the Triton kernel for a CUDA x,
+    the reference elsewhere."""
     _check(x, per_slice)
     run = fp8_amax_triton if x.is_cuda and _use_triton(x) else fp8_amax_ref
     return run(x, per_slice)
 
 
-@torch.library.custom_op("graphtrain::fp8_amax", mutates_args=())
-def fp8_amax(x: Tensor, per_slice: bool = False) -> Tensor:
-    """max |x| as a 0-d float32 device tensor (no host sync); with per_slice, [E] of x [E, ...].
-    The body is every device's kernel (amax() picks the Triton one)."""
-    return amax(x, per_slice)
+fp8_amax = torch.library.custom_op("graphtrain::fp8_amax", mutates_args=())(amax)
 
 
 @fp8_amax.register_fake

@@ -328,16 +328,7 @@ def _use_triton(x: Tensor) -> bool:
     return x.dtype != torch.float64 and (x.is_cuda or interpreting)
 
 
-@torch.library.custom_op(
-    "graphtrain::fp8_cast",
-    mutates_args=(),
-    schema=(
-        "(Tensor x, Tensor amax, ScalarType float8_dtype, bool pow2_scale, bool transpose, "
-        "Tensor? t_cols=None, SymInt t_width=0, *, str? record=None) "
-        "-> (Tensor y, Tensor y_t, Tensor scale_inv, Tensor counts)"
-    ),
-)
-def fp8_cast(
+def cast(
     x: Tensor,
     amax: Tensor,
     float8_dtype: torch.dtype,
@@ -350,8 +341,27 @@ def fp8_cast(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x scaled by fp8_max / amax, saturated and rounded to float8_dtype (and transposed,
     to the columns t_cols names); with record (a tensor class), its counts are added to the
-    saturation counters. The body is every device's kernel (cast() picks the Triton one)."""
-    return cast(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width, record=record)
+    saturation counters. graphtrain::fp8_cast's body on every device, and what other ops'
+    kernels (fp8_linear's) call directly, where the op's dispatch is host time only: the
+    Triton kernel for a CUDA x (which records its counts itself), the reference elsewhere."""
+    _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
+    if x.is_cuda and _use_triton(x):
+        return fp8_cast_triton(
+            x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width, record
+        )
+    out = fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
+    return _recorded(out, x, record)
+
+
+fp8_cast = torch.library.custom_op(
+    "graphtrain::fp8_cast",
+    mutates_args=(),
+    schema=(
+        "(Tensor x, Tensor amax, ScalarType float8_dtype, bool pow2_scale, bool transpose, "
+        "Tensor? t_cols=None, SymInt t_width=0, *, str? record=None) "
+        "-> (Tensor y, Tensor y_t, Tensor scale_inv, Tensor counts)"
+    ),
+)(cast)
 
 
 @fp8_cast.register_fake
@@ -366,29 +376,6 @@ def _fp8_cast_fake(
         x.new_empty(E, dtype=torch.float32),
         x.new_empty((2,), dtype=torch.int64),
     )
-
-
-def cast(
-    x: Tensor,
-    amax: Tensor,
-    float8_dtype: torch.dtype,
-    pow2_scale: bool,
-    transpose: bool,
-    t_cols: Tensor | None = None,
-    t_width: int = 0,
-    *,
-    record: str | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """graphtrain::fp8_cast without the op's dispatch (what its kernels run; other ops' kernels,
-    fp8_linear's, call it directly: the dispatch is host time only): the Triton kernel for a
-    CUDA x (which records its counts itself), the reference elsewhere."""
-    _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
-    if x.is_cuda and _use_triton(x):
-        return fp8_cast_triton(
-            x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width, record
-        )
-    out = fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
-    return _recorded(out, x, record)
 
 
 def _recorded(out: tuple[Tensor, ...], x: Tensor, record: str | None) -> tuple[Tensor, ...]:

@@ -1,7 +1,7 @@
 """Compile every graphtrain Triton kernel for Hopper (sm_90) or Blackwell (sm_100) on a machine
 without a GPU, at the configurations the CUDA launchers choose at benchmark shapes, and report
-each compiled variant's shared memory, registers and spills (tests/custom_ops/test_triton_aot.py
-asserts on them).
+each compiled variant's shared memory, registers, spills and global memory instructions
+(tests/custom_ops/test_triton_aot.py asserts on them).
 
 How: a stub Triton driver reports a CUDA target; JITFunction.run is patched to compile only
 (warmup=True) and record what it compiled; Autotuner.run compiles every config instead of
@@ -15,7 +15,8 @@ H100/H200/B200 opt-in) and 65536 registers per SM (registers x threads of one bl
 Run as a script in its own process (the patches and the stub driver never enter a test process):
     python tests/triton_aot.py --subset fast|ci|all --arch 90|100 --out records.json
 Each record: case, kernel, constexprs, num_warps, num_stages, shared, regs, spill_stores,
-spill_loads, compile_s, error (None when it compiled).
+spill_loads, global_ops (SASS global loads and stores by width, e.g. {"STG.E.128": 4}),
+compile_s, error (None when it compiled).
 """
 
 from __future__ import annotations
@@ -99,6 +100,24 @@ def _ptxas(ptx: str, arch: int) -> dict[str, int | None]:
     }
 
 
+def _global_ops(cubin: bytes) -> dict[str, int]:
+    """The SASS global loads and stores of a compiled kernel by width (static counts, from the
+    triton wheel's cuobjdump): "STG.E.U8" is a byte a thread, "STG.E.128" 16 bytes."""
+    from collections import Counter
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        run = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True
+        )
+    finally:
+        os.unlink(f.name)
+    return dict(Counter(re.findall(r"\b((?:LDG|STG)\.E[\w.]*)", run.stdout)))
+
+
 def _install(arch: int) -> None:
     """The stub driver and the compile-only patches (this process only)."""
     import torch
@@ -162,6 +181,7 @@ def _install(arch: int) -> None:
             record["num_warps"] = compiled.metadata.num_warps
             record["num_stages"] = compiled.metadata.num_stages
             record.update(_ptxas(compiled.asm["ptx"], arch))
+            record["global_ops"] = _global_ops(compiled.asm["cubin"])
         except Exception as error:  # a compile error is what we report
             record["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             record["traceback"] = traceback.format_exc()[-2000:]
@@ -238,7 +258,6 @@ def _cases() -> None:
     from graphtrain.custom_ops import fp8_cast as fc
     from graphtrain.custom_ops import moe_permute as mp
     from graphtrain.custom_ops import moe_swiglu as sw
-    from graphtrain.custom_ops.fp8_grouped_mm import padded_width
 
     f32, bf16 = torch.float32, torch.bfloat16
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -262,9 +281,9 @@ def _cases() -> None:
         lambda: fc.fp8_cast_triton(w, _meta(64, dtype=f32), e4m3, True, True)
     )
     M = 98304  # moe-1b: 16384 tokens x top-6
-    xg, cols = _meta(M, 1024), _meta(M, dtype=torch.int64)
-    case("fp8_cast COL_MAP bf16 [98304,1024]", "fast")(
-        lambda: fc.fp8_cast_triton(xg, amax0, e4m3, False, True, cols, padded_width(M, 64))
+    xg, offs = _meta(M, 1024), _meta(64, dtype=torch.int32)
+    case("fp8_cast GROUPED bf16 [98304,1024] 64 groups", "fast")(
+        lambda: fc.fp8_cast_triton(xg, amax0, e4m3, False, True, offs)
     )
 
     # AdamW (optim.implementation = "graphtrain"): fp32 / bf16 moments, with and without copies.

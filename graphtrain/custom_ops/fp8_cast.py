@@ -1,16 +1,18 @@
 """graphtrain::fp8_cast: scaled, saturating cast to FP8 (and its transpose, in one read).
 
 What
-    fp8_cast(x [R, C], amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0, *,
-             record=None) -> (y [R, C], y_t [C, R] (or [0] without transpose), scale_inv, counts)
+    fp8_cast(x [R, C], amax, float8_dtype, pow2_scale, transpose, groups=None, *, record=None)
+        -> (y [R, C], y_t [C, R] (or [0] without transpose), scale_inv, counts)
     with (scale, scale_inv) = fp8_scale(amax, float8_dtype, pow2_scale):
         scale = fp8_max / max(amax, EPS)      (optionally rounded down to a power of two)
         y = saturate(x * scale) rounded to nearest-even in float8_dtype, y_t = y.T
         counts = [values clipped, nonzero values flushed to 0] (int64)
     amax is a 0-d float32 device tensor (graphtrain::fp8_amax); scale_inv = 1 / scale is what
     torch._scaled_mm takes. x [E, R, C] with amax [E] casts each slice with its own scale in
-    one launch. t_cols (int64 [R], 2-D x, transpose) writes row r of y to column t_cols[r] of a
-    zero-filled y_t [C, t_width] (fp8_grouped_mm's padded wgrad layout). record ("activation",
+    one launch. groups (int32 [G], end rows of x's row groups; 2-D x, transpose) writes y_t
+    [C, padded_width(R, G)] in padded groups: group g's rows from column padded_offsets[g-1],
+    zeros up to padded_offsets[g] (max(16, ceil16(rows)) columns), the columns past the
+    last group unspecified (fp8_grouped_mm's wgrad layout). record ("activation",
     "weight" or "gradient") adds the counts to the device-side counters fp8_saturation_stats
     turns into fractions, with no host synchronisation. On CUDA one launch does all of it.
 
@@ -20,7 +22,7 @@ Numerics
     scales make the scaling exact at the cost of up to one bit of range. The kernel (the GPU's
     cvt.rn.satfinite, or a byte built by hand in the interpreter) equals torch's conversion
     bit for bit (fp8_cast_ref), an input NaN's sign too.
-    Why both layouts, the per-slice and moved-column casts, the kernel: docs/design/fp8.md.
+    Why both layouts, the per-slice and padded-groups casts, the kernel: docs/design/fp8.md.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ _FORMATS = {
 FP8_DTYPES = tuple(_FORMATS)
 _TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
+# torch._scaled_grouped_mm's groups along K start at multiples of 16 FP8 elements (16 bytes)
+GROUP_ALIGN = 16
 TENSOR_CLASSES = ("activation", "weight", "gradient")
 _COUNTERS: dict[torch.device, Tensor] = {}  # [class, (clipped, flushed, total)] int64
 
@@ -87,13 +91,25 @@ def fp8_saturation_stats(reset: bool = True) -> dict[str, Tensor]:
     return stats
 
 
+def padded_width(R: int, G: int) -> int:
+    """Columns of the padded-groups layout of R rows in G groups (static: no host sync)."""
+    return -(-R // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * G
+
+
+def padded_offsets(groups: Tensor) -> Tensor:
+    """End columns (int32 [G]) of the padded groups of rows ending at `groups`: group g has
+    max(16, ceil16(rows)) columns; on the device, no host sync."""
+    counts = torch.diff(groups, prepend=groups.new_zeros(1))
+    padded = torch.where(counts > 0, -(-counts // GROUP_ALIGN) * GROUP_ALIGN, GROUP_ALIGN)
+    return torch.cumsum(padded, 0, dtype=torch.int32)
+
+
 def _check(
     x: Tensor,
     amax: Tensor,
     float8_dtype: torch.dtype,
     transpose: bool,
-    t_cols: Tensor | None,
-    t_width: int,
+    groups: Tensor | None,
     record: str | None = None,
 ) -> None:
     if record is not None and record not in TENSOR_CLASSES:
@@ -111,16 +127,18 @@ def _check(
             f"with an [E] float32 amax (one scale per slice), got x {x.dtype} {tuple(x.shape)} "
             f"and amax {amax.dtype} {tuple(amax.shape)}"
         )
-    if t_cols is not None and (
-        x.dim() != 2 or not transpose or t_cols.shape != x.shape[:1] or t_cols.dtype != torch.int64
+    if groups is not None and (
+        x.dim() != 2
+        or not transpose
+        or groups.dim() != 1
+        or not groups.numel()
+        or groups.dtype != torch.int32
     ):
         raise ValueError(
-            f"fp8_cast's t_cols needs a 2-D x, transpose and int64 [R] = [{x.shape[0]}] column "
-            f"indices, got x {tuple(x.shape)}, transpose {transpose}, t_cols {t_cols.dtype} "
-            f"{tuple(t_cols.shape)}"
+            "fp8_cast's groups needs a 2-D x, transpose and int32 [G] end rows (G >= 1), got "
+            f"x {tuple(x.shape)}, transpose {transpose}, groups {groups.dtype} "
+            f"{tuple(groups.shape)}"
         )
-    if t_cols is None and t_width:
-        raise ValueError(f"fp8_cast's t_width {t_width} needs t_cols")
 
 
 def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tuple[Tensor, Tensor]:
@@ -135,9 +153,27 @@ def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tupl
     return scale, scale.reciprocal()
 
 
-def _y_t_shape(x: Tensor, transpose: bool, t_cols: Tensor | None, t_width: int) -> tuple:
+def _y_t_shape(x: Tensor, transpose: bool, groups: Tensor | None) -> tuple:
     *E, R, C = x.shape
-    return (0,) if not transpose else (C, t_width) if t_cols is not None else (*E, C, R)
+    if groups is not None:
+        return (C, padded_width(R, groups.shape[0]))
+    return (*E, C, R) if transpose else (0,)
+
+
+def _padded_groups_ref(y: Tensor, groups: Tensor) -> Tensor:
+    """y's rows as the columns of the padded-groups layout, zeros elsewhere; the rows past
+    groups[-1] after the last group (the kernel leaves those columns unwritten). No host
+    read (meta tensors too)."""
+    R, C = y.shape
+    counts = torch.diff(groups, prepend=groups.new_zeros(1))
+    padded = torch.where(counts > 0, -(-counts // GROUP_ALIGN) * GROUP_ALIGN, GROUP_ALIGN)
+    ends = padded_offsets(groups)
+    shift = torch.cat([ends - padded - groups + counts, ends[-1:] - groups[-1:]])  # col - row
+    rows = torch.arange(R, device=y.device)
+    cols = rows + shift.long()[torch.searchsorted(groups, rows.int(), right=True)]
+    # as bytes: index_copy_ has no FP8 kernel (torch 2.13, CPU)
+    y_t = y.new_zeros((C, padded_width(R, groups.shape[0])), dtype=torch.uint8)
+    return y_t.index_copy_(1, cols, y.view(torch.uint8).t()).view(y.dtype)
 
 
 def fp8_cast_ref(
@@ -146,8 +182,7 @@ def fp8_cast_ref(
     float8_dtype: torch.dtype,
     pow2_scale: bool,
     transpose: bool,
-    t_cols: Tensor | None = None,
-    t_width: int = 0,
+    groups: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fp8_max, _, _, clip = _FORMATS[float8_dtype]
     scale, scale_inv = fp8_scale(amax, float8_dtype, pow2_scale)
@@ -155,9 +190,8 @@ def fp8_cast_ref(
     y = v.clamp(-fp8_max, fp8_max).to(float8_dtype)  # clamp keeps NaN; torch rounds to even
     clipped = (v.abs() > clip).sum()
     flushed = ((x != 0) & (y.view(torch.uint8) & 0x7F == 0)).sum()
-    if t_cols is not None:  # as bytes: index_copy_ has no FP8 kernel (torch 2.13, CPU)
-        y_t = y.new_zeros((x.shape[1], t_width), dtype=torch.uint8)
-        y_t = y_t.index_copy_(1, t_cols, y.view(torch.uint8).t()).view(float8_dtype)
+    if groups is not None:
+        y_t = _padded_groups_ref(y, groups)
     else:  # clone, not contiguous(): a [1, C] tensor's transpose is contiguous, aliasing y
         y_t = y.mT.clone(memory_format=torch.contiguous_format) if transpose else y.new_empty(0)
     return y, y_t, scale_inv, torch.stack([clipped, flushed])
@@ -192,6 +226,30 @@ def _scale(amax, FP8_MAX: tl.constexpr, EPS_: tl.constexpr, POW2: tl.constexpr):
     return scale
 
 
+@triton.jit
+def _group_tile(groups_ptr, G, R, pid, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """(first row, end row, first column of y_t, columns of y_t to write) of row tile pid.
+    Tiles are numbered group by group, each group's rows from its own first row: every tile's
+    columns start at a multiple of 16 (16-byte stores). A group's last tile also writes its
+    padding zeros (up to max(16, ceil16(rows)) columns); an empty group gets one tile of
+    zeros. Group G (lane G) holds the rows past groups[-1]: in y, not in y_t. Tiles past the
+    last (the grid's upper bound) are empty."""
+    g = tl.arange(0, BLOCK_G)
+    ends = tl.load(groups_ptr + g, mask=g < G, other=R)
+    starts = tl.load(groups_ptr + g - 1, mask=(g > 0) & (g <= G), other=0)
+    counts = tl.where(g <= G, ends - starts, 0)
+    padded = tl.where(g < G, tl.maximum(tl.cdiv(counts, 16), 1) * 16, 0)
+    tiles = tl.where(g < G, tl.maximum(tl.cdiv(counts, BLOCK_R), 1), tl.cdiv(counts, BLOCK_R))
+    group = tl.sum((tl.cumsum(tiles, 0) <= pid).to(tl.int32), 0)
+    tile = pid - tl.sum(tl.where(g < group, tiles, 0), 0)
+    here = g == group
+    row0 = tl.sum(tl.where(here, starts, 0), 0) + tile * BLOCK_R
+    row_end = tl.where(group <= G, tl.sum(tl.where(here, ends, 0), 0), row0)
+    col0 = tl.sum(tl.where(g < group, padded, 0), 0) + tile * BLOCK_R
+    n_cols = tl.minimum(tl.sum(tl.where(here, padded, 0), 0) - tile * BLOCK_R, BLOCK_R)
+    return row0, row_end, col0, n_cols
+
+
 @triton.jit(do_not_specialize=["NUMEL"])
 def _cast_kernel(
     x_ptr,  # [E, R, C]
@@ -199,12 +257,13 @@ def _cast_kernel(
     scale_inv_ptr,  # [E] fp32, written by each slice's first program
     y_ptr,  # [E, R, C] uint8 view of the FP8 output
     yt_ptr,  # [E, C, T_STRIDE] uint8 (TRANSPOSE)
-    tcols_ptr,  # [R] int64: column of y_t that row r of x goes to (COL_MAP)
+    groups_ptr,  # [G] int32: end rows of x's row groups (GROUPED)
     counts_ptr,  # [2] int64, zeros: clipped, flushed to zero (atomic adds)
     record_ptr,  # [3] int64: a saturation counters row (RECORD): clipped, flushed, total
     R,
     C,
-    T_STRIDE,  # row length of y_t: R, or t_width with COL_MAP
+    G,  # groups (GROUPED)
+    T_STRIDE,  # row length of y_t: R, or padded_width(R, G) with GROUPED
     NUMEL,  # elements of x, added to the counters' total by program 0 (RECORD)
     FP8_MAX: tl.constexpr,
     EPS_: tl.constexpr,
@@ -216,15 +275,20 @@ def _cast_kernel(
     FP8: tl.constexpr,  # the Triton type of the format (NATIVE)
     NATIVE: tl.constexpr,  # convert with the GPU's instruction (not in the interpreter)
     TRANSPOSE: tl.constexpr,
-    COL_MAP: tl.constexpr,
+    GROUPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # a power of two above G (GROUPED)
 ):
     pid_r, pid_c, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    if GROUPED:
+        row0, row_end, col0, n_cols = _group_tile(groups_ptr, G, R, pid_r, BLOCK_R, BLOCK_G)
+    else:
+        row0, row_end, col0, n_cols = pid_r * BLOCK_R, R, pid_r * BLOCK_R, BLOCK_R
+    rows = row0.to(tl.int64) + tl.arange(0, BLOCK_R)
     cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    start = pid_s.to(tl.int64) * R * C  # of the slice in x and y (COL_MAP: one slice)
+    mask = (rows < row_end)[:, None] & (cols < C)[None, :]
+    start = pid_s.to(tl.int64) * R * C  # of the slice in x and y (GROUPED: one slice)
     x_ptr, y_ptr, yt_ptr = x_ptr + start, y_ptr + start, yt_ptr + start
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.load(amax_ptr + pid_s), FP8_MAX, EPS_, POW2)
@@ -244,10 +308,17 @@ def _cast_kernel(
     code = code.to(tl.uint8)
     tl.store(y_ptr + rows[:, None] * C + cols[None, :], code, mask=mask)
     if TRANSPOSE:
-        # the tile transposed in registers, so that the store runs along rows of y_t
-        dst = tl.load(tcols_ptr + rows, mask=rows < R, other=0) if COL_MAP else rows
-        dst_ptr = yt_ptr + cols[:, None] * T_STRIDE + dst[None, :]
-        tl.store(dst_ptr, tl.trans(code), mask=tl.trans(mask))
+        # the tile transposed in registers, so that the store runs along rows of y_t; with
+        # GROUPED, col0 is a multiple of 16 and the mask whole 16-column chunks (the rows past
+        # row_end are zeros: the group's padding), so the stores are 16 bytes wide
+        r = tl.arange(0, BLOCK_R)
+        dst = (col0 // 16).to(tl.int64) * 16 + r
+        if GROUPED:  # the padding: zeros whatever the scale (a NaN one too)
+            t_mask = ((r // 16) < (n_cols // 16))[None, :] & (cols < C)[:, None]
+            code_t = tl.trans(tl.where(mask, code, 0))
+        else:
+            t_mask, code_t = tl.trans(mask), tl.trans(code)
+        tl.store(yt_ptr + cols[:, None] * T_STRIDE + dst[None, :], code_t, mask=t_mask)
     # the tile's counts, added where nonzero (most tiles clip nothing: few atomics contend)
     n_clipped = tl.sum(tl.sum((clipped & mask).to(tl.int32), 1), 0).to(tl.int64)
     n_flushed = tl.sum(tl.sum((flushed & mask).to(tl.int32), 1), 0).to(tl.int64)
@@ -270,27 +341,27 @@ def fp8_cast_triton(
     float8_dtype: torch.dtype,
     pow2_scale: bool,
     transpose: bool,
-    t_cols: Tensor | None = None,
-    t_width: int = 0,
+    groups: Tensor | None = None,
     record: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """fp8_cast_ref's outputs from one kernel launch (plus the zeroed counts; the zero fill of
-    y_t with t_cols): the scale, its inverse and the counts come from the kernel, which also
-    adds them to the saturation counters of `record`'s class."""
+    """fp8_cast_ref's outputs from one kernel launch (plus the zeroed counts): the scale, its
+    inverse and the counts come from the kernel, which also adds them to the saturation
+    counters of `record`'s class. With groups, y_t's columns past the last group are left
+    unwritten."""
     if not x.numel():  # no launch: the same outputs from the reference, counts recorded
         return _recorded(
-            fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width), x, record
+            fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, groups), x, record
         )
     fp8_max, emin, mbits, clip = _FORMATS[float8_dtype]
     x = x.contiguous()
     *E, R, C = x.shape  # E: [] or [num slices]
     y = torch.empty(*E, R, C, dtype=float8_dtype, device=x.device)
-    y_t_shape = _y_t_shape(x, transpose, t_cols, t_width)
-    # zeros where the kernel writes no column (as bytes: a fill for every FP8 dtype)
-    alloc = torch.zeros if t_cols is not None else torch.empty
-    y_t = alloc(y_t_shape, dtype=torch.uint8, device=x.device).view(float8_dtype)
+    y_t = torch.empty(_y_t_shape(x, transpose, groups), dtype=float8_dtype, device=x.device)
     BLOCK_R, BLOCK_C = 64, 64
-    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C), E[0] if E else 1)
+    G = groups.shape[0] if groups is not None else 0
+    # with groups, at most one more tile a group (and the rows past the last) than R needs
+    row_tiles = triton.cdiv(R, BLOCK_R) + (G + 1 if G else 0)
+    grid = (row_tiles, triton.cdiv(C, BLOCK_C), E[0] if E else 1)
     counts = torch.zeros(2, dtype=torch.int64, device=x.device)
     scale_inv = torch.empty(amax.shape, dtype=torch.float32, device=x.device)
     _cast_kernel[grid](
@@ -299,12 +370,13 @@ def fp8_cast_triton(
         scale_inv,
         y.view(torch.uint8),
         y_t.view(torch.uint8),
-        t_cols if t_cols is not None else counts,  # unread without COL_MAP
+        groups if G else counts,  # unread without GROUPED
         counts,
         _counters(x.device)[TENSOR_CLASSES.index(record)] if record else counts,  # unread
         R,
         C,
-        y_t.shape[-1] if t_cols is not None else R,
+        G,
+        y_t.shape[-1] if G else R,
         x.numel(),
         FP8_MAX=fp8_max,
         EPS_=EPS,
@@ -316,9 +388,10 @@ def fp8_cast_triton(
         FP8=_TRITON_FP8[float8_dtype],
         NATIVE=not _interpreting(),
         TRANSPOSE=transpose,
-        COL_MAP=t_cols is not None,
+        GROUPED=G > 0,
         BLOCK_R=BLOCK_R,
         BLOCK_C=BLOCK_C,
+        BLOCK_G=triton.next_power_of_2(G + 1),
     )
     return y, y_t, scale_inv, counts
 
@@ -334,22 +407,19 @@ def cast(
     float8_dtype: torch.dtype,
     pow2_scale: bool,
     transpose: bool,
-    t_cols: Tensor | None = None,
-    t_width: int = 0,
+    groups: Tensor | None = None,
     *,
     record: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x scaled by fp8_max / amax, saturated and rounded to float8_dtype (and transposed,
-    to the columns t_cols names); with record (a tensor class), its counts are added to the
+    in padded groups); with record (a tensor class), its counts are added to the
     saturation counters. graphtrain::fp8_cast's body on every device, and what other ops'
     kernels (fp8_linear's) call directly, where the op's dispatch is host time only: the
     Triton kernel for a CUDA x (which records its counts itself), the reference elsewhere."""
-    _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
+    _check(x, amax, float8_dtype, transpose, groups, record)
     if x.is_cuda and _use_triton(x):
-        return fp8_cast_triton(
-            x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width, record
-        )
-    out = fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, t_cols, t_width)
+        return fp8_cast_triton(x, amax, float8_dtype, pow2_scale, transpose, groups, record)
+    out = fp8_cast_ref(x, amax, float8_dtype, pow2_scale, transpose, groups)
     return _recorded(out, x, record)
 
 
@@ -358,21 +428,19 @@ fp8_cast = torch.library.custom_op(
     mutates_args=(),
     schema=(
         "(Tensor x, Tensor amax, ScalarType float8_dtype, bool pow2_scale, bool transpose, "
-        "Tensor? t_cols=None, SymInt t_width=0, *, str? record=None) "
+        "Tensor? groups=None, *, str? record=None) "
         "-> (Tensor y, Tensor y_t, Tensor scale_inv, Tensor counts)"
     ),
 )(cast)
 
 
 @fp8_cast.register_fake
-def _fp8_cast_fake(
-    x, amax, float8_dtype, pow2_scale, transpose, t_cols=None, t_width=0, *, record=None
-):
-    _check(x, amax, float8_dtype, transpose, t_cols, t_width, record)
+def _fp8_cast_fake(x, amax, float8_dtype, pow2_scale, transpose, groups=None, *, record=None):
+    _check(x, amax, float8_dtype, transpose, groups, record)
     E = x.shape[:-2]
     return (
         x.new_empty(x.shape, dtype=float8_dtype),
-        x.new_empty(_y_t_shape(x, transpose, t_cols, t_width), dtype=float8_dtype),
+        x.new_empty(_y_t_shape(x, transpose, groups), dtype=float8_dtype),
         x.new_empty(E, dtype=torch.float32),
         x.new_empty((2,), dtype=torch.int64),
     )

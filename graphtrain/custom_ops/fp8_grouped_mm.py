@@ -33,12 +33,13 @@ import torch
 from torch import Tensor
 
 from graphtrain.custom_ops import fp8_amax
+from graphtrain.custom_ops.fp8_cast import GROUP_ALIGN, padded_offsets, padded_width
 from graphtrain.custom_ops.fp8_linear import E4M3, E5M2, cast_pair
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# torch._scaled_grouped_mm: K and N multiples of 16, groups along K starting at multiples of 16
-# FP8 elements (16 bytes), fewer than 1024 groups.
-GROUP_ALIGN, MAX_GROUPS = 16, 1023
+# torch._scaled_grouped_mm: K and N multiples of 16 (groups along K start at multiples of 16
+# elements: fp8_cast's padded groups), fewer than 1024 groups.
+MAX_GROUPS = 1023
 
 
 def _check(x: Tensor, weight: Tensor, offs: Tensor, out_dtype: torch.dtype | None) -> None:
@@ -66,24 +67,21 @@ def _groups(offs: Tensor) -> list[tuple[int, int, int]]:
 def _cast_operands(
     x: Tensor, weight: Tensor, offs: Tensor, pow2_scale: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """x8 [M, K], x8_t [K, W] (columns in padded groups, padded_columns), x's scale_inv;
+    """x8 [M, K], x8_t [K, W] (columns in padded groups, fp8_cast's groups), x's scale_inv;
     w8 [E, N, K], w8_t [E, K, N], scale_inv [E] (each expert's weight scaled by its own
     amax: the per-slice amax and cast)."""
-    dest, _, width = padded_columns(offs, x.shape[0])
     ax = fp8_amax.amax(x)
-    x8, x8_t, sx = cast_pair(x, ax, E4M3, pow2_scale, "activation", dest, width)
+    x8, x8_t, sx = cast_pair(x, ax, E4M3, pow2_scale, "activation", offs)
     aw = fp8_amax.amax(weight, per_slice=True)
     w8, w8_t, sw = cast_pair(weight, aw, E4M3, pow2_scale, "weight")
     return x8, x8_t, sx, w8, w8_t, sw
 
 
-def _cast_grad(
-    grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, dest: Tensor, width: int
-):
+def _cast_grad(grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, offs: Tensor):
     """g8 [M, N], g8_t [N, W] (columns in padded groups), scale_inv of the output gradient
     (per tensor)."""
     amax = fp8_amax.amax(grad_out)
-    return cast_pair(grad_out, amax, float8_dtype, pow2_scale, "gradient", dest, width)
+    return cast_pair(grad_out, amax, float8_dtype, pow2_scale, "gradient", offs)
 
 
 # The two GEMM shapes of the op, each as a loop of torch._scaled_mm (reference) and as one
@@ -144,30 +142,6 @@ def _experts_grouped(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
     return out.to(out_dtype)
 
 
-def padded_width(M: int, E: int) -> int:
-    """Columns of the padded layout of M rows in E groups (static: no host sync)."""
-    return -(-M // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * E
-
-
-def padded_columns(offs: Tensor, M: int) -> tuple[Tensor, Tensor, int]:
-    """(dest, padded_offs, width): the wgrad's layout of M rows grouped by offs, in which
-    every expert's group has max(16, ceil16(rows)) columns (its own rows first, then zeros):
-    row i goes to column dest[i] (int64 [M]) of a [*, width] FP8 tensor (fp8_cast's t_cols),
-    padded_offs are the groups' end columns. Rows past offs[-1] go after the last group.
-    All on the device: no host synchronisation (the width is static)."""
-    E = offs.shape[0]
-    width = padded_width(M, E)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    padded = torch.where(counts > 0, -(-counts // GROUP_ALIGN) * GROUP_ALIGN, GROUP_ALIGN)
-    padded_offs = torch.cumsum(padded, 0, dtype=torch.int32)
-    # column i of expert e moves by (padded start - start) of e; past offs[-1], by the
-    # padding of all groups
-    shift = torch.cat([padded_offs - padded - offs + counts, padded_offs[-1:] - offs[-1:]])
-    cols = torch.arange(M, dtype=torch.int32, device=offs.device)
-    dest = (cols + shift[torch.searchsorted(offs, cols, right=True)]).long()
-    return dest, padded_offs, width
-
-
 def _forward_gemms(x, weight, offs, *, grouped, pow2_scale=False, out_dtype=None):
     """(out, x8_t, x_scale_inv, w8_t, w_scale_inv); grouped: one torch._scaled_grouped_mm (the
     sm90 kernel), else a loop of torch._scaled_mm over the experts (the CPU kernel)."""
@@ -183,11 +157,10 @@ def _backward_gemms(grad_out, x8_t, sx, w8_t, sw, offs, *, grouped, e4m3_grads, 
     is E4M3 whatever e4m3_grads says: it takes no E5M2 operand), else loops of torch._scaled_mm
     over the experts (the CPU kernel)."""
     float8_dtype = E4M3 if e4m3_grads or grouped else E5M2
-    dest, padded_offs, width = padded_columns(offs, grad_out.shape[0])
-    g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale, dest, width)
+    g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale, offs)
     rows, experts = (_rows_grouped, _experts_grouped) if grouped else (_rows_loop, _experts_loop)
     grad_x = rows(g8, sg, w8_t, sw, offs, x_dtype)
-    grad_w = experts(g8_t, sg, x8_t, sx, offs, padded_offs, w_dtype)
+    grad_w = experts(g8_t, sg, x8_t, sx, offs, padded_offsets(offs), w_dtype)
     return grad_x, grad_w
 
 

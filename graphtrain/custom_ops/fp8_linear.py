@@ -50,13 +50,12 @@ def cast_pair(
     float8_dtype: torch.dtype,
     pow2: bool,
     tensor_class: str,
-    t_cols: Tensor | None = None,
-    t_width: int = 0,
+    groups: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(t8, t8_t, scale_inv) of a 2-D tensor (or of each slice of a 3-D one, amax [E]; or
-    t8_t with its columns moved, t_cols); the cast adds its saturation counts to the counters."""
+    t8_t in padded row groups, groups); the cast adds its saturation counts to the counters."""
     t8, t8_t, scale_inv, _ = fp8_cast.cast(
-        t, amax, float8_dtype, pow2, True, t_cols, t_width, record=tensor_class
+        t, amax, float8_dtype, pow2, True, groups, record=tensor_class
     )
     return t8, t8_t, scale_inv
 

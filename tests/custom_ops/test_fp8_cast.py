@@ -8,13 +8,14 @@ values that round to FP8 subnormals, values beyond amax (saturation), NaN and in
 between FP8 neighbours (the kernel's conversion is built by hand in the interpreter, the GPU's
 own instruction on CUDA); and the per-slice forms (fp8_amax(x, per_slice=True), fp8_cast of
 x [E, R, C] with amax [E]) on a stack of such slices, against the 3-D reference and against
-the 2-D reference slice by slice; and the cast that writes y_t's columns where t_cols says
-(odd widths, zeros in the other columns). GPU tests (marker gpu) repeat this on CUDA in fp32
-and bf16.
+the 2-D reference slice by slice; and the cast that writes y_t in padded row groups (groups
+of 0 to 130 rows, tiles that span groups, rows past the last group). GPU tests (marker gpu)
+repeat this on CUDA in fp32 and bf16.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -116,28 +117,46 @@ def check_slice_kernels(run_amax, run_cast) -> None:
                 assert _same(u, v) and _same(v, w), (shape, dtype, pow2, name)
 
 
-def check_col_map_kernel(run_cast) -> None:
-    """y_t with its columns moved (t_cols, zeros elsewhere): bit for bit the reference, which
-    is y.T in those columns; tiles of 64 rows map to scattered columns."""
-    for shape, special in (((37, 45), "random"), ((65, 70), "nan"), ((65, 3), "saturate")):
-        x, factor = _input(shape, special)
+# (rows of each group, rows past the last): empty groups, groups under 16 rows and over the
+# 64-row tile, tiles spanning several groups
+GROUPINGS = (([5, 0, 37, 3], 2), ([70, 1, 0, 130], 0), ([16, 64, 17], 9), ([0], 3))
+
+
+def padded_layout(y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """y's rows as y_t's columns in padded groups, built group by group on the host: group g
+    from column sum of max(16, ceil16(rows)) over the groups before it, zeros elsewhere."""
+    want = torch.zeros(y.shape[1], fc.padded_width(y.shape[0], len(counts)), dtype=torch.uint8)
+    row = col = 0
+    for n in counts:
+        want[:, col : col + n] = y.view(torch.uint8)[row : row + n].t()
+        row, col = row + n, col + max(16, -(-n // 16) * 16)
+    return want.view(y.dtype)
+
+
+def check_grouped_kernel(run_cast) -> None:
+    """y_t in padded groups: bit for bit the reference up to the last group's end (the
+    kernel leaves the columns past it unwritten), which is y's rows placed group by group;
+    y, scale_inv and counts cover every row, those past the last group too."""
+    for (counts, tail), special in zip(
+        GROUPINGS, ("random", "nan", "saturate", "ties"), strict=True
+    ):
+        x, factor = _input((sum(counts) + tail, 70), special)
         amax = fa.fp8_amax_ref(x) * factor
-        width = shape[0] + 21
-        t_cols = torch.randperm(width, generator=torch.Generator().manual_seed(1))[: shape[0]]
-        want = fc.fp8_cast_ref(x, amax, E4M3, False, True, t_cols, width)
-        got = run_cast(x, amax, E4M3, False, True, t_cols, width)
-        plain = fc.fp8_cast_ref(x, amax, E4M3, False, True)
-        for name, u, v in zip(("y", "y_t", "scale_inv", "counts"), got, want, strict=True):
-            assert _same(u, v), (shape, special, name)
-        assert want[1].shape == (shape[1], width) and _same(want[1][:, t_cols], plain[1])
-        others = torch.ones(width, dtype=torch.bool).index_fill_(0, t_cols, False)
-        assert not want[1].view(torch.uint8)[:, others].any()
+        groups = torch.tensor(counts).cumsum(0).int()
+        want = fc.fp8_cast_ref(x, amax, E4M3, False, True, groups)
+        got = run_cast(x, amax, E4M3, False, True, groups)
+        end = int(fc.padded_offsets(groups)[-1])
+        assert want[1].shape == (70, fc.padded_width(x.shape[0], len(counts)))
+        assert _same(want[1][:, :end], padded_layout(want[0], counts)[:, :end]), counts
+        assert _same(got[1][:, :end], want[1][:, :end]), (counts, special)
+        for i, name in ((0, "y"), (2, "scale_inv"), (3, "counts")):
+            assert _same(got[i], want[i]), (counts, special, name)
 
 
 def test_per_slice_reference():
     """The 3-D reference against the 2-D reference slice by slice (CPU; kernels below)."""
     check_slice_kernels(fa.fp8_amax_ref, fc.fp8_cast_ref)
-    check_col_map_kernel(fc.fp8_cast_ref)
+    check_grouped_kernel(fc.fp8_cast_ref)
     x = torch.randn(3, 5, 7)
     amax = torch.ops.graphtrain.fp8_amax(x, True)
     y, y_t, s_inv, _ = torch.ops.graphtrain.fp8_cast(x, amax, E4M3, False, True)
@@ -199,13 +218,13 @@ def test_bad_arguments():
     match = r"or a 3-D x \[E, R, C\] with an \[E\] float32 amax .* \(4, 2, 3\) and amax .* \(\)"
     with pytest.raises(ValueError, match=match):
         torch.ops.graphtrain.fp8_cast(torch.randn(4, 2, 3), amax, E4M3, False, False)
-    cols = torch.arange(2)
-    with pytest.raises(ValueError, match=r"t_cols needs .* transpose False, t_cols torch.int64"):
-        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, False, cols, 4)
-    with pytest.raises(ValueError, match=r"int64 \[R\] = \[2\] .* t_cols torch.int32 \(2,\)"):
-        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, True, cols.int(), 4)
-    with pytest.raises(ValueError, match="t_width 4 needs t_cols"):
-        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, True, None, 4)
+    groups = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"groups needs .* transpose False, groups torch.int32"):
+        torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, False, groups)
+    for bad in (groups.long(), groups[:0], groups[None]):
+        match = r"int32 \[G\] end rows .* " + re.escape(f"groups {bad.dtype} {tuple(bad.shape)}")
+        with pytest.raises(ValueError, match=match):
+            torch.ops.graphtrain.fp8_cast(torch.randn(2, 3), amax, E4M3, False, True, bad)
 
 
 def test_opcheck():
@@ -218,8 +237,8 @@ def test_opcheck():
             torch.ops.graphtrain.fp8_cast.default,
             (torch.randn(3, 5, 7), torch.tensor([2.5, 0.0, 1.0]), E4M3, False, transpose),
         )
-    cols = torch.tensor([6, 0, 3, 1, 4])
-    args = (torch.randn(5, 7), torch.tensor(2.5), E4M3, False, True, cols, 9)
+    groups = torch.tensor([2, 2, 4], dtype=torch.int32)
+    args = (torch.randn(5, 7), torch.tensor(2.5), E4M3, False, True, groups)
     torch.library.opcheck(torch.ops.graphtrain.fp8_cast.default, args)
 
 
@@ -248,7 +267,7 @@ def _interpreter_checks() -> None:
     assert fc._use_triton(torch.zeros(1))
     check_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
     check_slice_kernels(fa.fp8_amax_triton, fc.fp8_cast_triton)
-    check_col_map_kernel(fc.fp8_cast_triton)
+    check_grouped_kernel(fc.fp8_cast_triton)
     check_recorded(
         lambda x, amax, cls: fc.fp8_cast_triton(x, amax, E4M3, False, True, record=cls),
         torch.device("cpu"),
@@ -266,7 +285,7 @@ def test_triton_kernels_under_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kernels_match_reference():
     def cast_cuda(x, amax, *args):
-        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]  # t_cols
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]  # groups
         return [t.cpu() for t in torch.ops.graphtrain.fp8_cast(x.cuda(), amax.cuda(), *args)]
 
     def amax_cuda(x, *args):
@@ -274,7 +293,7 @@ def test_cuda_kernels_match_reference():
 
     check_kernels(amax_cuda, cast_cuda)
     check_slice_kernels(amax_cuda, cast_cuda)
-    check_col_map_kernel(cast_cuda)
+    check_grouped_kernel(cast_cuda)
     check_recorded(
         lambda x, amax, cls: torch.ops.graphtrain.fp8_cast(
             x.cuda(), amax.cuda(), E4M3, False, True, record=cls

@@ -160,6 +160,18 @@ def test_the_check_can_fail(fast_sm90):
     assert len(_problems([{**gdr, "spill_stores": 268}])) == 1  # tf32 may not spill
 
 
+def test_fp8_casts_store_16_bytes_a_thread(fast_sm90):
+    """Every fp8_cast variant writes y and y_t with 16-byte stores, the padded groups of
+    fp8_grouped_mm's wgrad layout included: a store the compiler cannot vectorise (a column
+    per row loaded from memory, as the grouped layout once was) is a byte a thread, 32 rows
+    of y_t apart in a warp, ~1/32 of the store bandwidth."""
+    casts = [r for r in fast_sm90 if r["kernel"] == "_cast_kernel"]
+    assert any(r["constexprs"]["GROUPED"] for r in casts), [r["case"] for r in casts]
+    for r in casts:
+        ops = r["global_ops"]
+        assert ops.get("STG.E.128", 0) >= 4 and not ops.get("STG.E.U8"), (r["case"], ops)
+
+
 @pytest.mark.slow  # ~25 s of CPU cold
 def test_fast_subset_compiles_within_the_limits_on_sm100(tmp_path_factory):
     records = _compile(tmp_path_factory, "fast", 100)

@@ -128,7 +128,7 @@ def test_op_arg_and_op_output_read_by_schema_name():
     node = graph.call_function(cast, (x, amax, torch.float8_e4m3fn, True, False), {"record": "a"})
     assert fx.op_arg(node, "x") is x and fx.op_arg(node, "amax") is amax
     assert fx.op_arg(node, "pow2_scale") is True and fx.op_arg(node, "transpose") is False
-    assert fx.op_arg(node, "t_width") == 0 and fx.op_arg(node, "t_cols") is None
+    assert fx.op_arg(node, "groups") is None
     assert fx.op_arg(node, "record") == "a"
     with pytest.raises(KeyError, match="no argument 'scale'"):
         fx.op_arg(node, "scale")

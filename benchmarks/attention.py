@@ -7,6 +7,9 @@ What
     it (its loader's first micro-batch: the documents of the e2e rows), bf16; rows:
         flex (Triton)     models.gpt.attend with graphtrain's document BlockMask, compiled:
                           the CUDA default (training.attention=flex)
+        flex TMA          the same call with kernel_options USE_TMA: the Triton kernel loading
+                          q, k and v with Hopper's tensor memory accelerator (off by default
+                          on CUDA in torch 2.11; it compiles for sm_90 on the CPU machine)
         flex FLASH (FA4)  the same call with kernel_options BACKEND=FLASH: FlexAttention's
                           FlashAttention-4 backend (torch 2.11 has it; it needs the
                           flash-attn-4 package, flash_attn.cute, and nvidia-cutlass-dsl, whose
@@ -81,12 +84,12 @@ def reference(q, k, v, grad_out, document_ids) -> list[torch.Tensor]:
     return [out.detach(), *torch.autograd.grad(out, xs, grad_out.float())]
 
 
-def flex_flash(q, k, v, block_mask):
-    """models.gpt.attend's FlexAttention call with the FlashAttention-4 backend."""
+def flex_with(q, k, v, block_mask, kernel_options):
+    """models.gpt.attend's FlexAttention call with kernel_options (USE_TMA, BACKEND=FLASH)."""
     B, T = q.shape[:2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = flex_attention(
-        q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options={"BACKEND": "FLASH"}
+        q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=kernel_options
     )
     return out.transpose(1, 2).reshape(B, T, -1)
 
@@ -97,15 +100,20 @@ def candidates(document_ids: torch.Tensor, device: torch.device) -> dict[str, Ca
     block_mask = build_attention_mask(document_ids, "flex", device)
     rows["flex (Triton)"] = functools.partial(torch.compile(attend), attn_mask=block_mask)
     if device.type != "cuda":
-        rows["flex FLASH (FA4)"] = rows["varlen (FA2)"] = "not run: needs CUDA"
+        rows["flex TMA"] = rows["flex FLASH (FA4)"] = rows["varlen (FA2)"] = "not run: needs CUDA"
         return rows
+    compiled = torch.compile(flex_with, dynamic=False)
+    rows["flex TMA"] = functools.partial(
+        compiled, block_mask=block_mask, kernel_options={"USE_TMA": True}
+    )
     if importlib.util.find_spec("flash_attn") is None or (
         importlib.util.find_spec("flash_attn.cute") is None
     ):
         rows["flex FLASH (FA4)"] = "not run: flash_attn.cute (flash-attn-4) is not installed"
     else:
-        compiled = torch.compile(flex_flash, dynamic=False)
-        rows["flex FLASH (FA4)"] = functools.partial(compiled, block_mask=block_mask)
+        rows["flex FLASH (FA4)"] = functools.partial(
+            compiled, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"}
+        )
     spans = build_attention_mask(document_ids.cpu(), "varlen", device)
     rows["varlen (FA2)"] = functools.partial(attend, attn_mask=spans)
     rows["sdpa causal, no documents"] = functools.partial(torch.compile(attend), attn_mask=None)

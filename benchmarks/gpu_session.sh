@@ -224,11 +224,12 @@ stages() {
         ;;
     profile)
         # attention.py: 1b's attention over the default corpus's packed documents (the e2e
-        # rows' batches), fwd and fwd+bwd: flex (Triton, the default), varlen (FlashAttention-2),
+        # rows' batches), fwd and fwd+bwd: flex (Triton, the default), flex with Hopper's TMA
+        # loads (USE_TMA, off by default in torch 2.11), varlen (FlashAttention-2),
         # flex's FlashAttention-4 backend where flash-attn-4 is installed (not in .whl/: its
         # CUDA library wheel alone is ~92 MB), causal SDPA
         # without documents as a bound; each against fp32 math. The 1.15x verdict's attention
-        # term (~23 ms of a 1b step). Tokeniser and corpus as e2e's, then ~4 compiles: ~1-2 min.
+        # term (~19 ms of a 1b step). Tokeniser and corpus as e2e's, then ~5 compiles: ~1-2 min.
         bench attention 150 attention.py
         # `graphtrain inspect --profile 3`: the regions compiled with the default passes, 3 steps
         # under torch.profiler, kernel time by region, FX node and source line (summary.txt,

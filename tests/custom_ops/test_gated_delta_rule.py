@@ -230,7 +230,11 @@ def _interpreter_checks() -> None:
     names = ("q_state", "intra", "u_v", "u_s", "k_end", "chunk_decay")
     for name, a, b in zip(names, grads, expected, strict=True):
         assert b.abs().max() > 0, name
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+        # fp32 sums of up to ~40 products whose gradients reach ~180 here: an element near
+        # zero carries the rounding of its large terms (2^-24 x 180 x sqrt(40) ~ 7e-5), so
+        # the absolute bound follows the gradient's scale (a missing or wrong term is O(1))
+        atol = 1e-6 * b.abs().max().item()
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=atol, msg=name)
     print("interpreter recurrence ok")
     _compiled_block_with_our_kernels()
     print("interpreter all ok")

@@ -19,9 +19,9 @@ What
 Numerics
     An all-zero x casts to zeros, never NaN. A NaN makes every element NaN; an inf makes that
     element NaN: the trainer's non-finite check stops the run with the step named. Power-of-two
-    scales make the scaling exact at the cost of up to one bit of range. The kernel (the GPU's
-    cvt.rn.satfinite, or a byte built by hand in the interpreter) equals torch's conversion
-    bit for bit (fp8_cast_ref), an input NaN's sign too.
+    scales make the scaling exact at the cost of up to one bit of range. The kernel (each byte
+    built by integer arithmetic) equals torch's conversion bit for bit (fp8_cast_ref), an
+    input NaN's sign too.
     Why both layouts, the per-slice and padded-groups casts, the kernel: docs/design/fp8.md.
 """
 
@@ -42,7 +42,6 @@ _FORMATS = {
     torch.float8_e5m2: (57344.0, -14, 2, 57344.0 + 4096.0),
 }
 FP8_DTYPES = tuple(_FORMATS)
-_TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 # torch._scaled_grouped_mm's groups along K start at multiples of 16 FP8 elements (16 bytes)
 GROUP_ALIGN = 16
@@ -272,8 +271,6 @@ def _cast_kernel(
     CLIP: tl.constexpr,
     EMIN: tl.constexpr,
     MBITS: tl.constexpr,
-    FP8: tl.constexpr,  # the Triton type of the format (NATIVE)
-    NATIVE: tl.constexpr,  # convert with the GPU's instruction (not in the interpreter)
     TRANSPOSE: tl.constexpr,
     GROUPED: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -299,11 +296,9 @@ def _cast_kernel(
     v = x * scale
     clipped = tl.abs(v) > CLIP
     v = tl.where(v > FP8_MAX, FP8_MAX, tl.where(v < -FP8_MAX, -FP8_MAX, v))  # NaN stays NaN
-    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
-    if NATIVE:  # the GPU's conversion (nearest-even, subnormals kept); a NaN keeps its sign
-        code = v.to(FP8).to(tl.uint8, bitcast=True).to(tl.int32) | sign
-    else:  # built by hand: the interpreter's conversion flushes FP8 subnormals
-        code = _fp8_code(v, EMIN, MBITS) | sign
+    # built by hand, on the GPU too (docs/design/fp8.md: the native conversion stored wrong
+    # bytes on an H200; the interpreter's flushes FP8 subnormals)
+    code = _fp8_code(v, EMIN, MBITS) | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
     flushed = (x != 0) & ((code & 0x7F) == 0)
     code = code.to(tl.uint8)
     tl.store(y_ptr + rows[:, None] * C + cols[None, :], code, mask=mask)
@@ -385,8 +380,6 @@ def fp8_cast_triton(
         CLIP=clip,
         EMIN=emin,
         MBITS=mbits,
-        FP8=_TRITON_FP8[float8_dtype],
-        NATIVE=not _interpreting(),
         TRANSPOSE=transpose,
         GROUPED=G > 0,
         BLOCK_R=BLOCK_R,

@@ -195,7 +195,9 @@ class CompileConfig:
     gdr_kernels: Literal["auto", "triton", "fla"] = option(
         "auto",
         "The Gated DeltaNet op's CUDA kernels (pass gated_delta_rule): triton (graphtrain's), fla "
-        "(flash-linear-attention's, the fla extra), or auto: fla where it imports, else triton.",
+        "(flash-linear-attention's, the fla extra), or auto: fla where it imports and runs (its "
+        "backward refuses Hopper with triton >= 3.4, < 3.7.1 unless tilelang is installed), else "
+        "triton.",
     )
     cudagraph_mtp: bool = option(
         True,

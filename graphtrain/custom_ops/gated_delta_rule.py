@@ -11,8 +11,8 @@ What
         -> (dq, dk, dv, dg, dbeta), each in its input's dtype.
     chunk_size: the reference's schedule only (kept so that the op on CPU repeats the model's
     eager numerics exactly). kernels, on CUDA: "triton" (ours), "fla" (flash-linear-attention's,
-    the optional fla-core package; a clear error where it is missing), "auto" (fla where it
-    imports, else ours). CPU and float64 run the reference.
+    the optional fla-core package; a clear error where it is missing or refuses the GPU),
+    "auto" (fla where it imports and runs, else ours). CPU and float64 run the reference.
 
 Layers (docs/design/gated_delta_rule.md, "The op"): GatedDeltaRuleOptions, the reference
 chunk_gated_delta_rule_ref, our CUDA path (the model's chunked form with its loop over chunks
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -473,12 +474,40 @@ def chunk_gated_delta_rule_backward_fla(
 # --------------------------------------------------------------------------------------------
 
 
+def fla_refusal() -> str | None:
+    """Why FLA's kernels refuse the op's backward on this machine's current GPU, or None.
+    fla-core (0.6) raises in its gated backward on Hopper with Triton >= 3.4.0 and < 3.7.1
+    unless tilelang is installed (wrong results there, its issue #640): an H200 with triton
+    3.6.0 hit it on 2026-11-28."""
+    major_minor = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
+    if (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0)
+        and (3, 4, 0) <= major_minor < (3, 7, 1)
+        and importlib.util.find_spec("tilelang") is None
+    ):
+        return (
+            f"fla-core's gated backward refuses Hopper GPUs with triton {triton.__version__} "
+            "(>= 3.4.0 and < 3.7.1: wrong results, its issue #640) unless tilelang is installed"
+        )
+    return None
+
+
 def choose_kernels(kernels: str, dtype: torch.dtype, device_type: str) -> str:
     """The code that runs the op: "reference" (CPU, float64), else "fla" or "triton" for the
-    option `kernels` (module docstring)."""
+    option `kernels` (module docstring): "auto" takes FLA's where they import and run here
+    (fla_refusal), "fla" raises where they refuse."""
     if device_type != "cuda" or dtype == torch.float64:
         return "reference"
-    if kernels == "fla" or (kernels == "auto" and fla_importable()):
+    if kernels == "fla":
+        refusal = fla_refusal()
+        if refusal is not None:
+            raise RuntimeError(
+                f"compile.gdr_kernels='fla': {refusal}; use 'triton' (graphtrain's kernels) "
+                "or 'auto', or install tilelang or triton >= 3.7.1"
+            )
+        return "fla"
+    if kernels == "auto" and fla_importable() and fla_refusal() is None:
         return "fla"
     return "triton"
 

@@ -115,7 +115,28 @@ FLA_INSTALLED = gdr.fla_importable()
 )
 def test_choose_kernels(monkeypatch, kernels, dtype, device, fla_imports, expected):
     monkeypatch.setattr(gdr, "fla_importable", lambda: fla_imports)
+    monkeypatch.setattr(gdr, "fla_refusal", lambda: None)
     assert gdr.choose_kernels(kernels, dtype, device) == expected
+
+
+def test_fla_refused_on_hopper_with_the_triton_fla_rejects(monkeypatch):
+    """fla-core's gated backward raises on Hopper with Triton >= 3.4.0 and < 3.7.1 (seen on an
+    H200 with triton 3.6.0): "auto" then takes ours, "fla" says why and what to do."""
+    monkeypatch.setattr(gdr, "fla_importable", lambda: True)
+    monkeypatch.setattr(gdr.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gdr.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(gdr.importlib.util, "find_spec", lambda name: None)
+    for version, refused in (("3.3.1", False), ("3.6.0", True), ("3.7.1", False)):
+        monkeypatch.setattr(gdr.triton, "__version__", version)
+        assert (gdr.fla_refusal() is not None) == refused, version
+        assert gdr.choose_kernels("auto", torch.bfloat16, "cuda") == (
+            "triton" if refused else "fla"
+        )
+    monkeypatch.setattr(gdr.triton, "__version__", "3.6.0")
+    with pytest.raises(RuntimeError, match=r"gdr_kernels='fla': .* triton 3\.6\.0 .* 'triton'"):
+        gdr.choose_kernels("fla", torch.bfloat16, "cuda")
+    monkeypatch.setattr(gdr.torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    assert gdr.fla_refusal() is None  # Blackwell: FLA runs
 
 
 @pytest.mark.parametrize(
@@ -409,7 +430,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # loop's kernels); FLA's dots take fp32 inputs as TF32 (10-bit mantissa).
 KERNELS_FP32_TOL = [
     ("triton", 1e-4),
-    pytest.param("fla", 5e-3, marks=pytest.mark.skipif(not FLA_INSTALLED, reason="no fla-core")),
+    pytest.param(
+        "fla",
+        5e-3,
+        marks=pytest.mark.skipif(
+            not FLA_INSTALLED or gdr.fla_refusal() is not None,
+            reason=f"no fla-core, or it refuses this GPU: {gdr.fla_refusal()}",
+        ),
+    ),
 ]
 
 

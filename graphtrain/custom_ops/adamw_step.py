@@ -157,8 +157,9 @@ def _update(
     c_ptr,
     offs,
     mask,
-    beta1,
+    lerp1,
     beta2,
+    lerp2,
     eps,
     decay,
     step_size,
@@ -177,8 +178,8 @@ def _update(
     v = _load_f32(v_ptr, offs, mask, BF16_STATE)
     # torch's order: decay, lerp (weight < 0.5 form), mul + addcmul, denom, addcdiv.
     p = p * decay
-    m = m + (1.0 - beta1) * (g - m)
-    v = v * beta2 + (1.0 - beta2) * (g * g)
+    m = m + lerp1 * (g - m)
+    v = v * beta2 + lerp2 * (g * g)
     # Correctly rounded sqrt and divisions, as torch's (Triton's plain fp32 "/" is approximate).
     denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
@@ -198,8 +199,9 @@ def _adamw_step_kernel(
     addr_ptr,  # [num_tensors, 5] int64: param, grad, exp_avg, exp_avg_sq, copy
     numel_ptr,  # [num_tensors] int64
     blocks_ptr,  # [num_blocks, 2] int32: tensor index, block index within it
-    beta1,
-    beta2,
+    lerp1,  # 1 - beta1, the moments' weights: computed on the host in float64 as torch's
+    beta2,  # scalars are (1 - beta in fp32 arithmetic is 2^-22 off for 0.9 and 0.95)
+    lerp2,  # 1 - beta2
     eps,
     decay,  # 1 - lr * weight_decay
     step_size,  # lr / (1 - beta1 ** step)
@@ -229,7 +231,7 @@ def _adamw_step_kernel(
         g_scale = tl.load(scale_ptr)
     else:
         g_scale = 1.0
-    hyper = (beta1, beta2, eps, decay, step_size, bias2_sqrt, g_scale)
+    hyper = (lerp1, beta2, lerp2, eps, decay, step_size, bias2_sqrt, g_scale)
     if (block + 1) * BLOCK <= numel:
         # A full block: a constant mask, which the compiler sees through (vector accesses).
         full = tl.full((BLOCK,), True, tl.int1)
@@ -293,8 +295,9 @@ def adamw_step_triton(
         addrs,
         numels,
         blocks,
-        beta1,
+        1 - beta1,
         beta2,
+        1 - beta2,
         eps,
         1 - lr * weight_decay,
         lr / (1 - beta1**step),

@@ -296,7 +296,7 @@ def test_kernel_compiles_for_h100_with_vector_accesses(bf16_state):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    scalars = ("beta1", "beta2", "eps", "decay", "step_size", "bias2_sqrt")
+    scalars = ("lerp1", "beta2", "lerp2", "eps", "decay", "step_size", "bias2_sqrt")
     constexprs = {"BF16_STATE": bf16_state, "HAS_COPY": True, "HAS_SCALE": True}
     constexprs |= {"ALIGNED": True, "BLOCK": 1024}
     signature = {"addr_ptr": "*i64", "numel_ptr": "*i64", "blocks_ptr": "*i32"}

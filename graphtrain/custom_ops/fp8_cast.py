@@ -95,12 +95,16 @@ def padded_width(R: int, G: int) -> int:
     return -(-R // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * G
 
 
+def _group_sizes(groups: Tensor) -> tuple[Tensor, Tensor]:
+    """(rows, padded columns) of each group: max(16, ceil16(rows)) columns; on the device."""
+    counts = torch.diff(groups, prepend=groups.new_zeros(1))
+    return counts, torch.where(counts > 0, -(-counts // GROUP_ALIGN) * GROUP_ALIGN, GROUP_ALIGN)
+
+
 def padded_offsets(groups: Tensor) -> Tensor:
     """End columns (int32 [G]) of the padded groups of rows ending at `groups`: group g has
     max(16, ceil16(rows)) columns; on the device, no host sync."""
-    counts = torch.diff(groups, prepend=groups.new_zeros(1))
-    padded = torch.where(counts > 0, -(-counts // GROUP_ALIGN) * GROUP_ALIGN, GROUP_ALIGN)
-    return torch.cumsum(padded, 0, dtype=torch.int32)
+    return torch.cumsum(_group_sizes(groups)[1], 0, dtype=torch.int32)
 
 
 def _check(
@@ -164,8 +168,7 @@ def _padded_groups_ref(y: Tensor, groups: Tensor) -> Tensor:
     groups[-1] after the last group (the kernel leaves those columns unwritten). No host
     read (meta tensors too)."""
     R, C = y.shape
-    counts = torch.diff(groups, prepend=groups.new_zeros(1))
-    padded = torch.where(counts > 0, -(-counts // GROUP_ALIGN) * GROUP_ALIGN, GROUP_ALIGN)
+    counts, padded = _group_sizes(groups)
     ends = padded_offsets(groups)
     shift = torch.cat([ends - padded - groups + counts, ends[-1:] - groups[-1:]])  # col - row
     rows = torch.arange(R, device=y.device)

@@ -474,16 +474,17 @@ def chunk_gated_delta_rule_backward_fla(
 # --------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def fla_refusal() -> str | None:
-    """Why FLA's kernels refuse the op's backward on this machine's current GPU, or None.
-    fla-core (0.6) raises in its gated backward on Hopper with Triton >= 3.4.0 and < 3.7.1
-    unless tilelang is installed (wrong results there, its issue #640): an H200 with triton
-    3.6.0 hit it on 2026-11-28."""
-    major_minor = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
+    """Why FLA's kernels refuse the op's backward on this machine's GPU, or None (asked once:
+    the op asks at every call). fla-core (0.6) raises in its gated backward on Hopper with
+    Triton >= 3.4.0 and < 3.7.1 unless tilelang is installed (wrong results there, its issue
+    #640): an H200 with triton 3.6.0 hit it on 2026-11-28."""
+    version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
     if (
         torch.cuda.is_available()
         and torch.cuda.get_device_capability() == (9, 0)
-        and (3, 4, 0) <= major_minor < (3, 7, 1)
+        and (3, 4, 0) <= version < (3, 7, 1)
         and importlib.util.find_spec("tilelang") is None
     ):
         return (

@@ -169,7 +169,7 @@ def _padded_groups_ref(y: Tensor, groups: Tensor) -> Tensor:
     read (meta tensors too)."""
     R, C = y.shape
     counts, padded = _group_sizes(groups)
-    ends = padded_offsets(groups)
+    ends = torch.cumsum(padded, 0, dtype=torch.int32)
     shift = torch.cat([ends - padded - groups + counts, ends[-1:] - groups[-1:]])  # col - row
     rows = torch.arange(R, device=y.device)
     cols = rows + shift.long()[torch.searchsorted(groups, rows.int(), right=True)]

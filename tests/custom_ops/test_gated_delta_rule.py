@@ -126,7 +126,6 @@ def test_fla_refused_on_hopper_with_the_triton_fla_rejects(monkeypatch):
     monkeypatch.setattr(gdr.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gdr.torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(gdr.importlib.util, "find_spec", lambda name: None)
-    gdr.fla_refusal.cache_clear()
     monkeypatch.setattr(gdr, "fla_refusal", gdr.fla_refusal.__wrapped__)  # uncached here
     for version, refused in (("3.3.1", False), ("3.6.0", True), ("3.7.1", False)):
         monkeypatch.setattr(gdr.triton, "__version__", version)

@@ -7,7 +7,9 @@ fresh process state as in a launch of its own (torch's distributed caches are ke
 shape, so a second job in the same process can meet the groups of the first: seen as "Could not
 resolve the process group"). Each job's process group lives on its own key space of
 torchrun's store (groups started again on the same keys hung: seen with gloo). The first job
-that fails ends the launch with its exit code."""
+that fails ends the launch with its exit code. Before the forks, one tiny compiled forward and
+backward: a process's first compile imports ~600 modules (Dynamo's backends, AOTAutograd, the
+partitioner and its networkx; ~1 s), which every job would import again after its fork."""
 
 import faulthandler
 import json
@@ -15,6 +17,7 @@ import os
 import sys
 import traceback
 
+import torch
 import torch.distributed as dist
 
 import graphtrain.trainer  # noqa: F401  imported once, before the forks
@@ -29,8 +32,15 @@ def _job(index: int, args: list[str]) -> int:
     return main(["train", *args])
 
 
+def _warm_up() -> None:
+    x = torch.ones(2, requires_grad=True)
+    torch.compile(lambda t: t.sin().sum(), backend="aot_eager")(x).backward()
+    torch._dynamo.reset()  # each job starts from Dynamo's fresh state
+
+
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a job killed by a signal prints its stacks
+    _warm_up()
     for index, args in enumerate(json.loads(sys.argv[1])):
         pid = os.fork()
         if pid == 0:

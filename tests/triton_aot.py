@@ -16,7 +16,8 @@ Run as a script in its own process (the patches and the stub driver never enter 
     python tests/triton_aot.py --subset fast|ci|all --arch 90|100 --out records.json
 Each record: case, kernel, constexprs, num_warps, num_stages, shared, regs, spill_stores,
 spill_loads, global_ops (SASS global loads and stores by width, e.g. {"STG.E.128": 4}),
-compile_s, error (None when it compiled).
+instructions (SASS, static: a straight-line kernel's work a thread), compile_s, error (None
+when it compiled).
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ def _ptxas(ptx: str, arch: int) -> dict[str, int | None]:
     }
 
 
-def _global_ops(cubin: bytes) -> dict[str, int]:
-    """The SASS global loads and stores of a compiled kernel by width (static counts, from the
-    triton wheel's cuobjdump): "STG.E.U8" is a byte a thread, "STG.E.128" 16 bytes."""
+def _sass(cubin: bytes) -> dict:
+    """global_ops, the SASS global loads and stores of a compiled kernel by width (static
+    counts, from the triton wheel's cuobjdump: "STG.E.U8" is a byte a thread, "STG.E.128" 16
+    bytes), and instructions, its SASS instruction count."""
     from collections import Counter
 
     from triton import knobs
@@ -115,7 +117,10 @@ def _global_ops(cubin: bytes) -> dict[str, int]:
         )
     finally:
         os.unlink(f.name)
-    return dict(Counter(re.findall(r"\b((?:LDG|STG)\.E[\w.]*)", run.stdout)))
+    return {
+        "global_ops": dict(Counter(re.findall(r"\b((?:LDG|STG)\.E[\w.]*)", run.stdout))),
+        "instructions": len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", run.stdout)),
+    }
 
 
 def _install(arch: int) -> None:
@@ -181,7 +186,7 @@ def _install(arch: int) -> None:
             record["num_warps"] = compiled.metadata.num_warps
             record["num_stages"] = compiled.metadata.num_stages
             record.update(_ptxas(compiled.asm["ptx"], arch))
-            record["global_ops"] = _global_ops(compiled.asm["cubin"])
+            record.update(_sass(compiled.asm["cubin"]))
         except Exception as error:  # a compile error is what we report
             record["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             record["traceback"] = traceback.format_exc()[-2000:]

@@ -201,20 +201,25 @@ def fp8_cast_ref(
 
 @triton.jit
 def _fp8_code(v, EMIN: tl.constexpr, MBITS: tl.constexpr):
-    """The FP8 byte of |v| (v fp32, |v| <= the format's max or NaN), sign bit clear."""
+    """The FP8 byte of |v| (v fp32, |v| <= the format's max or NaN), sign bit clear, rounded to
+    nearest even, in integer arithmetic on v's bits."""
     a = tl.abs(v)
-    # Round |v| to the FP8 grid: the spacing there is 2^(max(e, EMIN) - MBITS); adding and
-    # subtracting 2^23 times the spacing rounds to nearest-even in fp32.
-    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
-    magic = ((e - MBITS + 23 + 127) << 23).to(tl.float32, bitcast=True)
-    r = (a + magic) - magic
-    rbits = r.to(tl.int32, bitcast=True)
-    normal = (((rbits >> 23) - 127 - EMIN + 1) << MBITS) | (
-        (rbits >> (23 - MBITS)) & ((1 << MBITS) - 1)
+    bits = a.to(tl.int32, bitcast=True)
+    # From 2^EMIN up: the mantissa rounded to MBITS bits in place (half less one, plus the kept
+    # lowest bit: ties to even; a carry moves into the exponent), the exponent rebiased from
+    # 127 to 1 - EMIN.
+    keep = bits >> (23 - MBITS)
+    normal = ((bits + ((1 << (22 - MBITS)) - 1) + (keep & 1)) >> (23 - MBITS)) - (
+        (126 + EMIN) << MBITS
     )
-    subnormal = (r * (2.0 ** (MBITS - EMIN))).to(tl.int32)
-    code = tl.where(r >= 2.0**EMIN, normal, subnormal)
-    return tl.where(a != a, 0x7F, code)
+    # Below (FP8 subnormals): adding 2^(EMIN - MBITS + 23) rounds |v| to their spacing
+    # 2^(EMIN - MBITS), whose count is then the sum's low bits (2^EMIN itself: 1 << MBITS,
+    # its normal code).
+    subnormal = (a + 2.0 ** (EMIN - MBITS + 23)).to(tl.int32, bitcast=True) - (
+        (EMIN - MBITS + 150) << 23
+    )
+    # a NaN's exponent makes `normal` above 0x7F: the minimum is the NaN code 0x7F
+    return tl.minimum(tl.where(a < 2.0**EMIN, subnormal, normal), 0x7F)
 
 
 @triton.jit
@@ -298,7 +303,7 @@ def _cast_kernel(
         )
     v = x * scale
     clipped = tl.abs(v) > CLIP
-    v = tl.where(v > FP8_MAX, FP8_MAX, tl.where(v < -FP8_MAX, -FP8_MAX, v))  # NaN stays NaN
+    v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     # built by hand, on the GPU too (docs/design/fp8.md: the native conversion stored wrong
     # bytes on an H200; the interpreter's flushes FP8 subnormals)
     code = _fp8_code(v, EMIN, MBITS) | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
@@ -306,16 +311,21 @@ def _cast_kernel(
     code = code.to(tl.uint8)
     tl.store(y_ptr + rows[:, None] * C + cols[None, :], code, mask=mask)
     if TRANSPOSE:
-        # the tile transposed in registers, so that the store runs along rows of y_t; with
-        # GROUPED, col0 is a multiple of 16 and the mask whole 16-column chunks (the rows past
-        # row_end are zeros: the group's padding), so the stores are 16 bytes wide
+        # y_t's tile is y's bytes read back transposed (from L2, after the barrier that
+        # orders this block's stores before its loads): transposing in registers made the
+        # compiler move the transpose onto x and compute every byte twice, once per layout
+        # (docs/design/fp8.md). With GROUPED, col0 is a multiple of 16 and the mask whole
+        # 16-column chunks (the rows past row_end are zeros: the group's padding), so the
+        # stores are 16 bytes wide.
         r = tl.arange(0, BLOCK_R)
         dst = (col0 // 16).to(tl.int64) * 16 + r
+        tl.debug_barrier()
+        t_load = (cols < C)[:, None] & (rows < row_end)[None, :]
+        code_t = tl.load(y_ptr + rows[None, :] * C + cols[:, None], mask=t_load, other=0)
         if GROUPED:  # the padding: zeros whatever the scale (a NaN one too)
             t_mask = ((r // 16) < (n_cols // 16))[None, :] & (cols < C)[:, None]
-            code_t = tl.trans(tl.where(mask, code, 0))
         else:
-            t_mask, code_t = tl.trans(mask), tl.trans(code)
+            t_mask = t_load
         tl.store(yt_ptr + cols[:, None] * T_STRIDE + dst[None, :], code_t, mask=t_mask)
     # the tile's counts, added where nonzero (most tiles clip nothing: few atomics contend)
     n_clipped = tl.sum(tl.sum((clipped & mask).to(tl.int32), 1), 0).to(tl.int64)

@@ -33,13 +33,16 @@ SPECIALS = ("random", "zero", "nan", "inf", "subnormal", "saturate", "ties")
 
 
 def _ties(n: int, g: torch.Generator) -> torch.Tensor:
-    """n values cycling through every finite E4M3 value and every midpoint between neighbours
-    (normal and subnormal), random signs, 448 first: with amax 448 the E4M3 scale is 1 and the
-    E5M2 scale 128, so the midpoints are exact ties of E4M3's grid and half the values ties of
-    E5M2's (round to nearest-even decides them)."""
+    """n values cycling through every finite E4M3 value, every midpoint between neighbours
+    (normal and subnormal) and the fp32 neighbours of each midpoint, random signs, 448 first:
+    with amax 448 the E4M3 scale is 1 and the E5M2 scale 128, so the midpoints are exact ties
+    of E4M3's grid and half the values ties of E5M2's (round to nearest-even decides them,
+    one fp32 ulp off a tie decides the direction)."""
     grid = torch.arange(128, dtype=torch.uint8).view(E4M3).float()
     grid = grid[grid.isfinite()].unique()
-    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    mid = (grid[1:] + grid[:-1]) / 2
+    off = (torch.nextafter(mid, torch.tensor(1e9)), torch.nextafter(mid, torch.tensor(0.0)))
+    values = torch.cat([grid, mid, *off])
     values = values[torch.randperm(values.numel(), generator=g)].repeat(n // values.numel() + 1)
     signs = torch.randint(0, 2, (n,), generator=g) * 2 - 1
     return torch.cat([torch.tensor([448.0]), values[: n - 1] * signs[1:]])

@@ -20,6 +20,9 @@ What
         graphtrain-fast       the same, mode="fast" (fp32 grad_weight accumulation: into the
                               fp32 gradient itself for fp32-master, an fp32 buffer for bf16)
         graphtrain-fast-bf16acc  mode="fast", fp32_accumulator=False (bf16 weights only)
+        graphtrain-fast-1chunk   mode="fast", all N tokens in one chunk (token_chunk=N): no
+                              fp32 buffer and no accumulation, the [N, V] logits held at once
+                              (the automatic chunk takes it only where that is no more memory)
         graphtrain-pass       the plain code compiled with graphtrain's backend (Inductor); the
                               fuse_linear_cross_entropy pass inserts the op in the mode it picks
     Peers are imported when their row runs; a missing or failing one is a row saying why.
@@ -83,6 +86,7 @@ IMPLS = (
     "graphtrain-low_memory",
     "graphtrain-fast",
     "graphtrain-fast-bf16acc",
+    "graphtrain-fast-1chunk",
     "graphtrain-pass",
 )
 PEERS = ("liger", "liger-fp32-accum", "cut-cross-entropy", "torch-lce")  # not graphtrain's rows
@@ -143,8 +147,13 @@ def build(
         opts = {"mode": "low_memory" if impl.endswith("low_memory") else "fast"}
         if impl.endswith("bf16acc"):
             opts["fp32_accumulator"] = False
+        one_chunk = impl.endswith("1chunk")
         op = torch.ops.graphtrain.linear_cross_entropy
-        return (lambda h, w, t: op(h.to(torch.bfloat16), w, t, **opts)), ""
+        return (
+            lambda h, w, t: op(
+                h.to(torch.bfloat16), w, t, **opts, token_chunk=h.shape[0] if one_chunk else 0
+            )
+        ), ""
     if impl == "eager":
         fn, note = plain, ""
     elif impl == "torch.compile":
@@ -223,7 +232,8 @@ def inputs(
 def _verdicts(label: str, results: dict[str, tuple[float, float, float]]) -> list[str]:
     out = []
     compiled, liger = results.get("torch.compile"), results.get("liger")
-    for ours in ("graphtrain-fast", "graphtrain-fast-bf16acc", "graphtrain-pass"):
+    for ours in ("graphtrain-fast", "graphtrain-fast-bf16acc", "graphtrain-fast-1chunk",
+                 "graphtrain-pass"):  # fmt: skip
         if ours in results and compiled:
             ms, gib, _ = results[ours]
             out.append(

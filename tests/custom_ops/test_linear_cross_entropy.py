@@ -823,13 +823,16 @@ def test_cuda_matches_float64(reduction, dtype):
     (torch.bfloat16, True),  # fp32 [V, H] buffer
     (torch.bfloat16, False),  # bf16 accumulation over at most four chunks
 ])  # fmt: skip
-def test_cuda_fast_mode(reduction, weight_dtype, fp32_accumulator):
-    """Fast mode on the GPU, several token chunks (token_chunk=300 of 1000 rows), by SNR
-    against float64 on the bf16-rounded operands; grad_weight in the weight's dtype."""
+@pytest.mark.parametrize("token_chunk", [300, 0])
+def test_cuda_fast_mode(reduction, weight_dtype, fp32_accumulator, token_chunk):
+    """Fast mode on the GPU, several token chunks (token_chunk=300 of 1000 rows: the first
+    writes grad_weight, the others add) or one (0: automatic, all 1000 rows; a 16-bit
+    weight's gradient straight from the GEMM), by SNR against float64 on the bf16-rounded
+    operands; grad_weight in the weight's dtype."""
     hidden, weight, target = make_inputs(43, N=1000, H=520, V=9000, device="cuda")
     hidden, weight = hidden.to(torch.bfloat16), weight.to(weight_dtype)
     opts = dict(label_smoothing=0.1, z_loss=1e-4, reduction=reduction)
-    fast = dict(mode="fast", fp32_accumulator=fp32_accumulator, token_chunk=300)
+    fast = dict(mode="fast", fp32_accumulator=fp32_accumulator, token_chunk=token_chunk)
     out, gh, gw = grads(
         lambda h, w: torch.ops.graphtrain.linear_cross_entropy(h, w, target, **opts, **fast),
         hidden,

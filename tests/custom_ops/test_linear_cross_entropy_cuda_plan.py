@@ -67,12 +67,20 @@ def test_input_dtype_accumulation_chunks(N, V):
 
 
 def test_extra_bytes_follow_the_chunk():
-    """The pass's budget figure is the buffer the CUDA path allocates (plus the fp32 buffer)."""
+    """The pass's budget figure is the buffer the CUDA path allocates, plus the fp32 grad_weight
+    buffer of a 16-bit weight with fp32_accumulator where it takes more than one chunk; where
+    one chunk's logits take no more than both, one chunk (no fp32 buffer)."""
     N, H, V = 8192, 4096, 128256
     bf16, f32 = torch.bfloat16, torch.float32
     assert fast_mode_extra_bytes(N, H, V, bf16, f32, True) == 2048 * V * 2
-    assert fast_mode_extra_bytes(N, H, V, bf16, bf16, True) == 2048 * V * 2 + V * H * 4
     assert fast_mode_extra_bytes(N, H, V, bf16, bf16, False) == 2048 * V * 2
+    # 8192 rows of logits (2.1 GB) against 2048 rows and the fp32 [V, H] buffer (2.6 GB)
+    assert _fast_token_chunk(N, V, 2, False, V * H * 4) == N
+    assert fast_mode_extra_bytes(N, H, V, bf16, bf16, True) == N * V * 2
+    # 16384 x 2048 x 151936: 5.0 GB against 0.6 + 1.2: chunked
+    N, H, V = 16384, 2048, 151936
+    assert _fast_token_chunk(N, V, 2, False, V * H * 4) == 2048
+    assert fast_mode_extra_bytes(N, H, V, bf16, bf16, True) == 2048 * V * 2 + V * H * 4
 
 
 class _Recorder:
@@ -131,11 +139,13 @@ def test_dh_launch_is_one_fixed_tile(monkeypatch, dtype, tile, launch):
 def test_fast_mode_grad_weight_is_cublas_into_the_accumulator(monkeypatch):
     """Fast mode with 16-bit operands and an fp32 weight (the trainer's master head) at
     8192 x 4096 x 128256: grad_weight is one cuBLAS GEMM per token chunk, torch.addmm with
-    out_dtype fp32 into the fp32 accumulator itself (the chunks add up in it), never the Triton
-    accumulation kernel; the accumulator is the gradient returned (meta tensors)."""
+    out_dtype fp32 into the fp32 accumulator itself (the first chunk writes it, beta=0: no zero
+    fill and no read; the others add), never the Triton accumulation kernel; the accumulator is
+    the gradient returned (meta tensors)."""
     calls = []
 
-    def addmm(acc, a, b, *, out_dtype, out):
+    def addmm(acc, a, b, *, beta, out_dtype, out):
+        assert beta == (0 if not calls else 1)
         calls.append((acc, a.shape, a.stride(), b.shape, out_dtype, out))
         return out
 

@@ -50,6 +50,7 @@ from graphtrain.custom_ops.linear_cross_entropy.options import (
     LCEOptions,
     _at_most_four_chunks,
     _fast_token_chunk,
+    _fp32_buffer_bytes,
     _input_dtype_accumulation,
 )
 from graphtrain.custom_ops.utils import interpreting as _interpreting
@@ -333,7 +334,8 @@ def _lce_triton_fast(
     if opts.token_chunk:
         rows = _at_most_four_chunks(opts.token_chunk, N) if in_dtype_acc else opts.token_chunk
     else:
-        rows = _fast_token_chunk(N, V, hidden.element_size(), in_dtype_acc)
+        fp32_buffer = _fp32_buffer_bytes(V, H, weight.dtype, opts.fp32_accumulator)
+        rows = _fast_token_chunk(N, V, hidden.element_size(), in_dtype_acc, fp32_buffer)
     col_chunk = vocab_chunk or _MAX_VOCAB_CHUNK  # the stats kernel holds a piece of a row
 
     lse = lse_in.to(f32).contiguous() if known_lse else torch.empty(N, dtype=f32, device=dev)
@@ -344,13 +346,12 @@ def _lce_triton_fast(
         m = torch.empty(N, dtype=f32, device=dev)
         s, zt, zsum, alpha = (torch.empty(N, dtype=f32, device=dev) for _ in range(4))
     grad_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev) if want_gh else None
-    gw_acc = None
-    if want_gw:
-        # The weight's dtype where it is the accumulation dtype (fp32 weights; 16-bit without
-        # the fp32 buffer); else an fp32 accumulator, cast once at the end.
-        same = weight.dtype == f32 and hidden.dtype == f32
-        gw_dtype = weight.dtype if (same or in_dtype_acc) else f32
-        gw_acc = torch.zeros(V, H, dtype=gw_dtype, device=dev)
+    # grad_weight's dtype: the weight's where it is the accumulation dtype (fp32 weights;
+    # 16-bit without the fp32 buffer, or in one chunk: one GEMM, fp32 inside, one rounding);
+    # else an fp32 accumulator, cast once at the end. The first chunk writes it, the others add.
+    one_chunk = rows >= N
+    gw_dtype = weight.dtype if (weight.dtype == f32 or in_dtype_acc or one_chunk) else f32
+    gw = None
     buf = torch.empty(min(rows, N) * V, dtype=hidden.dtype, device=dev)
     for a in range(0, N, rows):
         b = min(N, a + rows)
@@ -376,9 +377,12 @@ def _lce_triton_fast(
         coefs = _grad_coefs(lse[a:b], row_scale[a:b], opts, v_global)
         _grad_launch(logits, t, lse[a:b], coefs, v_start, col_chunk)  # G in place of L
         gh_rows = grad_hidden[a:b] if want_gh else None
-        _fast_chunk_grads(logits, h, w_in, gh_rows, gw_acc, opts.group_name if tp > 1 else None)
+        group = opts.group_name if tp > 1 else None
+        gw = _fast_chunk_grads(logits, h, w_in, gh_rows, gw, gw_dtype if want_gw else None, group)
     del buf
-    grad_weight = None if gw_acc is None else gw_acc.to(weight.dtype)
+    if want_gw and gw is None:  # no rows
+        gw = torch.zeros(V, H, dtype=weight.dtype, device=dev)
+    grad_weight = None if gw is None else gw.to(weight.dtype)
     return loss_tok, lse, grad_hidden, grad_weight, stats
 
 
@@ -387,21 +391,27 @@ def _fast_chunk_grads(
     h: Tensor,
     w_in: Tensor,
     grad_hidden: Tensor | None,
-    gw_acc: Tensor | None,
+    gw: Tensor | None,
+    gw_dtype: torch.dtype | None,
     group_name: str | None,
-) -> None:
+) -> Tensor | None:
     """Fast mode's GEMMs 2 and 3 for one token chunk whose logits hold G: its rows of
-    grad_hidden (written in place) and its share of grad_weight (added to gw_acc)."""
+    grad_hidden (written in place) and grad_weight with its share (gw_dtype None: none wanted;
+    gw None: the first chunk's, written, else added to gw), returned."""
     if grad_hidden is not None:  # GEMM 2
         if group_name is not None:  # partial sums over the vocab shards, all-reduced in fp32
             grad_hidden.copy_(_all_reduce(torch.mm(logits, w_in).float(), "sum", group_name))
         else:
             torch.mm(logits, w_in, out=grad_hidden)
-    if gw_acc is not None:  # GEMM 3
-        if gw_acc.dtype == h.dtype:  # fp32 inside the GEMM, one rounding per chunk
-            gw_acc.addmm_(logits.t(), h)
-        else:  # 16-bit operands into the fp32 accumulator: cuBLAS's fp32 C, read and written
-            torch.addmm(gw_acc, logits.t(), h, out_dtype=torch.float32, out=gw_acc)
+    if gw_dtype is None:
+        return None
+    # GEMM 3: fp32 inside the GEMM; 16-bit operands into an fp32 result as cuBLAS's fp32 C.
+    # The first chunk's beta=0: C neither zero-filled nor read.
+    widen = {} if gw_dtype == h.dtype else {"out_dtype": torch.float32}
+    first = gw is None
+    if first:
+        gw = torch.empty(logits.shape[1], h.shape[1], dtype=gw_dtype, device=h.device)
+    return torch.addmm(gw, logits.t(), h, beta=0 if first else 1, out=gw, **widen)
 
 
 def _lce_triton(

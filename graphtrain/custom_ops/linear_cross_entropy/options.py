@@ -150,17 +150,34 @@ def _at_most_four_chunks(rows: int, N: int) -> int:
     return max(rows, math.ceil(N / _MAX_INPUT_DTYPE_CHUNKS))
 
 
-def _fast_token_chunk(N: int, V: int, elem_size: int, input_dtype_accumulation: bool) -> int:
+def _fast_token_chunk(
+    N: int, V: int, elem_size: int, input_dtype_accumulation: bool, fp32_buffer: int = 0
+) -> int:
     """Fast mode's rows per token chunk on a GPU: the logits buffer within FAST_BUFFER_BYTES,
     rounded down to a multiple of FAST_ROW_MULTIPLE, clamped to [2048, 4096] rows; for 16-bit
-    accumulation at least N / 4 rows, rounded up to the multiple (still at most four chunks)."""
+    accumulation at least N / 4 rows, rounded up to the multiple (still at most four chunks).
+    fp32_buffer: the bytes of the fp32 grad_weight buffer that more than one chunk needs (a
+    16-bit weight with fp32_accumulator; one chunk's GEMM accumulates in fp32 and rounds
+    once): all N rows in one chunk where its logits take no more than the chunked buffer and
+    that fp32 buffer together (fewer, larger GEMMs, no fp32 [V, H] pass per chunk)."""
     rows = FAST_BUFFER_BYTES // max(1, V * elem_size)
     rows = rows // FAST_ROW_MULTIPLE * FAST_ROW_MULTIPLE
     rows = max(_FAST_MIN_ROWS, min(_FAST_MAX_ROWS, rows))
     if input_dtype_accumulation:
         rows = _at_most_four_chunks(rows, N)
         rows = math.ceil(rows / FAST_ROW_MULTIPLE) * FAST_ROW_MULTIPLE
-    return min(rows, max(N, 1))
+    rows = min(rows, max(N, 1))
+    if fp32_buffer and N * V * elem_size <= rows * V * elem_size + fp32_buffer:
+        return max(N, 1)
+    return rows
+
+
+def _fp32_buffer_bytes(V: int, H: int, weight_dtype: torch.dtype, fp32_accumulator: bool) -> int:
+    """The fp32 [V, H] grad_weight buffer chunked fast mode needs for a 16-bit weight with
+    fp32_accumulator. (An fp32 weight's fp32 accumulator is the gradient the parameter gets
+    anyway: not extra.)"""
+    sixteen = weight_dtype in (torch.bfloat16, torch.float16)
+    return V * H * 4 if sixteen and fp32_accumulator else 0
 
 
 def fast_mode_extra_bytes(
@@ -172,15 +189,12 @@ def fast_mode_extra_bytes(
     fp32_accumulator: bool,
 ) -> int:
     """Bytes fast mode holds beyond what low-memory mode does (CUDA): its [T, V] logits chunk,
-    and an fp32 [V, H] grad_weight buffer for a 16-bit weight with fp32_accumulator. (An fp32
-    weight's fp32 accumulator is the gradient the parameter gets anyway: not extra.)"""
+    and the fp32 grad_weight buffer where it takes more than one chunk (_fp32_buffer_bytes)."""
     elem = torch.empty((), dtype=input_dtype).element_size()
     sixteen = weight_dtype in (torch.bfloat16, torch.float16)
-    rows = _fast_token_chunk(N, V, elem, sixteen and not fp32_accumulator)
-    extra = rows * V * elem
-    if sixteen and fp32_accumulator:
-        extra += V * H * 4
-    return extra
+    fp32_buffer = _fp32_buffer_bytes(V, H, weight_dtype, fp32_accumulator)
+    rows = _fast_token_chunk(N, V, elem, sixteen and not fp32_accumulator, fp32_buffer)
+    return rows * V * elem + (fp32_buffer if rows < N else 0)
 
 
 def unfused_extra_bytes(N: int, V: int, input_dtype: torch.dtype) -> int:

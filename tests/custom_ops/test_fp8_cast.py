@@ -305,11 +305,17 @@ def test_cuda_kernels_match_reference():
         ),
         torch.device("cuda", torch.cuda.current_device()),
     )
-    x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
-    amax = torch.ops.graphtrain.fp8_amax(x)
-    got = torch.ops.graphtrain.fp8_cast(x, amax, E4M3, False, True)
-    want = fc.fp8_cast_ref(x, amax, E4M3, False, True)
-    assert all(_same(u, v) for u, v in zip(got, want, strict=True))
+    # bf16 over many tiles and blocks (y_t is each tile's y read back after a barrier)
+    for shape in ((300, 200), (1000, 1100)):
+        for special in ("random", "ties", "nan", "saturate"):
+            x, factor = _input(shape, special)
+            x = x.to(device="cuda", dtype=torch.bfloat16)
+            amax = torch.ops.graphtrain.fp8_amax(x) * factor
+            for dtype in (E4M3, E5M2):
+                got = torch.ops.graphtrain.fp8_cast(x, amax, dtype, False, True)
+                want = fc.fp8_cast_ref(x, amax, dtype, False, True)
+                ok = [_same(u, v) for u, v in zip(got, want, strict=True)]
+                assert all(ok), (shape, special, dtype, ok)
 
 
 if __name__ == "__main__":

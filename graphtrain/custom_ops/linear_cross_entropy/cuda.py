@@ -98,6 +98,7 @@ def _stats_launch(
     *,
     known_lse: bool,
     write_p: bool,
+    smoothing: bool,
 ) -> None:
     vc = logits.shape[1]
     block = triton.next_power_of_2(vc)
@@ -115,6 +116,7 @@ def _stats_launch(
         BLOCK_V=block,
         KNOWN_LSE=known_lse,
         WRITE_P=write_p,
+        SMOOTHING=smoothing,
         num_warps=_row_warps(block),
     )
 
@@ -198,7 +200,7 @@ def _lce_triton_low_memory(
             torch.mm(hidden, w_c.t(), out=logits)  # cuBLAS, input dtype
             _stats_launch(
                 logits, target, m, s, zt, zsum, alpha, v_start + v0,
-                known_lse=known_lse, write_p=want_gh,
+                known_lse=known_lse, write_p=want_gh, smoothing=opts.label_smoothing > 0.0,
             )  # fmt: skip
             if want_gh:
                 _launch_dh(logits, w_c, acc, alpha, first=i == 0, has_alpha=not known_lse)
@@ -364,6 +366,7 @@ def _lce_triton_fast(
                 _stats_launch(
                     logits[:, v0 : v0 + col_chunk], t, m[a:b], s[a:b], zt[a:b], zsum[a:b],
                     alpha[a:b], v_start + v0, known_lse=False, write_p=False,
+                    smoothing=opts.label_smoothing > 0.0,
                 )  # fmt: skip
             m_g, s_g, zt_g, zsum_g, _ = _global_stats(
                 m[a:b], s[a:b], zt[a:b], zsum[a:b], opts.group_name

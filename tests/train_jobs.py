@@ -7,9 +7,13 @@ fresh process state as in a launch of its own (torch's distributed caches are ke
 shape, so a second job in the same process can meet the groups of the first: seen as "Could not
 resolve the process group"). Each job's process group lives on its own key space of
 torchrun's store (groups started again on the same keys hung: seen with gloo). The first job
-that fails ends the launch with its exit code. Before the forks, one tiny compiled forward and
-backward: a process's first compile imports ~600 modules (Dynamo's backends, AOTAutograd, the
-partitioner and its networkx; ~1 s), which every job would import again after its fork."""
+that fails ends the launch with its exit code. Before the forks, one tiny compile: a process's
+first compile imports ~600 modules and fills their caches (Dynamo's backends, AOTAutograd, the
+partitioner and its networkx; ~1.3 s of a moe-debug job's 4.4 on 2 cores), which every job
+would do again after its fork. With a tensor that requires grad where torch is a CPU build; a
+CUDA build's autograd, once it has run in a process (tracing a joint graph runs it), refuses
+to run in a fork of it ("Unable to handle autograd's threading in combination with fork-based
+multiprocessing"): there, an inference graph (~0.4 s of it)."""
 
 import faulthandler
 import json
@@ -33,8 +37,8 @@ def _job(index: int, args: list[str]) -> int:
 
 
 def _warm_up() -> None:
-    x = torch.ones(2, requires_grad=True)
-    torch.compile(lambda t: t.sin().sum(), backend="aot_eager")(x).backward()
+    x = torch.ones(2, requires_grad=torch.version.cuda is None)
+    torch.compile(lambda t: t.sin().sum(), backend="aot_eager")(x)
     torch._dynamo.reset()  # each job starts from Dynamo's fresh state
 
 

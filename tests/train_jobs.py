@@ -11,7 +11,7 @@ that fails ends the launch with its exit code. Before the forks, one tiny compil
 first compile imports ~600 modules and fills their caches (Dynamo's backends, AOTAutograd, the
 partitioner and its networkx; ~1.3 s of a moe-debug job's 4.4 on 2 cores), which every job
 would do again after its fork. With a tensor that requires grad where torch is a CPU build; a
-CUDA build's autograd, once it has run in a process (tracing a joint graph runs it), refuses
+CUDA (or ROCm) build's autograd, once it has run in a process (tracing a joint graph runs it), refuses
 to run in a fork of it ("Unable to handle autograd's threading in combination with fork-based
 multiprocessing"): there, an inference graph (~0.4 s of it)."""
 
@@ -37,7 +37,7 @@ def _job(index: int, args: list[str]) -> int:
 
 
 def _warm_up() -> None:
-    x = torch.ones(2, requires_grad=torch.version.cuda is None)
+    x = torch.ones(2, requires_grad=not torch.backends.cuda.is_built())
     torch.compile(lambda t: t.sin().sum(), backend="aot_eager")(x)
     torch._dynamo.reset()  # each job starts from Dynamo's fresh state
 

@@ -5,8 +5,9 @@ How: the model and its tokens are *fake* CUDA tensors (FakeTensorMode); just eno
 stubbed for Inductor to generate its CUDA code: torch.cuda's device queries answer as an H100,
 a stub Triton driver reports sm_90 (Triton compiles every generated kernel for it, with the
 wheel's ptxas for registers and spills), and a no-op C++ device guard for DeviceType::CUDA
-(built once with torch.utils.cpp_extension; a CPU build of torch has none, and indexing or
-.contiguous() on a fake CUDA tensor takes one). graphtrain's regions and passes are applied
+(built once per torch release with torch.utils.cpp_extension; a CPU build of torch has none,
+a CUDA build's asks the driver, and indexing or .contiguous() on a fake CUDA tensor takes
+one). A CPU build or a CUDA build without a GPU (torch 2.11 to 2.14). graphtrain's regions and passes are applied
 as the trainer applies them (apply_compile, Inductor inner backend, graph dumps). The compiled
 wrappers then run on the fake tensors: Triton launches are no-ops, extern and custom ops run
 their fake kernels, and every extern torch._scaled_mm call is recorded with its operands'
@@ -92,8 +93,11 @@ def install() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
+    # One build per torch release: a CPU and a CUDA build, or two CUDA releases, would share a
+    # build folder (and load each other's library) under one name.
+    release = "".join(ch if ch.isalnum() else "_" for ch in torch.__version__)
     load_inline(
-        name="graphtrain_fake_cuda_guard",
+        name=f"graphtrain_fake_cuda_guard_{release}",
         cpp_sources=[_GUARD_SOURCE],
         functions=["installed"],
         verbose=False,
@@ -138,6 +142,10 @@ def install() -> None:
     import torch._inductor.runtime.triton_helpers as helpers
 
     helpers.set_driver_to_gpu = lambda: driver.set_active(stub)
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    # A CUDA build's fake tensors first make a real CUDA tensor ("Found no NVIDIA driver").
+    fake_tensor.init_gpu_context = lambda device: None
     c = torch.cuda
     c.is_available = lambda: True
     c.device_count = lambda: 1
@@ -158,6 +166,7 @@ def install() -> None:
     c.random.set_rng_state = c.set_rng_state
     c.manual_seed = lambda seed: None
     c.manual_seed_all = lambda seed: None
+    c.is_current_stream_capturing = lambda: False  # torch 2.14's Dynamo asks (a CUDA build)
     c._exchange_device = lambda index: 0
     c._maybe_exchange_device = lambda index: 0
     torch._C._cuda_getCurrentRawStream = lambda device=0: 0

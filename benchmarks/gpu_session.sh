@@ -190,10 +190,14 @@ stages() {
         # without stopping the others. Two items: pytest prints failures at the end of a run,
         # so a run cut by its cap says which failed but not why (2026-11-28: 68 tests in 323 s
         # with a cold Triton cache, 4 failed, no tracebacks); the ops' and passes' tests
-        # (~1-2 min cold) come first and finish.
-        item tests-ops 200 "$python" -m pytest -m gpu -q -rfEs --durations=10 \
+        # (~1-2 min cold) come first and finish. Four test files at a time where pytest-xdist
+        # imports (the GPU image has it): each process compiles its kernels one after the
+        # other at their first launch, so a cold run is bound by compiling on one core.
+        local xdist=()
+        "$python" -c "import xdist" 2>/dev/null && xdist=(-n 4 --dist loadfile)
+        item tests-ops 200 "$python" -m pytest -m gpu -q -rfEs --durations=10 "${xdist[@]}" \
             tests/custom_ops tests/passes
-        item tests 400 "$python" -m pytest -m gpu -q -rfEs --durations=25 \
+        item tests 400 "$python" -m pytest -m gpu -q -rfEs --durations=25 "${xdist[@]}" \
             --continue-on-collection-errors --ignore=tests/custom_ops --ignore=tests/passes tests
         ;;
     e2e)

@@ -48,7 +48,8 @@ def test_the_script_parses_and_its_benchmarks_exist():
     ids=lambda w: w[1],
 )
 def test_each_pytest_item_selects_tests(words):
-    args = [a for a in _after(words, "pytest") if a not in ("-q", "-rfEs")]
+    # "${xdist[@]}": the stage's own options (pytest-xdist's, where it imports)
+    args = [a for a in _after(words, "pytest") if a not in ("-q", "-rfEs", "${xdist[@]}")]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
         cwd=ROOT,

@@ -26,9 +26,11 @@ What
     whose groups are no multiples of 16, and w2 W [64, 1024, 512]): torch._grouped_mm in bf16
     against graphtrain::fp8_grouped_mm (on sm90 three torch._scaled_grouped_mm, the wgrad's
     operands cast straight into groups padded on the device, the experts' weights cast in one
-    launch; elsewhere its loop of torch._scaled_mm per expert). Each row: median ms
-    (triton.testing.do_bench), speedup over bf16, SQNR (dB) of out, d x, d W against the bf16
-    row.
+    launch; elsewhere its loop of torch._scaled_mm per expert), then each of the op's three
+    grouped GEMMs alone (forward, dgrad, wgrad; bf16 against FP8 on operands cast beforehand,
+    with their TFLOP/s: the GEMMs' share of the op's time, the rest being its casts). Each
+    row: median ms (triton.testing.do_bench), speedup over bf16, SQNR (dB) of out, d x, d W
+    against the bf16 row.
 
 Run
     python benchmarks/fp8_linear.py [--shapes 16384x4096x4096,...] [--no-record]
@@ -57,6 +59,7 @@ from harness import (
 
 import graphtrain.custom_ops  # noqa: F401  (registers graphtrain::fp8_linear, fp8_grouped_mm)
 from graphtrain.compile import backend
+from graphtrain.custom_ops import fp8_grouped_mm as grouped_op
 
 SHAPES = ((16384, 4096, 4096), (16384, 8192, 8192), (8192, 2048, 8192))
 # moe-1b's experts: 16384 tokens x top-6 slots, 64 experts, dim 1024, width 512 (w1|w3 fused)
@@ -260,6 +263,46 @@ def grouped_fwd_bwd(fn, x, w, offs, grad):
     return (out, *torch.autograd.grad(out, [x, w], grad))
 
 
+def grouped_gemm_rows(x, w, offs, grad):
+    """[(impl, fn)] of the op's three grouped GEMMs one at a time (forward, dgrad, wgrad), bf16
+    torch._grouped_mm against the FP8 GEMMs graphtrain::fp8_grouped_mm runs (on sm90 one
+    torch._scaled_grouped_mm each, its scales expanded per row as the op does; elsewhere its
+    loop per expert) on operands cast beforehand: which of the three holds the op's time."""
+    x, w = x.detach(), w.detach()
+    E, N, K = w.shape
+    grouped = grouped_op.grouped_kernel_runs(x, E, N, K)
+    rows, experts = (
+        (grouped_op._rows_grouped, grouped_op._experts_grouped)
+        if grouped
+        else (grouped_op._rows_loop, grouped_op._experts_loop)
+    )
+    x8, x8_t, sx, w8, w8_t, sw = grouped_op._cast_operands(x, w, offs, False)
+    g8, g8_t, sg = grouped_op._cast_grad(grad, E4M3, False, offs)
+    padded = grouped_op.padded_offsets(offs)
+    out = x.dtype
+    return [
+        ("bf16 forward GEMM (torch._grouped_mm)",
+         lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
+        ("fp8 forward GEMM", lambda: rows(x8, sx, w8, sw, offs, out)),
+        ("bf16 dgrad GEMM (torch._grouped_mm)", lambda: torch._grouped_mm(grad, w, offs=offs)),
+        ("fp8 dgrad GEMM", lambda: rows(g8, sg, w8_t, sw, offs, out)),
+        ("bf16 wgrad GEMM (torch._grouped_mm)", lambda: torch._grouped_mm(grad.t(), x, offs=offs)),
+        ("fp8 wgrad GEMM", lambda: experts(g8_t, sg, x8_t, sx, offs, padded, out)),
+    ]  # fmt: skip
+
+
+def measure_grouped_gemms(x, w, offs, grad, label, results):
+    """Time grouped_gemm_rows; each FP8 GEMM against the bf16 one before it, the rate 2MKN FLOP
+    over the median time."""
+    M, (_, N, K) = x.shape[0], w.shape
+    base = 0.0
+    for i, (impl, fn) in enumerate(grouped_gemm_rows(x, w, offs, grad)):
+        ms = triton.testing.do_bench(fn, return_mode="median")
+        base = base if i % 2 else ms
+        tflops = 2 * M * K * N / ms / 1e9
+        results.append(f"| {label} | {impl} | {ms:.3f} | {base / ms:.2f}x | {tflops:.0f} TFLOP/s |")
+
+
 def kernel_tables(shapes: list[tuple[int, int, int]], grouped: bool, device: str) -> list[str]:
     """--kernels: where the FP8 rows' fwd+bwd time goes, kernel by kernel (harness.kernel_table):
     the plain recipe compiled, graphtrain's op, its pass with fp8_cast_once off and on, at each
@@ -298,6 +341,10 @@ def cpu_smoke() -> None:
     want = grouped_fwd_bwd(bf16, x, w, offs, grad)
     got = grouped_fwd_bwd(fp8, x, w, offs, grad)
     assert min(sqnr(g, t) for g, t in zip(got, want, strict=True)) > 20.0
+    gemms = [fn() for _, fn in grouped_gemm_rows(x, w, offs, grad)]
+    for bf16_gemm, fp8_gemm in zip(gemms[::2], gemms[1::2], strict=True):
+        assert sqnr(fp8_gemm, bf16_gemm) > 20.0
+    torch.testing.assert_close(gemms[4], want[2], rtol=1e-5, atol=1e-5)  # wgrad = autograd's
     x, w, grad = linear_inputs(64, 32, 48, "cpu", torch.float32)
     (_, bf16), (_, fp8) = gemm_rows(x, w, grad)
     assert min(sqnr(g, t) for g, t in zip(fp8(), bf16(), strict=True)) > 20.0
@@ -354,6 +401,7 @@ def main() -> None:
             (impl, lambda x, w, fn=fn, offs=offs: fn(x, w, offs)) for impl, fn in grouped_rows()
         ]
         measure(rows, (x, w, grad), label, lines)
+        measure_grouped_gemms(x, w, offs, grad, label, lines)
     table = "\n".join(lines)
     if args.no_record:
         print(table)

@@ -475,11 +475,13 @@ def test_cuda_backward_matches_float64(kernels, fp32_tol):
 
 
 def test_benchmark_cpu_smoke():
-    """benchmarks/gated_delta_rule.py imports, the op equals the reference, the pass fires."""
+    """benchmarks/gated_delta_rule.py imports, the op equals the reference, the pass fires, its
+    rows run ours first and the compiled reference last, and a row refused here says why."""
     from conftest import run_benchmark_smoke  # not at the top: this file also runs as a script
 
     run_benchmark_smoke(
-        "gated_delta_rule.py", "cpu smoke: the op equals the reference and the pass inserts it"
+        "gated_delta_rule.py",
+        "cpu smoke: the op equals the reference, the pass inserts it, a refusing row says why",
     )
 
 

@@ -279,15 +279,15 @@ def grouped_gemm_rows(x, w, offs, grad):
     x8, x8_t, sx, w8, w8_t, sw = grouped_op._cast_operands(x, w, offs, False)
     g8, g8_t, sg = grouped_op._cast_grad(grad, E4M3, False, offs)
     padded = grouped_op.padded_offsets(offs)
-    out = x.dtype
+    dtype = x.dtype
     return [
         ("bf16 forward GEMM (torch._grouped_mm)",
          lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
-        ("fp8 forward GEMM", lambda: rows(x8, sx, w8, sw, offs, out)),
+        ("fp8 forward GEMM", lambda: rows(x8, sx, w8, sw, offs, dtype)),
         ("bf16 dgrad GEMM (torch._grouped_mm)", lambda: torch._grouped_mm(grad, w, offs=offs)),
-        ("fp8 dgrad GEMM", lambda: rows(g8, sg, w8_t, sw, offs, out)),
+        ("fp8 dgrad GEMM", lambda: rows(g8, sg, w8_t, sw, offs, dtype)),
         ("bf16 wgrad GEMM (torch._grouped_mm)", lambda: torch._grouped_mm(grad.t(), x, offs=offs)),
-        ("fp8 wgrad GEMM", lambda: experts(g8_t, sg, x8_t, sx, offs, padded, out)),
+        ("fp8 wgrad GEMM", lambda: experts(g8_t, sg, x8_t, sx, offs, padded, dtype)),
     ]  # fmt: skip
 
 

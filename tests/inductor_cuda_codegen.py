@@ -7,11 +7,11 @@ a stub Triton driver reports sm_90 (Triton compiles every generated kernel for i
 wheel's ptxas for registers and spills), and a no-op C++ device guard for DeviceType::CUDA
 (built once per torch release with torch.utils.cpp_extension; a CPU build of torch has none,
 a CUDA build's asks the driver, and indexing or .contiguous() on a fake CUDA tensor takes
-one). A CPU build or a CUDA build without a GPU (torch 2.11 to 2.14). graphtrain's regions and passes are applied
-as the trainer applies them (apply_compile, Inductor inner backend, graph dumps). The compiled
-wrappers then run on the fake tensors: Triton launches are no-ops, extern and custom ops run
-their fake kernels, and every extern torch._scaled_mm call is recorded with its operands'
-shapes, strides and dtypes.
+one). It runs on a CPU build of torch or on a CUDA build without a GPU (checked with 2.11,
+2.13 and 2.14). graphtrain's regions and passes are applied as the trainer applies them
+(apply_compile, Inductor inner backend, graph dumps). The compiled wrappers then run on the
+fake tensors: Triton launches are no-ops, extern and custom ops run their fake kernels, and
+every extern torch._scaled_mm call is recorded with its operands' shapes, strides and dtypes.
 
 The backward: autograd's engine asks the accelerator for a device on CUDA tensors, which a CPU
 build refuses ("Cannot access accelerator device when none is available"), so the default run

@@ -160,12 +160,20 @@ def cpu_smoke() -> None:
     fns = builds(8, None, documents(1, 70, 1, "cpu")[1])
     order = list(fns)
     assert order[0] == "graphtrain triton" and order[-1] == "torch.compile", order
-    fns["refusing peer"] = lambda *xs: OP(*xs, None, scale=8**-0.5, chunk_size=64, kernels="none")
-    want = chunk_gated_delta_rule(q, k, v, g, beta, None, 64, 8**-0.5)
-    rows = {name: measure_row(name, fn, [q, k, v, g, beta], grad_o, want, lambda f: (f(), 0.0)[1])
-            for name, fn in fns.items() if name in ("graphtrain triton", "refusing peer")}  # fmt: skip
-    assert rows["graphtrain triton"].endswith("| 0.000 | 0.000 | 0.0e+00 |"), rows
-    assert "skipped: ValueError" in rows["refusing peer"], rows
+    xs = [q, k, v, g, beta]
+    want = chunk_gated_delta_rule(*xs, None, 64, 8**-0.5)
+
+    def untimed(fn):
+        fn()
+        return 0.0
+
+    def refusing(*xs):  # a peer whose software refuses this device: here, an unknown kernel set
+        return OP(*xs, None, scale=8**-0.5, chunk_size=64, kernels="none")
+
+    ours = measure_row("graphtrain triton", fns["graphtrain triton"], xs, grad_o, want, untimed)
+    assert ours.endswith("| 0.000 | 0.000 | 0.0e+00 |"), ours
+    refused = measure_row("refusing peer", refusing, xs, grad_o, want, untimed)
+    assert "skipped: ValueError" in refused, refused
     print("cpu smoke: the op equals the reference, the pass inserts it, a refusing row says why")
 
 

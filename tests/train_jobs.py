@@ -11,9 +11,9 @@ that fails ends the launch with its exit code. Before the forks, one tiny compil
 first compile imports ~600 modules and fills their caches (Dynamo's backends, AOTAutograd, the
 partitioner and its networkx; ~1.3 s of a moe-debug job's 4.4 on 2 cores), which every job
 would do again after its fork. With a tensor that requires grad where torch is a CPU build; a
-CUDA (or ROCm) build's autograd, once it has run in a process (tracing a joint graph runs it), refuses
-to run in a fork of it ("Unable to handle autograd's threading in combination with fork-based
-multiprocessing"): there, an inference graph (~0.4 s of it)."""
+CUDA (or ROCm) build's autograd, once it has run in a process (tracing a joint graph runs it),
+refuses to run in a fork of it ("Unable to handle autograd's threading in combination with
+fork-based multiprocessing"): there, an inference graph (~0.4 s of it)."""
 
 import faulthandler
 import json

@@ -7,8 +7,8 @@ What
         bf16            F.linear under torch.compile (the baseline)
         fp8 compiled    the same recipe as graphtrain's (E4M3 x and W, E5M2 d out, one scale
                         per tensor from its current amax, torch._scaled_mm for the three
-                        GEMMs) written in plain torch and compiled by Inductor: what torchao's
-                        tensorwise recipe does
+                        GEMMs, the forward's fast-accumulated) written in plain torch and
+                        compiled by Inductor: what torchao's tensorwise recipe does
         graphtrain      graphtrain::fp8_linear (Triton amax and cast+transpose kernels, then
                         torch._scaled_mm)
         torchao         torchao.float8 Float8Linear, tensorwise recipe, compiled (when torchao
@@ -16,7 +16,9 @@ What
     then two kinds of rows that say where the FP8 speed-up is bounded:
         GEMMs only      the three GEMMs alone, bf16 torch.mm against torch._scaled_mm on
                         operands cast beforehand, with their TFLOP/s: the rate that decides
-                        whether the targets can be met at all (benchmarks/RESULTS.md, FP8)
+                        whether the targets can be met at all (benchmarks/RESULTS.md, FP8);
+                        again with the forward GEMM promoted to fp32 (use_fast_accum off):
+                        what the fast-accumulated forward (FORWARD_FAST_ACCUM) gains
         rmsnorm + linear   x = rms_norm(x0) feeding the linear, compiled: bf16, and graphtrain's
                         fp8_linear pass with the post-grad pass fp8_cast_once off and on (on, the
                         amax of x is computed by the RMSNorm's own kernel; predicted saving
@@ -28,9 +30,10 @@ What
     operands cast straight into groups padded on the device, the experts' weights cast in one
     launch; elsewhere its loop of torch._scaled_mm per expert), then each of the op's three
     grouped GEMMs alone (forward, dgrad, wgrad; bf16 against FP8 on operands cast beforehand,
-    with their TFLOP/s: the GEMMs' share of the op's time, the rest being its casts). Each
-    row: median ms (triton.testing.do_bench), speedup over bf16, SQNR (dB) of out, d x, d W
-    against the bf16 row.
+    with their TFLOP/s: the GEMMs' share of the op's time, the rest being its casts; each
+    also with the other accumulation: the forward promoted to fp32, the dgrad and wgrad
+    fast-accumulated, which the op does not do). Each row: median ms (triton.testing.do_bench),
+    speedup over bf16, SQNR (dB) of out, d x, d W against the bf16 row.
 
 Run
     python benchmarks/fp8_linear.py [--shapes 16384x4096x4096,...] [--no-record]
@@ -86,7 +89,7 @@ class PlainFp8Linear(torch.autograd.Function):
         x8, sx = _cast(x, E4M3)
         w8, sw = _cast(w, E4M3)
         ctx.save_for_backward(x8, sx, w8, sw)
-        return torch._scaled_mm(x8, w8.t(), sx, sw, out_dtype=x.dtype)
+        return torch._scaled_mm(x8, w8.t(), sx, sw, out_dtype=x.dtype, use_fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad):
@@ -186,14 +189,19 @@ def gemm_rows(x, w, grad):
         fp8_operand(grad, E5M2),
     )
 
-    def fp8():
-        return (
-            torch._scaled_mm(x8, w8.t(), sx, sw, out_dtype=torch.bfloat16),
-            torch._scaled_mm(g8, w8_t.t(), sg, sw, out_dtype=torch.bfloat16),
-            torch._scaled_mm(g8_t, x8_t.t(), sg, sx, out_dtype=torch.bfloat16),
+    def fp8(fast_forward: bool):
+        kwargs = dict(out_dtype=torch.bfloat16)
+        return lambda: (
+            torch._scaled_mm(x8, w8.t(), sx, sw, use_fast_accum=fast_forward, **kwargs),
+            torch._scaled_mm(g8, w8_t.t(), sg, sw, **kwargs),
+            torch._scaled_mm(g8_t, x8_t.t(), sg, sx, **kwargs),
         )
 
-    return [("bf16 3 GEMMs only (torch.mm)", bf16), ("fp8 3 GEMMs only (torch._scaled_mm)", fp8)]
+    return [
+        ("bf16 3 GEMMs only (torch.mm)", bf16),
+        ("fp8 3 GEMMs only (torch._scaled_mm, forward fast-accumulated)", fp8(True)),
+        ("fp8 3 GEMMs only, forward promoted to fp32 (use_fast_accum off)", fp8(False)),
+    ]
 
 
 def measure_gemms(x, w, grad, label, results):
@@ -267,7 +275,8 @@ def grouped_gemm_rows(x, w, offs, grad):
     """[(impl, fn)] of the op's three grouped GEMMs one at a time (forward, dgrad, wgrad), bf16
     torch._grouped_mm against the FP8 GEMMs graphtrain::fp8_grouped_mm runs (on sm90 one
     torch._scaled_grouped_mm each, its scales expanded per row as the op does; elsewhere its
-    loop per expert) on operands cast beforehand: which of the three holds the op's time."""
+    loop per expert) on operands cast beforehand: which of the three holds the op's time;
+    each FP8 GEMM also with the other accumulation (what fast accumulation buys)."""
     x, w = x.detach(), w.detach()
     E, N, K = w.shape
     grouped = grouped_op.grouped_kernel_runs(x, E, N, K)
@@ -283,11 +292,17 @@ def grouped_gemm_rows(x, w, offs, grad):
     return [
         ("bf16 forward GEMM (torch._grouped_mm)",
          lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
-        ("fp8 forward GEMM", lambda: rows(x8, sx, w8, sw, offs, dtype)),
+        ("fp8 forward GEMM (fast-accumulated)", lambda: rows(x8, sx, w8, sw, offs, dtype, True)),
+        ("fp8 forward GEMM, promoted to fp32 (use_fast_accum off)",
+         lambda: rows(x8, sx, w8, sw, offs, dtype, False)),
         ("bf16 dgrad GEMM (torch._grouped_mm)", lambda: torch._grouped_mm(grad, w, offs=offs)),
-        ("fp8 dgrad GEMM", lambda: rows(g8, sg, w8_t, sw, offs, dtype)),
+        ("fp8 dgrad GEMM", lambda: rows(g8, sg, w8_t, sw, offs, dtype, False)),
+        ("fp8 dgrad GEMM, fast-accumulated (not the op's)",
+         lambda: rows(g8, sg, w8_t, sw, offs, dtype, True)),
         ("bf16 wgrad GEMM (torch._grouped_mm)", lambda: torch._grouped_mm(grad.t(), x, offs=offs)),
         ("fp8 wgrad GEMM", lambda: experts(g8_t, sg, x8_t, sx, offs, padded, dtype)),
+        ("fp8 wgrad GEMM, fast-accumulated (not the op's)",
+         lambda: experts(g8_t, sg, x8_t, sx, offs, padded, dtype, True)),
     ]  # fmt: skip
 
 
@@ -296,9 +311,9 @@ def measure_grouped_gemms(x, w, offs, grad, label, results):
     over the median time."""
     M, (_, N, K) = x.shape[0], w.shape
     base = 0.0
-    for i, (impl, fn) in enumerate(grouped_gemm_rows(x, w, offs, grad)):
+    for impl, fn in grouped_gemm_rows(x, w, offs, grad):
         ms = triton.testing.do_bench(fn, return_mode="median")
-        base = base if i % 2 else ms
+        base = ms if impl.startswith("bf16") else base
         tflops = 2 * M * K * N / ms / 1e9
         results.append(f"| {label} | {impl} | {ms:.3f} | {base / ms:.2f}x | {tflops:.0f} TFLOP/s |")
 
@@ -341,13 +356,17 @@ def cpu_smoke() -> None:
     want = grouped_fwd_bwd(bf16, x, w, offs, grad)
     got = grouped_fwd_bwd(fp8, x, w, offs, grad)
     assert min(sqnr(g, t) for g, t in zip(got, want, strict=True)) > 20.0
-    gemms = [fn() for _, fn in grouped_gemm_rows(x, w, offs, grad)]
-    for bf16_gemm, fp8_gemm in zip(gemms[::2], gemms[1::2], strict=True):
-        assert sqnr(fp8_gemm, bf16_gemm) > 20.0
-    torch.testing.assert_close(gemms[4], want[2], rtol=1e-5, atol=1e-5)  # wgrad = autograd's
+    gemms = {impl: fn() for impl, fn in grouped_gemm_rows(x, w, offs, grad)}
+    base = None
+    for impl, out in gemms.items():  # each FP8 GEMM against the bf16 one before it
+        base = out if impl.startswith("bf16") else base
+        assert sqnr(out, base) > 20.0, impl
+    wgrad = next(out for impl, out in gemms.items() if impl.startswith("bf16 wgrad"))
+    torch.testing.assert_close(wgrad, want[2], rtol=1e-5, atol=1e-5)  # wgrad = autograd's
     x, w, grad = linear_inputs(64, 32, 48, "cpu", torch.float32)
-    (_, bf16), (_, fp8) = gemm_rows(x, w, grad)
-    assert min(sqnr(g, t) for g, t in zip(fp8(), bf16(), strict=True)) > 20.0
+    (_, bf16), *fp8_rows = gemm_rows(x, w, grad)
+    for _, fp8 in fp8_rows:
+        assert min(sqnr(g, t) for g, t in zip(fp8(), bf16(), strict=True)) > 20.0
     (_, norm), (_, off), (_, on) = producer_rows(min_dim=16)
     want = fwd_bwd(norm, x, w, grad)
     got_off, got_on = fwd_bwd(off, x, w, grad), fwd_bwd(on, x, w, grad)

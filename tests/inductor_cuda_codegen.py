@@ -238,6 +238,7 @@ def install() -> None:
             "scale_a": [list(scale_a.shape), str(scale_a.dtype)],
             "scale_b": [list(scale_b.shape), str(scale_b.dtype)],
             "out_dtype": str(kwargs.get("out_dtype")),
+            "use_fast_accum": kwargs.get("use_fast_accum", args[3] if len(args) > 3 else False),
         })  # fmt: skip
         if kwargs.get("out") is not None:  # _scaled_mm.out has no fake kernel: nothing runs
             return kwargs["out"]

@@ -135,12 +135,14 @@ def test_moe_debug_fp8_forward_regions(tmp_path):
     assert split >= 7, report["notes"]
     _assert_kernels_fit(report)
     assert len(report["scaled_mm"]) >= split, "each split linear calls an extern _scaled_mm"
-    _assert_scaled_mm_layouts(report)
+    _assert_scaled_mm_layouts(report, fast_accum=True)  # the forward's, as fp8_linear's own
 
 
-def _assert_scaled_mm_layouts(report: dict) -> None:
-    """Every extern _scaled_mm in the layouts cuBLASLt takes."""
+def _assert_scaled_mm_layouts(report: dict, fast_accum: bool) -> None:
+    """Every extern _scaled_mm in the layouts cuBLASLt takes, with use_fast_accum as fp8_linear's
+    GEMMs (the forward's on, the gradients' off: FORWARD_FAST_ACCUM) after Inductor's lowering."""
     for call in report["scaled_mm"]:
+        assert call["use_fast_accum"] is fast_accum, call
         (a_shape, a_stride, a_dtype), (b_shape, b_stride, b_dtype) = call["a"], call["b"]
         assert a_stride[1] == 1, call  # row-major
         assert b_stride[0] == 1, call  # column-major, as compiled code requires
@@ -161,7 +163,7 @@ def test_moe_debug_fp8_backward_regions(tmp_path):
     report = _generate(tmp_path, "moe-debug", "--backward", *FP8_CAST_ONCE)
     _assert_kernels_fit(report)
     assert len(report["scaled_mm"]) >= 14, report["scaled_mm"]
-    _assert_scaled_mm_layouts(report)
+    _assert_scaled_mm_layouts(report, fast_accum=False)
     assert len(report["saved"]) == 3 and all(r["bytes"] > 0 for r in report["saved"]), report
 
 

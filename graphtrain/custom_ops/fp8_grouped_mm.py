@@ -6,7 +6,7 @@ What
         -> (out [M, N], x8_t, x_scale_inv, w8_t, w_scale_inv)
     out[rows of e] = x[rows of e] @ weight[e]^T, rows of e = offs[e-1]:offs[e] (offs[-1] = 0),
     i.e. torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs) (models/moe.py's experts),
-    both operands in E4M3, fp32 accumulation, out in out_dtype (default x's). The other outputs
+    both operands in E4M3, out in out_dtype (default x's). The other outputs
     are the FP8 copies and inverse scales graphtrain::fp8_grouped_mm_backward uses: it casts
     the output gradient once, then per expert dgrad and wgrad. An expert without rows gets a
     zero weight gradient.
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from graphtrain.custom_ops import fp8_amax
 from graphtrain.custom_ops.fp8_cast import GROUP_ALIGN, padded_offsets, padded_width
-from graphtrain.custom_ops.fp8_linear import E4M3, E5M2, cast_pair
+from graphtrain.custom_ops.fp8_linear import E4M3, E5M2, FORWARD_FAST_ACCUM, cast_pair
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # torch._scaled_grouped_mm: K and N multiples of 16 (groups along K start at multiples of 16
@@ -90,31 +90,37 @@ def _cast_grad(grad_out: Tensor, float8_dtype: torch.dtype, pow2_scale: bool, of
 # columns of a8_t and b8_t in padded groups).
 
 
-def _rows_loop(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, out_dtype):
-    """out [M, P]: out[rows of e] = a8[rows of e] @ b8[e]^T (b8 [E, P, Q])."""
+def _rows_loop(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, out_dtype,
+               fast_accum: bool):  # fmt: skip
+    """out [M, P]: out[rows of e] = a8[rows of e] @ b8[e]^T (b8 [E, P, Q]); fast_accum: the
+    forward's (FORWARD_FAST_ACCUM), False for the dgrad."""
     out = a8.new_zeros(a8.shape[0], b8.shape[1], dtype=out_dtype)
     for e, start, end in _groups(offs):
         if end > start:  # b8[e].t(): column-major, as _scaled_mm wants its second operand
-            a = a8[start:end]
-            out[start:end] = torch._scaled_mm(a, b8[e].t(), sa, sb[e], out_dtype=out_dtype)
+            a, b = a8[start:end], b8[e].t()
+            kwargs = dict(out_dtype=out_dtype, use_fast_accum=fast_accum)
+            out[start:end] = torch._scaled_mm(a, b, sa, sb[e], **kwargs)
     return out
 
 
-def _rows_grouped(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, out_dtype):
+def _rows_grouped(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, out_dtype,
+                  fast_accum: bool):  # fmt: skip
     """As _rows_loop, 2d-3d: row-wise scales sa per row of a8, sb per (expert, column)."""
     M, (E, P, _) = a8.shape[0], b8.shape
     scale_a = sa.expand(M).contiguous()
     scale_b = sb[:, None].expand(E, P).contiguous()
     out = torch._scaled_grouped_mm(
-        a8, b8.transpose(-2, -1), scale_a, scale_b, offs, out_dtype=torch.bfloat16
-    )
+        a8, b8.transpose(-2, -1), scale_a, scale_b, offs, out_dtype=torch.bfloat16,
+        use_fast_accum=fast_accum,
+    )  # fmt: skip
     return out.to(out_dtype)
 
 
-def _experts_loop(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
+def _experts_loop(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype, fast_accum=False):
     """out [E, P, Q]: out[e] = a8_t[:, rows of e] @ b8_t[:, rows of e]^T (a8_t [P, W], b8_t
     [Q, W], expert e's rows in the columns from padded_offs[e - 1]); zero for an expert
-    without rows."""
+    without rows. The op's wgrad promotes to fp32; fast_accum is benchmarks/fp8_linear.py's
+    row that says what the promotion costs."""
     out = a8_t.new_zeros(offs.shape[0], a8_t.shape[0], b8_t.shape[0], dtype=out_dtype)
     padded_ends = padded_offs.tolist()
     padded_starts = [0, *padded_ends[:-1]]
@@ -126,19 +132,21 @@ def _experts_loop(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
             # zeros to the fp32 sums, so the result is the same as over the rows alone).
             cols = slice(padded_starts[e], padded_ends[e])
             a, b = a8_t[:, cols].contiguous(), b8_t[:, cols].contiguous()
-            out[e] = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)
+            kwargs = dict(out_dtype=out_dtype, use_fast_accum=fast_accum)
+            out[e] = torch._scaled_mm(a, b.t(), sa, sb, **kwargs)
     return out
 
 
-def _experts_grouped(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype):
+def _experts_grouped(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype, fast_accum=False):
     """As _experts_loop, 2d-2d on the padded groups: scales per (group, row) of a, per
     (group, column) of the result."""
     E, P, Q = offs.shape[0], a8_t.shape[0], b8_t.shape[0]
     scale_a = sa.expand(E * P).contiguous()
     scale_b = sb.expand(E * Q).contiguous()
     out = torch._scaled_grouped_mm(
-        a8_t, b8_t.t(), scale_a, scale_b, padded_offs, out_dtype=torch.bfloat16
-    )
+        a8_t, b8_t.t(), scale_a, scale_b, padded_offs, out_dtype=torch.bfloat16,
+        use_fast_accum=fast_accum,
+    )  # fmt: skip
     return out.to(out_dtype)
 
 
@@ -147,7 +155,7 @@ def _forward_gemms(x, weight, offs, *, grouped, pow2_scale=False, out_dtype=None
     sm90 kernel), else a loop of torch._scaled_mm over the experts (the CPU kernel)."""
     x8, x8_t, sx, w8, w8_t, sw = _cast_operands(x, weight, offs, pow2_scale)
     rows = _rows_grouped if grouped else _rows_loop
-    out = rows(x8, sx, w8, sw, offs, out_dtype or x.dtype)
+    out = rows(x8, sx, w8, sw, offs, out_dtype or x.dtype, FORWARD_FAST_ACCUM)
     return out, x8_t, sx, w8_t, sw
 
 
@@ -159,7 +167,7 @@ def _backward_gemms(grad_out, x8_t, sx, w8_t, sw, offs, *, grouped, e4m3_grads, 
     float8_dtype = E4M3 if e4m3_grads or grouped else E5M2
     g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale, offs)
     rows, experts = (_rows_grouped, _experts_grouped) if grouped else (_rows_loop, _experts_loop)
-    grad_x = rows(g8, sg, w8_t, sw, offs, x_dtype)
+    grad_x = rows(g8, sg, w8_t, sw, offs, x_dtype, False)
     grad_w = experts(g8_t, sg, x8_t, sx, offs, padded_offsets(offs), w_dtype)
     return grad_x, grad_w
 

@@ -4,10 +4,10 @@ What
     fp8_linear(x [..., K], weight [N, K], bias [N] or None, *, e4m3_grads=False,
                pow2_scale=False, tp_group=None, out_dtype=None)
         -> (out [..., N], x8_t, x_scale_inv, w8_t, w_scale_inv)
-    out = x W^T + b as torch._scaled_mm(x8, w8^T) * x_scale_inv * w_scale_inv with fp32
-    accumulation, in out_dtype (default x's). The other outputs are the FP8 copies and inverse
-    scales the backward saves instead of x. graphtrain::fp8_linear_backward casts the output
-    gradient once (E5M2, or E4M3 with e4m3_grads) for its dgrad and wgrad GEMMs; grad_b in fp32.
+    out = x W^T + b as torch._scaled_mm(x8, w8^T) * x_scale_inv * w_scale_inv, in out_dtype
+    (default x's). The other outputs are the FP8 copies and inverse scales the backward saves
+    instead of x. graphtrain::fp8_linear_backward casts the output gradient once (E5M2, or
+    E4M3 with e4m3_grads) for its dgrad and wgrad GEMMs; grad_b in fp32.
     graphtrain::fp8_linear_precast is the forward with an operand cast before an all-gather (x
     under tp, the weight under FSDP2): the same bits. Every scale is per tensor, from the
     current amax (fp8_amax, then fp8_cast); nothing goes to the host. With tp_group each amax
@@ -15,9 +15,12 @@ What
 
 Numerics
     Each operand is rounded once to FP8 (up to 2^-4 relative for E4M3, 2^-3 for E5M2); the
-    products are exact in fp32 and summed in fp32. Against the unquantised linear: about 26 dB
-    SQNR for out, 22 dB for the gradients (28 and 24 measured on Gaussian data). Every cast adds
-    its [clipped, flushed] counts to device-side counters (fp8_cast.fp8_saturation_stats).
+    products are exact. The forward GEMM sums them in the tensor cores' FP8 accumulator
+    (use_fast_accum, FORWARD_FAST_ACCUM), the gradients' GEMMs promote to fp32 every few K
+    blocks: TransformerEngine's Float8CurrentScaling and torchao's tensorwise recipe (CPU sums
+    in fp32). Against the unquantised linear: about 26 dB SQNR for out, 22 dB for the
+    gradients (28 and 24 measured on Gaussian data). Every cast adds its [clipped, flushed]
+    counts to device-side counters (fp8_cast.fp8_saturation_stats).
     The backward, the precast op, tensor parallelism and the statistics in full:
     docs/design/fp8.md.
 """
@@ -34,6 +37,13 @@ from graphtrain.custom_ops.fp8_cast import record_saturation
 from graphtrain.custom_ops.utils import all_reduce, group_size
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# The forward GEMMs (this op's, fp8_grouped_mm's, and those the fp8_cast_once and
+# overlap_tp_comm passes write) sum in Hopper's FP8 accumulator without promoting to fp32: as
+# TransformerEngine's Float8CurrentScaling (fprop without its split accumulator, dgrad and
+# wgrad with it) and torchao's tensorwise recipe. That accumulator keeps about 14 bits (up to
+# ~2% on an element at K = 4096, the DeepSeek-V3 report), below the operands' FP8 rounding
+# (~5% RMS, 26 dB): docs/design/fp8.md, Numerics.
+FORWARD_FAST_ACCUM = True
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -101,7 +111,9 @@ def _fp8_linear_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The GEMM from both operands' (t8, t8_t, scale_inv), shared by every entry."""
     (x8, x8_t, sx), (w8, w8_t, sw) = x_fp8, w_fp8
-    out = torch._scaled_mm(x8, w8.t(), sx, sw, out_dtype=out_dtype)  # w8.t(): column-major
+    out = torch._scaled_mm(  # w8.t(): column-major
+        x8, w8.t(), sx, sw, out_dtype=out_dtype, use_fast_accum=FORWARD_FAST_ACCUM
+    )
     if bias is not None:
         out = out + bias.to(out_dtype)
     return out.view(*lead_shape, w8.shape[0]), x8_t, sx, w8_t, sw

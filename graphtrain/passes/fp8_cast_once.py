@@ -34,7 +34,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from graphtrain.custom_ops import fp8_linear  # noqa: F401  (registers the ops)
+from graphtrain.custom_ops.fp8_linear import FORWARD_FAST_ACCUM  # (importing registers the ops)
 from graphtrain.passes import fx
 from graphtrain.passes.fx import Refuse
 from graphtrain.passes.registry import PassContext, register_pass
@@ -138,7 +138,7 @@ def _forward_group(gm: torch.fx.GraphModule, linears: list[Node], fake_mode: Any
         w8, w8_t, sw = cast_w[linear.args[1]]
         out_val = linear.meta["val"][0]
         out = b(aten._scaled_mm.default, x8, b(aten.permute.default, w8, [1, 0]), sx, sw,
-                out_dtype=out_val.dtype)  # fmt: skip
+                out_dtype=out_val.dtype, use_fast_accum=FORWARD_FAST_ACCUM)  # fmt: skip
         bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
         if bias is not None:
             out = b(aten.add.Tensor, out,

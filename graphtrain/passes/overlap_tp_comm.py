@@ -35,7 +35,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from graphtrain.custom_ops import fp8_linear  # noqa: F401  (registers the FP8 ops)
+from graphtrain.custom_ops.fp8_linear import FORWARD_FAST_ACCUM  # (importing registers the FP8 ops)
 from graphtrain.passes import fx
 from graphtrain.passes.fx import Refuse
 from graphtrain.passes.registry import PassContext, register_pass
@@ -379,7 +379,8 @@ def _overlap_fp8_gather(
                 continue
             _, w_scale_inv, w8 = weights[linear]
             out_dtype = linear.kwargs["out_dtype"]
-            gemm = b(aten._scaled_mm.default, x8, w8, scale_inv, w_scale_inv, out_dtype=out_dtype)
+            gemm = b(aten._scaled_mm.default, x8, w8, scale_inv, w_scale_inv,
+                     out_dtype=out_dtype, use_fast_accum=FORWARD_FAST_ACCUM)  # fmt: skip
             parts[linear].append(gemm)
     # The backward's FP8 copy of x (x8_t [D, B * T]), one for all the consumers.
     x8_full = b(aten.view.dtype, b.rank_major_to_sequence(arrived, tp, batch, seq), dtype)

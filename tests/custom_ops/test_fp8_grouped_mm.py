@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fp8_linear import dequant, rel, sqnr
+from test_fp8_linear import dequant, rel, spy_fast_accum, sqnr
 
 import graphtrain.custom_ops  # noqa: F401  (registers the ops)
 from graphtrain.custom_ops import fp8_cast as fc
@@ -137,11 +137,12 @@ def emulated_scaled_grouped_mm(
     Meta kernel, the device-side checks of its sm90 kernel (2d-2d groups along K non-empty,
     all but the last a multiple of 16), then per group the FP8 values in fp32, an fp32
     matmul, the scales applied as its epilogue does (scale_b * (scale_a * acc)), rounded to
-    bf16. Rows past offs[-1] are NaN (the kernel leaves them unwritten)."""
+    bf16. Rows past offs[-1] are NaN (the kernel leaves them unwritten). use_fast_accum
+    changes only the kernel's accumulator precision (the gpu test's): fp32 sums here."""
     meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             for t in (mat_a, mat_b, scale_a, scale_b, offs)]  # fmt: skip
     torch.ops.aten._scaled_grouped_mm.default(*meta, out_dtype=out_dtype)
-    assert bias is None and scale_result is None and not use_fast_accum
+    assert bias is None and scale_result is None
     assert out_dtype in (None, torch.bfloat16) and len(offs) <= 1023
     ends = offs.tolist()
     starts = [0, *ends[:-1]]
@@ -215,6 +216,25 @@ def test_grouped_path_matches_reference(monkeypatch, counts, tail, dtype):
     # the gradient is E4M3 whatever e4m3_grads says
     same = gmm.fp8_grouped_mm_backward_cuda(*args, e4m3_grads=True, **kwargs)
     assert torch.equal(same[0][:end], gx[:end]) and torch.equal(same[1], gw)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_forward_accumulates_fast_the_gradients_promote(monkeypatch, grouped):
+    """Both paths as graphtrain::fp8_linear: fast accumulation in the forward GEMM(s), fp32
+    promotion in the dgrad and wgrad (test_fp8_linear's test of the same name)."""
+    if grouped:
+        flags = spy_fast_accum(monkeypatch, "_scaled_grouped_mm", emulated_scaled_grouped_mm)
+        forward, backward = gmm.fp8_grouped_mm_cuda, gmm.fp8_grouped_mm_backward_cuda
+    else:
+        flags = spy_fast_accum(monkeypatch, "_scaled_mm")
+        forward, backward = gmm.fp8_grouped_mm_ref, gmm.fp8_grouped_mm_backward_ref
+    x, w, offs, grad = _inputs([5, 0, 19], 32, 48, seed=7)
+    _, x8_t, sx, w8_t, sw = forward(x, w, offs)
+    assert flags == ([True] if grouped else [True, True])  # one GEMM, or one per expert with rows
+    flags.clear()
+    kwargs = dict(e4m3_grads=False, pow2_scale=False, x_dtype=x.dtype, w_dtype=w.dtype)
+    backward(grad, x8_t, sx, w8_t, sw, offs, **kwargs)
+    assert flags == [False] * (2 if grouped else 4)
 
 
 def test_padded_groups():

@@ -140,6 +140,16 @@ def _most_in_flight(dump: Path) -> int:
     return most
 
 
+def _scaled_mm_fast_accum(dump: Path) -> list[bool]:
+    """use_fast_accum of each aten._scaled_mm in the graphs overlap_tp_comm rewrote."""
+    return [
+        "use_fast_accum = True" in line
+        for graph in dump.glob("*/*/*_overlap_tp_comm.txt")
+        for line in graph.read_text().splitlines()
+        if "aten._scaled_mm.default(" in line
+    ]
+
+
 def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
     """For each spec: the off and on runs, and the pass's notes and most in flight of the on run."""
     out = {}
@@ -157,7 +167,8 @@ def compare(rank: int, world: int, specs: list[dict[str, Any]]) -> dict[str, Any
             notes = _notes(Path(tmp) / "on", spec.get("toggle", "overlap_tp_comm"))
             overlap_notes = _notes(Path(tmp) / "on")  # the same unless another pass is toggled
             out[spec["name"]] = {"off": off, "on": on, "notes": notes, "overlap": overlap_notes,
-                                 "in_flight": _most_in_flight(Path(tmp) / "on")}  # fmt: skip
+                                 "in_flight": _most_in_flight(Path(tmp) / "on"),
+                                 "fast_accum": _scaled_mm_fast_accum(Path(tmp) / "on")}  # fmt: skip
             if "also" in spec:  # a third run: the on run with these passes switched too
                 out[spec["name"]]["also"] = _train(
                     rank, world, spec, True, Path(tmp) / "also", tuple(spec["also"])

@@ -213,6 +213,9 @@ def test_fp8_gather_chunked(ranks2):
         chunked = [n for n in forward if n.startswith("fp8 all_gather") and "chunked into 2" in n]
         assert len(chunked) == 2, forward
         assert sum("made by fp8_linear" in n for n in forward) == 2, forward
+    # The later blocks' forward GEMMs (torch._scaled_mm written by the pass) accumulate as the
+    # first block's fp8_linear_precast: FORWARD_FAST_ACCUM (the same bits on a GPU too).
+    assert result["fast_accum"] and all(result["fast_accum"]), result["fast_accum"]
     for backward in _block_graphs(result["overlap"], "backward"):
         gathers = [n for n in backward if n.startswith("all_gather")]
         assert len(gathers) == 2 and all("read by fp8_linear_backward" in n for n in gathers)

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -376,9 +377,10 @@ def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs,
     compare(single, runs[schedule])
 
 
-def test_last_stage_compiles_the_fused_loss(tmp_path):
-    """The head stage's head+loss region, compiled with graphtrain's backend, gets the fused
-    linear + cross-entropy op, as in one process (no process group needed to run a stage)."""
+def compiled_head_stage(dump_dir: Path) -> tuple[Any, torch.Tensor]:
+    """The head stage of debug-sized 2-layer model on pp=2, its block and head+loss regions
+    compiled with graphtrain's backend (aot_eager inner), one micro-batch set; and an input
+    for it (no process group needed to run a stage)."""
     from graphtrain.compile import apply_compile
 
     torch._dynamo.reset()
@@ -387,14 +389,21 @@ def test_last_stage_compiles_the_fused_loss(tmp_path):
     with torch.device("meta"):
         model = build_model(cfg)
     (stage,) = cut_model(model, specs, 1, 2, "1f1b", lambda: build_model(cfg))
-    apply_compile(model, inner="aot_eager", dump_dir=tmp_path, regions={"block", "head_loss"})
+    apply_compile(model, inner="aot_eager", dump_dir=dump_dir, regions={"block", "head_loss"})
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     B, T = 2, 16
     labels = torch.randint(0, cfg.vocab_size, (B, T))
     positions = torch.arange(T).expand(B, T)
     stage.micro_batches = [{"labels": labels, "position_ids": positions, "attn_mask": None}]
-    h = torch.randn(B, T, cfg.dim, requires_grad=True)
+    return stage, torch.randn(B, T, cfg.dim)
+
+
+def test_last_stage_compiles_the_fused_loss(tmp_path):
+    """The head stage's head+loss region, compiled with graphtrain's backend, gets the fused
+    linear + cross-entropy op, as in one process."""
+    stage, h = compiled_head_stage(tmp_path)
+    h.requires_grad_()
     loss = stage(h, micro_batch=torch.tensor([0]))
     loss.sum().backward()
     assert loss.shape == (1,) and h.grad is not None
@@ -403,6 +412,44 @@ def test_last_stage_compiles_the_fused_loss(tmp_path):
         for step in json.loads(summary.read_text()):
             fused += step["op_counts"].get("graphtrain.linear_cross_entropy.default", 0)
     assert fused >= 1
+
+
+def test_split_backward_reaches_the_weights_of_a_compiled_stage(tmp_path):
+    """A zero-bubble schedule's two halves as torch's pipelining runs them on a compiled stage
+    (stage_backward_input, which detaches the stage's outputs, then stage_backward_weight from
+    the nodes it found) give one backward's gradients. The weight half starts from the compiled
+    region's node, which only the detached outputs held: on torch 2.11 and 2.12 it was freed
+    and the half raised ("Attribute '_input_metadata' is invalid ..."; seen on 2.12.1 in the
+    zbv and dualpipev runs) unless the stage keeps views of its outputs (`graphs`, a list while
+    the runner's _split_backward is on). 2.13 keeps that node itself, so this passes there
+    either way; on 2.11 and 2.12 it fails with `graphs` None."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from graphtrain.compile import split_backward_flags
+    from graphtrain.parallel.pipeline.runner import PipelineRunner
+
+    stage, h0 = compiled_head_stage(tmp_path)
+    weights = list(stage.parameters())
+
+    def gradients(split: bool) -> list[torch.Tensor]:
+        stage.zero_grad(set_to_none=True)
+        h = h0.clone().requires_grad_()
+        stage.graphs = [] if split else None
+        # The schedule's loss_fn on the stage's output, which nothing else holds.
+        loss = PipelineRunner._loss(stage(h, micro_batch=torch.tensor([0])), torch.ones(1))
+        if split:
+            _, groups = stage_backward_input([loss], None, [h], iter(weights))
+            assert loss.grad_fn is None and len(stage.graphs) == 1  # detached; one view kept
+            stage_backward_weight(iter(weights), groups)
+        else:
+            loss.backward()
+        stage.graphs = None
+        return [h.grad, *(p.grad for p in weights)]
+
+    with split_backward_flags():  # as the runner's _split_backward: a second backward call
+        want, split = gradients(split=False), gradients(split=True)
+    for got, ref in zip(split, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
 
 
 def test_hybrid_stages_give_the_whole_models_loss_and_gradients():

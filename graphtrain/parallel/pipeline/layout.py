@@ -263,8 +263,9 @@ def pipeline_microbatches(cfg: Any, dims: Any) -> tuple[int, int]:
 def _check_v_schedule_backend(schedule: str, device: str) -> None:
     """torch 2.11's pipelining opens its stages' links by sending from each stage to its
     neighbours, and the V schedules put two neighbouring stages on one rank: a send to the rank
-    itself, which NCCL takes and gloo refuses ("Pair is not connected"). 2.12 and 2.13 open them
-    another way (2.13 runs the V schedules on gloo in tests/parallel/test_pipeline.py)."""
+    itself, which NCCL takes and gloo refuses ("Pair is not connected"). 2.12 and later open
+    them another way (tests/parallel/test_pipeline.py runs the V schedules on gloo: 2.12.1,
+    2.13, 2.14)."""
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if (
         schedule in V_SCHEDULES

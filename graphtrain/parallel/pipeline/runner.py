@@ -188,13 +188,31 @@ class PipelineRunner:
         # in their wall-clock time, this says how much of it the schedule predicts.
         self.bubble = bubble_fraction(schedule, pp, num_microbatches, num_stages // pp)
 
-    def _backward_config(self) -> contextlib.AbstractContextManager[None]:
-        """The zero-bubble schedules split each backward in two (graphtrain.compile)."""
+    @contextlib.contextmanager
+    def _split_backward(self) -> Any:
+        """Around a step of a zero-bubble schedule, which splits each backward in two (input
+        gradients, then weight gradients from the autograd nodes the first half found): AOT
+        autograd's flags for a second backward call (graphtrain.compile), and each stage keeps
+        views of its outputs until the step ends. torch's pipelining detaches a stage's
+        outputs after the input half; where the node it later starts the weight half from is a
+        Python autograd.Function's (a compiled region's, a custom op's), only those outputs
+        held it, and on torch 2.11 and 2.12 the weight half then fails ("Attribute
+        '_input_metadata' is invalid for this instance of _C._FunctionBase"; 2.13 keeps it
+        itself). The views hold no more than that half needs: the nodes between the outputs
+        and those it starts from save nothing of size (the loss's scaling, reshapes)."""
         if self.schedule_name not in V_SCHEDULES:
-            return contextlib.nullcontext()
+            yield
+            return
         from graphtrain.compile import split_backward_flags
 
-        return split_backward_flags()
+        for stage in self.stages:
+            stage.graphs = []
+        try:
+            with split_backward_flags():
+                yield
+        finally:
+            for stage in self.stages:
+                stage.graphs = None
 
     @staticmethod
     def _loss(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -231,7 +249,7 @@ class PipelineRunner:
         index = torch.arange(len(pieces))  # on the CPU: the stages read it without a sync
         args = (torch.cat([i["input_ids"] for i in inputs]),) if self.first else ()
         losses: list[torch.Tensor] = []
-        with self._backward_config():
+        with self._split_backward():
             self.schedule.step(
                 *args,
                 target=weights.to(self.device) if self.last else None,

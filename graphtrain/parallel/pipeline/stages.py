@@ -109,6 +109,9 @@ class PipelineStageModule(nn.Module):
         self.tp_mesh: Any = None  # set under tensor parallel: activations are Shard(1) on it
         # The MTP depths' statistics of the step, weighted by each micro-batch's loss weight.
         self.stats: dict[str, torch.Tensor] = {}
+        # Views of the step's outputs under a zero-bubble schedule (the runner's
+        # _split_backward says why), else None.
+        self.graphs: list[torch.Tensor] | None = None
 
     def forward(
         self, h: torch.Tensor, *loss: torch.Tensor, micro_batch: torch.Tensor
@@ -116,7 +119,11 @@ class PipelineStageModule(nn.Module):
         """h: token ids (B, T) on the first stage, else the previous stage's (B, T, dim); an
         MTP stage after the head's also gets the head's loss (1,). micro_batch: a CPU tensor
         holding the micro-batch's index (no device sync)."""
-        return self._forward(h, loss, int(micro_batch))
+        out = self._forward(h, loss, int(micro_batch))
+        if self.graphs is not None:
+            outputs = out if isinstance(out, tuple) else (out,)
+            self.graphs += [t.view_as(t) for t in outputs if t.requires_grad]
+        return out
 
     def _forward(self, h: torch.Tensor, loss: tuple, micro_batch: int) -> Any:
         if self.balance is None or not self.training:

@@ -300,7 +300,7 @@ def grouped_gemm_rows(x, w, offs, grad):
         ("fp8 dgrad GEMM, fast-accumulated (not the op's)",
          lambda: rows(g8, sg, w8_t, sw, offs, dtype, True)),
         ("bf16 wgrad GEMM (torch._grouped_mm)", lambda: torch._grouped_mm(grad.t(), x, offs=offs)),
-        ("fp8 wgrad GEMM", lambda: experts(g8_t, sg, x8_t, sx, offs, padded, dtype)),
+        ("fp8 wgrad GEMM", lambda: experts(g8_t, sg, x8_t, sx, offs, padded, dtype, False)),
         ("fp8 wgrad GEMM, fast-accumulated (not the op's)",
          lambda: experts(g8_t, sg, x8_t, sx, offs, padded, dtype, True)),
     ]  # fmt: skip

@@ -6,10 +6,10 @@ What
         -> (out [M, N], x8_t, x_scale_inv, w8_t, w_scale_inv)
     out[rows of e] = x[rows of e] @ weight[e]^T, rows of e = offs[e-1]:offs[e] (offs[-1] = 0),
     i.e. torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs) (models/moe.py's experts),
-    both operands in E4M3, out in out_dtype (default x's). The other outputs
-    are the FP8 copies and inverse scales graphtrain::fp8_grouped_mm_backward uses: it casts
-    the output gradient once, then per expert dgrad and wgrad. An expert without rows gets a
-    zero weight gradient.
+    both operands in E4M3, out in out_dtype (default x's). The other outputs are the FP8
+    copies and inverse scales graphtrain::fp8_grouped_mm_backward uses: it casts the output
+    gradient once, then per expert dgrad and wgrad. An expert without rows gets a zero weight
+    gradient.
     Two paths, the same casts and FP8 bytes: the reference (the CPU kernel and the oracle;
     CUDA other than sm90) runs torch._scaled_mm per expert and reads offs on the host; sm90
     runs three torch._scaled_grouped_mm calls, no host synchronisation, with the wgrad's
@@ -116,11 +116,11 @@ def _rows_grouped(a8: Tensor, sa: Tensor, b8: Tensor, sb: Tensor, offs: Tensor, 
     return out.to(out_dtype)
 
 
-def _experts_loop(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype, fast_accum=False):
+def _experts_loop(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype, fast_accum: bool):
     """out [E, P, Q]: out[e] = a8_t[:, rows of e] @ b8_t[:, rows of e]^T (a8_t [P, W], b8_t
     [Q, W], expert e's rows in the columns from padded_offs[e - 1]); zero for an expert
-    without rows. The op's wgrad promotes to fp32; fast_accum is benchmarks/fp8_linear.py's
-    row that says what the promotion costs."""
+    without rows. The op's wgrad promotes to fp32 (fast_accum False; True is
+    benchmarks/fp8_linear.py's row that says what the promotion costs)."""
     out = a8_t.new_zeros(offs.shape[0], a8_t.shape[0], b8_t.shape[0], dtype=out_dtype)
     padded_ends = padded_offs.tolist()
     padded_starts = [0, *padded_ends[:-1]]
@@ -137,7 +137,7 @@ def _experts_loop(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype, fast_accum=F
     return out
 
 
-def _experts_grouped(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype, fast_accum=False):
+def _experts_grouped(a8_t, sa, b8_t, sb, offs, padded_offs, out_dtype, fast_accum: bool):
     """As _experts_loop, 2d-2d on the padded groups: scales per (group, row) of a, per
     (group, column) of the result."""
     E, P, Q = offs.shape[0], a8_t.shape[0], b8_t.shape[0]
@@ -168,7 +168,7 @@ def _backward_gemms(grad_out, x8_t, sx, w8_t, sw, offs, *, grouped, e4m3_grads, 
     g8, g8_t, sg = _cast_grad(grad_out, float8_dtype, pow2_scale, offs)
     rows, experts = (_rows_grouped, _experts_grouped) if grouped else (_rows_loop, _experts_loop)
     grad_x = rows(g8, sg, w8_t, sw, offs, x_dtype, False)
-    grad_w = experts(g8_t, sg, x8_t, sx, offs, padded_offsets(offs), w_dtype)
+    grad_w = experts(g8_t, sg, x8_t, sx, offs, padded_offsets(offs), w_dtype, False)
     return grad_x, grad_w
 
 

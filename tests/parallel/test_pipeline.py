@@ -378,7 +378,7 @@ def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs,
 
 
 def compiled_head_stage(dump_dir: Path) -> tuple[Any, torch.Tensor]:
-    """The head stage of debug-sized 2-layer model on pp=2, its block and head+loss regions
+    """The head stage of a 2-layer model on pp=2, its block and head+loss regions
     compiled with graphtrain's backend (aot_eager inner), one micro-batch set; and an input
     for it (no process group needed to run a stage)."""
     from graphtrain.compile import apply_compile

@@ -28,6 +28,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Markers `gpu` and `multigpu` (pyproject.toml) skip their tests where the CUDA GPUs
+    they need are missing, so that no test file repeats the check."""
+    gpus = torch.cuda.device_count()
+    for item in items:
+        if item.get_closest_marker("gpu") and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if item.get_closest_marker("multigpu") and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {gpus}"))
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Documents of a toy language (learnable quickly), and a 300-token BPE tokenizer for it."""

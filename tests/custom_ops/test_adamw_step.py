@@ -316,7 +316,6 @@ def test_benchmark_smoke():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kernel():
     def on_cuda(*lists, **kw):
         scale = lists[5].cuda() if len(lists) > 5 and lists[5] is not None else None

@@ -426,7 +426,6 @@ def test_fla_kernels_under_interpreter(monkeypatch):
 # GPU
 # ------------------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # fp32 tolerance of the relative error: ours computes in fp32 (torch's GEMMs, 3xTF32 in the
 # loop's kernels); FLA's dots take fp32 inputs as TF32 (10-bit mantissa).
 KERNELS_FP32_TOL = [
@@ -443,7 +442,6 @@ KERNELS_FP32_TOL = [
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("kernels, fp32_tol", KERNELS_FP32_TOL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_float64(kernels, fp32_tol, dtype):
@@ -457,7 +455,6 @@ def test_cuda_matches_float64(kernels, fp32_tol, dtype):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("kernels, fp32_tol", KERNELS_FP32_TOL)
 def test_cuda_backward_matches_float64(kernels, fp32_tol):
     xs = [x.requires_grad_() for x in _inputs(2, 200, 4, 128, 128, device="cuda")]

@@ -790,11 +790,8 @@ def test_benchmark_record_stamps_graphtrain_commit(tmp_path, monkeypatch):
 # GPU (skipped on CPU): bf16 by SNR, fp32 tightly, CUDA-graph capture
 # ------------------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_matches_float64(reduction, dtype):
@@ -816,7 +813,6 @@ def test_cuda_matches_float64(reduction, dtype):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("weight_dtype,fp32_accumulator", [
     (torch.float32, True),  # fp32 master weight, bf16 hidden: fp32 straight into the gradient
@@ -848,7 +844,6 @@ def test_cuda_fast_mode(reduction, weight_dtype, fp32_accumulator, token_chunk):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_cuda_low_memory_master_weight():
     """Low-memory mode with an fp32 master weight and bf16 hidden: bitwise the bf16 weight's
     results (its gradient widened), and less extra memory than a 16-bit copy of the whole
@@ -882,7 +877,6 @@ def test_cuda_low_memory_master_weight():
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_cuda_graph_capture():
     """No host sync: forward + backward capture into a CUDA graph and replay correctly."""
     hidden, weight, target = make_inputs(

@@ -224,11 +224,8 @@ def test_triton_kernels_under_interpreter():
 # GPU
 # ------------------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("T,k,D", [*SHAPES, (4099, 6, 1024), (1000, 8, 7168)])
 def test_cuda_matches_float64(T, k, D, dtype, tol):

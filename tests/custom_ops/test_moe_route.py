@@ -640,8 +640,6 @@ def test_kernels_compile_for_hopper(dtype, score, groups, E, K, extras):
 # GPU (skipped on CPU): fp32 tightly, bf16 logits, CUDA-graph capture
 # ------------------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
 
 def _cuda(fn):
     def run(logits, bias, top_k, **opts):
@@ -652,7 +650,6 @@ def _cuda(fn):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("name", list(CASES))
 def test_cuda_matches_float64(name):
     check_against_oracle(_cuda(op), name, T=1000, dtype=torch.float32, tol=2e-6, near_ties=2e-3)
@@ -671,7 +668,6 @@ def test_cuda_matches_float64(name):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_cuda_deepseek_shape_bf16():
     """256 experts, 8 groups, top-4 groups, top-8, bf16 logits: the fp32 computation of them."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -695,7 +691,6 @@ def test_cuda_deepseek_shape_bf16():
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_cuda_graph_capture():
     """No host sync: forward + backward capture into a CUDA graph and replay correctly."""
     logits = torch.randn(2048, 256, device="cuda").requires_grad_(True)

@@ -27,10 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 
 STEPS = 8
 

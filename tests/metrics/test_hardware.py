@@ -53,7 +53,6 @@ def test_cpu_memory_stats():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_memory_stats_and_peak():
     device = torch.device("cuda")
     reset_memory_stats(device)

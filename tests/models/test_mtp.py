@@ -302,7 +302,6 @@ def test_fused_cross_entropy_replaces_every_depths_head(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graphed_mtp_regions_train_as_the_ungraphed_ones():
     """Inductor on CUDA: the MTP regions captured as CUDA graphs (cudagraph trees hold
     recordings afterwards) and three training steps give the losses of the same regions compiled

@@ -167,7 +167,6 @@ def test_gather_without_gemm_is_noted(ranks2):
 
 
 @pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_symm_mem_on_gpus():
     # NCCL with symmetric memory enabled for the tp group: the auto variant picks torch's
     # fused ops in the forward under Inductor, and training matches the unrewritten graphs

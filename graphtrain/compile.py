@@ -16,6 +16,9 @@ CUDA graphs for the MTP regions (`cudagraph_mtp`): Inductor's cudagraph trees, s
 those regions only; where the layout rules them out before any capture (not CUDA, aot_eager,
 expert parallel, FSDP2, activation checkpointing), `cudagraph_fallback_reason` names why and
 the regions run as ordinary compiled code, announced by one log line.
+Selective recomputation (`activation_memory_budget` < 1): each region's partitioner keeps at
+most that fraction of the activations it saves by default beyond the region's inputs and
+recomputes the rest in the backward; graphtrain's ops and random ops are always saved.
 Why per-block regions, why cudagraph trees over make_graphed_callables, and each fallback:
 docs/design/compile.md.
 """
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch._dynamo
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from graphtrain.passes import PassContext, PassSpec, resolve_passes
 from graphtrain.passes.dump import GraphDumper, write_compile_info
@@ -128,6 +132,62 @@ def _no_shared_aot_cache_across_ranks() -> None:
         torch._functorch.config.enable_autograd_cache = False
 
 
+def _must_save(graph: torch.fx.Graph) -> None:
+    """Tag the joint graph's nodes that the memory-budget partitioner must save, never
+    recompute: graphtrain's ops (the fused loss computes its gradients in the forward, the FP8
+    casts count saturation, and the partitioner prices an op it has no FLOP formula for as free)
+    and random ops (torch recomputes them with fresh randomness, wrong gradients without an
+    error: pytorch issue 190758; under Inductor, its seeds)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target.namespace == "graphtrain" or torch.Tag.nondeterministic_seeded in target.tags:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def _saves_a_tuple(forward: torch.fx.GraphModule) -> bool:
+    outputs = next(n for n in reversed(forward.graph.nodes) if n.op == "output").args[0]
+    return any(
+        isinstance(out, torch.fx.Node) and isinstance(out.meta.get("val"), (tuple, list))
+        for out in outputs
+    )
+
+
+def budget_partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+    """torch's min-cut partitioner under the memory budget, after _must_save. On torch < 2.14
+    a region where only tagged ops were left to trade saved a multi-output op's tuple (torch
+    returned the inputs and the tagged nodes, fixed in 2.14): such a region is partitioned
+    again with its default activations."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    _must_save(joint.graph)
+    flags = torch._functorch.config
+    # The partitioner sizes every input: a tensor-parallel region's DeviceMesh is an opaque
+    # object that torch 2.13+ refuses to size unless told it holds no tensors (it holds none).
+    opaque = "unsafe_treat_script_objects_as_zero_size"
+    with flags.patch({opaque: True} if hasattr(flags, opaque) else {}):
+        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    if not _saves_a_tuple(forward):
+        return forward, backward
+    logger.info("activation_memory_budget: a region keeps its default activations (torch < 2.14)")
+    with flags.patch(activation_memory_budget=1.0):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+class BudgetPartition(CustomPartitionerFn):
+    """budget_partition as Inductor's partitioner (after its joint-graph passes); a class at
+    module level, so that Inductor's cache can pickle it."""
+
+    def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        return budget_partition(joint, joint_inputs, **kwargs)
+
+    def uuid(self) -> Any:
+        return "graphtrain.compile.budget_partition"
+
+
 def _is_backward(gm: torch.fx.GraphModule) -> bool:
     # AOT autograd names the incoming gradients of a backward graph tangents_1, tangents_2, ...
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
@@ -184,15 +244,21 @@ class GraphtrainBackend:
         region: str = "graph",
         pass_options: Mapping[str, Any] | None = None,
         inductor_options: Mapping[str, Any] | None = None,
+        activation_memory_budget: float = 1.0,
     ) -> None:
         if inner not in INNER_BACKENDS:
             raise ValueError(f"compile.backend must be one of {INNER_BACKENDS}, got {inner!r}")
+        if not 0 < activation_memory_budget <= 1:
+            raise ValueError(
+                f"activation_memory_budget must be in (0, 1], got {activation_memory_budget}"
+            )
         self.passes = resolve_passes(passes)
         self.inner = inner
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.region = region
         self.pass_options = dict(pass_options or {})
         self.inductor_options = dict(inductor_options or {})
+        self.activation_memory_budget = activation_memory_budget
         self._graph_ids = itertools.count()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -216,24 +282,43 @@ class GraphtrainBackend:
             graph_dir,
             self.pass_options,
         )
-        if self.inner == "inductor":
-            from torch._inductor.compile_fx import compile_fx
+        budget = self.activation_memory_budget
+        # AOT autograd partitions the joint graph while this call compiles the forward.
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            if self.inner == "inductor":
+                from torch._inductor.compile_fx import compile_fx
 
-            patches = dict(self.inductor_options)
-            if post.passes or post.dump_dir is not None:
-                patches["post_grad_custom_post_pass"] = _inductor_post_grad_pass(post)
-            return compile_fx(gm, example_inputs, config_patches=patches)
-        return _aot_eager(gm, example_inputs, post)
+                patches = dict(self.inductor_options)
+                if post.passes or post.dump_dir is not None:
+                    patches["post_grad_custom_post_pass"] = _inductor_post_grad_pass(post)
+                if budget < 1:
+                    patches["custom_partitioner_fn"] = BudgetPartition()
+                return compile_fx(gm, example_inputs, config_patches=patches)
+            return _aot_eager(gm, example_inputs, post, budget < 1)
 
 
-def _aot_eager(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], post: _PostGradPasses):
-    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+def _aot_eager(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    post: _PostGradPasses,
+    budgeted: bool,
+) -> Callable:
+    """torch's aot_eager (min-cut partitioner, inference input mutations kept) with the
+    post-grad passes; `budgeted`: budget_partition as the partitioner."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     def compiler(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable:
         post.run(graph, inputs)
         return boxed_nop(graph, inputs)
 
-    return aot_eager(gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler)
+    return aot_autograd(
+        fw_compiler=compiler,
+        bw_compiler=compiler,
+        partition_fn=budget_partition if budgeted else min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)
 
 
 def split_backward_flags() -> contextlib.AbstractContextManager[None]:
@@ -272,7 +357,8 @@ def backend(**options: Any) -> GraphtrainBackend:
     """A configured graphtrain backend: passes=["-name", "+name"], inner="inductor"|"aot_eager",
     dump_dir=path (write graph dumps), region=name (the dump folder's prefix),
     pass_options={...} (what the passes read: graphtrain.config.pass_options),
-    inductor_options={...} (Inductor config patches of this backend's regions)."""
+    inductor_options={...} (Inductor config patches of this backend's regions),
+    activation_memory_budget=fraction in (0, 1] (selective recomputation; 1: off)."""
     return GraphtrainBackend(**options)
 
 
@@ -364,6 +450,7 @@ def apply_compile(
     fsdp: bool = False,
     activation_checkpoint: bool = False,
     regions: Collection[str] | None = None,
+    activation_memory_budget: float = 1.0,
 ) -> None:
     """Compile each transformer block, each MTP depth's layer and the head+loss region of
     `model` in place.
@@ -375,10 +462,18 @@ def apply_compile(
     device_type, fsdp, activation_checkpoint and this call's inner and fullgraph) allows;
     otherwise they are compiled as the rest and one log line names the reason.
 
+    activation_memory_budget: every region's selective recomputation (module docstring).
+
     Module.compile keeps parameter names (no `_orig_mod.` prefix), so checkpoints and the TP and
     FSDP plans see the same names compiled or not.
     """
-    common = {"passes": passes, "inner": inner, "dump_dir": dump_dir, "pass_options": pass_options}
+    common = {
+        "passes": passes,
+        "inner": inner,
+        "dump_dir": dump_dir,
+        "pass_options": pass_options,
+        "activation_memory_budget": activation_memory_budget,
+    }
     block_backend = backend(**common, region="block")
     for block in model.layers.values() if regions is None or "block" in regions else ():
         _compile_region(block, block_backend, fullgraph)

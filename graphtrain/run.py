@@ -382,6 +382,7 @@ def _build_model(
             "pass_options": pass_options(cfg),
             "cudagraph_mtp": cfg.compile.cudagraph_mtp,
             "device_type": device.type,
+            "activation_memory_budget": training.activation_memory_budget,
         }
     plan = tp_plan(cfg.model, dims.etp, dims.ep)
     if dims.pp_enabled:  # the entries of this rank's stages

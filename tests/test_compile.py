@@ -279,3 +279,96 @@ def test_inductors_graph_cache_keys_on_the_post_grad_passes_options(monkeypatch,
     torch.testing.assert_close(outs[False][0], torch.relu(x) * 2, rtol=0, atol=0)
     torch.testing.assert_close(outs[True][0], -x * 2, rtol=0, atol=0)
     torch.testing.assert_close(outs[False][1], outs[False][0], rtol=0, atol=0)
+
+
+def _budget_run(block, inputs, budget, dump_dir):
+    """One forward + backward of `block` compiled (aot_eager) at `budget`, its random draws
+    seeded: the bytes it saved for the backward (parameters aside), the input and parameter
+    gradients, and the backward graph's graphtrain and random ops (from its dump)."""
+    torch._dynamo.reset()
+    be = backend(inner="aot_eager", dump_dir=dump_dir, activation_memory_budget=budget)
+    fn = torch.compile(block, backend=be, fullgraph=True)
+    x, *rest = inputs
+    saved = []
+
+    def pack(t):
+        saved.append(0 if isinstance(t, torch.nn.Parameter) else t.numel() * t.element_size())
+        return t
+
+    block.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    torch.manual_seed(7)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x, *rest)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    summary = json.loads(next(dump_dir.glob("*/backward/summary.json")).read_text())
+    ops = {k: v for k, v in summary[0]["op_counts"].items() if "graphtrain" in k or "rand" in k}
+    return sum(saved), [x.grad, *(p.grad for p in block.parameters())], ops
+
+
+def test_activation_memory_budget_saves_less_for_the_same_gradients(tmp_path):
+    """moe-debug's MoE block with random routing (force_balance: a randn_like) and the MoE ops
+    the passes insert: below budget 1 the region saves less and recomputes aten ops in the
+    backward; the gradients stay bitwise those of budget 1 (the same aten ops, recomputed),
+    and the backward runs the same graphtrain ops and no random op (_must_save: torch would
+    recompute both, the router with a fresh draw)."""
+    import dataclasses
+
+    from models import MODEL_PRESETS, build_model
+
+    cfg = dataclasses.replace(MODEL_PRESETS["moe-debug"], num_layers=2, force_balance=True)
+    model = build_model(cfg)
+    model.init_weights(seed=0)
+    B, T = 2, 64
+    inputs = (torch.randn(B, T, cfg.dim), model.rope[torch.arange(T).expand(B, T)], None)
+    runs = {b: _budget_run(model.layers["1"], inputs, b, tmp_path / str(b)) for b in (1, 0.5, 0.1)}
+    saved = [runs[b][0] for b in (1, 0.5, 0.1)]
+    assert saved[0] > saved[1] > saved[2], saved
+    assert saved[2] < saved[0] / 3, saved
+    full_ops = runs[1][2]
+    assert "graphtrain.moe_route_backward.default" in full_ops, full_ops
+    for b in (0.5, 0.1):
+        assert runs[b][2] == full_ops, (b, runs[b][2])
+        for got, want in zip(runs[b][1], runs[1][1], strict=True):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_activation_memory_budget_never_recomputes_a_random_op(inner):
+    """dropout under a budget: the backward's mask is the forward's (torch's partitioner alone
+    recomputes the dropout with a fresh draw under aot_eager: pytorch issue 190758)."""
+
+    def f(x, w):
+        h = F.dropout((x @ w).sin(), 0.5, training=True)
+        return (h * h).sum(), h.detach()
+
+    for budget in (0.5, 0.05):
+        torch._dynamo.reset()
+        x, w = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64)
+        fn = torch.compile(f, backend=backend(inner=inner, activation_memory_budget=budget))
+        loss, h = fn(x, w)
+        loss.backward()
+        want = (4 * h * (x @ w).cos()) @ w.T  # h = mask * 2 sin(x @ w)
+        torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-4)
+
+
+def test_activation_memory_budget_with_only_graphtrain_ops_to_trade():
+    """A region whose only costly op is graphtrain's (multi-output) fused loss: torch < 2.14
+    saved its tuple there and failed at the first forward; budget_partition then keeps the
+    region's default activations. Right gradients either way."""
+    from graphtrain.custom_ops.linear_cross_entropy import linear_cross_entropy
+
+    def f(h, w, y):
+        return linear_cross_entropy(h.sin(), w, y) * 2
+
+    torch._dynamo.reset()
+    h, w = torch.randn(32, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    y = torch.randint(0, 40, (32,))
+    fn = torch.compile(f, backend=backend(inner="aot_eager", activation_memory_budget=0.05))
+    fn(h, w, y).backward()
+    h2, w2 = h.detach().requires_grad_(), w.detach().requires_grad_()
+    (F.cross_entropy(h2.sin() @ w2.T, y) * 2).backward()
+    torch.testing.assert_close(h.grad, h2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    with pytest.raises(ValueError, match=r"activation_memory_budget must be in \(0, 1\], got 0"):
+        backend(activation_memory_budget=0)

@@ -72,6 +72,19 @@ def test_overrides_are_typed():
             "the command line sets both schedule.warmup_steps and schedule.warmup_ratio",
         ),
         (["--schedule.warmup_ratio=1.5"], "schedule.warmup_ratio must be in [0, 1], got 1.5"),
+        (
+            ["--training.activation_memory_budget=0"],
+            "training.activation_memory_budget must be in (0, 1] (1: off), got 0.0",
+        ),
+        (["--training.activation_memory_budget=1.5"], "must be in (0, 1] (1: off), got 1.5"),
+        (
+            ["--training.activation_memory_budget=0.5", "--training.activation_checkpoint=full"],
+            "training.activation_memory_budget=0.5 with training.activation_checkpoint='full'",
+        ),
+        (
+            ["--training.activation_memory_budget=0.5", "--compile.enable=false"],
+            "training.activation_memory_budget=0.5 needs compile.enable=true",
+        ),
         (["steps=3"], "unexpected argument 'steps=3'"),
         (["--optim.lr=nan"], "'optim.lr' expects a finite number, got nan"),
         (

@@ -229,6 +229,29 @@ def test_working_weights_train_and_export_exactly_as_autocast(corpus, tmp_path):
         assert value.dtype == torch.float32 and torch.equal(value, exported[1][key]), key
 
 
+def test_activation_memory_budget_trains_the_same_curve(
+    corpus, tmp_path, straight_six_steps, monkeypatch
+):
+    """training.activation_memory_budget below 1: every compiled region (blocks, head and loss)
+    is partitioned under the budget (tests/test_compile.py checks what that saves); on CPU the
+    recomputed aten ops give the same bits, so the 6-step loss curve is the default run's."""
+    import torch._functorch.config
+
+    import graphtrain.compile
+
+    budgets = []
+
+    def spy(*args, **kwargs):
+        budgets.append(torch._functorch.config.activation_memory_budget)
+        return partition(*args, **kwargs)
+
+    partition = graphtrain.compile.budget_partition
+    monkeypatch.setattr(graphtrain.compile, "budget_partition", spy)
+    args = job(corpus, tmp_path, "--training.steps=6", "--training.activation_memory_budget=0.3")
+    assert train(load_config(args)).losses == straight_six_steps.losses
+    assert budgets == [0.3, 0.3], budgets  # the blocks' shared graph and head_loss's
+
+
 def test_resume_is_bitwise_exact(corpus, tmp_path, monkeypatch):
     """bf16 autocast with fp32 masters (as on a GPU): the checkpoint holds the masters, and the
     resumed run's bf16 working copies start from them. The resumed run switches from torch's
@@ -312,7 +335,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == (
         "graphtrain: error: unknown config key 'training.stepz'; known keys here: activation_checkpoint, "
-        "attention, device, dtype, fp8, master_dtype, micro_batch_size, reduce_dtype, "
+        "activation_memory_budget, attention, device, dtype, fp8, master_dtype, micro_batch_size, reduce_dtype, "
         "replica_check_interval, run_dir, seed, seq_len, steps, working_weights"
     )
 
@@ -423,6 +446,13 @@ def test_launch_sh_dry_run_with_one_gpu_prints_only_the_plain_command():
 TWO_PROCESS_LAYOUTS = {
     "dp_shard2": ["--parallel.dp_shard=2", "--training.micro_batch_size=2"],
     "tp2": ["--parallel.tp=2", "--training.micro_batch_size=4"],
+    # the compiler's selective recomputation inside tensor-parallel regions (their DeviceMesh
+    # input is an object the partitioner sizes)
+    "tp2_budget": [
+        "--parallel.tp=2",
+        "--training.micro_batch_size=4",
+        "--training.activation_memory_budget=0.3",
+    ],
 }
 
 
@@ -461,3 +491,5 @@ def test_two_processes_follow_the_single_process_curve(two_process_runs, layout)
         assert b == pytest.approx(a, rel=1e-3)
     (val0,) = [m["val_loss"] for m in metrics if "val_loss" in m and m["step"] == 0]
     assert val0 == pytest.approx(single.val_losses[0], rel=1e-5)
+    if layout == "tp2_budget":  # the recomputed aten ops give the same bits on CPU
+        assert multi == [m["loss"] for m in runs["tp2"] if "loss" in m]

@@ -85,6 +85,14 @@ class TrainingConfig:
         "none",
         "Activation checkpointing: none, or full (recompute every block in the backward).",
     )
+    activation_memory_budget: float = option(
+        1.0,
+        "Selective recomputation by the compiler, in (0, 1]: each compiled region saves for "
+        "the backward at most this fraction of what it saves by default beyond its inputs, and "
+        "torch's partitioner recomputes the cheapest rest (by FLOPs) in the backward; "
+        "graphtrain's ops and random ops are always saved. 1: off. Needs compile.enable and "
+        "activation_checkpoint='none' (full is the budget's end: only the blocks' inputs).",
+    )
     run_dir: str = option(
         "",
         '"" -> runs/<preset>-<date>-<time>',
@@ -107,6 +115,18 @@ class TrainingConfig:
         _positive("training", self, "replica_check_interval", allow_zero=True)
         if self.seq_len < 2:
             raise ValueError(f"training.seq_len must be >= 2, got {self.seq_len}")
+        budget = self.activation_memory_budget
+        if not 0 < budget <= 1:
+            raise ValueError(
+                f"training.activation_memory_budget must be in (0, 1] (1: off), got {budget}; "
+                "for recomputing whole blocks set training.activation_checkpoint='full'"
+            )
+        if budget < 1 and self.activation_checkpoint != "none":
+            raise ValueError(
+                f"training.activation_memory_budget={budget} with training.activation_checkpoint="
+                f"{self.activation_checkpoint!r}: the checkpoint already recomputes whole "
+                "blocks; set one of them to its off value (1 or 'none')"
+            )
         if self.master_dtype == "bfloat16" and self.dtype not in ("auto", "bfloat16"):
             raise ValueError(
                 f"training.master_dtype='bfloat16' computes in bfloat16, but training.dtype="
@@ -486,6 +506,11 @@ class JobConfig:
                 "as schedule.warmup_ratio (a fraction of training.steps)"
             )
         self._check_model_numbers()
+        if self.training.activation_memory_budget < 1 and not self.compile.enable:
+            raise ValueError(
+                f"training.activation_memory_budget={self.training.activation_memory_budget} "
+                "needs compile.enable=true (the compiler's partitioner applies it)"
+            )
         if self.checkpoint.async_save and self.training.device == "cpu":
             raise ValueError(
                 "checkpoint.async_save=true needs CUDA (it overlaps writing with GPU compute); "

@@ -200,6 +200,7 @@ def inspect_config(
             trace_dir=trace_dir,
             pass_options=pass_options(cfg),
             validation=validation,
+            activation_memory_budget=t.activation_memory_budget,
         )
         report = load_report(directory, inner=inner)
         if profile_steps:
@@ -236,6 +237,7 @@ def _profile(
                 inner="inductor",
                 pass_options=pass_options(cfg),
                 regions={region},
+                activation_memory_budget=cfg.training.activation_memory_budget,
             )
             prof, _ = run_steps(lambda m=without: run_once(m, inputs), steps=steps, device=device)
             before = kernel_us(prof, device)[0] / 1e3 / steps

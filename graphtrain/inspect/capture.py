@@ -197,12 +197,20 @@ def capture_model(
     trace_dir: str | Path | None = None,
     pass_options: dict[str, Any] | None = None,
     validation: bool = True,
+    activation_memory_budget: float = 1.0,
 ) -> None:
     """Compile a GPT's regions as the trainer does (graphtrain.compile.apply_compile: one per
     block, one for head+loss), run forward+backward once on `example_inputs` and, with
     `validation`, one forward as validation does (run_validation)."""
     torch._dynamo.reset()
-    apply_compile(model, passes=passes, inner=inner, dump_dir=dump_dir, pass_options=pass_options)
+    apply_compile(
+        model,
+        passes=passes,
+        inner=inner,
+        dump_dir=dump_dir,
+        pass_options=pass_options,
+        activation_memory_budget=activation_memory_budget,
+    )
     with recording(dump_dir, trace_dir):
         run_once(model, example_inputs)
         if validation:

@@ -107,6 +107,7 @@ def build_pipeline(
             inner=inner,
             dump_dir=dump_dir / f"pp{rank}",
             pass_options=pass_options(cfg),
+            activation_memory_budget=cfg.training.activation_memory_budget,
         )
         if target.type != "meta":
             model.to_empty(device=target)

@@ -8,7 +8,8 @@ What
     layout has them, FSDP's gathered parameters (the largest block's, twice: running and
     prefetched), the activations per micro-batch (per block, what autograd keeps per token of
     the rank's sequence slice; with activation_checkpoint=full only each block's input plus
-    one block's recompute) and the loss's buffers (the fused op's own figure,
+    one block's recompute; with activation_memory_budget b, the inputs plus b of the rest plus
+    1 - b of one block's) and the loss's buffers (the fused op's own figure,
     linear_cross_entropy.fast_mode_extra_bytes, or the unfused logits where compile.lce_mode
     auto may leave the loss to Inductor).
 
@@ -195,9 +196,14 @@ def _activations(
         attention = per_token + (3 * m.dim + kv_dim if m.gated_attention else 0)
         per_block = [gdn if m.mixer(i) == "G" else attention for i in layers]
     block_acts = tokens / dims.tp * max(per_block) * compute
+    inputs = len(layers) * tokens / dims.tp * m.dim * compute  # what full keeps
     if t.activation_checkpoint == "full":
-        return len(layers) * tokens / dims.tp * m.dim * compute + block_acts
-    return tokens / dims.tp * sum(per_block) * compute
+        return inputs + block_acts
+    kept = tokens / dims.tp * sum(per_block) * compute
+    # The budget keeps its fraction of what the blocks save beyond their inputs; a block's
+    # backward holds what it recomputes while it runs.
+    budget = t.activation_memory_budget
+    return inputs + budget * (kept - inputs) + (1 - budget) * block_acts
 
 
 def gated_deltanet_activations_per_token(cfg: Any) -> int:
@@ -222,5 +228,6 @@ def check_fits(plan: MemoryPlan, device_bytes: int, *, device: str = "the device
         f"the layout needs about {plan.total / 2**30:.1f} GiB per rank but {device} has "
         f"{device_bytes / 2**30:.1f} GiB ({HEADROOM:.0%} usable); the biggest item is {name} "
         f"({size / 2**30:.1f} GiB): shard more (parallel.dp_shard, parallel.tp), use "
-        "training.activation_checkpoint=full or a smaller training.micro_batch_size"
+        "training.activation_checkpoint=full (or training.activation_memory_budget below 1) or "
+        "a smaller training.micro_batch_size"
     )

@@ -70,9 +70,22 @@ def test_plan_command_prints_a_layout_and_refuses_one_that_does_not_fit(capsys):
     assert "activations per micro-batch" in out and "loss buffers" in out
     with pytest.raises(ValueError, match=r"the biggest item is optimizer states \(\d+\.\d GiB\)"):
         _plan(["--preset", "8b", "--ngpu", "8", "--parallel.tp=8", "--device-memory", "10GB"])
-    full = plan_memory(load_config(["--preset", "8b", "--training.activation_checkpoint=full"]), 64)
-    none = plan_memory(load_config(["--preset", "8b", "--training.activation_checkpoint=none"]), 64)
-    assert full.items["activations per micro-batch"] < none.items["activations per micro-batch"] / 4
+
+    def activations(ac: str, budget: float = 1.0) -> int:
+        args = [
+            f"--training.activation_checkpoint={ac}",
+            f"--training.activation_memory_budget={budget}",
+        ]
+        return plan_memory(load_config(["--preset", "8b", *args]), 64).items[
+            "activations per micro-batch"
+        ]
+
+    full, none = activations("full"), activations("none")
+    assert full < none / 4
+    # The budget keeps the blocks' inputs (what full keeps, beside one block's recompute) plus
+    # b of the rest, and a block's backward holds 1 - b of its recompute: full + b (none - full).
+    for b in (0.5, 0.2):
+        assert activations("none", b) == pytest.approx(full + b * (none - full))
 
 
 def test_working_copies():

@@ -135,6 +135,12 @@ def test_start_checks():
         _check("--parallel.pp=2", "--parallel.tp=2", "--model.mtp_depth=1", world_size=4)
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
+    # A recomputed forward would read global-aux step counts later micro-batches have added to.
+    moe = ("--preset", "moe-debug", "--model.global_aux_loss_coef=0.01", "--parallel.pp=2")
+    check_layout(load_config([*moe]), 2)
+    for recompute in ("activation_checkpoint=full", "activation_memory_budget=0.5"):
+        with pytest.raises(ValueError, match=r"recompute nothing .* global aux loss to 0"):
+            check_layout(load_config([*moe, f"--training.{recompute}"]), 2)
 
 
 @pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu"])

@@ -313,15 +313,15 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
             f"parallel.pp_schedule='interleaved_1f1b' needs micro-batches per step ({n}) to be a "
             f"multiple of parallel.pp={dims.pp}"
         )
-    if (
-        getattr(model_cfg, "global_aux_loss_coef", 0)
-        and cfg.training.activation_checkpoint != "none"
-    ):
-        # The recomputed forward would read step counts that later micro-batches have added to.
+    training = cfg.training
+    recomputes = training.activation_checkpoint != "none" or training.activation_memory_budget < 1
+    if getattr(model_cfg, "global_aux_loss_coef", 0) and recomputes:
+        # A recomputed forward would read step counts that later micro-batches have added to.
         raise ValueError(
             f"model.global_aux_loss_coef={model_cfg.global_aux_loss_coef} with parallel.pp="
-            f"{dims.pp} and training.activation_checkpoint="
-            f"{cfg.training.activation_checkpoint!r}: set activation_checkpoint='none' or the "
+            f"{dims.pp} and training.activation_checkpoint={training.activation_checkpoint!r}, "
+            f"training.activation_memory_budget={training.activation_memory_budget}: recompute "
+            "nothing (activation_checkpoint='none', activation_memory_budget=1) or set the "
             "global aux loss to 0"
         )
     return specs

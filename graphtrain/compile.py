@@ -156,6 +156,12 @@ def _saves_a_tuple(forward: torch.fx.GraphModule) -> bool:
     )
 
 
+def _is_opaque(node: torch.fx.Node) -> bool:
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    return node.op == "placeholder" and isinstance(node.meta.get("val"), FakeScriptObject)
+
+
 def budget_partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
     """torch's min-cut partitioner under the memory budget, after _must_save. On torch < 2.14
     a region where only tagged ops were left to trade saved a multi-output op's tuple (torch
@@ -166,8 +172,16 @@ def budget_partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: A
     _must_save(joint.graph)
     flags = torch._functorch.config
     # The partitioner sizes every input: a tensor-parallel region's DeviceMesh is an opaque
-    # object that torch 2.13+ refuses to size unless told it holds no tensors (it holds none).
+    # object that torch 2.13+ refuses to size unless told it holds no tensors (it holds none);
+    # torch 2.12 has it opaque and no way to say so (2.11 does not make it an input).
     opaque = "unsafe_treat_script_objects_as_zero_size"
+    if not hasattr(flags, opaque) and any(_is_opaque(n) for n in joint.graph.nodes):
+        raise ValueError(
+            f"training.activation_memory_budget={flags.activation_memory_budget} in a region "
+            f"with an opaque input (tensor parallel's DeviceMesh): torch {torch.__version__}'s "
+            "partitioner cannot size it (torch 2.11 and 2.13+ can); set "
+            "training.activation_memory_budget=1 or parallel.tp=1"
+        )
     with flags.patch({opaque: True} if hasattr(flags, opaque) else {}):
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     if not _saves_a_tuple(forward):

@@ -446,14 +446,16 @@ def test_launch_sh_dry_run_with_one_gpu_prints_only_the_plain_command():
 TWO_PROCESS_LAYOUTS = {
     "dp_shard2": ["--parallel.dp_shard=2", "--training.micro_batch_size=2"],
     "tp2": ["--parallel.tp=2", "--training.micro_batch_size=4"],
-    # the compiler's selective recomputation inside tensor-parallel regions (their DeviceMesh
-    # input is an object the partitioner sizes)
-    "tp2_budget": [
-        "--parallel.tp=2",
-        "--training.micro_batch_size=4",
-        "--training.activation_memory_budget=0.3",
-    ],
 }
+# The compiler's selective recomputation inside tensor-parallel regions, whose DeviceMesh input
+# the partitioner sizes: torch 2.12 cannot (graphtrain.compile.budget_partition refuses there).
+if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size") or (
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12)
+):
+    TWO_PROCESS_LAYOUTS["tp2_budget"] = [
+        *TWO_PROCESS_LAYOUTS["tp2"],
+        "--training.activation_memory_budget=0.3",
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ import torch._dynamo
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from graphtrain.passes import PassContext, PassSpec, resolve_passes
+from graphtrain.passes import PassContext, PassSpec, fx, resolve_passes
 from graphtrain.passes.dump import GraphDumper, write_compile_info
 
 if TYPE_CHECKING:
@@ -55,8 +55,9 @@ INNER_BACKENDS = ("inductor", "aot_eager")
 torch._dynamo.config.fail_on_recompile_limit_hit = True
 # A torch.compiler.nested_compile_region called once per region (the Gated DeltaNet recurrence,
 # once per block) stays one invoke_subgraph node instead of being inlined: the node the
-# gated_delta_rule pass replaces with its op (graphtrain/passes/gated_delta_rule.py). Torches
-# without the flag do not inline such regions (setting an unknown flag raises).
+# gated_delta_rule pass replaces with its op (graphtrain/passes/gated_delta_rule.py); the
+# backend inlines what the passes leave. Torches without the flag do not inline such regions
+# (setting an unknown flag raises).
 if hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph"):
     torch._dynamo.config.inline_single_use_invoke_subgraph = False
 
@@ -290,6 +291,12 @@ class GraphtrainBackend:
         # for backward) sees no extra saves during the forward that compiles it.
         with torch.no_grad():
             gm = _run_passes(pre, gm, example_inputs, self.region, dumper, self.pass_options)
+        # A region the passes left (nested_compile_region, kept as one node for them): inlined,
+        # as Dynamo would have. Inductor computed wrong gradients through such a node (the
+        # Gated DeltaNet recurrence before its gated norm, torch 2.11-2.14:
+        # docs/design/gated_delta_rule.md).
+        for name in fx.inline_invoke_subgraphs(gm):
+            logger.debug("%s: region %s inlined (no pass replaced it)", self.region, name)
         post = _PostGradPasses(
             [p for p in self.passes if p.stage == "post_grad"],
             self.region,

@@ -1,7 +1,7 @@
 """The CUDA paths that had no GPU test (issue 26): `graphtrain train` for a few steps (dense with
-flex attention on packed documents and working weights, then with varlen attention; hybrid with
-our chunked Gated DeltaNet kernels; MoE with FP8, MTP under CUDA graphs and AdamWCopies), the
-varlen kernel against SDPA, FP8 under
+flex attention on packed documents and working weights, then with varlen attention, then under
+an activation memory budget; hybrid with our chunked Gated DeltaNet kernels; MoE with FP8, MTP
+under CUDA graphs and AdamWCopies), the varlen kernel against SDPA, FP8 under
 Inductor, the AdamWCopies optimizer, `inspect --profile`, the energy metric, checkpoint save /
 resume / export, `generate` and `eval`. They skip without CUDA.
 
@@ -168,6 +168,19 @@ def test_dense_train_varlen_attention_follows_eager_fp32(dense, tmp_path):
     _follows(run, ref, rtol=2e-2)
     ops = _captured_ops(run.run_dir, "block")
     assert ops.get("torch_attn._varlen_attn") == 1, ops
+    torch._dynamo.reset()
+
+
+def test_dense_train_under_an_activation_memory_budget_follows_eager_fp32(dense, tmp_path):
+    """training.activation_memory_budget=0.3: Inductor's regions partitioned by
+    graphtrain.compile.budget_partition (flex attention and the GEMMs among what it may
+    recompute, the fused loss saved) follow the same eager fp32 reference as `dense`."""
+    _, ref, corpus = dense
+    run = _train(
+        _args(corpus, tmp_path / "run", "debug", *DENSE, "--training.activation_memory_budget=0.3",
+              "--checkpoint.final=false")
+    )  # fmt: skip
+    _follows(run, ref, rtol=2e-2)
     torch._dynamo.reset()
 
 

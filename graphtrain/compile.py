@@ -53,13 +53,6 @@ INNER_BACKENDS = ("inductor", "aot_eager")
 # the default limit of 8 on deep models; identical blocks share code, so a recompile is a bug we
 # want to hear about rather than a silent fallback to eager.
 torch._dynamo.config.fail_on_recompile_limit_hit = True
-# A torch.compiler.nested_compile_region called once per region (the Gated DeltaNet recurrence,
-# once per block) stays one invoke_subgraph node instead of being inlined: the node the
-# gated_delta_rule pass replaces with its op (graphtrain/passes/gated_delta_rule.py); the
-# backend inlines what the passes leave. Torches without the flag do not inline such regions
-# (setting an unknown flag raises).
-if hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph"):
-    torch._dynamo.config.inline_single_use_invoke_subgraph = False
 
 
 def _allow_fp32_grouped_mm_under_compile() -> None:
@@ -446,16 +439,28 @@ def watch_cudagraph_skips() -> _CudagraphSkipReporter:
     return found
 
 
+def region_config(fullgraph: bool = True) -> Any:
+    """The Dynamo flags a graphtrain region is traced under, as a context manager or decorator
+    (torch._dynamo.config.patch), so that a plain torch.compile in the same process (the
+    benchmarks' plain rows) traces with torch's defaults:
+    * a torch.compiler.nested_compile_region called once (the Gated DeltaNet recurrence, once
+      per block) stays one invoke_subgraph node, the node the gated_delta_rule pass replaces
+      with its op; the backend inlines what the passes leave (torches without the flag never
+      inline such a region);
+    * with fullgraph=False (expert parallel's all-to-all and its split sizes), ops whose output
+      shape or value depends on the data (the router's bincount) stay in the graph for the
+      passes to see, as fullgraph=True keeps them."""
+    flags: dict[str, Any] = {}
+    if hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph"):
+        flags["inline_single_use_invoke_subgraph"] = False
+    if not fullgraph:
+        flags |= {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": True}
+    return torch._dynamo.config.patch(flags)
+
+
 def _compile_region(module: nn.Module, region_backend: GraphtrainBackend, fullgraph: bool) -> None:
     module.compile(backend=region_backend, fullgraph=fullgraph)
-    if not fullgraph:
-        # fullgraph=True also lets Dynamo trace ops whose output shape or value depends on
-        # the data (the router's bincount); a region compiled with fullgraph=False (expert
-        # parallel's all-to-all and its split sizes) keeps them in its graph too, for the
-        # passes to see.
-        module._compiled_call_impl = torch._dynamo.config.patch(
-            capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True
-        )(module._compiled_call_impl)
+    module._compiled_call_impl = region_config(fullgraph)(module._compiled_call_impl)
 
 
 def apply_compile(

@@ -1,5 +1,6 @@
 """The graphtrain backend: pass stages, dumps, inner backends, and the numerics contract."""
 
+import contextlib
 import json
 import logging
 import operator
@@ -372,3 +373,33 @@ def test_activation_memory_budget_with_only_graphtrain_ops_to_trade():
     torch.testing.assert_close(w.grad, w2.grad)
     with pytest.raises(ValueError, match=r"activation_memory_budget must be in \(0, 1\], got 0"):
         backend(activation_memory_budget=0)
+
+
+def test_only_graphtrains_regions_keep_a_nested_region_as_one_node():
+    """region_config keeps a nested_compile_region called once as one invoke_subgraph node
+    (for the gated_delta_rule pass) in graphtrain's regions only: a plain torch.compile in the
+    same process (the benchmarks' plain rows) inlines it, as torch does by default. (Kept, the
+    Gated DeltaNet region made Inductor's backward wrong: test_gated_delta_rule_pass.py.)"""
+    from graphtrain.compile import region_config
+
+    @torch.compiler.nested_compile_region
+    def region(x):
+        return x.sin() * 2
+
+    def fn(x):
+        return region(x) + 1
+
+    def kept(config):
+        seen = []
+
+        def capture(gm, example_inputs):
+            seen.append(any("invoke_subgraph" in str(n.target) for n in gm.graph.nodes))
+            return gm.forward
+
+        torch._dynamo.reset()
+        with config:
+            torch.compile(fn, backend=capture, fullgraph=True)(torch.randn(4))
+        return seen
+
+    assert kept(region_config()) == [True]
+    assert kept(contextlib.nullcontext()) == [False]

@@ -268,7 +268,7 @@ def _compiled_block_with_our_kernels() -> None:
     (choose_kernels made to pick it): the op's forward and its backward op (torch.func through
     the loop's ops) inside the compiled graphs; output and every gradient as eager's, two
     documents in a row."""
-    from graphtrain.compile import backend
+    from graphtrain.compile import backend, region_config
     from models import MODEL_PRESETS, build_model
 
     torch.manual_seed(0)
@@ -297,7 +297,8 @@ def _compiled_block_with_our_kernels() -> None:
                 block, backend=backend(inner="aot_eager", passes=("+gated_delta_rule",)),
                 fullgraph=True,
             )  # fmt: skip
-        out = fn(xi, rope, None, doc)
+        with region_config():  # as the trainer traces a region
+            out = fn(xi, rope, None, doc)
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
         results.append((out.detach(), torch.autograd.grad(out, [xi, *block.parameters()], g)))
     assert len(picked) >= 3, picked  # the pass, then the op's forward and backward ran ours

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import pass_step
 
-from graphtrain.compile import apply_compile, backend
+from graphtrain.compile import apply_compile, backend, region_config
 from models import MODEL_PRESETS, build_model
 
 OP = "graphtrain.chunk_gated_delta_rule.default"
@@ -41,7 +41,8 @@ def _run(block, x, rope, doc, dump=None, passes=("+gated_delta_rule",)):
         fn = torch.compile(
             block, backend=backend(inner="aot_eager", dump_dir=dump, passes=passes), fullgraph=True
         )
-    out = fn(x, rope, None, doc)
+    with region_config():  # as apply_compile traces a region: the recurrence stays one node
+        out = fn(x, rope, None, doc)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     return out.detach(), torch.autograd.grad(out, [x, *block.parameters()], g)
 
@@ -184,7 +185,9 @@ def test_a_region_no_pass_replaced_is_inlined_and_inductor_differentiates_it(tmp
     x = x.detach().clone().requires_grad_()
     torch._dynamo.reset()
     be = backend(inner="inductor", dump_dir=tmp_path, passes=())
-    out = torch.compile(block, backend=be, fullgraph=True)(x, rope, None, doc)
+    with region_config():
+        out = torch.compile(block, backend=be, fullgraph=True)(x, rope, None, doc)
+    assert pass_step(tmp_path, "captured")["op_counts"].get(REGION) == 1
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     got = torch.autograd.grad(out, [x, *block.parameters()], g)
     names = ["x", *(n for n, _ in block.named_parameters())]

@@ -38,7 +38,7 @@ import torch._dynamo
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from graphtrain.passes import PassContext, PassSpec, fx, resolve_passes
+from graphtrain.passes import PassContext, PassSpec, resolve_passes
 from graphtrain.passes.dump import GraphDumper, write_compile_info
 
 if TYPE_CHECKING:
@@ -109,6 +109,34 @@ def _run_passes(
         if dumper is not None:
             dumper.snapshot(spec.name, gm, ctx.notes, seconds=seconds)
     return gm
+
+
+def _inline_regions(gm: torch.fx.GraphModule) -> list[str]:
+    """Inline every invoke_subgraph node (a torch.compiler.nested_compile_region call) of a
+    Dynamo graph: the subgraph's nodes copied in its place, its users reading them; the names
+    of the inlined nodes. Inductor computed wrong gradients through such a node (the Gated
+    DeltaNet recurrence before its gated norm, torch 2.11-2.14:
+    docs/design/gated_delta_rule.md)."""
+    invoke = torch.ops.higher_order.invoke_subgraph
+    graph, inlined = gm.graph, []
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is invoke]:
+        holder, operands = node.args[0], node.args[2:]
+        sub = getattr(gm, holder.target)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        with graph.inserting_before(node):
+            outputs = graph.graph_copy(sub.graph, dict(zip(placeholders, operands, strict=True)))
+        for user in list(node.users):  # getitem(node, i)
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not holder.users:
+            graph.erase_node(holder)
+            delattr(gm, holder.target)
+        inlined.append(node.name)
+    if inlined:
+        graph.lint()
+        gm.recompile()
+    return inlined
 
 
 def _no_shared_aot_cache_across_ranks() -> None:
@@ -284,11 +312,9 @@ class GraphtrainBackend:
         # for backward) sees no extra saves during the forward that compiles it.
         with torch.no_grad():
             gm = _run_passes(pre, gm, example_inputs, self.region, dumper, self.pass_options)
-        # A region the passes left (nested_compile_region, kept as one node for them): inlined,
-        # as Dynamo would have. Inductor computed wrong gradients through such a node (the
-        # Gated DeltaNet recurrence before its gated norm, torch 2.11-2.14:
-        # docs/design/gated_delta_rule.md).
-        for name in fx.inline_invoke_subgraphs(gm):
+        # A region the passes left (kept as one node for them: region_config) is inlined, as
+        # Dynamo would have done: Inductor miscompiled one (_inline_regions).
+        for name in _inline_regions(gm):
             logger.debug("%s: region %s inlined (no pass replaced it)", self.region, name)
         post = _PostGradPasses(
             [p for p in self.passes if p.stage == "post_grad"],

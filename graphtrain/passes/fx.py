@@ -446,30 +446,6 @@ def emit(
     return node
 
 
-def inline_invoke_subgraphs(gm: torch.fx.GraphModule) -> list[str]:
-    """Inline every invoke_subgraph node (a torch.compiler.nested_compile_region call) of a
-    Dynamo graph: the subgraph's nodes copied in its place, its users reading them; the names
-    of the inlined nodes."""
-    invoke = torch.ops.higher_order.invoke_subgraph
-    graph, inlined = gm.graph, []
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is invoke]:
-        holder, operands = node.args[0], node.args[2:]
-        sub = getattr(gm, holder.target)
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        with graph.inserting_before(node):
-            outputs = graph.graph_copy(sub.graph, dict(zip(placeholders, operands, strict=True)))
-        for user in list(node.users):  # getitem(node, i)
-            user.replace_all_uses_with(outputs[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(node)
-        if not holder.users:
-            graph.erase_node(holder)
-            delattr(gm, holder.target)
-        inlined.append(node.name)
-    finish(gm, bool(inlined))
-    return inlined
-
-
 def finish(gm: torch.fx.GraphModule, changed: bool) -> torch.fx.GraphModule:
     """End of every pass: check and regenerate the code when anything changed."""
     if changed:

@@ -213,11 +213,15 @@ stages() {
         # 12.445 in 19 steps where torchtitan's fell to 7.9 (RESULTS.md: Adam's first full step
         # with our SwiGLU init; on CPU at 1b's dims a 4-step warm-up removes the blow-up and
         # our init then learns as torchtitan's does). The fourth variant is that constant rate
-        # again: it should rise where the others learn. Measured 2026-11-27 (H200) with four
-        # variants and torchtitan: 141 s.
+        # again: it should rise where the others learn. The fifth is the compiler's selective
+        # recomputation at half the saved activations (training.activation_memory_budget, new
+        # 2026-11-29): predicted activations 12.0 -> 6.6 GiB (the memory plan), the peak ~5 GiB
+        # lower, the step 2-5% slower (elementwise work recomputed in the backward). Measured
+        # 2026-11-27 (H200) with four variants and torchtitan: 141 s.
         bench e2e-1b 330 e2e.py --model 1b --steps 15 --warmup 4 \
             --variant=--optim.implementation=fused --variant=--training.working_weights=false \
-            --variant=--compile.lce_mode=fast --variant=--schedule.warmup_steps=0
+            --variant=--compile.lce_mode=fast --variant=--schedule.warmup_steps=0 \
+            --variant=--training.activation_memory_budget=0.5
         # moe-1b with balanced routing, batch 4 (16384 tokens a step, ~0.08 s): plain,
         # graphtrain, a variant row without the working weights, one without
         # fold_routing_weights (new, on by default: its A/B), torchtitan's Qwen3-style MoE with

@@ -172,11 +172,12 @@ def test_region_is_plain_code_in_eager():
     assert dataclasses.is_dataclass(MODEL_PRESETS["hybrid-debug"])
 
 
+@pytest.mark.slow
 def test_a_region_no_pass_replaced_is_inlined_and_inductor_differentiates_it(tmp_path):
     """The pass off, Inductor: the backend inlines the region before AOT autograd. Kept as an
     invoke_subgraph node, Inductor's compiled backward gave in_proj_ba's gradient ~180% off
-    (the recurrence followed by the gated norm; torch 2.11 to 2.14, CPU), every other one right.
-    Against float64 eager; fp32 rounding is ~1e-6 here."""
+    (the recurrence in whole chunks, here one of 64, followed by the gated norm; torch 2.11 to
+    2.14, CPU), other gradients up to 5%. Against float64 eager; fp32 rounding is ~1e-6 here."""
     model = _model("hybrid-debug")
     block = model.layers["0"]
     x, rope, doc = _block_inputs(model, T=64)

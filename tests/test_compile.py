@@ -378,8 +378,9 @@ def test_activation_memory_budget_with_only_graphtrain_ops_to_trade():
 def test_only_graphtrains_regions_keep_a_nested_region_as_one_node():
     """region_config keeps a nested_compile_region called once as one invoke_subgraph node
     (for the gated_delta_rule pass) in graphtrain's regions only: a plain torch.compile in the
-    same process (the benchmarks' plain rows) inlines it, as torch does by default. (Kept, the
-    Gated DeltaNet region made Inductor's backward wrong: test_gated_delta_rule_pass.py.)"""
+    same process (the benchmarks' plain rows) inlines it, as torch does by default (2.13 on).
+    (Kept, the Gated DeltaNet region made Inductor's backward wrong, which graphtrain's backend
+    now avoids by inlining what its passes leave: test_gated_delta_rule_pass.py.)"""
     from graphtrain.compile import region_config
 
     @torch.compiler.nested_compile_region
@@ -402,7 +403,9 @@ def test_only_graphtrains_regions_keep_a_nested_region_as_one_node():
         return seen
 
     assert kept(region_config()) == [True]
-    assert kept(contextlib.nullcontext()) == [False]
+    # torch 2.11 and 2.12 have no such flag and never inline a region: plain compile keeps it
+    plain_inlines = hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph")
+    assert kept(contextlib.nullcontext()) == [not plain_inlines]
 
 
 @pytest.mark.slow

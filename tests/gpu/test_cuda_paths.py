@@ -157,31 +157,30 @@ def test_dense_train_flex_attention_and_working_weights_follow_eager_fp32(dense)
     assert _inserted(run.run_dir).get("graphtrain.linear_cross_entropy.default", 0) >= 1
 
 
+def _dense_variant(dense, tmp_path, *extra: str):
+    """The `dense` job with `extra` overrides, which must follow the same eager fp32 reference."""
+    _, ref, corpus = dense
+    run = _train(
+        _args(corpus, tmp_path / "run", "debug", *DENSE, *extra, "--checkpoint.final=false")
+    )
+    _follows(run, ref, rtol=2e-2)
+    torch._dynamo.reset()
+    return run
+
+
 def test_dense_train_varlen_attention_follows_eager_fp32(dense, tmp_path):
     """training.attention=varlen (torch's varlen_attn, FlashAttention-2's kernel) in the
     compiled trainer: the same job as `dense` follows the same eager fp32 reference."""
-    _, ref, corpus = dense
-    run = _train(
-        _args(corpus, tmp_path / "run", "debug", *DENSE, "--training.attention=varlen",
-              "--checkpoint.final=false")
-    )  # fmt: skip
-    _follows(run, ref, rtol=2e-2)
+    run = _dense_variant(dense, tmp_path, "--training.attention=varlen")
     ops = _captured_ops(run.run_dir, "block")
     assert ops.get("torch_attn._varlen_attn") == 1, ops
-    torch._dynamo.reset()
 
 
 def test_dense_train_under_an_activation_memory_budget_follows_eager_fp32(dense, tmp_path):
     """training.activation_memory_budget=0.3: Inductor's regions partitioned by
     graphtrain.compile.budget_partition (flex attention and the GEMMs among what it may
     recompute, the fused loss saved) follow the same eager fp32 reference as `dense`."""
-    _, ref, corpus = dense
-    run = _train(
-        _args(corpus, tmp_path / "run", "debug", *DENSE, "--training.activation_memory_budget=0.3",
-              "--checkpoint.final=false")
-    )  # fmt: skip
-    _follows(run, ref, rtol=2e-2)
-    torch._dynamo.reset()
+    _dense_variant(dense, tmp_path, "--training.activation_memory_budget=0.3")
 
 
 def test_hybrid_train_with_our_chunked_gdn_kernels_follows_eager_fp32(corpus, tmp_path):

@@ -311,8 +311,8 @@ def test_activation_memory_budget_saves_less_for_the_same_gradients(tmp_path):
     """moe-debug's MoE block with random routing (force_balance: a randn_like) and the MoE ops
     the passes insert: below budget 1 the region saves less and recomputes aten ops in the
     backward; the gradients stay bitwise those of budget 1 (the same aten ops, recomputed),
-    and the backward runs the same graphtrain ops and no random op (_must_save: torch would
-    recompute both, the router with a fresh draw)."""
+    and the backward runs the same graphtrain ops and no random op (_must_save: without it the
+    backward here ran the router, the weighted SwiGLU and a permute again)."""
     import dataclasses
 
     from models import MODEL_PRESETS, build_model

@@ -139,6 +139,42 @@ def _inline_regions(gm: torch.fx.GraphModule) -> list[str]:
     return inlined
 
 
+def _views(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """node, and the nodes it views (through view ops), down to the first that is no view."""
+    chain = [node]
+    while isinstance(chain[-1].target, torch._ops.OpOverload) and chain[-1].target.is_view:
+        chain.append(chain[-1].args[0])
+    return chain
+
+
+def _unalias_all_reduce_inputs(graph: torch.fx.Graph) -> int:
+    """Inductor (torch 2.11-2.14) computes a cat's (or stack's) inputs straight into its buffer
+    and all-reduces that buffer in place: an input read again after the all-reduce reads
+    reduced values (a MoE router's local counts, all-reduced beside its plain counts: the
+    router gradients a third off on two ranks). Each such input that is read elsewhere, itself
+    or what it views, goes in through a clone; the number of clones."""
+    c10d, clones = torch.ops._c10d_functional, 0
+    for node in list(graph.nodes):
+        if node.target is c10d.all_reduce.default:
+            sources = [node.args[0]]
+        elif node.target is c10d.all_reduce_coalesced.default:
+            sources = list(node.args[0])
+        else:
+            continue
+        joins = [_views(n)[-1] for n in sources]  # stack is a cat and a view by now
+        for join in [n for n in joins if n.target is torch.ops.aten.cat.default]:
+            for x in dict.fromkeys(join.args[0]):
+                chain = _views(x)
+                if all(u in (join, *chain) for n in chain for u in n.users):
+                    continue
+                with graph.inserting_before(join):
+                    copy = graph.call_function(torch.ops.aten.clone.default, (x,))
+                copy.meta = dict(x.meta)
+                join.replace_input_with(x, copy)
+                clones += 1
+    return clones
+
+
 def _no_shared_aot_cache_across_ranks() -> None:
     """Turn the AOTAutograd cache off in a process that is one of several ranks.
 
@@ -253,6 +289,8 @@ def _inductor_post_grad_pass(post: _PostGradPasses) -> Any:
 
     class InductorPostGrad(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
+            if clones := _unalias_all_reduce_inputs(graph):
+                logger.debug("%s: %d all-reduced cat inputs cloned", post.region, clones)
             post.run(graph.owning_module, ())
 
         def uuid(self) -> Any:
@@ -263,7 +301,7 @@ def _inductor_post_grad_pass(post: _PostGradPasses) -> Any:
             if post.dump_dir is not None:
                 return None
             options = tuple(sorted((key, repr(value)) for key, value in post.options.items()))
-            return tuple(p.name for p in post.passes), options
+            return "unalias_all_reduce", tuple(p.name for p in post.passes), options
 
     return InductorPostGrad()
 
@@ -329,8 +367,7 @@ class GraphtrainBackend:
                 from torch._inductor.compile_fx import compile_fx
 
                 patches = dict(self.inductor_options)
-                if post.passes or post.dump_dir is not None:
-                    patches["post_grad_custom_post_pass"] = _inductor_post_grad_pass(post)
+                patches["post_grad_custom_post_pass"] = _inductor_post_grad_pass(post)
                 if budget < 1:
                     patches["custom_partitioner_fn"] = BudgetPartition()
                 return compile_fx(gm, example_inputs, config_patches=patches)

@@ -24,9 +24,10 @@ from the device (the attention kernel, compile.lce_mode auto) are the CPU's. The
 per region, the tensors the forward keeps for the backward ("saved": what a step's activation
 memory is made of).
 
-    python tests/inductor_cuda_codegen.py --out report.json [--varlen | --backward] PRESET
-        [--section.key=value ...]
---varlen: packed documents through varlen attention (fake spans: only sizes matter here).
+    python tests/inductor_cuda_codegen.py --out report.json [--backward]
+        [--attention causal|varlen|flex] PRESET [--section.key=value ...]
+--attention: causal rows (the default), or packed documents through varlen attention or flex
+attention with the trainer's block mask (fake ids: only sizes matter here).
 Report: status ("ok" or the error), notes (per graph dump: the passes that changed it, their op
 diffs and notes), captured (per graph: the op counts Dynamo captured), kernels (name, config,
 shared, regs, spills, error), scaled_mm (one entry per call), saved (--backward).
@@ -300,30 +301,43 @@ def _fake_model(cfg: Any, device: str) -> Any:
     return model
 
 
-def _inputs(cfg: Any, device: str, varlen: bool) -> tuple:
+def _inputs(cfg: Any, device: str, attention: str) -> tuple:
+    """Tokens and labels; with "varlen" or "flex", packed documents through that attention
+    (fake ids: the kernels are generated, not run, so sizes are enough)."""
     import torch
 
+    from graphtrain.attention import document_block_mask
     from models.gpt import DocumentSpans
 
     t = cfg.training
     shape = (t.micro_batch_size, t.seq_len + 1)
     tokens = torch.randint(0, cfg.model.vocab_size, shape, device=device)
     inputs: tuple = (tokens[:, :-1], tokens[:, 1:])
-    if varlen:  # fake: the kernels are generated, not run, so sizes are enough
+    ids = torch.zeros(shape[0], t.seq_len, dtype=torch.int32, device=device)
+    if attention == "varlen":
         cu = torch.zeros(8, dtype=torch.int32, device=device)  # up to 7 documents
-        ids = torch.zeros(shape[0], t.seq_len, dtype=torch.int32, device=device)
         inputs += (None, DocumentSpans(cu, t.seq_len), ids)
+    elif attention == "flex":  # the trainer's block mask (its compiled builder too)
+        inputs += (None, document_block_mask(ids), ids)
     return inputs
 
 
-def _trace_backward(cfg: Any, dump: Path) -> tuple[list[tuple], list[dict[str, Any]]]:
+def _trace_backward(
+    cfg: Any, dump: Path, attention: str
+) -> tuple[list[tuple], list[dict[str, Any]]]:
     """(each region's backward graph with its post-grad pass, each region's saved tensors):
     forward and backward traced on fake CPU tensors, Inductor's partition kept, its CPU code
-    never run."""
+    never run. Flex attention: torch's API refuses a CPU backward before tracing (its HOPs
+    trace on any device): the check is lifted in this process."""
     import torch
     import torch._inductor.compile_fx as cfx
     import torch._inductor.config as inductor_config
+    import torch.nn.attention.flex_attention as flex
+    from torch._functorch.aot_autograd import make_boxed_func
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if attention == "flex":
+        flex._validate_device = lambda *tensors: None
 
     from graphtrain.compile import apply_compile
     from graphtrain.config import pass_options
@@ -346,15 +360,14 @@ def _trace_backward(cfg: Any, dump: Path) -> tuple[list[tuple], list[dict[str, A
         return fw, bw
 
     def no_run(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        """Inductor's CPU code, called with fake outputs (running it reads no memory)."""
-        compiled = inner(gm, example_inputs, **kwargs)
+        """No CPU code (Inductor's CPU lowering of flex attention's training graphs fails, and
+        nothing would run it): a function that returns fake outputs."""
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         vals = [o.meta.get("val") if hasattr(o, "meta") else o for o in out]
-        compiled.current_callable = lambda args: [
+        return make_boxed_func(lambda *args: [
             torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) if isinstance(v, torch.Tensor)
             else v for v in vals
-        ]  # fmt: skip
-        return compiled
+        ])  # fmt: skip
 
     cfx.min_cut_rematerialization_partition, cfx._compile_fx_inner = keep, no_run
     try:
@@ -365,7 +378,7 @@ def _trace_backward(cfg: Any, dump: Path) -> tuple[list[tuple], list[dict[str, A
                 pass_options=pass_options(cfg), device_type="cpu",
             )  # fmt: skip
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                model(*_inputs(cfg, "cpu", False))
+                model(*_inputs(cfg, "cpu", attention))
     finally:
         cfx.min_cut_rematerialization_partition, cfx._compile_fx_inner = partition, inner
     return graphs, saved
@@ -376,6 +389,7 @@ def _generate_backward(graphs: list[tuple]) -> None:
     the stubs: install())."""
     import torch
     import torch._inductor.config as inductor_config
+    import torch.utils._pytree as pytree
     import torch.utils._triton as triton_utils
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -386,17 +400,28 @@ def _generate_backward(graphs: list[tuple]) -> None:
         if cache_clear is not None:
             cache_clear()
     cuda = torch.device("cuda")
+
+    def on_cuda(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=cuda)
+        return v
+
     for bw, post_grad in graphs:
-        for node in bw.graph.nodes:
-            if node.kwargs.get("device") == torch.device("cpu"):
-                node.update_kwarg("device", cuda)
-        bw.recompile()
+        # the graph and the subgraphs of its higher-order ops (flex attention's score and mask)
+        for graph_module in bw.modules():
+            if not isinstance(graph_module, torch.fx.GraphModule):
+                continue
+            for node in graph_module.graph.nodes:
+                if node.kwargs.get("device") == torch.device("cpu"):
+                    node.update_kwarg("device", cuda)
+            graph_module.recompile()
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            inputs = [
-                torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=cuda)
-                if isinstance(v, torch.Tensor) else v
-                for v in (n.meta["val"] for n in bw.graph.nodes if n.op == "placeholder")
-            ]  # fmt: skip
+            for graph_module in bw.modules():  # the subgraphs' values: only the device changes
+                if graph_module is not bw and isinstance(graph_module, torch.fx.GraphModule):
+                    for node in graph_module.graph.nodes:
+                        if "val" in node.meta:
+                            node.meta["val"] = pytree.tree_map(on_cuda, node.meta["val"])
+            inputs = [on_cuda(n.meta["val"]) for n in bw.graph.nodes if n.op == "placeholder"]
             FakeTensorProp(bw, mode).propagate(*inputs)
             with inductor_config.patch(post_grad_custom_post_pass=post_grad):
                 compiled = compile_fx_inner(bw, inputs, is_backward=True)
@@ -410,8 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         "--backward", action="store_true", help="the backward regions, traced on CPU (docstring)"
     )
     parser.add_argument(
-        "--varlen", action="store_true", help="packed documents through varlen attention"
-    )
+        "--attention", choices=("causal", "varlen", "flex"), default="causal",
+        help="causal rows, or packed documents through varlen or flex attention",
+    )  # fmt: skip
     parser.add_argument("preset")
     args, overrides = parser.parse_known_args(argv)
     sys.path.insert(0, str(HERE.parent))
@@ -426,14 +452,14 @@ def main(argv: list[str] | None = None) -> int:
     status, saved = "ok", None
     try:
         if args.backward:
-            graphs, saved = _trace_backward(cfg, dump)
+            graphs, saved = _trace_backward(cfg, dump, args.attention)
             install()
             _generate_backward(graphs)
         else:
-            _generate_forward(cfg, dump, args.varlen)
+            _generate_forward(cfg, dump, args.attention)
     except Exception as error:  # the report says how far it got
         status = f"{type(error).__name__}: {str(error)[:500]}"
-        print("".join(traceback.format_tb(error.__traceback__)), file=sys.stderr)
+        traceback.print_exception(error, file=sys.stderr)  # with its causes
     report = {
         "preset": args.preset,
         "overrides": overrides,
@@ -452,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _generate_forward(cfg: Any, dump: Path, varlen: bool) -> None:
+def _generate_forward(cfg: Any, dump: Path, attention: str) -> None:
     """The forward regions on fake CUDA tensors, under no_grad as validation runs them."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -467,7 +493,7 @@ def _generate_forward(cfg: Any, dump: Path, varlen: bool) -> None:
             pass_options=pass_options(cfg), cudagraph_mtp=False, device_type="cuda",
         )  # fmt: skip
         with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
-            model(*_inputs(cfg, "cuda", varlen))
+            model(*_inputs(cfg, "cuda", attention))
 
 
 if __name__ == "__main__":

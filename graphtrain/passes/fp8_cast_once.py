@@ -92,7 +92,9 @@ def _amaxes(b: fx.AtenBuilder, tensors: list[Node], tp_group: str | None) -> lis
         amaxes.append(b(prims.convert_element_type.default, amax, torch.float32))
     if tp_group is None:
         return amaxes
-    reduced = b(_c10d.all_reduce.default, b(aten.stack.default, amaxes), "max", tp_group)
+    # a cat of [1]-views, not a stack: Inductor has no lowering for stack in a post-grad graph
+    stacked = b(aten.cat.default, [b(aten.view.default, a, [1]) for a in amaxes])
+    reduced = b(_c10d.all_reduce.default, stacked, "max", tp_group)
     reduced = b(_c10d.wait_tensor.default, reduced)
     return [b(aten.select.int, reduced, 0, i) for i in range(len(amaxes))]
 

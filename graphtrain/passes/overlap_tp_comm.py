@@ -370,9 +370,9 @@ def _overlap_fp8_gather(
                 w8_t = b(operator.getitem, first, _PRECAST_OUT["w8_t"])
                 w8 = None
                 if chunks > 1:  # [N, D] row-major from the saved [D, N]: one copy per weight
-                    w8 = b(aten.clone.default, b(aten.t.default, w8_t),
+                    w8 = b(aten.clone.default, b(aten.permute.default, w8_t, [1, 0]),
                            memory_format=torch.contiguous_format)  # fmt: skip
-                    w8 = b(aten.t.default, w8)
+                    w8 = b(aten.permute.default, w8, [1, 0])
                 w_scale_inv = b(operator.getitem, first, _PRECAST_OUT["w_scale_inv_out"])
                 weights[linear] = (w8_t, w_scale_inv, w8)
                 parts[linear].append(b(operator.getitem, first, _PRECAST_OUT["out"]))
@@ -384,7 +384,9 @@ def _overlap_fp8_gather(
             parts[linear].append(gemm)
     # The backward's FP8 copy of x (x8_t [D, B * T]), one for all the consumers.
     x8_full = b(aten.view.dtype, b.rank_major_to_sequence(arrived, tp, batch, seq), dtype)
-    x8_t = b(aten.t.default, b(aten.view.default, x8_full, [batch * seq * tp, dim]))
+    # permute, not t: a post-grad graph reaches Inductor's lowering, which has none for t (its
+    # decomposition ran before these passes)
+    x8_t = b(aten.permute.default, b(aten.view.default, x8_full, [batch * seq * tp, dim]), [1, 0])
     x8_t = b(aten.clone.default, x8_t, memory_format=torch.contiguous_format)
     for linear in linears:
         w8_t, w_scale_inv, _ = weights[linear]

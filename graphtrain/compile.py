@@ -38,6 +38,7 @@ import torch._dynamo
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from graphtrain.compile_fixes import inline_regions, unalias_all_reduce_inputs
 from graphtrain.passes import PassContext, PassSpec, resolve_passes
 from graphtrain.passes.dump import GraphDumper, write_compile_info
 
@@ -109,70 +110,6 @@ def _run_passes(
         if dumper is not None:
             dumper.snapshot(spec.name, gm, ctx.notes, seconds=seconds)
     return gm
-
-
-def _inline_regions(gm: torch.fx.GraphModule) -> list[str]:
-    """Inline every invoke_subgraph node (a torch.compiler.nested_compile_region call) of a
-    Dynamo graph: the subgraph's nodes copied in its place, its users reading them; the names
-    of the inlined nodes. Inductor computed wrong gradients through such a node (the Gated
-    DeltaNet recurrence before its gated norm, torch 2.11-2.14:
-    docs/design/gated_delta_rule.md)."""
-    invoke = torch.ops.higher_order.invoke_subgraph
-    graph, inlined = gm.graph, []
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is invoke]:
-        holder, operands = node.args[0], node.args[2:]
-        sub = getattr(gm, holder.target)
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        with graph.inserting_before(node):
-            outputs = graph.graph_copy(sub.graph, dict(zip(placeholders, operands, strict=True)))
-        for user in list(node.users):  # getitem(node, i)
-            user.replace_all_uses_with(outputs[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(node)
-        if not holder.users:
-            graph.erase_node(holder)
-            delattr(gm, holder.target)
-        inlined.append(node.name)
-    if inlined:
-        graph.lint()
-        gm.recompile()
-    return inlined
-
-
-def _views(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """node, and the nodes it views (through view ops), down to the first that is no view."""
-    chain = [node]
-    while isinstance(chain[-1].target, torch._ops.OpOverload) and chain[-1].target.is_view:
-        chain.append(chain[-1].args[0])
-    return chain
-
-
-def _unalias_all_reduce_inputs(graph: torch.fx.Graph) -> int:
-    """Inductor (torch 2.11-2.14) computes a cat's (or stack's) inputs straight into its buffer
-    and all-reduces that buffer in place: an input read again after the all-reduce reads
-    reduced values (a MoE router's local counts, all-reduced beside its plain counts: the
-    router gradients a third off on two ranks). Each such input that is read elsewhere, itself
-    or what it views, goes in through a clone; the number of clones."""
-    c10d, clones = torch.ops._c10d_functional, 0
-    for node in list(graph.nodes):
-        if node.target is c10d.all_reduce.default:
-            sources = [node.args[0]]
-        elif node.target is c10d.all_reduce_coalesced.default:
-            sources = list(node.args[0])
-        else:
-            continue
-        joins = [_views(n)[-1] for n in sources]  # stack is a cat and a view by now
-        for join in [n for n in joins if n.target is torch.ops.aten.cat.default]:
-            for x in dict.fromkeys(join.args[0]):
-                chain = _views(x)
-                if all(u in (join, *chain) for n in chain for u in n.users):
-                    continue
-                with graph.inserting_before(join):
-                    copy = graph.call_function(torch.ops.aten.clone.default, (x,))
-                copy.meta = dict(x.meta)
-                join.replace_input_with(x, copy)
-                clones += 1
-    return clones
 
 
 def _no_shared_aot_cache_across_ranks() -> None:
@@ -289,19 +226,22 @@ def _inductor_post_grad_pass(post: _PostGradPasses) -> Any:
 
     class InductorPostGrad(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
-            if clones := _unalias_all_reduce_inputs(graph):
+            if clones := unalias_all_reduce_inputs(graph):
                 logger.debug("%s: %d all-reduced cat inputs cloned", post.region, clones)
             post.run(graph.owning_module, ())
 
         def uuid(self) -> Any:
             # Inductor's FX graph cache keys on this, beside the graph before these passes:
             # the same passes with the same options (parallel.tp_overlap_variant changes what
-            # overlap_tp_comm writes) give the same graphs. When dumping, None turns the cache
-            # off so every graph is really written out.
+            # overlap_tp_comm writes) give the same graphs. Its key misses whether the backward
+            # may reuse its saved tensors' memory (donated_buffer): a backward cached with it on
+            # ran a second time (split_backward_flags) read what its first run overwrote, so
+            # the flag is in. When dumping, None turns the cache off so every graph is written.
             if post.dump_dir is not None:
                 return None
             options = tuple(sorted((key, repr(value)) for key, value in post.options.items()))
-            return "unalias_all_reduce", tuple(p.name for p in post.passes), options
+            donated = torch._functorch.config.donated_buffer
+            return "unalias_all_reduce", donated, tuple(p.name for p in post.passes), options
 
     return InductorPostGrad()
 
@@ -351,8 +291,8 @@ class GraphtrainBackend:
         with torch.no_grad():
             gm = _run_passes(pre, gm, example_inputs, self.region, dumper, self.pass_options)
         # A region the passes left (kept as one node for them: region_config) is inlined, as
-        # Dynamo would have done: Inductor miscompiled one (_inline_regions).
-        for name in _inline_regions(gm):
+        # Dynamo would have done: Inductor miscompiled one (graphtrain.compile_fixes).
+        for name in inline_regions(gm):
             logger.debug("%s: region %s inlined (no pass replaced it)", self.region, name)
         post = _PostGradPasses(
             [p for p in self.passes if p.stage == "post_grad"],

@@ -282,6 +282,52 @@ def test_inductors_graph_cache_keys_on_the_post_grad_passes_options(monkeypatch,
     torch.testing.assert_close(outs[False][1], outs[False][0], rtol=0, atol=0)
 
 
+def test_a_split_backward_never_gets_a_cached_backward_that_donates_its_buffers(
+    monkeypatch, tmp_path
+):
+    """The zero-bubble schedules run a region's backward twice (input gradients, then weight
+    gradients) with AOT autograd's donated buffers off (split_backward_flags). Inductor's FX
+    graph cache key misses that flag (torch 2.11-2.14): a backward compiled with donation on,
+    by an earlier run of the same block, came back from the cache, and its second call read
+    saved tensors the first had overwritten (w1's gradient 100% off). The backend's post-grad
+    pass holds the flag in its uuid: the split backward's gradients are eager's."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from graphtrain.compile import split_backward_flags
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model = GPT(PRESETS["debug"])
+    model.init_weights(seed=0)
+    block = model.layers["1"]
+    x0, g0 = torch.randn(2, 64, 64), torch.randn(2, 64, 64)
+    rope = torch.randn(2, 64, 8, 2)
+
+    def gradients(fn, split):
+        block.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        y = fn(x, rope, None)
+        held = y.view(y.shape)  # torch 2.11/2.12 need the output held (pipeline.md)
+        if split:
+            groups = stage_backward_input([y], [g0], [x], block.parameters())[1]
+            stage_backward_weight(block.parameters(), groups)
+        else:
+            held.backward(g0)
+        return {n: p.grad.clone() for n, p in block.named_parameters()}
+
+    want = gradients(block, split=False)
+    with (
+        torch._inductor.config.patch(fx_graph_cache=True),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        for flags in (contextlib.nullcontext, split_backward_flags):  # the cache, then the split
+            torch._dynamo.reset()
+            with flags():
+                compiled = torch.compile(block, backend=backend(inner="inductor"), fullgraph=True)
+                got = gradients(compiled, split=flags is split_backward_flags)
+    errors = {n: ((got[n] - g).norm() / g.norm()).item() for n, g in want.items()}
+    assert max(errors.values()) < 1e-5, errors
+
+
 def _budget_run(block, inputs, budget, dump_dir):
     """One forward + backward of `block` compiled (aot_eager) at `budget`, its random draws
     seeded: the bytes it saved for the backward (parameters aside), the input and parameter

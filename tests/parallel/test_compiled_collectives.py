@@ -6,7 +6,7 @@ all-reduces that buffer in place, so an input read again after the all-reduce re
 values. A MoE router all-reduces its token counts beside its plain top-k counts in one cat
 (models.moe.Router, global_aux_loss_coef) and reads the local ones again for its aux loss: on
 two data-parallel ranks its gate's gradient came out a third off. graphtrain's backend clones
-such inputs (graphtrain.compile._unalias_all_reduce_inputs); these tests fail without it.
+such inputs (graphtrain.compile_fixes.unalias_all_reduce_inputs); these tests fail without it.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -440,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("preset")
     args, overrides = parser.parse_known_args(argv)
+    # No caches: code loaded from one runs (on fake tensors: a crash), where a compile here
+    # generates code that never runs.
+    os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
     sys.path.insert(0, str(HERE.parent))
     if not args.backward:  # the stubs before anything asks torch.cuda about the machine
         install()

@@ -327,8 +327,8 @@ def _trace_backward(
     cfg: Any, dump: Path, attention: str
 ) -> tuple[list[tuple], list[dict[str, Any]]]:
     """(each region's backward graph with its post-grad pass, each region's saved tensors):
-    forward and backward traced on fake CPU tensors, Inductor's partition kept, its CPU code
-    never run. Flex attention: torch's API refuses a CPU backward before tracing (its HOPs
+    forward and backward traced on fake CPU tensors, Inductor's partition kept, no CPU code
+    generated. Flex attention: torch's API refuses a CPU backward before tracing (its HOPs
     trace on any device): the check is lifted in this process."""
     import torch
     import torch._inductor.compile_fx as cfx

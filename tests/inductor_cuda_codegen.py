@@ -441,9 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("preset")
     args, overrides = parser.parse_known_args(argv)
-    # No caches: code loaded from one runs (on fake tensors: a crash), where a compile here
-    # generates code that never runs.
-    os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    if args.backward:  # a cached CPU artifact would run on the fake CPU tensors: a segfault
+        os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
     sys.path.insert(0, str(HERE.parent))
     if not args.backward:  # the stubs before anything asks torch.cuda about the machine
         install()

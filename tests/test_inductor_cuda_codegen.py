@@ -6,7 +6,8 @@ the gated_delta_rule pass's op) on fake CUDA tensors, the backward regions of `m
 with FP8, and both directions of flex attention on packed documents at the 1b's attention
 shape. Asserted: the run completes; the passes fired as on a GPU (the fused cross-entropy,
 the router and dispatch, FP8 linears); every Triton kernel Inductor generated compiles for
-sm_90 within the shared memory and register limits without spilling; every extern
+sm_90 within the shared memory and register limits without spilling (torch's flex
+templates may spill: their test says why); every extern
 torch._scaled_mm gets the layouts cuBLASLt takes (first operand row-major, second
 column-major, dimensions multiples of 16, per-tensor fp32 scales).
 
@@ -96,14 +97,16 @@ def _fired(report: dict) -> dict[str, dict[str, int]]:
     return ops
 
 
-def _assert_kernels_fit(report: dict) -> None:
+def _assert_kernels_fit(report: dict, spills: bool = False) -> None:
+    """Every kernel compiled within the shared-memory and register limits; without spilling
+    unless `spills` (torch's own templates)."""
     kernels = report["kernels"]
     assert len(kernels) >= 5, kernels
     for k in kernels:
         assert k["error"] is None, k
         assert k["shared"] is not None and k["shared"] <= SMEM_LIMIT, k
         assert k["regs"] is not None and k["regs"] * k["num_warps"] * 32 <= 65536, k
-        assert k["spill_stores"] == 0, k
+        assert spills or k["spill_stores"] == 0, k
 
 
 @pytest.fixture(scope="module")
@@ -221,9 +224,6 @@ def test_flex_attention_regions_at_the_1b_attention_shape(tmp_path, direction):
     op = "flex_attention_backward" if direction == "backward" else "flex_attention"
     templates = [k for k in report["kernels"] if k["name"].startswith("triton_tem_")]
     assert any(op in k["name"] for k in templates), [k["name"] for k in report["kernels"]]
-    assert len(report["kernels"]) >= 5, report["kernels"]
-    for k in report["kernels"]:
-        assert k["error"] is None and k["shared"] <= SMEM_LIMIT, k
-        assert k["regs"] * k["num_warps"] * 32 <= 65536, k
+    _assert_kernels_fit(report, spills=True)
     if direction == "forward":
         assert all(k["spill_stores"] == 0 for k in templates), templates

@@ -87,5 +87,4 @@ def test_moe_router_gradients_on_two_ranks_under_inductor():
     over two ranks, is eager's to fp32 rounding (without the clone: the router gate 0.24 off)."""
     for eager, compiled in run_ranks(_moe_gradients, 2, timeout=600):
         errors = {n: ((compiled[n] - g).norm() / g.norm()).item() for n, g in eager.items()}
-        worst = max(errors, key=errors.get)
-        assert errors[worst] < 1e-5, sorted(errors.items(), key=lambda e: -e[1])[:4]
+        assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda e: -e[1])[:4]

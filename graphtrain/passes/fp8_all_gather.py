@@ -2,7 +2,7 @@
 
 What
     Under sequence-parallel TP a column-parallel linear's input is gathered over the tp ranks
-    (fx.match_sequence_gather) and, with the fp8_linear pass on, every consumer (q, k, v; w1,
+    (post_grad.match_sequence_gather) and, with the fp8_linear pass on, every consumer (q, k, v; w1,
     w3) is graphtrain::fp8_linear. In the post-grad forward graph this pass rewrites the gather
     to: the global amax (fp8_amax max-reduced over tp), this rank's shard cast to E4M3, the
     bytes gathered as uint8 (gloo has no float8 type) and viewed as E4M3; each consumer becomes
@@ -34,7 +34,7 @@ import torch.fx
 from torch.fx import Node
 
 from graphtrain.custom_ops import fp8_linear  # noqa: F401  (registers the ops)
-from graphtrain.passes import fx
+from graphtrain.passes import fx, post_grad
 from graphtrain.passes.fx import Refuse
 from graphtrain.passes.registry import PassContext, register_pass
 
@@ -48,18 +48,18 @@ _BACKWARD = torch.ops.graphtrain.fp8_linear_backward.default
 def _consumers(full: Node) -> list[tuple[Node, Node]]:
     """[(fp8_linear or fp8_linear_backward, the node it reads as x or grad_out: full or a view
     of it)], or Refuse."""
-    views = [u for u in full.users if fx.is_aten_view(u)]
+    views = [u for u in full.users if post_grad.is_aten_view(u)]
     pairs = [(u, full) for u in full.users if u not in views]
     pairs += [(u, view) for view in views for u in view.users]
     for reader, read in pairs:
-        if not (fx.is_op(reader, _FORWARD) or fx.is_op(reader, _BACKWARD)):
+        if not (post_grad.is_op(reader, _FORWARD) or post_grad.is_op(reader, _BACKWARD)):
             raise Refuse(
                 f"the gathered tensor is also read by {reader.name} (not fp8_linear): "
                 "it needs the high-precision values"
             )
         if reader.args[0] is not read or read in reader.args[1:]:
             raise Refuse(f"the gathered tensor is another input of {reader.name} than its first")
-        if fx.is_op(reader, _BACKWARD) and (reader.args[5] or len(reader.args) > 6):
+        if post_grad.is_op(reader, _BACKWARD) and (reader.args[5] or len(reader.args) > 6):
             raise Refuse(f"{reader.name} has a bias (its gradient sums the unquantised rows)")
     if not pairs:
         raise Refuse("the gathered tensor has no user")
@@ -68,7 +68,7 @@ def _consumers(full: Node) -> list[tuple[Node, Node]]:
 
 def _fp8_gather(gm: torch.fx.GraphModule, ag: Node, fake_mode: Any) -> str:
     x, tp, group = ag.args
-    wait, pieces, full = fx.match_sequence_gather(ag)
+    wait, pieces, full = post_grad.match_sequence_gather(ag)
     consumers = _consumers(full)
     options = {
         (c.target, c.kwargs.get("tp_group"), bool(c.kwargs.get("pow2_scale")),
@@ -82,7 +82,7 @@ def _fp8_gather(gm: torch.fx.GraphModule, ag: Node, fake_mode: Any) -> str:
     backward = op == _BACKWARD
     dtype = E5M2 if backward and not e4m3_grads else E4M3
     batch, seq, dim = x.meta["val"].shape
-    b = fx.AtenBuilder(gm.graph, ag, fake_mode)
+    b = post_grad.AtenBuilder(gm.graph, ag, fake_mode)
     local_amax = b(torch.ops.graphtrain.fp8_amax.default, x)
     amax = b(_c10d.wait_tensor.default, b(_c10d.all_reduce.default, local_amax, "max", group))
     rows = b(aten.view.default, x, [batch * seq, dim])
@@ -128,8 +128,12 @@ def fp8_all_gather_pass(
 ) -> torch.fx.GraphModule:
     """Cast tensor-parallel activations (gradients) to FP8 before the all-gather feeding
     fp8_linear (fp8_linear_backward)."""
-    gathers = [n for n in gm.graph.nodes if fx.is_op(n, _c10d.all_gather_into_tensor.default)]
-    if not any(fx.is_op(n, _FORWARD) or fx.is_op(n, _BACKWARD) for n in gm.graph.nodes):
+    gathers = [
+        n for n in gm.graph.nodes if post_grad.is_op(n, _c10d.all_gather_into_tensor.default)
+    ]
+    if not any(
+        post_grad.is_op(n, _FORWARD) or post_grad.is_op(n, _BACKWARD) for n in gm.graph.nodes
+    ):
         return gm  # no FP8 linear here (the fp8_linear pass is off): nothing to note
     changed = False
     for ag in gathers:

@@ -35,7 +35,7 @@ import torch.fx
 from torch.fx import Node
 
 from graphtrain.custom_ops.fp8_linear import FORWARD_FAST_ACCUM  # (importing registers the ops)
-from graphtrain.passes import fx
+from graphtrain.passes import fx, post_grad
 from graphtrain.passes.fx import Refuse
 from graphtrain.passes.registry import PassContext, register_pass
 
@@ -49,12 +49,12 @@ _CAST = torch.ops.graphtrain.fp8_cast.default
 
 def _root(x: Node) -> Node:
     """x through reshapes (the same elements in the same order)."""
-    while fx.is_aten_view(x):
+    while post_grad.is_aten_view(x):
         x = x.args[0]
     return x
 
 
-def _rows(b: fx.AtenBuilder, t: Node) -> Node:
+def _rows(b: post_grad.AtenBuilder, t: Node) -> Node:
     """t as [M, last dim] (copied first where it is not contiguous, as the op's reshape does:
     Inductor then computes the amax in that copy's kernel), or Refuse."""
     value = t.meta["val"]
@@ -73,7 +73,7 @@ _BITS = {
 }
 
 
-def _amaxes(b: fx.AtenBuilder, tensors: list[Node], tp_group: str | None) -> list[Node]:
+def _amaxes(b: post_grad.AtenBuilder, tensors: list[Node], tp_group: str | None) -> list[Node]:
     """max |t| of each as a 0-d float32 node in aten ops (Inductor fuses them into the producers),
     max-reduced over tp_group in one all_reduce.
 
@@ -99,7 +99,7 @@ def _amaxes(b: fx.AtenBuilder, tensors: list[Node], tp_group: str | None) -> lis
     return [b(aten.select.int, reduced, 0, i) for i in range(len(amaxes))]
 
 
-def _cast(b: fx.AtenBuilder, t: Node, amax: Node, dtype: torch.dtype, pow2: bool,
+def _cast(b: post_grad.AtenBuilder, t: Node, amax: Node, dtype: torch.dtype, pow2: bool,
           tensor_class: str) -> tuple[Node, Node, Node]:  # fmt: skip
     """(t8, t8_t, scale_inv) of the 2-D t, its counts recorded under tensor_class."""
     cast = b(_CAST, t, amax, dtype, pow2, True, record=tensor_class)
@@ -127,7 +127,7 @@ def _forward_group(gm: torch.fx.GraphModule, linears: list[Node], fake_mode: Any
     late = [w.name for w in weights if w not in before_first]
     if late:
         raise Refuse(f"weight(s) {late} are made after {first.name}, where the casts go")
-    b = fx.AtenBuilder(gm.graph, first, fake_mode)
+    b = post_grad.AtenBuilder(gm.graph, first, fake_mode)
     x2 = _rows(b, first.args[0])
     note = (f"{', '.join(n.name for n in linears)}: one cast of {first.args[0].name} for "
             f"{len(linears)} linear(s), its amax in the graph (fused into its producer where "
@@ -159,7 +159,7 @@ def _backward(gm: torch.fx.GraphModule, op: Node, fake_mode: Any) -> str:
     if any(user.args[1] == 2 for user in op.users):
         raise Refuse("its grad_b output is read")
     kw = op.kwargs
-    b = fx.AtenBuilder(gm.graph, op, fake_mode)
+    b = post_grad.AtenBuilder(gm.graph, op, fake_mode)
     g2 = _rows(b, grad_out)
     (ag,) = _amaxes(b, [g2], kw.get("tp_group"))
     dtype = E4M3 if kw["e4m3_grads"] else E5M2
@@ -178,7 +178,7 @@ def _groups(gm: torch.fx.GraphModule) -> list[list[Node]]:
     """fp8_linear nodes by (x's root, x's numel and last dim, pow2_scale, tp_group), in order."""
     groups: dict[tuple, list[Node]] = {}
     for node in gm.graph.nodes:
-        if fx.is_op(node, _FORWARD):
+        if post_grad.is_op(node, _FORWARD):
             x = node.args[0].meta["val"]
             key = (_root(node.args[0]), x.numel(), x.shape[-1],
                    bool(node.kwargs.get("pow2_scale")), node.kwargs.get("tp_group"))  # fmt: skip
@@ -198,7 +198,7 @@ def fp8_cast_once_pass(
             changed = True
         except Refuse as why:
             ctx.note(f"kept {', '.join(n.name for n in linears)}: {why}")
-    for op in [n for n in gm.graph.nodes if fx.is_op(n, _BACKWARD)]:
+    for op in [n for n in gm.graph.nodes if post_grad.is_op(n, _BACKWARD)]:
         try:
             ctx.note(_backward(gm, op, op.meta["val"][0].fake_mode))
             changed = True

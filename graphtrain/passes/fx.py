@@ -11,7 +11,7 @@ What
         finds W under W.t(), W.T, W.mT, W.transpose(...).
     New nodes: `emit` inserts a call, records its example_value from the fake values and
         copies the provenance of the node it replaces (what `graphtrain inspect` shows).
-    Post-grad (aten) graphs: `is_op`, `only_user`, `AtenBuilder`, `match_sequence_gather`.
+    Post-grad (aten) graphs: their own helpers, graphtrain.passes.post_grad.
     Aliasing: `alias_root` / `aliases` follow views and in-place ops, for the checks that
         erasing or moving a sub-graph cannot change what another node reads.
     Refusals: a matcher raises `Refuse(reason)` wherever it stops; the pass catches it and
@@ -452,74 +452,6 @@ def finish(gm: torch.fx.GraphModule, changed: bool) -> torch.fx.GraphModule:
         gm.graph.lint()
         gm.recompile()
     return gm
-
-
-# ---- post-grad (aten) graphs ---------------------------------------------------------------
-
-
-def is_op(node: Any, target: Any) -> bool:
-    """`node` calls `target` (an aten / functional-collective overload)."""
-    return isinstance(node, Node) and node.op == "call_function" and node.target == target
-
-
-# AOT autograd writes view / _unsafe_view; Inductor's own post-grad passes turn them into reshape.
-ATEN_VIEWS = (
-    torch.ops.aten.view.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten._unsafe_view.default,
-)
-
-
-def is_aten_view(node: Any) -> bool:
-    return any(is_op(node, target) for target in ATEN_VIEWS)
-
-
-def only_user(node: Node) -> Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-class AtenBuilder:
-    """Inserts aten nodes before `anchor`, each with its fake value (Inductor lowers from them)."""
-
-    def __init__(self, graph: torch.fx.Graph, anchor: Node, fake_mode: Any) -> None:
-        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
-
-    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args, kwargs)
-        values = map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = target(*values[0], **values[1])
-        return node
-
-
-def match_sequence_gather(ag: Node) -> tuple[Node, list[Node], Node]:
-    """(wait, [split, *pieces], cat) of all_gather_into_tensor(x [B, S, D], tp, group) as AOT
-    autograd writes a Shard(1) -> Replicate redistribute:
-        w = wait_tensor(ag)  [tp * B, S, D], rank-major;  cat(split(w, B), dim=1)  [B, tp * S, D]
-    or Refuse."""
-    c10d = torch.ops._c10d_functional
-    wait = only_user(ag)
-    if not is_op(wait, c10d.wait_tensor.default):
-        raise Refuse("its result is not waited on once")
-    split, x_shape = only_user(wait), list(ag.args[0].meta["val"].shape)
-    if (
-        len(x_shape) != 3
-        or not is_op(split, torch.ops.aten.split.Tensor)
-        or split.args[1] != x_shape[0]
-    ):
-        raise Refuse("the gathered tensor is not split back into the ranks' [B, S, D] pieces")
-    if len(split.args) > 2 and split.args[2] != 0:
-        raise Refuse("the gathered tensor is split on another dim than the ranks'")
-    pieces = sorted(split.users, key=lambda n: n.args[1])
-    cat = only_user(pieces[0])
-    if (
-        not is_op(cat, torch.ops.aten.cat.default)
-        or list(cat.args[0]) != pieces
-        or cat.args[1:] != (1,)
-    ):
-        raise Refuse("the gathered pieces are not concatenated on the sequence dim")
-    return wait, [split, *pieces], cat
 
 
 # ---- aliasing ------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch.fx
 from torch.fx import Node
 
 from graphtrain.custom_ops.fp8_linear import FORWARD_FAST_ACCUM  # (importing registers the FP8 ops)
-from graphtrain.passes import fx
+from graphtrain.passes import fx, post_grad
 from graphtrain.passes.fx import Refuse
 from graphtrain.passes.registry import PassContext, register_pass
 
@@ -54,17 +54,17 @@ _PRECAST_OUT = {
 }
 
 
-_is, _only_user = fx.is_op, fx.only_user
+_is, _only_user = post_grad.is_op, post_grad.only_user
 
-_is_view = fx.is_aten_view
+_is_view = post_grad.is_aten_view
 
 
 def _shape(node: Node) -> list[int]:
     return list(node.meta["val"].shape)
 
 
-class _Builder(fx.AtenBuilder):
-    """fx.AtenBuilder, the row reorderings between sequence and rank-major layouts, and the
+class _Builder(post_grad.AtenBuilder):
+    """post_grad.AtenBuilder, the row reorderings between sequence and rank-major layouts, and the
     blocks' collectives: each in flight until its block is needed, but on gloo (CPU tensors)
     waited on before the next starts. Two collectives in flight on one gloo group while
     another group's collective runs corrupt the heap: torch 2.11, 2.13 and 2.14 (gloo's TCP
@@ -227,7 +227,7 @@ def choose_symm_mem(group: str, *, is_cuda: bool) -> tuple[bool, str]:
 
 def _match_gather(ag: Node) -> tuple[Node, Node, list[Node], list[Node]]:
     """(wait, full, its row GEMMs, the pieces gathered) of an all-gather, or Refuse."""
-    wait, pieces, cat = fx.match_sequence_gather(ag)
+    wait, pieces, cat = post_grad.match_sequence_gather(ag)
     gemms = []
     for view in cat.users:
         if _is_view(view) and len(view.args[1]) == 2:
@@ -303,7 +303,7 @@ def _overlap_gather(
 def _match_fp8_gather(ag: Node) -> tuple[Node, Node, list[Node], list[Node]]:
     """(the shard's fp8_cast, the gathered E4M3 [B, T, D], its fp8_linear_precast consumers,
     the nodes of the gather to erase) of an all-gather written by fp8_all_gather, or Refuse."""
-    wait, pieces, cat = fx.match_sequence_gather(ag)
+    wait, pieces, cat = post_grad.match_sequence_gather(ag)
     as_fp8 = _only_user(cat)
     u8 = ag.args[0].args[0] if _is_view(ag.args[0]) else None
     getitem = u8.args[0] if _is(u8, aten.view.dtype) else None

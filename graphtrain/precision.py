@@ -31,7 +31,7 @@ from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, expert_params
 from graphtrain.passes.fuse_sibling_grouped_mm import concatenated_weights
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)

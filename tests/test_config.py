@@ -63,6 +63,11 @@ def test_overrides_are_typed():
         ),
         (["--training.device=tpu"], "training.device must be one of"),
         (
+            ["--training.dtype=float16"],
+            "training.dtype='float16': float16 training needs loss scaling",
+        ),
+        (["--training.reduce_dtype=float16"], "training.reduce_dtype='float16': float16 training"),
+        (
             ["--training.steps=30", "--schedule.warmup_steps=20"],
             "schedule.warmup_steps=20 + decay 12 (schedule.decay_ratio=0.4) exceed "
             "training.steps=30",

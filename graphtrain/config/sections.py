@@ -52,12 +52,12 @@ class TrainingConfig:
     )
     seed: int = option(0, "of the initialization and the data order")
     device: Literal["auto", "cuda", "cpu"] = option("auto", "auto: cuda if available, else cpu")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+    dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
         "Parameter/compute dtype. auto: bfloat16 on CUDA (fp32 master weights kept by FSDP2 or "
         "autocast), float32 on CPU (bf16 matmuls are slow there).",
     )
-    reduce_dtype: Literal["float32", "bfloat16", "float16"] = option(
+    reduce_dtype: Literal["float32", "bfloat16"] = option(
         "float32",
         "Gradient reduction dtype across data-parallel ranks.",
     )
@@ -110,6 +110,14 @@ class TrainingConfig:
     )
 
     def __post_init__(self) -> None:
+        for key in ("dtype", "reduce_dtype"):
+            if getattr(self, key) == "float16":  # before the choices: why, not just the list
+                raise ValueError(
+                    f"training.{key}='float16': float16 training needs loss scaling (its normal "
+                    "numbers end at 6e-5 and 65504: small gradients flush to zero, large ones "
+                    "overflow), which graphtrain does not do; use 'bfloat16' (float32's range, "
+                    "the same tensor-core rate)"
+                )
         _check_choices("training", self)
         _positive("training", self, "steps", "micro_batch_size")
         _positive("training", self, "replica_check_interval", allow_zero=True)

@@ -42,7 +42,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Documents of a toy language (learnable quickly), and a 300-token BPE tokenizer for it."""
-    root = tmp_path_factory.mktemp("corpus")
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def make_corpus(root: Path) -> Path:
+    """The `corpus` fixture's files (docs.jsonl, tokenizer.json) written into `root`."""
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
     docs = []

@@ -171,7 +171,7 @@ def _last_error(output: str) -> str:
     """The first line naming an error in a failed launch's output (else its last line)."""
     lines = [x.strip() for x in output.splitlines() if x.strip()]
     named = [x for x in lines if "error:" in x or "Error:" in x]
-    return (named or lines or ["(no output)"])[0][:300]
+    return (named[:1] or lines[-1:] or ["(no output)"])[0][:300]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ from graphtrain.parallel import (
     check_layout,
     dp_mesh,
     parallelize_model,
+    unused_axis_settings,
 )
 from graphtrain.parallel.pipeline import (
     build_runner,
@@ -113,6 +114,9 @@ def build_run(cfg: JobConfig, device: torch.device, rank: int, world_size: int) 
     """Check, build and (when asked) resume the job; nothing large is allocated before the
     layout, run-directory and data checks pass."""
     dims, mesh = _layout_and_mesh(cfg, device, world_size)
+    if rank == 0:  # settings of an axis that is off: likely a forgotten axis
+        for line in unused_axis_settings(cfg.parallel):
+            logger.warning("%s", line)
     precision = Precision.of(cfg, dims, device)  # every dtype decision, once
     memory_plan = _memory_plan(cfg, device, rank, world_size)
     dp_group = dp_mesh(mesh).get_group() if dims.dp_size > 1 else None

@@ -1,8 +1,9 @@
 """Bad input a new user gives is one clear error naming it, before any work: model numbers that
 would train to NaN, expert parallel on a dense model, keys below a plain value, a memory plan
 that cannot fit this machine, a run directory that is a file or cannot be written; relative
-paths given to launch.sh are the caller's."""
+paths given to launch.sh are the caller's; settings of a parallel axis that is off are named."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from conftest import job
 
 from graphtrain.checkpoint import complete_checkpoints
 from graphtrain.config import load_config
+from graphtrain.parallel import unused_axis_settings
 from graphtrain.trainer import train
 
 
@@ -147,3 +149,23 @@ def test_help_shows_the_defaults(command, shown, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert shown in capsys.readouterr().out
+
+
+def test_settings_of_an_axis_that_is_off_are_named_at_start(corpus, tmp_path, caplog):
+    """Pipeline settings with pp 1 and tp-overlap settings with tp 1 do nothing: the trainer
+    says so in one line each (a forgotten axis, most likely), and trains."""
+    unused = ("--parallel.pp_schedule=gpipe", "--parallel.pp_layout=Et|tL")
+    args = job(corpus, tmp_path, "--compile.enable=false", "--training.steps=1", *unused,
+               "--parallel.tp_overlap_chunks=2")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="graphtrain"):
+        train(load_config(args))
+    assert [
+        r.getMessage() for r in caplog.records if " nothing with parallel." in r.getMessage()
+    ] == [
+        "parallel.pp_schedule='gpipe', parallel.pp_layout='Et|tL' do nothing with parallel.pp=1",
+        "parallel.tp_overlap_chunks=2 does nothing with parallel.tp=1",
+    ]
+    assert complete_checkpoints(tmp_path / "run")
+    for axes in ([], ["--parallel.pp=2", "--parallel.tp=2"]):
+        cfg = load_config(["--preset", "debug", *unused, *axes, "--parallel.tp_overlap_chunks=2"])
+        assert bool(unused_axis_settings(cfg.parallel)) == (not axes)

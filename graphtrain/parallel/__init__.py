@@ -41,6 +41,7 @@ from graphtrain.parallel.mesh import (
     expert_dp_mesh,
     fsdp_mesh,
     init_distributed,
+    unused_axis_settings,
     validate_model_for_tp,
 )
 from graphtrain.parallel.tensor_parallel import (
@@ -72,6 +73,7 @@ __all__ = [
     "partial_grad_params",
     "reduce_expert_grads",
     "reduce_partial_grads",
+    "unused_axis_settings",
     "validate_model_for_tp",
 ]
 

@@ -248,3 +248,21 @@ def check_layout(cfg: Any, world_size: int) -> ParallelDims:
 
         check_pipeline(cfg, dims)
     return dims
+
+
+def unused_axis_settings(parallel: Any) -> list[str]:
+    """A line for each group of pipeline or tp-overlap settings given while its axis is off (pp
+    or tp 1), where nothing uses them: the trainer logs them at start, since the likely cause is
+    a forgotten axis (not refused: a pipelined job's config run with pp=1 to compare is fine)."""
+    defaults = type(parallel)()
+    lines = []
+    for axis, keys in (
+        ("pp", ("pp_schedule", "pp_microbatches", "pp_layout")),
+        ("tp", ("tp_overlap_chunks", "tp_overlap_variant")),
+    ):
+        changed = [k for k in keys if getattr(parallel, k) != getattr(defaults, k)]
+        if getattr(parallel, axis) == 1 and changed:
+            given = ", ".join(f"parallel.{k}={getattr(parallel, k)!r}" for k in changed)
+            verb = "does" if len(changed) == 1 else "do"
+            lines.append(f"{given} {verb} nothing with parallel.{axis}=1")
+    return lines

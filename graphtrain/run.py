@@ -33,6 +33,7 @@ from graphtrain.checkpoint import (
     complete_checkpoints,
     resolve,
     resume_differences,
+    step_of,
 )
 from graphtrain.checkpoint.hf import load_hf_into
 from graphtrain.compile import step_hooks
@@ -287,6 +288,11 @@ def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
             raise ValueError(
                 f"training.run_dir={str(run_dir)!r} already holds checkpoints (newest "
                 f"{saved[-1].name}); continue {start} in an empty training.run_dir"
+            )
+        if step_of(start) > cfg.training.steps:  # it would end at once, having trained nothing
+            raise ValueError(
+                f"checkpoint.resume={cfg.checkpoint.resume!r} ({start.name}) is past "
+                f"training.steps={cfg.training.steps}: raise training.steps to continue it"
             )
     return run_dir
 

@@ -140,6 +140,8 @@ def _train_loop(run: Run, preemption: PreemptionHandler) -> TrainResult:
     preemption.install()
     if progress.step == 0:
         _validate(run, result, step=0)
+    elif progress.step == total and run.rank == 0:  # a finished run resumed (a requeued job)
+        logger.info("resumed at step %d = training.steps: nothing left to train", total)
     if preemption.should_stop():  # a signal before the first step: nothing new to save
         raise StartupStopped(preemption.signum or signal.SIGTERM)
 

@@ -1,7 +1,8 @@
 """Bad input a new user gives is one clear error naming it, before any work: model numbers that
 would train to NaN, expert parallel on a dense model, keys below a plain value, a memory plan
 that cannot fit this machine, a run directory that is a file or cannot be written; relative
-paths given to launch.sh are the caller's; settings of a parallel axis that is off are named."""
+paths given to launch.sh are the caller's; settings of a parallel axis that is off are named; a
+resume past training.steps is refused."""
 
 import logging
 import os
@@ -169,3 +170,23 @@ def test_settings_of_an_axis_that_is_off_are_named_at_start(corpus, tmp_path, ca
     for axes in ([], ["--parallel.pp=2", "--parallel.tp=2"]):
         cfg = load_config(["--preset", "debug", *unused, *axes, "--parallel.tp_overlap_chunks=2"])
         assert bool(unused_axis_settings(cfg.parallel)) == (not axes)
+
+
+def test_a_resume_past_training_steps_is_refused_and_one_at_them_says_so(corpus, tmp_path, caplog):
+    """A checkpoint past training.steps would end the run at once, having trained nothing:
+    refused before any work, naming both. One at training.steps (a finished run started again,
+    as a requeued job is) ends at once, saying so."""
+    common = ("--compile.enable=false", "--training.steps=2")
+    train(load_config(job(corpus, tmp_path / "done", *common)))
+    (step2,) = complete_checkpoints(tmp_path / "done" / "run")
+    again = job(corpus, tmp_path / "done", *common, "--checkpoint.resume=latest")
+    with pytest.raises(ValueError) as e:
+        train(load_config([*again, "--training.steps=1"]))
+    assert str(e.value) == (
+        "checkpoint.resume='latest' (step-0000002) is past training.steps=1: raise "
+        "training.steps to continue it"
+    )
+    with caplog.at_level(logging.INFO, logger="graphtrain"):
+        assert train(load_config(again)).losses == []
+    assert "resumed at step 2 = training.steps: nothing left to train" in caplog.text
+    assert complete_checkpoints(tmp_path / "done" / "run") == [step2]

@@ -8,6 +8,7 @@ from graphtrain.checkpoint.manager import (
     NonFiniteWeightsError,
     complete_checkpoints,
     resolve,
+    step_of,
     to_delete,
 )
 from graphtrain.checkpoint.resume import resume_differences
@@ -20,5 +21,6 @@ __all__ = [
     "complete_checkpoints",
     "resolve",
     "resume_differences",
+    "step_of",
     "to_delete",
 ]

@@ -175,6 +175,8 @@ def export_hf(
     config = layout.hf_config(
         cfg, dtype=str(EXPORT_DTYPES[dtype]).removeprefix("torch."), eos_token_id=None
     )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file, not a directory: give a folder to export into")
     occupied = out_dir.exists() and any(out_dir.iterdir())
     if occupied and not overwrite:
         raise ValueError(f"{out_dir} already holds files; pass --overwrite to replace them")

@@ -107,6 +107,8 @@ def test_bad_export_and_import_requests_are_refused(trained, corpus, tmp_path):
     (target / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="already holds files; pass --overwrite"):
         export_hf(run_dir, target)
+    with pytest.raises(ValueError, match=r"notes.txt is a file, not a directory: give a folder"):
+        export_hf(run_dir, target / "notes.txt")
     export_hf(run_dir, target, overwrite=True)
     assert (target / "notes.txt").read_text() == "mine"  # --overwrite replaces only export files
     with pytest.raises(ValueError, match="not a size"):

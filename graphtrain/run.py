@@ -265,14 +265,23 @@ def _layout_and_mesh(
 
 
 def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
-    """The run directory, the same on every rank (rank 0 names it and tells the others); refuses
-    a start that would overwrite saved checkpoints."""
+    """The run directory, the same on every rank (rank 0 names it and tells the others),
+    checked (check_run_dir)."""
     name = [cfg.training.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"]
     if world_size > 1:
         dist.broadcast_object_list(name, src=0)
     # Created (rank 0, _describe_run_dir) only once the start has passed its checks: a failed
     # start leaves no empty run directory behind.
     run_dir = Path(name[0])
+    check_run_dir(cfg, run_dir)
+    return run_dir
+
+
+def check_run_dir(cfg: JobConfig, run_dir: Path) -> None:
+    """The run directory's start checks, on the file system only (`graphtrain train --check`
+    runs them too, before any rank starts): writable; no saved checkpoints that a fresh start
+    would overwrite; a resume naming a complete checkpoint, of this run or into an empty run
+    directory, and not past training.steps."""
     _check_writable(run_dir)
     saved = complete_checkpoints(run_dir)
     if saved and not cfg.checkpoint.resume:
@@ -294,7 +303,6 @@ def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:
                 f"checkpoint.resume={cfg.checkpoint.resume!r} ({start.name}) is past "
                 f"training.steps={cfg.training.steps}: raise training.steps to continue it"
             )
-    return run_dir
 
 
 def _check_writable(run_dir: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 from conftest import job
 
 from graphtrain.checkpoint import complete_checkpoints
+from graphtrain.cli import main
 from graphtrain.config import load_config
 from graphtrain.parallel import unused_axis_settings
 from graphtrain.trainer import train
@@ -145,8 +146,6 @@ def test_launch_sh_resolves_relative_paths_where_the_caller_stands(corpus, tmp_p
     ],
 )
 def test_help_shows_the_defaults(command, shown, capsys):
-    from graphtrain.cli import main
-
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert shown in capsys.readouterr().out
@@ -172,7 +171,9 @@ def test_settings_of_an_axis_that_is_off_are_named_at_start(corpus, tmp_path, ca
         assert bool(unused_axis_settings(cfg.parallel)) == (not axes)
 
 
-def test_a_resume_past_training_steps_is_refused_and_one_at_them_says_so(corpus, tmp_path, caplog):
+def test_a_resume_past_training_steps_is_refused_and_one_at_them_says_so(
+    corpus, tmp_path, caplog, capsys
+):
     """A checkpoint past training.steps would end the run at once, having trained nothing:
     refused before any work, naming both. One at training.steps (a finished run started again,
     as a requeued job is) ends at once, saying so."""
@@ -180,12 +181,16 @@ def test_a_resume_past_training_steps_is_refused_and_one_at_them_says_so(corpus,
     train(load_config(job(corpus, tmp_path / "done", *common)))
     (step2,) = complete_checkpoints(tmp_path / "done" / "run")
     again = job(corpus, tmp_path / "done", *common, "--checkpoint.resume=latest")
-    with pytest.raises(ValueError) as e:
-        train(load_config([*again, "--training.steps=1"]))
-    assert str(e.value) == (
+    past = (
         "checkpoint.resume='latest' (step-0000002) is past training.steps=1: raise "
         "training.steps to continue it"
     )
+    with pytest.raises(ValueError) as e:
+        train(load_config([*again, "--training.steps=1"]))
+    assert str(e.value) == past
+    # `train --check`, which launch.sh runs once before the ranks start, says it too.
+    assert main(["train", "--check", *again, "--training.steps=1"]) == 2
+    assert capsys.readouterr().err == f"graphtrain: error: {past}\n"
     with caplog.at_level(logging.INFO, logger="graphtrain"):
         assert train(load_config(again)).losses == []
     assert "resumed at step 2 = training.steps: nothing left to train" in caplog.text

@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 # Nothing here imports torch at module level (nor does `import graphtrain`): `graphtrain --help`
 # and the argparse help of export and plan answer without it.
@@ -69,17 +68,13 @@ def _train(args: list[str]) -> int:
 
 
 def _check(args: list[str]) -> int:
-    """Resolve the config, check the layout for WORLD_SIZE ranks and the run directory (its
-    saved checkpoints, the resume), without starting anything: launch.sh runs it once, so that
-    a bad config is one line and exit code 2, not one traceback per rank from torchrun."""
+    """Resolve the config and check it for WORLD_SIZE ranks (graphtrain.run.check_job: the
+    layout, the run directory, the data's inputs) without starting anything: launch.sh runs it
+    once, so that a bad config is one line and exit code 2, not one traceback per rank."""
     from graphtrain.config import load_config
-    from graphtrain.parallel import check_layout
-    from graphtrain.run import check_run_dir
+    from graphtrain.run import check_job
 
-    cfg = load_config(args)
-    check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    if cfg.training.run_dir:  # else each start names a new one
-        check_run_dir(cfg, Path(cfg.training.run_dir))
+    check_job(load_config(args), int(os.environ.get("WORLD_SIZE", "1")))
     return 0
 
 

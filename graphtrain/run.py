@@ -38,7 +38,7 @@ from graphtrain.checkpoint import (
 from graphtrain.checkpoint.hf import load_hf_into
 from graphtrain.compile import step_hooks
 from graphtrain.config import JobConfig, pass_options, to_toml
-from graphtrain.data import build_data
+from graphtrain.data import build_data, check_inputs
 from graphtrain.metrics import MetricsLogger, peak_flops, write_run_info
 from graphtrain.metrics.banner import start_banner
 from graphtrain.metrics.energy import EnergyMeter
@@ -262,6 +262,21 @@ def _layout_and_mesh(
     # One process needs no mesh: every axis is 1 and nothing is sharded.
     mesh = build_mesh(dims, device.type) if world_size > 1 else None
     return dims, mesh
+
+
+def check_job(cfg: JobConfig, world_size: int) -> None:
+    """The start checks that need no rank, device or allocation: the layout, the run directory
+    (when named) and the data's inputs. `graphtrain train --check` runs them once before any rank
+    starts (launch.sh), so that a mistake is one line, not one per rank."""
+    check_layout(cfg, world_size)
+    if cfg.training.run_dir:  # else each start names a new one
+        check_run_dir(cfg, Path(cfg.training.run_dir))
+    check_inputs(
+        paths=cfg.data.paths or None,
+        val_paths=cfg.data.val_paths or None,
+        tokenizer_path=cfg.data.tokenizer or None,
+        vocab_size=cfg.model.vocab_size,
+    )
 
 
 def _prepare_run_dir(cfg: JobConfig, rank: int, world_size: int) -> Path:

@@ -195,3 +195,21 @@ def test_a_resume_past_training_steps_is_refused_and_one_at_them_says_so(
         assert train(load_config(again)).losses == []
     assert "resumed at step 2 = training.steps: nothing left to train" in caplog.text
     assert complete_checkpoints(tmp_path / "done" / "run") == [step2]
+
+
+def test_train_check_names_bad_data_inputs_before_any_rank_starts(corpus, tmp_path, capsys):
+    """`graphtrain train --check` (launch.sh's one check before the ranks) reads the data's
+    inputs without tokenizing: a glob matching nothing, a missing tokenizer, a tokenizer larger
+    than the model's vocabulary."""
+    for args, message in [
+        ([f"--data.paths={tmp_path / 'none*.jsonl'}"], "none*.jsonl' matches no files"),
+        ([f"--data.tokenizer={tmp_path / 'nope.json'}"], "nope.json' does not exist"),
+        (
+            ["--model.vocab_size=256"],  # below any byte-level BPE's
+            "tokens but the model vocab_size is 256; raise model.vocab_size",
+        ),
+    ]:
+        assert main(["train", "--check", *job(corpus, tmp_path, *args)]) == 2, args
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("graphtrain: error: ") and message in line, line
+    assert main(["train", "--check", *job(corpus, tmp_path)]) == 0

@@ -3,7 +3,7 @@
 The trainer uses one entry point, ``build_data`` (see build.py), which returns a ``DataBundle``.
 """
 
-from graphtrain.data.build import DataBundle, build_data
+from graphtrain.data.build import DataBundle, build_data, check_inputs
 from graphtrain.data.corpus import default_corpus_files
 from graphtrain.data.loader import PackedLoader, RowLoader
 from graphtrain.data.packing import pack_rows
@@ -16,6 +16,7 @@ __all__ = [
     "RowLoader",
     "Tokenizer",
     "build_data",
+    "check_inputs",
     "default_corpus_files",
     "default_tokenizer",
     "iter_documents",

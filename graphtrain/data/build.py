@@ -242,13 +242,33 @@ def _tokenizer(
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     if tokenizer is None and not pretokenized:
         tokenizer = default_tokenizer(vocab_size, cache_dir=cache_dir)
-    if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+    if tokenizer is not None:
+        _check_fits(tokenizer, vocab_size)
+    return tokenizer
+
+
+def _check_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
+    if tokenizer.vocab_size > vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model vocab_size is "
             f"{vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size} or use "
             "another tokenizer"
         )
-    return tokenizer
+
+
+def check_inputs(
+    *,
+    paths: Sequence[str] | None,
+    val_paths: Sequence[str] | None,
+    tokenizer_path: str | None,
+    vocab_size: int,
+) -> None:
+    """build_data's checks of its inputs, without reading a document (`graphtrain train
+    --check`, before any rank starts): the files or globs exist, have known suffixes and are of
+    one kind; a given tokenizer loads and fits vocab_size (the default BPE is not built)."""
+    _inputs(paths, val_paths)
+    if tokenizer_path is not None:
+        _check_fits(load_tokenizer(tokenizer_path), vocab_size)
 
 
 def _blend_streams(

@@ -35,7 +35,7 @@ from graphtrain.checkpoint import (
     resume_differences,
     step_of,
 )
-from graphtrain.checkpoint.hf import load_hf_into
+from graphtrain.checkpoint.hf import check_hf_config, load_hf_into
 from graphtrain.compile import step_hooks
 from graphtrain.config import JobConfig, pass_options, to_toml
 from graphtrain.data import build_data, check_inputs
@@ -266,11 +266,14 @@ def _layout_and_mesh(
 
 def check_job(cfg: JobConfig, world_size: int) -> None:
     """The start checks that need no rank, device or allocation: the layout, the run directory
-    (when named) and the data's inputs. `graphtrain train --check` runs them once before any rank
-    starts (launch.sh), so that a mistake is one line, not one per rank."""
+    (when named), the Hugging Face weights to start from (their config) and the data's inputs.
+    `graphtrain train --check` runs them once before any rank starts (launch.sh), so that a
+    mistake is one line, not one per rank."""
     check_layout(cfg, world_size)
     if cfg.training.run_dir:  # else each start names a new one
         check_run_dir(cfg, Path(cfg.training.run_dir))
+    if cfg.checkpoint.init_from_hf and not cfg.checkpoint.resume:
+        check_hf_config(Path(cfg.checkpoint.init_from_hf), cfg.model)
     check_inputs(
         paths=cfg.data.paths or None,
         val_paths=cfg.data.val_paths or None,

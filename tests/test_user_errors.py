@@ -200,7 +200,7 @@ def test_a_resume_past_training_steps_is_refused_and_one_at_them_says_so(
 def test_train_check_names_bad_data_inputs_before_any_rank_starts(corpus, tmp_path, capsys):
     """`graphtrain train --check` (launch.sh's one check before the ranks) reads the data's
     inputs without tokenizing: a glob matching nothing, a missing tokenizer, a tokenizer larger
-    than the model's vocabulary."""
+    than the model's vocabulary; and the config of the Hugging Face weights to start from."""
     for args, message in [
         ([f"--data.paths={tmp_path / 'none*.jsonl'}"], "none*.jsonl' matches no files"),
         ([f"--data.tokenizer={tmp_path / 'nope.json'}"], "nope.json' does not exist"),
@@ -208,6 +208,7 @@ def test_train_check_names_bad_data_inputs_before_any_rank_starts(corpus, tmp_pa
             ["--model.vocab_size=256"],  # below any byte-level BPE's
             "tokens but the model vocab_size is 256; raise model.vocab_size",
         ),
+        ([f"--checkpoint.init_from_hf={tmp_path}"], f"init_from_hf='{tmp_path}' has no config"),
     ]:
         assert main(["train", "--check", *job(corpus, tmp_path, *args)]) == 2, args
         (line,) = capsys.readouterr().err.splitlines()

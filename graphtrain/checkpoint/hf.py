@@ -236,17 +236,23 @@ def _read_safetensors(paths: list[Path]) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_hf_config(hf_dir: Path, cfg: GPTConfig) -> None:
+    """The Hugging Face directory's config.json is there and describes the model of `cfg`
+    (a ValueError naming each field that differs); no tensor is read."""
+    config_path = Path(hf_dir) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"checkpoint.init_from_hf={str(hf_dir)!r} has no config.json")
+    differ = _layout(cfg).config_mismatches(cfg, json.loads(config_path.read_text()))
+    if differ:
+        raise ValueError(f"{config_path} does not match the model config: " + "; ".join(differ))
+
+
 def read_hf(hf_dir: Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """Our-named full tensors of a Hugging Face directory in the model's layout, checked
     against `cfg`."""
     hf_dir = Path(hf_dir)
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"checkpoint.init_from_hf={str(hf_dir)!r} has no config.json")
+    check_hf_config(hf_dir, cfg)
     layout = _layout(cfg)
-    differ = layout.config_mismatches(cfg, json.loads(config_path.read_text()))
-    if differ:
-        raise ValueError(f"{config_path} does not match the model config: " + "; ".join(differ))
     hf_tensors = _read_safetensors(_hf_files(hf_dir))
     mtp_path = hf_dir / MTP_FILE
     try:

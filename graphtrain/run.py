@@ -71,6 +71,7 @@ from graphtrain.parallel.pipeline import (
     cut_pipeline,
     stage_tp_plan,
 )
+from graphtrain.passes import resolve_passes
 from graphtrain.precision import Precision
 from graphtrain.step import ForwardLoss, TrainStep
 from models import build_model, tp_plan
@@ -265,11 +266,13 @@ def _layout_and_mesh(
 
 
 def check_job(cfg: JobConfig, world_size: int) -> None:
-    """The start checks that need no rank, device or allocation: the layout, the run directory
-    (when named), the Hugging Face weights to start from (their config) and the data's inputs.
+    """The start checks that need no rank, device or allocation: the layout, the pass switches,
+    the run directory (when named), the Hugging Face weights to start from (their config) and
+    the data's inputs.
     `graphtrain train --check` runs them once before any rank starts (launch.sh), so that a
     mistake is one line, not one per rank."""
     check_layout(cfg, world_size)
+    resolve_passes(cfg.compile.passes)  # a pass name that does not exist
     if cfg.training.run_dir:  # else each start names a new one
         check_run_dir(cfg, Path(cfg.training.run_dir))
     if cfg.checkpoint.init_from_hf and not cfg.checkpoint.resume:

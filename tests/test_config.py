@@ -57,6 +57,7 @@ def test_overrides_are_typed():
         ),
         (["--model.num_kv_heads=3"], "model.num_heads=4 is not divisible by model.num_kv_heads=3"),
         (["--model.mtp_depth=-1"], "model.mtp_depth must be >= 0 (0 turns MTP off), got -1"),
+        (["--training.seed=-1"], "training.seed must be >= 0, got -1"),
         (
             ["--model.mtp_depth=8", "--training.seq_len=8"],
             "model.mtp_depth=8 needs training.seq_len > 8, got 8",

@@ -200,7 +200,8 @@ def test_a_resume_past_training_steps_is_refused_and_one_at_them_says_so(
 def test_train_check_names_bad_data_inputs_before_any_rank_starts(corpus, tmp_path, capsys):
     """`graphtrain train --check` (launch.sh's one check before the ranks) reads the data's
     inputs without tokenizing: a glob matching nothing, a missing tokenizer, a tokenizer larger
-    than the model's vocabulary; and the config of the Hugging Face weights to start from."""
+    than the model's vocabulary; the config of the Hugging Face weights to start from; a pass
+    switch naming no pass."""
     for args, message in [
         ([f"--data.paths={tmp_path / 'none*.jsonl'}"], "none*.jsonl' matches no files"),
         ([f"--data.tokenizer={tmp_path / 'nope.json'}"], "nope.json' does not exist"),
@@ -209,6 +210,7 @@ def test_train_check_names_bad_data_inputs_before_any_rank_starts(corpus, tmp_pa
             "tokens but the model vocab_size is 256; raise model.vocab_size",
         ),
         ([f"--checkpoint.init_from_hf={tmp_path}"], f"init_from_hf='{tmp_path}' has no config"),
+        (["--compile.passes=+fuse_everything"], "entry '+fuse_everything' is not '+name' or"),
     ]:
         assert main(["train", "--check", *job(corpus, tmp_path, *args)]) == 2, args
         (line,) = capsys.readouterr().err.splitlines()

@@ -120,7 +120,7 @@ class TrainingConfig:
                 )
         _check_choices("training", self)
         _positive("training", self, "steps", "micro_batch_size")
-        _positive("training", self, "replica_check_interval", allow_zero=True)
+        _positive("training", self, "replica_check_interval", "seed", allow_zero=True)
         if self.seq_len < 2:
             raise ValueError(f"training.seq_len must be >= 2, got {self.seq_len}")
         budget = self.activation_memory_budget

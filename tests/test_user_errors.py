@@ -2,7 +2,8 @@
 would train to NaN, expert parallel on a dense model, keys below a plain value, a memory plan
 that cannot fit this machine, a run directory that is a file or cannot be written; relative
 paths given to launch.sh are the caller's; settings of a parallel axis that is off are named; a
-resume past training.steps is refused."""
+resume past training.steps is refused; `graphtrain train --check` (launch.sh's check before the
+ranks start) finds what the ranks would each refuse."""
 
 import logging
 import os
@@ -197,7 +198,7 @@ def test_a_resume_past_training_steps_is_refused_and_one_at_them_says_so(
     assert complete_checkpoints(tmp_path / "done" / "run") == [step2]
 
 
-def test_train_check_names_bad_data_inputs_before_any_rank_starts(corpus, tmp_path, capsys):
+def test_train_check_names_bad_inputs_before_any_rank_starts(corpus, tmp_path, capsys):
     """`graphtrain train --check` (launch.sh's one check before the ranks) reads the data's
     inputs without tokenizing: a glob matching nothing, a missing tokenizer, a tokenizer larger
     than the model's vocabulary; the config of the Hugging Face weights to start from; a pass

@@ -1,6 +1,7 @@
 """Build a run: everything before the first step.
 
     build_run(cfg, device, rank, world_size) -> Run
+    check_job(cfg, world_size)    the checks needing no rank (`graphtrain train --check`)
 
 It checks the layout and the run directory, builds the data, the model (on the meta device,
 handed to graphtrain.parallel: expert parallel, tensor parallel, compile regions, activation

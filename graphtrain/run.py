@@ -63,7 +63,6 @@ from graphtrain.parallel import (
     ParallelDims,
     build_mesh,
     check_layout,
-    device_type,
     dp_mesh,
     parallelize_model,
     unused_axis_settings,
@@ -256,31 +255,24 @@ def _layout_and_mesh(
 ) -> tuple[ParallelDims, DeviceMesh | None]:
     """The parallel layout and its mesh, after the checks that need no allocation."""
     dims = check_layout(cfg, world_size)
-    _check_device_settings(cfg, device.type)
+    resolve_attention(cfg.training.attention, device)  # a wrong choice stops here
+    if cfg.checkpoint.async_save and device.type != "cuda":
+        raise ValueError(
+            f"checkpoint.async_save=true needs CUDA but training runs on {device.type}; "
+            "set checkpoint.async_save=false"
+        )
     # One process needs no mesh: every axis is 1 and nothing is sharded.
     mesh = build_mesh(dims, device.type) if world_size > 1 else None
     return dims, mesh
 
 
-def _check_device_settings(cfg: JobConfig, kind: str) -> None:
-    """The settings that need CUDA (an attention kernel, async checkpoints), on device type
-    `kind`."""
-    resolve_attention(cfg.training.attention, torch.device(kind))
-    if cfg.checkpoint.async_save and kind != "cuda":
-        raise ValueError(
-            f"checkpoint.async_save=true needs CUDA but training runs on {kind}; "
-            "set checkpoint.async_save=false"
-        )
-
-
 def check_job(cfg: JobConfig, world_size: int) -> None:
-    """The start checks that need no rank, process group or allocation: the layout, the settings
-    that need CUDA, the pass switches, the run directory (when named), the Hugging Face weights
-    to start from (their config) and the data's inputs.
+    """The start checks that need no rank, device or allocation: the layout, the pass switches,
+    the run directory (when named), the Hugging Face weights to start from (their config) and
+    the data's inputs.
     `graphtrain train --check` runs them once before any rank starts (launch.sh), so that a
     mistake is one line, not one per rank."""
     check_layout(cfg, world_size)
-    _check_device_settings(cfg, device_type(cfg.training.device))
     resolve_passes(cfg.compile.passes)  # a pass name that does not exist
     if cfg.training.run_dir:  # else each start names a new one
         check_run_dir(cfg, Path(cfg.training.run_dir))

@@ -117,22 +117,17 @@ class ParallelDims:
         return self.tp > 1
 
 
-def device_type(device_choice: str) -> str:
-    """training.device ("auto", "cuda" or "cpu") as the device type it means on this machine."""
-    if device_choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device_choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("training.device='cuda' but no CUDA device is visible")
-    return device_choice
-
-
 def init_distributed(device_choice: str) -> tuple[torch.device, int, int]:
     """This process's device, rank and world size; starts the process group (nccl on CUDA,
     gloo on CPU) when torchrun launched several ranks. device_choice: "auto", "cuda" or
     "cpu" (training.device); rank and world size come from torchrun's environment."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if device_type(device_choice) == "cuda":
+    if device_choice == "auto":
+        device_choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_choice == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("training.device='cuda' but no CUDA device is visible")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:

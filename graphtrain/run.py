@@ -269,9 +269,9 @@ def _layout_and_mesh(
 def check_job(cfg: JobConfig, world_size: int) -> None:
     """The start checks that need no rank, device or allocation: the layout, the pass switches,
     the run directory (when named), the Hugging Face weights to start from (their config) and
-    the data's inputs.
-    `graphtrain train --check` runs them once before any rank starts (launch.sh), so that a
-    mistake is one line, not one per rank."""
+    the data's inputs. `graphtrain train --check` runs them once before any rank starts
+    (launch.sh), so that a mistake is one line, not one per rank; they do not depend on this
+    machine's device (first_contact.sh's CPU dry run checks the GPU run's config with them)."""
     check_layout(cfg, world_size)
     resolve_passes(cfg.compile.passes)  # a pass name that does not exist
     if cfg.training.run_dir:  # else each start names a new one

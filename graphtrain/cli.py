@@ -69,9 +69,9 @@ def _train(args: list[str]) -> int:
 
 def _check(args: list[str]) -> int:
     """Resolve the config and check it for WORLD_SIZE ranks (graphtrain.run.check_job: the
-    layout, the run directory, the weights to start from, the data's inputs) without starting
-    anything: launch.sh runs it once, so that a bad config is one line and exit code 2, not one
-    traceback per rank."""
+    layout, the pass switches, the run directory, the weights to start from, the data's inputs)
+    without starting anything: launch.sh runs it once, so that a bad config is one line and exit
+    code 2, not one traceback per rank."""
     from graphtrain.config import load_config
     from graphtrain.run import check_job
 

@@ -164,7 +164,11 @@ def _rank_items(
     tokens *= t.seq_len
     layers = [int(i) for i in model.layers]  # a pipeline rank's layers only
     if layers:
-        name = "activations per micro-batch" if in_flight == 1 else f"activations of {in_flight:g}"
+        name = (
+            "activations per micro-batch"
+            if in_flight == 1
+            else f"activations of {in_flight:g} micro-batches"
+        )
         items[name] = int(in_flight * _activations(cfg, dims, layers, tokens, compute))
     if hasattr(model, "output"):  # the head (a pipeline rank without it has none)
         # An fp32 weight: the op's extra over low-memory mode is its [token chunk, V] logits.

@@ -131,8 +131,7 @@ def test_start_checks():
     with pytest.raises(ValueError, match=r"model.num_layers=2 cannot fill 4 pipeline stages"):
         _check("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b")
     _check("--parallel.pp=2", "--model.mtp_depth=1", "--parallel.pp_layout=Et|tLm")
-    with pytest.raises(ValueError, match=r"MTP stages under tensor parallel are not supported"):
-        _check("--parallel.pp=2", "--parallel.tp=2", "--model.mtp_depth=1", world_size=4)
+    _check("--parallel.pp=2", "--parallel.tp=2", "--model.mtp_depth=1", world_size=4)
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
     # A recomputed forward would read global-aux step counts later micro-batches have added to.
@@ -186,7 +185,7 @@ def test_plan_gives_each_pipeline_rank_and_the_bubble():
     assert f"predicted bubble {3 / 7:.1%}" in note
     totals = [float(x) for x in re.findall(r"rank \d ([\d.]+)", note)]
     assert len(totals) == 4 and totals[0] == max(totals)  # 4 micro-batches in flight
-    assert piped.items["activations of 4"] > 0 and "loss buffers" not in piped.items
+    assert piped.items["activations of 4 micro-batches"] > 0 and "loss buffers" not in piped.items
     # Rank 0 holds the embedding and 4 of the 16 layers: more than a quarter of the model.
     assert whole.items["parameters"] / 4 < piped.items["parameters"] < whole.items["parameters"]
     assert whole.notes == ()
@@ -499,3 +498,53 @@ def test_hybrid_stages_give_the_whole_models_loss_and_gradients():
     assert grads.keys() == dict(whole.named_parameters()).keys()
     for name, p in whole.named_parameters():
         assert torch.equal(grads[name], p.grad), name
+
+
+def test_split_backward_gradients_take_their_parameters_layout(tmp_path):
+    """torch's weight half of a zero-bubble step sets each weight's gradient as autograd.grad
+    returns it: a compiled MoE stage's experts' w1 and w3 (one fused GEMM) get strided views,
+    which torch's fused AdamW on CPU reads as if contiguous (one expert's update applied to
+    another: measured on 2.13). The runner's _grads_in_param_layout copies them into their
+    parameters' layout, values unchanged; the fused step then equals the one-backward step."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from graphtrain.compile import apply_compile, split_backward_flags
+    from graphtrain.parallel.pipeline.runner import _grads_in_param_layout
+
+    torch._dynamo.reset()
+    cfg = load_config(["--preset", "moe-debug", "--model.num_layers=2"]).model
+    specs = parse_layout("", num_layers=2, mtp_depth=0, pp=2, schedule="1f1b")
+    with torch.device("meta"):
+        model = build_model(cfg)
+    (stage,) = cut_model(model, specs, 1, 2, "1f1b", lambda: build_model(cfg))  # MoE layer 1
+    apply_compile(model, inner="aot_eager", dump_dir=tmp_path, regions={"block", "head_loss"})
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    B, T = 2, 16
+    torch.manual_seed(0)
+    stage.micro_batches = [{"labels": torch.randint(0, cfg.vocab_size, (B, T)),
+                            "position_ids": torch.arange(T).expand(B, T), "attn_mask": None}]  # fmt: skip
+    h0 = torch.randn(B, T, cfg.dim)
+    weights = [p for p in stage.parameters() if p.requires_grad]
+
+    def step(split: bool) -> list[torch.Tensor]:
+        model.init_weights(seed=0)
+        stage.zero_grad(set_to_none=True)
+        h = h0.clone().requires_grad_()
+        loss = stage(h, micro_batch=torch.tensor([0])).sum()
+        if split:
+            _, groups = stage_backward_input([loss], None, [h], iter(weights))
+            stage_backward_weight(iter(weights), groups)
+            assert any(not p.grad.is_contiguous() for p in weights)  # the experts' w1, w3
+            grads = [p.grad.clone() for p in weights]
+            _grads_in_param_layout(weights)
+            assert all(p.grad.is_contiguous() for p in weights)
+            assert all(torch.equal(p.grad, g) for p, g in zip(weights, grads, strict=True))
+        else:
+            loss.backward()
+        torch.optim.AdamW(weights, lr=1e-3, fused=True).step()
+        return [p.detach().clone() for p in weights]
+
+    with split_backward_flags():
+        for got, want in zip(step(split=True), step(split=False), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-7)

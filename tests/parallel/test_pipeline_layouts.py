@@ -27,10 +27,14 @@ from graphtrain.trainer import train
 EXPORT_RTOL, EXPORT_ATOL = 1e-5, 1e-6
 ONE_ROW_MOE = ["--preset=moe-debug", "--training.micro_batch_size=1", "--schedule.batch_size=256"]
 EP = [*ONE_ROW_MOE, "--parallel.dp_shard=2", "--parallel.ep=2"]
-# moe-debug with tp=2 (expert TP 1: each tp rank routes its sequence slice, the routers'
-# counts summed over the stage's dp and tp ranks, never over the other stage's).
+# moe-debug with MTP depth 1 and tp=2 (expert TP 1: each tp rank routes its sequence slice,
+# the routers' counts summed over the stage's dp and tp ranks, never over the other stage's).
 TP_MOE = ["--preset=moe-debug", "--training.micro_batch_size=2", "--schedule.batch_size=256",
-          "--parallel.tp=2"]  # fmt: skip
+          "--parallel.tp=2", "--model.mtp_depth=1"]  # fmt: skip
+# Its pipeline: the MTP depth in a stage of its own, zbv where torch runs it on gloo (its
+# weight half sets gradients itself, the experts' as views: _grads_in_param_layout).
+TP_MOE_STAGES = ["--parallel.pp_layout=Et|t|tL|m", "--parallel.pp_microbatches=2",
+                 f"--parallel.pp_schedule={'zbv' if gloo_runs('zbv') else 'interleaved_1f1b'}"]  # fmt: skip
 # debug with MTP depth 1: four rows per step, two per data-parallel rank under dp_shard=2.
 MTP = ["--model.mtp_depth=1", "--training.micro_batch_size=2", "--schedule.batch_size=256"]
 # MTP in a stage of its own (copies of the embedding, final norm and head on the other rank).
@@ -45,7 +49,7 @@ FOUR_RANKS = {
     "pp2_fsdp2": ["--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch_size=2"],
     "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
     "pp2_ep2": [*EP, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
-    "pp2_tp2_moe": [*TP_MOE, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
+    "pp2_tp2_moe": [*TP_MOE, "--parallel.pp=2", *TP_MOE_STAGES],
     "pp2_fsdp2_mtp": [*FSDP_MTP, *MTP_STAGE],
     # pp=4, one part per stage (1F1B wants a micro-batch per stage at least).
     "pp4": ["--parallel.pp=4", "--parallel.pp_layout=E|t|t|L", "--parallel.pp_microbatches=4"],
@@ -104,21 +108,29 @@ def test_pp4_follows_the_single_process_curve(four_rank_runs):
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "reference"), [("pp2_ep2", "ep2"), ("pp2_tp2_moe", "tp2_moe")])
 def test_pp_with_ep_or_tp_follows_the_same_moe_run_without_pp(four_rank_runs, name, reference):
-    """pp=2 x ep=2 and pp=2 x tp=2 on moe-debug (layer 1 in stage 0, layer 2 in stage 1; the
-    experts' all-to-all and the routers' count sums within each stage's ranks) against ep=2 or
-    tp=2 alone: the same data-parallel ranks, so the same loss weighting, and the same
-    micro-batches, so the same aux losses. Every MoE statistic of every step agrees: the load
-    per layer (which the expert bias steers: a bias updated from one stage's counts only, or
-    twice, routes otherwise within a step or two), the aux, sequence-aux, global-aux and z
-    losses (each scaled by its micro-batch's share, summed over the stages), the norms."""
+    """pp=2 x ep=2 and pp=2 x tp=2 on moe-debug (the experts' all-to-all and the routers'
+    count sums within each stage's ranks) against ep=2 or tp=2 alone: the same data-parallel
+    ranks, so the same loss weighting, and the same micro-batches, so the same aux losses.
+    ep: 1F1B, layer 1 in stage 0, layer 2 in stage 1. tp: MTP depth 1 (an MoE block) in a
+    stage of its own after the head's, zbv where torch runs it on gloo (the stages exchange
+    sequence slices, the head's stage sends its hidden state to the MTP stage; the weight half
+    of the split backward leaves the experts' gradients as strided views, put back into their
+    parameters' layout: before that, torch's fused AdamW on CPU applied one expert's update to
+    another, loss 1e-4 off at step 2). Every MoE statistic of every step agrees: the load per
+    layer, the MTP depth's block included (which the expert bias steers: a bias updated from
+    one stage's counts only, twice, or never, as the MTP block's was, routes otherwise within
+    a step or two), the aux, sequence-aux, global-aux and z losses (each scaled by its
+    micro-batch's share, summed over the stages), the norms, the depth's loss and acceptance."""
     _, runs, _ = four_rank_runs
     got, want = runs[name], runs[reference]
     want_steps = [m for m in want if "loss" in m]
     got_steps = [m for m in got if "loss" in m]
     assert len(got_steps) == STEPS
-    keys = [k for k in want_steps[-1] if k.startswith("moe/") or k.endswith("_norm")]
+    keys = [k for k in want_steps[-1] if k.startswith(("moe/", "mtp/")) or k.endswith("_norm")]
     assert {"moe/layers.1/load_max_over_mean", "moe/layers.2/load_max_over_mean",
             "moe/global_aux_loss", "moe/aux_loss", "grad_norm"} <= set(keys)  # fmt: skip
+    if name == "pp2_tp2_moe":
+        assert {"moe/mtp_layers.0.block/load_max_over_mean", "mtp/loss_1"} <= set(keys)
     assert want_steps[-1]["moe/layers.2/bias_absmax"] > 0  # the bias did move
     for a, b in zip(want_steps, got_steps, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL), a["step"]

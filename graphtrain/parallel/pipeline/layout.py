@@ -295,12 +295,6 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
             f"model.tie_embeddings=true with parallel.pp={dims.pp}: the tied embedding and head "
             "live in different stages; untie them or set parallel.pp=1"
         )
-    if model_cfg.mtp_depth and dims.tp > 1:
-        raise ValueError(
-            f"model.mtp_depth={model_cfg.mtp_depth} with parallel.pp={dims.pp} and parallel.tp="
-            f"{dims.tp}: MTP stages under tensor parallel are not supported yet; set one of "
-            "them to its off value"
-        )
     _check_v_schedule_backend(parallel.pp_schedule, cfg.training.device)
     n, _ = pipeline_microbatches(cfg, dims)
     if parallel.pp_schedule in ("1f1b", "interleaved_1f1b") and n < dims.pp:

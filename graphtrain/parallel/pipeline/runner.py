@@ -4,7 +4,7 @@ through every stage, and the norms and clipping over all stages."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,21 @@ def clip_grad_norm_pp_(
     if max_norm > 0 and grads:
         scale(grads, clip_coefficient(total, max_norm))
     return total
+
+
+def _grads_in_param_layout(params: Iterable[torch.Tensor]) -> None:
+    """After a zero-bubble step: torch's pipelining sets the weight half's gradients as
+    autograd.grad returns them, without the layout autograd's accumulation gives (the
+    parameter's). A slice of a fused weight's gradient (an MoE layer's w1 and w3, one GEMM) is
+    then a strided view, which torch's fused AdamW on CPU reads as if contiguous (seen: one
+    expert's update applied to another) and graphtrain's AdamW refuses. Such a gradient is
+    copied into its (contiguous) parameter's layout."""
+    for p in params:
+        grad = p.grad
+        if grad is not None:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            if not local.is_contiguous():
+                p.grad = grad.contiguous()
 
 
 # The whole model's modules an MTP stage runs besides its own layers: (name, the part of the
@@ -213,6 +228,7 @@ class PipelineRunner:
         finally:
             for stage in self.stages:
                 stage.graphs = None
+        _grads_in_param_layout(self.model.parameters())
 
     @staticmethod
     def _loss(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

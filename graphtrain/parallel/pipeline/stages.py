@@ -105,7 +105,9 @@ class PipelineStageModule(nn.Module):
         self.micro_batches: list[dict[str, Any]] = []
         self.weights: list[float] = []  # each micro-batch's loss weight (its token share)
         self.balance: Any = None  # graphtrain.balance.RouterBalance of an MoE model
+        # The routers of its layers and MTP depths (models.moe's names for them).
         self.router_layers = {f"layers.{i}" for i in spec.layers}
+        self.router_layers |= {f"mtp_layers.{k}.block" for k in spec.mtp}
         self.tp_mesh: Any = None  # set under tensor parallel: activations are Shard(1) on it
         # The MTP depths' statistics of the step, weighted by each micro-batch's loss weight.
         self.stats: dict[str, torch.Tensor] = {}
@@ -154,7 +156,7 @@ class PipelineStageModule(nn.Module):
             if self.spec.hidden_to_mtp and training:
                 # A copy, not a view: the zero-bubble schedules detach a stage's outputs in
                 # place after its input backward, which a view refuses.
-                return h, loss[0].reshape(1).clone()
+                return self._send(h), loss[0].reshape(1).clone()
         if self.spec.mtp and training:
             stats: dict[str, torch.Tensor] = {}
             mtp = model.mtp_loss(
@@ -168,7 +170,16 @@ class PipelineStageModule(nn.Module):
         if loss:
             # (1,): the schedule concatenates stage outputs, which a 0-d loss cannot be.
             return loss[0].reshape(1)
-        return h.to_local() if isinstance(h, DTensor) else h
+        return self._send(h)
+
+    def _send(self, h: torch.Tensor) -> torch.Tensor:
+        """The hidden state this stage sends on: under sequence parallel its (B, T/tp, dim)
+        slice, plain (the schedule's point-to-point needs no DTensor support that way, on any
+        torch). to_local() gives a view, which a zero-bubble schedule (self.graphs set) cannot
+        detach in place after the input backward: there, a copy."""
+        if not isinstance(h, DTensor):
+            return h
+        return h.to_local().clone() if self.graphs is not None else h.to_local()
 
 
 def cut_model(

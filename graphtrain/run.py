@@ -230,7 +230,9 @@ def _build_step(
         weights.refresh_in(optimizer)  # its step writes the copies
     runner = None
     if dims.pp_enabled:  # its schedule runs the step; model(...) runs every stage (validation)
-        runner = build_runner(cfg, dims, mesh, model, device, precision.pipeline)
+        runner = build_runner(
+            cfg, dims, mesh, model, device, precision.pipeline, fp32_grads.after_backward
+        )
         model.forward = runner.forward
     attention = resolve_attention(cfg.training.attention, device)
     return TrainStep(

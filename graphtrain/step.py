@@ -209,9 +209,8 @@ class TrainStep:
             )
             for batch in batches
         )
-        with self.forward.autocast:
+        with self.forward.autocast:  # the runner's stages run fp32_grads after each backward
             loss = self.pipeline.forward_backward(batches, self.hooks)
-        self.fp32_grads.after_backward()
         return loss, flops // self.pipeline.pp, self.pipeline.statistics
 
     def _forward_backward(

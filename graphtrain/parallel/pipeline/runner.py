@@ -57,6 +57,26 @@ def clip_grad_norm_pp_(
     return total
 
 
+def _stage_class(after_backward: Callable[[], None]) -> type:
+    """torch's PipelineStage calling `after_backward` after each backward it runs: the
+    schedule runs every micro-batch's backward, and a split one's weight half sets .grad
+    itself (no hook on the parameters would see it)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().backward_one_chunk(*args, **kwargs)
+            after_backward()
+            return out
+
+        def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().backward_weight_one_chunk(*args, **kwargs)
+            after_backward()
+            return out
+
+    return Stage
+
+
 def _grads_in_param_layout(params: Iterable[torch.Tensor]) -> None:
     """After a zero-bubble step: torch's pipelining sets the weight half's gradients as
     autograd.grad returns them, without the layout autograd's accumulation gives (the
@@ -143,8 +163,11 @@ class PipelineRunner:
         seq_split: int = 1,
         shared: SharedCopies | None = None,
         head_stage: int | None = None,
+        after_backward: Callable[[], None] = lambda: None,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
+        """after_backward: run after each micro-batch's backward (both halves of a split one)
+        of each stage: the fp32 gradient sums (graphtrain.optim.FP32GradAccumulator)."""
+        PipelineStage = _stage_class(after_backward)
 
         self.model, self.stages, self.group = model, stages, pp_group
         self.num_stages, self.pp, self.schedule_name = num_stages, pp, schedule
@@ -392,8 +415,10 @@ def build_runner(
     model: nn.Module,
     device: torch.device,
     act_dtype: torch.dtype,
+    after_backward: Callable[[], None],
 ) -> PipelineRunner:
-    """The PipelineRunner of a model cut by cut_pipeline, materialised and initialised."""
+    """The PipelineRunner of a model cut by cut_pipeline, materialised and initialised;
+    after_backward: PipelineRunner's."""
     from graphtrain.attention import resolve_attention
     from graphtrain.step import model_inputs
 
@@ -417,4 +442,5 @@ def build_runner(
         act_dtype=act_dtype,
         device=device,
         make_inputs=lambda batch: model_inputs(batch, device, attention),
+        after_backward=after_backward,
     )

@@ -167,8 +167,6 @@ class PipelineRunner:
     ) -> None:
         """after_backward: run after each micro-batch's backward (both halves of a split one)
         of each stage: the fp32 gradient sums (graphtrain.optim.FP32GradAccumulator)."""
-        PipelineStage = _stage_class(after_backward)
-
         self.model, self.stages, self.group = model, stages, pp_group
         self.num_stages, self.pp, self.schedule_name = num_stages, pp, schedule
         self.num_microbatches, self.device = num_microbatches, device
@@ -181,38 +179,7 @@ class PipelineRunner:
         self.head_stage = num_stages - 1 if head_stage is None else head_stage
         self.copies = shared.copies if shared is not None else []
         self.statistics: dict[str, torch.Tensor] = {}  # the MTP depths' of the last step
-
-        def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, device="meta")
-
-        # requires_grad: the stage metadata says which inputs get a gradient sent back.
-        hidden = meta(micro_batch_size, seq_len // seq_split, dim, dtype=act_dtype)
-        hidden.requires_grad_()
-        loss = meta(1, dtype=torch.float32).requires_grad_()
-        pipeline_stages = []
-        for stage in stages:
-            s = stage.spec
-            # Shapes given, not inferred: inference would run the compiled regions on meta
-            # tensors (a recompile) and its protocol differs between torch versions.
-            if s.embedding:
-                inputs: tuple = (meta(micro_batch_size, seq_len, dtype=torch.int64),)
-            else:  # an MTP stage of its own also gets the head's loss
-                inputs = (hidden, loss) if s.mtp and not s.head else (hidden,)
-            if s.hidden_to_mtp:
-                outputs: tuple = (hidden, loss)
-            else:
-                outputs = (loss,) if s.head or s.mtp else (hidden,)
-            pipeline_stages.append(
-                PipelineStage(
-                    stage,
-                    s.index,
-                    num_stages,
-                    device,
-                    input_args=inputs,
-                    output_args=outputs,
-                    group=pp_group,
-                )
-            )
+        pipeline_stages = self._torch_stages(seq_len, _stage_class(after_backward))
         cls = schedule_class(schedule)
         # scale_grads=False: each micro-batch's loss already carries its token weight.
         kwargs = {"loss_fn": self._loss, "scale_grads": False}
@@ -225,6 +192,43 @@ class PipelineRunner:
         # Logged beside tokens/s and MFU, which are over the whole pipeline: its idle time is
         # in their wall-clock time, this says how much of it the schedule predicts.
         self.bubble = bubble_fraction(schedule, pp, num_microbatches, num_stages // pp)
+
+    def _torch_stages(self, seq_len: int, stage_class: type) -> list[Any]:
+        """torch's PipelineStage (stage_class) of each of this rank's stages, with the shapes
+        of what it receives and sends. Shapes given, not inferred: inference would run the
+        compiled regions on meta tensors (a recompile) and its protocol differs between torch
+        versions."""
+
+        def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        # requires_grad: the stage metadata says which inputs get a gradient sent back.
+        hidden = meta(self.rows, seq_len // self.seq_split, self.dim, dtype=self.act_dtype)
+        hidden.requires_grad_()
+        loss = meta(1, dtype=torch.float32).requires_grad_()
+        out = []
+        for stage in self.stages:
+            s = stage.spec
+            if s.embedding:
+                inputs: tuple = (meta(self.rows, seq_len, dtype=torch.int64),)
+            else:  # an MTP stage of its own also gets the head's loss
+                inputs = (hidden, loss) if s.mtp and not s.head else (hidden,)
+            if s.hidden_to_mtp:
+                outputs: tuple = (hidden, loss)
+            else:
+                outputs = (loss,) if s.head or s.mtp else (hidden,)
+            out.append(
+                stage_class(
+                    stage,
+                    s.index,
+                    self.num_stages,
+                    self.device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=self.group,
+                )
+            )
+        return out
 
     @contextlib.contextmanager
     def _split_backward(self) -> Any:

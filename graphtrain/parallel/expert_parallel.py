@@ -111,15 +111,15 @@ class ExpertParallel(ParallelStyle):
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
     """ExpertParallel on every GroupedExperts of `model` (in place, on the meta device): the
-    mesh's axes are ("ep",), or ("ep", "tp") to split the experts' hidden dim over tp too."""
+    mesh's axes are ("ep",), or ("ep", "tp") to split the experts' hidden dim over tp too. A
+    model without any (a pipeline rank whose stages hold dense layers only) is left as it is:
+    the config refuses ep > 1 for a dense model."""
     axes = tuple(mesh.mesh_dim_names or ())
     if axes not in _AXES:
         raise ValueError(f"apply_ep wants a mesh with axes ('ep',) or ('ep', 'tp'), got {axes}")
-    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    if not experts:
-        raise ValueError("parallel.ep > 1 needs an MoE model (one with routed experts)")
-    for module in experts:
-        ExpertParallel()._apply(module, mesh)
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            ExpertParallel()._apply(module, mesh)
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:

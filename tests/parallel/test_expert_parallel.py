@@ -216,12 +216,18 @@ def test_ep_must_divide_dp_shard():
         ParallelDims(dp_shard=4, ep=3, world_size=4)
 
 
-def test_ep_needs_an_moe_model():
+def test_ep_leaves_a_model_without_experts_alone():
+    """A pipeline rank whose stages hold dense layers only (moe-debug's layer 0 on pp=2) has
+    no experts to split: it trains as it is (it was refused, and that rank's start failed).
+    The config refuses ep > 1 for a dense preset (tests/test_config.py)."""
+
     class Mesh:
         mesh_dim_names = ("ep",)
 
-    with pytest.raises(ValueError, match="needs an MoE model"):
-        apply_ep(build_model(MODEL_PRESETS["debug"]), Mesh())
+    model = build_model(MODEL_PRESETS["debug"])
+    before = {n: p for n, p in model.named_parameters()}
+    apply_ep(model, Mesh())
+    assert dict(model.named_parameters()) == before
 
 
 def test_only_expert_parallel_weights_bypass_fsdp(one_rank_group):

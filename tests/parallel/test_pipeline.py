@@ -132,6 +132,13 @@ def test_start_checks():
         _check("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b")
     _check("--parallel.pp=2", "--model.mtp_depth=1", "--parallel.pp_layout=Et|tLm")
     _check("--parallel.pp=2", "--parallel.tp=2", "--model.mtp_depth=1", world_size=4)
+    v = ("--parallel.pp=2", "--parallel.pp_layout=E|t|t|L", "--training.device=cuda")
+    _check(*v, "--parallel.pp_schedule=dualpipev", "--parallel.dp_shard=2", world_size=4)
+    with pytest.raises(ValueError, match=r"'zbv' with data parallelism \(parallel.dp_shard=1, "):
+        _check(*v, "--parallel.pp_schedule=zbv", "--parallel.dp_replicate=2", world_size=4)
+    with pytest.raises(ValueError, match=r"mtp_depth=1 with parallel.pp_schedule='dualpipev' "):
+        _check(*v, "--parallel.pp_layout=E|t|tL|m", "--model.mtp_depth=1",
+               "--parallel.pp_schedule=dualpipev", "--parallel.dp_shard=2", world_size=4)  # fmt: skip
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
     # A recomputed forward would read global-aux step counts later micro-batches have added to.

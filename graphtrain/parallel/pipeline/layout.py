@@ -279,6 +279,25 @@ def _check_v_schedule_backend(schedule: str, device: str) -> None:
         )
 
 
+def _check_v_schedule_data_parallel(schedule: str, mtp_depth: int, dims: Any) -> None:
+    """The V schedules with data parallelism (FSDP2 on every stage), where they do not train
+    right: zbv's gradients of one stage per rank came out at half their value (4 CPU ranks,
+    torch 2.13; dualpipev's were right), and with MTP the V puts the MTP stage beside the
+    embedding's, two FSDP2 roots over one embedding, which fully_shard refuses."""
+    dp = f"parallel.dp_shard={dims.dp_shard}, dp_replicate={dims.dp_replicate}"
+    if schedule == "zbv" and dims.dp_size > 1:
+        raise ValueError(
+            f"parallel.pp_schedule='zbv' with data parallelism ({dp}) gives wrong gradients "
+            "(one stage's per rank at half their value); use dualpipev or interleaved_1f1b"
+        )
+    if schedule in V_SCHEDULES and mtp_depth and dims.dp_size > 1:
+        raise ValueError(
+            f"model.mtp_depth={mtp_depth} with parallel.pp_schedule={schedule!r} and data "
+            f"parallelism ({dp}): the MTP stage shares the embedding's rank, which FSDP2 cannot "
+            "shard for two stages; use interleaved_1f1b (its MTP stage holds a copy)"
+        )
+
+
 def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
     """The start check of a pipelined job (a ValueError naming the bad value otherwise)."""
     parallel, model_cfg = cfg.parallel, cfg.model
@@ -296,6 +315,7 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
             "live in different stages; untie them or set parallel.pp=1"
         )
     _check_v_schedule_backend(parallel.pp_schedule, cfg.training.device)
+    _check_v_schedule_data_parallel(parallel.pp_schedule, model_cfg.mtp_depth, dims)
     n, _ = pipeline_microbatches(cfg, dims)
     if parallel.pp_schedule in ("1f1b", "interleaved_1f1b") and n < dims.pp:
         raise ValueError(

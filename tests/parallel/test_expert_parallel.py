@@ -219,7 +219,7 @@ def test_ep_must_divide_dp_shard():
 def test_ep_leaves_a_model_without_experts_alone():
     """A pipeline rank whose stages hold dense layers only (moe-debug's layer 0 on pp=2) has
     no experts to split: it trains as it is (it was refused, and that rank's start failed).
-    The config refuses ep > 1 for a dense preset (tests/test_config.py)."""
+    The config refuses ep > 1 for a dense preset (tests/test_user_errors.py)."""
 
     class Mesh:
         mesh_dim_names = ("ep",)

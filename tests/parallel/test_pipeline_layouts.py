@@ -116,7 +116,7 @@ def test_pp_with_ep_or_tp_follows_the_same_moe_run_without_pp(four_rank_runs, na
     sequence slices, the head's stage sends its hidden state to the MTP stage; the weight half
     of the split backward leaves the experts' gradients as strided views, put back into their
     parameters' layout: before that, torch's fused AdamW on CPU applied one expert's update to
-    another, loss 1e-4 off at step 2). Every MoE statistic of every step agrees: the load per
+    another, the loss 2e-4 off). Every MoE statistic of every step agrees: the load per
     layer, the MTP depth's block included (which the expert bias steers: a bias updated from
     one stage's counts only, twice, or never, as the MTP block's was, routes otherwise within
     a step or two), the aux, sequence-aux, global-aux and z losses (each scaled by its

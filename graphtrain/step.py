@@ -169,6 +169,8 @@ class TrainStep:
             else:
                 loss, flops, model_stats = self._pipeline_forward_backward(batches)
         self.fp32_grads.finalize()
+        if self.pipeline is not None:
+            self.pipeline.reduce_copies()
         self.finish_gradients()
         params = list(self.forward.model.parameters())
         # graphtrain's AdamW multiplies the gradients by the clip coefficient as it reads them.

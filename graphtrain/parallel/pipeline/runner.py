@@ -302,13 +302,18 @@ class PipelineRunner:
         for stage in self.stages:
             stage.micro_batches, stage.balance = [], None
         self.statistics = {k: v for stage in self.stages for k, v in stage.stats.items()}
-        if self.shared is not None:
-            self.shared.reduce()
         loss = torch.zeros((), device=self.device)
         if self.last:
             loss = torch.stack([x.detach().float().reshape(()) for x in losses]).sum()
         dist.all_reduce(loss, group=self.group)  # from the last stage to every pp rank
         return loss
+
+    def reduce_copies(self) -> None:
+        """The MTP stage's copies' gradients summed with their owners' (SharedCopies), once the
+        step's gradients are whole: after the fp32 sums are back as .grad (the stages moved
+        them there after each backward)."""
+        if self.shared is not None:
+            self.shared.reduce()
 
     def clip_grad_norm_(
         self, parameters: Sequence[torch.Tensor], max_norm: float, *, scale: GradScale

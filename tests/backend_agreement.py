@@ -8,18 +8,18 @@ layouts on 2 cores); tests/test_backend_agreement.py runs one.
 
     python tests/backend_agreement.py [--steps N] [--out report.json] [LAYOUT ...]
 
-Each run: the tests' toy corpus, 6 steps at lr 3e-3 (one warm-up step), its own torchrun launch
-(fresh compile caches per process). Per layout, the largest relative difference over the steps
-of the loss and of the grad norm, against the layout's bound: FP32 where every operand is fp32
-(reassociated reductions: seen up to 2.4e-7), LOW with bf16 compute or FP8 (a rounding moved
-across a 16-bit or FP8 boundary: seen up to 7.7e-5). Inductor keeps eager's bf16 roundings
-between the ops it fuses (TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1, in the runs' environment
-only): without it moe-debug in bf16 on ep 2, whose activations FSDP2 makes bf16, differed by
-5e-4 (loss) and 1.2e-3 (grad norm), with it by 7.7e-5. Status: ok; DIFFERS (over the bound);
-FAILED (one backend failed: its error); refused (both failed the same way: the layout does not
-run here, e.g. zbv on gloo with torch 2.11). A lead is followed to the parameters by comparing
-AdamW's first moments after one step (the checkpoint, read with dcp_to_torch_save). The exit
-status is 1 when a layout differs or failed.
+Each run: the tests' toy corpus, 6 steps at lr 3e-3 (one warm-up step), its own launch
+(conftest.rank_jobs; fresh compile caches per process). Per layout, the largest relative
+difference over the steps of the loss and of the grad norm, against the layout's bound: FP32
+where every operand is fp32 (reassociated reductions: seen up to 2.4e-7), LOW with bf16 compute
+or FP8 (a rounding moved across a 16-bit or FP8 boundary: seen up to 7.7e-5). Inductor keeps
+eager's bf16 roundings between the ops it fuses (TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1, in the
+runs' environment only): without it moe-debug in bf16 on ep 2, whose activations FSDP2 makes
+bf16, differed by 5e-4 (loss) and 1.2e-3 (grad norm), with it by 7.7e-5. Status: ok; DIFFERS
+(over the bound); FAILED (one backend failed: its error); refused (both failed the same way: the
+layout does not run here, e.g. zbv on gloo with torch 2.11). A lead is followed to the
+parameters by comparing AdamW's first moments after one step (the checkpoint, read with
+dcp_to_torch_save). The exit status is 1 when a layout differs or failed.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `models`, not tests/models
 
-from conftest import job, make_corpus, torchrun_jobs
+from conftest import job, make_corpus, rank_jobs
 
 FP32, LOW = 1e-6, 2e-4
 _MB = "--training.micro_batch_size="
@@ -143,7 +143,7 @@ def run_layout(name: str, corpus: Path, root: Path, steps: int) -> dict:
         )
         try:
             with mock.patch.dict(os.environ, {"TORCHINDUCTOR_EMULATE_PRECISION_CASTS": "1"}):
-                (lines,) = torchrun_jobs(ranks, [argv])
+                (lines,) = rank_jobs(ranks, [argv])
         except (AssertionError, OSError, ValueError) as e:  # the launch's output, or its files
             errors[backend] = _last_error(str(e))
             continue

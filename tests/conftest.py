@@ -1,5 +1,5 @@
 """Shared fixtures: a small synthetic corpus with its tokenizer, the argv of a debug job on it
-(used by the trainer and checkpoint tests), a torchrun launcher for multi-rank jobs, a
+(used by the trainer and checkpoint tests), a launcher of multi-rank jobs, a
 one-rank gloo group, the TRITON_INTERPRET=1 subprocess the kernel tests run, and for the pass
 tests a Dynamo graph as a pass receives it, a pass's entry in a graph dump and a module's
 gradients, eager or compiled."""
@@ -86,10 +86,11 @@ def job(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
-def torchrun_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
-    """Run `graphtrain train ARGS` for each ARGS of `jobs`, one after the other, in the same nproc
-    CPU ranks (gloo; one torchrun launch for all: its process start and imports cost more than
-    a small job); the lines of each job's metrics.jsonl, in the order of `jobs`."""
+def rank_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
+    """Run `graphtrain train ARGS` on nproc CPU ranks (gloo) for each ARGS of `jobs`, one after
+    the other, every rank forked from one process that imported the trainer (train_jobs.py: the
+    imports cost more than a small job); the lines of each job's metrics.jsonl, in the order of
+    `jobs`."""
     script = Path(__file__).resolve().parent / "train_jobs.py"
     # The script's folder comes first on its sys.path, and its tests/models folder would be
     # taken for the `models` package where graphtrain is installed in editable mode: the
@@ -97,16 +98,15 @@ def torchrun_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
     root = str(script.parent.parent)
     pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     # pyarrow's bundled jemalloc starts a background thread at import, which the ranks' forks
-    # (train_jobs.py) would inherit the allocator state of: off.
+    # would inherit the allocator state of: off.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath,
            "JE_ARROW_MALLOC_CONF": "background_thread:false"}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={nproc}", str(script), json.dumps(jobs)]
+    command = [sys.executable, str(script), str(nproc), json.dumps(jobs)]
     run_dirs = [
         Path(next(a.split("=", 1)[1] for a in args if a.startswith("--training.run_dir=")))
         for args in jobs
     ]
-    # A session of its own: on a timeout the ranks go too, not only torchrun.
+    # A session of its own: on a timeout the ranks go too, not only their parent.
     with subprocess.Popen(
         command,
         env=env,
@@ -127,12 +127,6 @@ def torchrun_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
     for run_dir in run_dirs:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         metrics.append([json.loads(x) for x in lines])
-    return metrics
-
-
-def torchrun_metrics(nproc: int, args: list[str]) -> list[dict]:
-    """Run `graphtrain train ARGS` on nproc CPU ranks (gloo); the lines of its metrics.jsonl."""
-    (metrics,) = torchrun_jobs(nproc, [args])
     return metrics
 
 

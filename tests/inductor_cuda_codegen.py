@@ -26,6 +26,9 @@ memory is made of).
 
     python tests/inductor_cuda_codegen.py --out report.json [--backward]
         [--attention causal|varlen|flex] PRESET [--section.key=value ...]
+    python tests/inductor_cuda_codegen.py --jobs JOBS.json
+--jobs: a JSON list of such argument lists (forward only), one report each, in one process (its
+imports and Inductor's start cost ~7 s; a --backward job traces on CPU before the stubs: alone).
 --attention: causal rows (the default), or packed documents through varlen attention or flex
 attention with the trainer's block mask (fake ids: only sizes matter here).
 Report: status ("ok" or the error), notes (per graph dump: the passes that changed it, their op
@@ -429,7 +432,7 @@ def _generate_backward(graphs: list[tuple]) -> None:
             compiled(list(inputs))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument(
@@ -440,15 +443,37 @@ def main(argv: list[str] | None = None) -> int:
         help="causal rows, or packed documents through varlen or flex attention",
     )  # fmt: skip
     parser.add_argument("preset")
-    args, overrides = parser.parse_known_args(argv)
-    if args.backward:  # a cached CPU artifact would run on the fake CPU tensors: a segfault
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    jobs = json.loads(Path(argv[1]).read_text()) if argv[:1] == ["--jobs"] else [argv]
+    parsed = [_parse(job) for job in jobs]
+    backward = any(args.backward for args, _ in parsed)
+    if backward and len(parsed) > 1:
+        sys.exit("a --backward job runs alone (it traces on CPU before the stubs are installed)")
+    if backward:  # a cached CPU artifact would run on the fake CPU tensors: a segfault
         os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
     sys.path.insert(0, str(HERE.parent))
-    if not args.backward:  # the stubs before anything asks torch.cuda about the machine
+    if not backward:  # the stubs before anything asks torch.cuda about the machine
         install()
     import graphtrain  # noqa: F401  (registers the backend and the ops)
+
+    for args, overrides in parsed:
+        _job(args, overrides)
+    return 0
+
+
+def _job(args: argparse.Namespace, overrides: list[str]) -> None:
+    """One preset's regions generated, its report written to args.out."""
+    import torch
+
     from graphtrain.config import load_config
 
+    torch._dynamo.reset()
+    KERNELS.clear()
+    SCALED_MM.clear()
     cfg = load_config(["--preset", args.preset, *overrides])
     dump = Path(tempfile.mkdtemp(prefix="cuda-codegen-"))
     start = time.time()
@@ -477,8 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1, default=str)
     print(f"{args.preset} {overrides}: {status}; {len(KERNELS)} Triton kernels, "
-          f"{len(SCALED_MM)} _scaled_mm calls, {report['seconds']} s")  # fmt: skip
-    return 0
+          f"{len(SCALED_MM)} _scaled_mm calls, {report['seconds']} s", flush=True)  # fmt: skip
 
 
 def _generate_forward(cfg: Any, dump: Path, attention: str) -> None:

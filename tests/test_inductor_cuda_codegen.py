@@ -56,23 +56,21 @@ pytestmark = [
 ]
 
 
-def _generate(tmp_path: Path, preset: str, *overrides: str) -> dict:
+def _generate(tmp_path: Path, jobs: dict[str, tuple[str, ...]]) -> dict[str, dict]:
+    """name -> report of each job (a preset and its overrides), all generated in one child
+    process (the helper's --jobs: its imports and Inductor's start are paid once)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "report.json"
+    # lce_mode fast: on CUDA auto leaves these small heads to Inductor; the fused op's regions
+    # are the ones to generate.
+    argvs = {
+        name: ["--out", str(tmp_path / f"{name}.json"), *job, "--compile.lce_mode=fast"]
+        for name, job in jobs.items()
+    }
+    (tmp_path / "jobs.json").write_text(json.dumps(list(argvs.values())))
     env = {**os.environ, "PYTHONPATH": str(HELPER.parents[1])}
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run(
-        # lce_mode fast: on CUDA auto leaves these small heads to Inductor; the fused op's
-        # regions are the ones to generate.
-        [
-            sys.executable,
-            str(HELPER),
-            "--out",
-            str(out),
-            preset,
-            "--compile.lce_mode=fast",
-            *overrides,
-        ],
+        [sys.executable, str(HELPER), "--jobs", str(tmp_path / "jobs.json")],
         capture_output=True,
         text=True,
         env=env,
@@ -80,9 +78,10 @@ def _generate(tmp_path: Path, preset: str, *overrides: str) -> dict:
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["status"] == "ok", run.stderr[-4000:]
-    return report
+    reports = {name: json.loads(Path(argv[1]).read_text()) for name, argv in argvs.items()}
+    for report in reports.values():
+        assert report["status"] == "ok", (report["status"], run.stderr[-4000:])
+    return reports
 
 
 def _fired(report: dict) -> dict[str, dict[str, int]]:
@@ -109,13 +108,32 @@ def _assert_kernels_fit(report: dict, spills: bool = False) -> None:
         assert spills or k["spill_stores"] == 0, k
 
 
+# The 1b's attention (head_dim 128, two query heads per key/value head) at its 4096 tokens, one
+# small block: flex attention's kernels depend on these, not on the model's width or depth.
+FLEX_1B_ATTENTION = (
+    "--attention=flex", "--model.dim=256", "--model.num_heads=2", "--model.num_kv_heads=1",
+    "--model.ffn_dim=512", "--model.num_layers=1", "--model.max_seq_len=4096",
+    "--training.seq_len=4096", "--training.micro_batch_size=1",
+)  # fmt: skip
+# Every forward job of this file, generated in one child process (~7 s of imports each).
+FORWARD = {
+    "debug": ("debug",),
+    "moe_fp8": ("moe-debug", *FP8_CAST_ONCE),
+    "mtp_varlen": ("debug", "--model.mtp_depth=1", "--attention=varlen"),
+    "hybrid_chunked": ("hybrid-debug",),
+    "hybrid_op": ("hybrid-debug", "--compile.passes=+gated_delta_rule"),
+    "flex": ("debug", *FLEX_1B_ATTENTION),
+}
+
+
 @pytest.fixture(scope="module")
-def debug(tmp_path_factory):
-    return _generate(tmp_path_factory.mktemp("debug"), "debug")
+def forward(tmp_path_factory) -> dict[str, dict]:
+    return _generate(tmp_path_factory.mktemp("forward"), FORWARD)
 
 
 @pytest.mark.slow
-def test_debug_forward_regions(debug):
+def test_debug_forward_regions(forward):
+    debug = forward["debug"]
     fired = _fired(debug)
     assert fired["head_loss"] == {"graphtrain.linear_cross_entropy.default": 1}, fired
     _assert_kernels_fit(debug)
@@ -123,8 +141,8 @@ def test_debug_forward_regions(debug):
 
 
 @pytest.mark.slow
-def test_moe_debug_fp8_forward_regions(tmp_path):
-    report = _generate(tmp_path, "moe-debug", *FP8_CAST_ONCE)
+def test_moe_debug_fp8_forward_regions(forward):
+    report = forward["moe_fp8"]
     fired = _fired(report)
     block = fired.get("block", {})
     for op in ("moe_route", "moe_permute", "moe_unpermute", "fp8_linear", "fp8_grouped_mm"):
@@ -164,7 +182,8 @@ def test_moe_debug_fp8_backward_regions(tmp_path):
     fp8_cast_once splits (grad input and grad weight, 14 a step at least: two per linear of
     the blocks) call _scaled_mm in cuBLASLt's layouts. Each region reports what its forward
     keeps for the backward."""
-    report = _generate(tmp_path, "moe-debug", "--backward", *FP8_CAST_ONCE)
+    jobs = {"backward": ("moe-debug", "--backward", *FP8_CAST_ONCE)}
+    report = _generate(tmp_path, jobs)["backward"]
     _assert_kernels_fit(report)
     assert len(report["scaled_mm"]) >= 14, report["scaled_mm"]
     _assert_scaled_mm_layouts(report, fast_accum=False)
@@ -172,10 +191,10 @@ def test_moe_debug_fp8_backward_regions(tmp_path):
 
 
 @pytest.mark.slow
-def test_mtp_forward_regions_with_varlen_attention(tmp_path):
+def test_mtp_forward_regions_with_varlen_attention(forward):
     """debug with an MTP depth, packed documents through torch's varlen attention
     (training.attention=varlen): the op traced into the block and MTP regions."""
-    report = _generate(tmp_path, "debug", "--model.mtp_depth=1", "--attention=varlen")
+    report = forward["mtp_varlen"]
     regions = {entry["graph"].split("/")[0].rpartition("-")[0] for entry in report["notes"]}
     assert {"block", "mtp_1", "head_loss"} <= regions, regions
     for region in ("block-0", "mtp_1-0"):
@@ -184,32 +203,23 @@ def test_mtp_forward_regions_with_varlen_attention(tmp_path):
 
 
 @pytest.mark.slow
-def test_hybrid_forward_regions(tmp_path):
+def test_hybrid_forward_regions(forward):
     """hybrid-debug as the hybrid GPU stage compiles it: the Gated DeltaNet mixer's chunked
     form under Inductor (the default), then with the gated_delta_rule pass's custom op in
     the GDN block's region."""
-    chunked = _generate(tmp_path / "chunked", "hybrid-debug")
+    chunked = forward["hybrid_chunked"]
     _assert_kernels_fit(chunked)
     assert not any("chunk_gated_delta_rule" in op for ops in _fired(chunked).values() for op in ops)
-    report = _generate(tmp_path / "op", "hybrid-debug", "--compile.passes=+gated_delta_rule")
+    report = forward["hybrid_op"]
     fired = _fired(report)
     rules = [ops for ops in fired.values() if "graphtrain.chunk_gated_delta_rule.default" in ops]
     assert rules == [{"graphtrain.chunk_gated_delta_rule.default": 1}], fired
     _assert_kernels_fit(report)
 
 
-# The 1b's attention (head_dim 128, two query heads per key/value head) at its 4096 tokens, one
-# small block: flex attention's kernels depend on these, not on the model's width or depth.
-FLEX_1B_ATTENTION = (
-    "--attention=flex", "--model.dim=256", "--model.num_heads=2", "--model.num_kv_heads=1",
-    "--model.ffn_dim=512", "--model.num_layers=1", "--model.max_seq_len=4096",
-    "--training.seq_len=4096", "--training.micro_batch_size=1",
-)  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_flex_attention_regions_at_the_1b_attention_shape(tmp_path, direction):
+def test_flex_attention_regions_at_the_1b_attention_shape(forward, tmp_path, direction):
     """Packed documents through flex attention (the CUDA default, training.attention=auto) with
     the trainer's block mask, at the 1b's attention shape: the block region captures the flex
     op, and every kernel (torch's flex template with its default config for sm_90, the block
@@ -218,8 +228,11 @@ def test_flex_attention_regions_at_the_1b_attention_shape(tmp_path, direction):
     thread at 255 registers, 8 warps, 3 stages, on torch 2.11, 2.13 and 2.14), and one of the
     mask builder's autotuned variants on 2.11: torch's choices, recorded, not failed (the
     other regions' tests hold graphtrain's kernels to no spills)."""
-    extra = ("--backward",) if direction == "backward" else ()
-    report = _generate(tmp_path, "debug", *FLEX_1B_ATTENTION, *extra)
+    if direction == "forward":
+        report = forward["flex"]
+    else:
+        jobs = {"flex": ("debug", *FLEX_1B_ATTENTION, "--backward")}
+        report = _generate(tmp_path, jobs)["flex"]
     assert report["captured"]["block-0"].get("torch.ops.higher_order.flex_attention") == 1
     op = "flex_attention_backward" if direction == "backward" else "flex_attention"
     templates = [k for k in report["kernels"] if k["name"].startswith("triton_tem_")]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import job, torchrun_jobs
+from conftest import job, rank_jobs
 
 from graphtrain.checkpoint import complete_checkpoints
 from graphtrain.checkpoint.manager import step_of
@@ -53,7 +53,7 @@ def _worker(parent: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow  # two torchrun launches, the second with two jobs
+@pytest.mark.slow  # a torchrun launch, then two jobs on forked ranks (conftest.rank_jobs)
 def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(corpus, tmp_path):
     """A real SIGTERM to rank 1 only of a 2-rank gloo job (FSDP over dp_shard=2) while it
     trains: both ranks stop after the same step, save it, exit 75; resuming from it gives the
@@ -86,7 +86,7 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_resumes_exactly(corpus, tmp
     before = [e["loss"] for e in map(json.loads, metrics.read_text().splitlines()) if "loss" in e]
     assert len(before) == stopped
 
-    after, straight = torchrun_jobs(
+    after, straight = rank_jobs(
         2, [[*args, "--checkpoint.resume=latest"], job(corpus, tmp_path / "s", *steps)]
     )
     resumed = [e["loss"] for e in after if "loss" in e][-(12 - stopped) :]

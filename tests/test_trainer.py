@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job, torchrun_jobs
+from conftest import job, rank_jobs
 
 from graphtrain.config import load_config
 from graphtrain.trainer import train
@@ -461,7 +461,7 @@ if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size") 
 @pytest.fixture(scope="module")
 def two_process_runs(corpus, tmp_path_factory):
     """The single-process run, and the metrics of each layout of TWO_PROCESS_LAYOUTS (the two
-    in one torchrun launch): 8 steps, validation before training."""
+    in one launch: conftest.rank_jobs): 8 steps, validation before training."""
     tmp = tmp_path_factory.mktemp("two_processes")
     common = [
         "--training.steps=8",
@@ -472,7 +472,7 @@ def two_process_runs(corpus, tmp_path_factory):
     ]
     single = train(load_config(job(corpus, tmp / "one", *common, "--training.micro_batch_size=4")))
     jobs = [job(corpus, tmp / name, *common, *args) for name, args in TWO_PROCESS_LAYOUTS.items()]
-    return single, dict(zip(TWO_PROCESS_LAYOUTS, torchrun_jobs(2, jobs), strict=True))
+    return single, dict(zip(TWO_PROCESS_LAYOUTS, rank_jobs(2, jobs), strict=True))
 
 
 @pytest.mark.parametrize("layout", list(TWO_PROCESS_LAYOUTS))

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import job, torchrun_jobs
+from conftest import job, rank_jobs
 
 from graphtrain.checkpoint import complete_checkpoints
 from graphtrain.config import load_config
@@ -73,14 +73,14 @@ _MOE = (
 @pytest.fixture(scope="module")
 def saved_on_two_ranks(corpus, tmp_path_factory) -> dict[str, tuple[list[str], list[float]]]:
     """(one-process arguments of the run dir, losses logged by the 2 ranks) of the FSDP and the
-    MoE tp=2 runs, both trained in one torchrun launch, each with a checkpoint at step 4 of 6."""
+    MoE tp=2 runs, both trained in one launch (conftest.rank_jobs), each with a checkpoint at step 4 of 6."""
     tmp = tmp_path_factory.mktemp("two_ranks")
     one = {
         "fsdp": job(corpus, tmp / "fsdp", _STEPS, _SAVE, *_FSDP),
         "moe_tp": job(corpus, tmp / "moe", *_MOE, _STEPS, _SAVE),
     }
     two = {"fsdp": [*one["fsdp"], *_FSDP_TWO], "moe_tp": [*one["moe_tp"], "--parallel.tp=2"]}
-    runs = torchrun_jobs(2, list(two.values()))
+    runs = rank_jobs(2, list(two.values()))
     return {
         name: (one[name], [x["loss"] for x in lines if "loss" in x])
         for name, lines in zip(two, runs, strict=True)

@@ -17,11 +17,10 @@ tested in test_fp8_cast.py; tp=2 runs on gloo.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
+from parallel_dist import run_ranks
 
 import graphtrain.custom_ops  # noqa: F401  (registers the ops)
 from graphtrain.custom_ops import fp8_cast as fc
@@ -279,47 +278,32 @@ def test_precast_entry_is_the_same_forward(pow2):
 # ------------------------------------------------------------------------------------------
 
 
-def _tp_worker(rank: int, world: int, init_file: str) -> None:
+def _tp_worker(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        group = dist.group.WORLD.group_name
-        x, w, _, grad = _inputs((6,), 64, 32, seed=0)
-        w[16:] *= 10  # the shards' own amaxes differ: only the reduced one gives equal scales
-        full_out, (full_gx, full_gw) = _run(x, w, None, grad)
-        # column parallel: W split on its rows (N); x whole; grad_out split like out
-        rows = slice(rank * 16, (rank + 1) * 16)
-        for tp_group, must_match in ((group, True), (None, False)):
-            out, (gx, gw) = _run(x, w[rows], None, grad[:, rows], tp_group=tp_group)
-            dist.all_reduce(gx)  # the caller's (DTensor's) reduction of partial input gradients
-            errors = [rel(out, full_out[:, rows]), rel(gw, full_gw[rows]), rel(gx, full_gx)]
-            assert (max(errors) < 1e-6) == must_match, (rank, tp_group, errors)
-        # row parallel: x and W split on K; the partial outputs sum to the full output
-        cols = slice(rank * 32, (rank + 1) * 32)
-        out, (gx, gw) = _run(x[:, cols], w[:, cols], None, grad, tp_group=group)
-        dist.all_reduce(out)
-        assert rel(out, full_out) < 1e-6
-        assert rel(gx, full_gx[:, cols]) < 1e-6 and rel(gw, full_gw[:, cols]) < 1e-6
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    group = dist.group.WORLD.group_name
+    x, w, _, grad = _inputs((6,), 64, 32, seed=0)
+    w[16:] *= 10  # the shards' own amaxes differ: only the reduced one gives equal scales
+    full_out, (full_gx, full_gw) = _run(x, w, None, grad)
+    # column parallel: W split on its rows (N); x whole; grad_out split like out
+    rows = slice(rank * 16, (rank + 1) * 16)
+    for tp_group, must_match in ((group, True), (None, False)):
+        out, (gx, gw) = _run(x, w[rows], None, grad[:, rows], tp_group=tp_group)
+        dist.all_reduce(gx)  # the caller's (DTensor's) reduction of partial input gradients
+        errors = [rel(out, full_out[:, rows]), rel(gw, full_gw[rows]), rel(gx, full_gx)]
+        assert (max(errors) < 1e-6) == must_match, (rank, tp_group, errors)
+    # row parallel: x and W split on K; the partial outputs sum to the full output
+    cols = slice(rank * 32, (rank + 1) * 32)
+    out, (gx, gw) = _run(x[:, cols], w[:, cols], None, grad, tp_group=group)
+    dist.all_reduce(out)
+    assert rel(out, full_out) < 1e-6
+    assert rel(gx, full_gx[:, cols]) < 1e-6 and rel(gw, full_gw[:, cols]) < 1e-6
 
 
-def test_tp2_amax_reduction_gloo(tmp_path):
+def test_tp2_amax_reduction_gloo():
     """Shards with their amax max-reduced over tp equal the single-rank op; without the
     reduction (tp_group None) they do not."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(
-        _tp_worker, args=(2, str(tmp_path / "rdzv")), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.time() + 240
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("tp=2 gloo test timed out")
+    run_ranks(_tp_worker, 2)
 
 
 @pytest.mark.gpu

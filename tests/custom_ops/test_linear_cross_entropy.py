@@ -9,7 +9,6 @@ GPU tests (marker gpu) check bf16 by signal-to-noise ratio and CUDA-graph captur
 
 from __future__ import annotations
 
-import datetime
 import sys
 import time
 import zlib
@@ -639,117 +638,89 @@ def test_triton_kernels_under_interpreter():
 TP_CASES = [("mean", 0.1, 1e-3), ("sum", 0.0, 0.0), ("none", 0.2, 1e-2)]
 
 
-def _tp_worker(rank: int, world: int, rendezvous: str) -> None:
+def _tp_worker(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+    group_name = dist.group.WORLD.group_name
+    hidden, weight, target = make_inputs(250, N=11, H=6, V=2 * 9)
+    shard = weight[rank * 9 : (rank + 1) * 9].clone().requires_grad_(True)
+    torch.library.opcheck(  # every rank runs the same sequence, so the collectives pair up
+        torch.ops.graphtrain.linear_cross_entropy_vocab_parallel.default,
+        (hidden.requires_grad_(True), shard, target, group_name),
+        dict(label_smoothing=0.1, z_loss=1e-3),
     )
-    try:
-        group_name = dist.group.WORLD.group_name
-        hidden, weight, target = make_inputs(250, N=11, H=6, V=2 * 9)
-        shard = weight[rank * 9 : (rank + 1) * 9].clone().requires_grad_(True)
-        torch.library.opcheck(  # every rank runs the same sequence, so the collectives pair up
-            torch.ops.graphtrain.linear_cross_entropy_vocab_parallel.default,
-            (hidden.requires_grad_(True), shard, target, group_name),
-            dict(label_smoothing=0.1, z_loss=1e-3),
+    modes = [("low_memory", 0), ("fast", 8)]  # fast: token chunks of 8 rows
+    for i, (red, ls, zl, (mode, rows)) in enumerate([(*c, m) for m in modes for c in TP_CASES]):
+        hidden, weight, target = make_inputs(200 + i, N=23, H=14, V=2 * 43)  # same on all ranks
+        V_loc = weight.shape[0] // world
+        shard = weight[rank * V_loc : (rank + 1) * V_loc]
+        opts = dict(label_smoothing=ls, z_loss=zl, reduction=red, mode=mode, token_chunk=rows)
+        out, gh, gw = grads(
+            lambda h, w, o=opts, t=target: torch.ops.graphtrain.linear_cross_entropy_vocab_parallel(
+                h, w, t, group_name, **o
+            ),
+            hidden,
+            shard,
+            grad_out_seed=i,
         )
-        modes = [("low_memory", 0), ("fast", 8)]  # fast: token chunks of 8 rows
-        for i, (red, ls, zl, (mode, rows)) in enumerate([(*c, m) for m in modes for c in TP_CASES]):
-            hidden, weight, target = make_inputs(200 + i, N=23, H=14, V=2 * 43)  # same on all ranks
-            V_loc = weight.shape[0] // world
-            shard = weight[rank * V_loc : (rank + 1) * V_loc]
-            opts = dict(label_smoothing=ls, z_loss=zl, reduction=red, mode=mode, token_chunk=rows)
-            out, gh, gw = grads(
-                lambda h, w, o=opts, t=target: (
-                    torch.ops.graphtrain.linear_cross_entropy_vocab_parallel(
-                        h, w, t, group_name, **o
-                    )
-                ),
+        ref, rgh, rgw = grads(
+            lambda h, w, o=opts, t=target: torch.ops.graphtrain.linear_cross_entropy(h, w, t, **o),
+            hidden,
+            weight,
+            grad_out_seed=i,
+        )
+        assert_close(out, ref, 2e-6, f"rank {rank} {mode} {red} loss")
+        assert_close(gh, rgh, 2e-6, f"rank {rank} {mode} {red} grad_hidden")
+        assert_close(
+            gw,
+            rgw[rank * V_loc : (rank + 1) * V_loc],
+            2e-6,
+            f"rank {rank} {mode} {red} grad_weight",
+        )
+        # The Triton path's collectives; fast mode's on "none" only (its forward statistics
+        # and its backward's grad_hidden all-reduce), to keep the test short.
+        if lce._interpreting() and (mode == "low_memory" or red == "none"):
+            t_out, t_gh, t_gw = _triton_case(
                 hidden,
                 shard,
-                grad_out_seed=i,
+                target,
+                reduction=red,
+                label_smoothing=ls,
+                z_loss=zl,
+                grad_seed=i,
+                chunk=32,
+                group_name=group_name,
+                mode=mode,
+                token_chunk=rows,
             )
-            ref, rgh, rgw = grads(
-                lambda h, w, o=opts, t=target: torch.ops.graphtrain.linear_cross_entropy(
-                    h, w, t, **o
-                ),
-                hidden,
-                weight,
-                grad_out_seed=i,
-            )
-            assert_close(out, ref, 2e-6, f"rank {rank} {mode} {red} loss")
-            assert_close(gh, rgh, 2e-6, f"rank {rank} {mode} {red} grad_hidden")
+            assert_close(t_out, ref, 5e-6, f"rank {rank} {mode} {red} triton loss")
+            assert_close(t_gh, rgh, 5e-6, f"rank {rank} {mode} {red} triton grad_hidden")
             assert_close(
-                gw,
+                t_gw,
                 rgw[rank * V_loc : (rank + 1) * V_loc],
-                2e-6,
-                f"rank {rank} {mode} {red} grad_weight",
+                5e-6,
+                f"rank {rank} {mode} {red} triton gw",
             )
-            # The Triton path's collectives; fast mode's on "none" only (its forward statistics
-            # and its backward's grad_hidden all-reduce), to keep the test short.
-            if lce._interpreting() and (mode == "low_memory" or red == "none"):
-                t_out, t_gh, t_gw = _triton_case(
-                    hidden,
-                    shard,
-                    target,
-                    reduction=red,
-                    label_smoothing=ls,
-                    z_loss=zl,
-                    grad_seed=i,
-                    chunk=32,
-                    group_name=group_name,
-                    mode=mode,
-                    token_chunk=rows,
-                )
-                assert_close(t_out, ref, 5e-6, f"rank {rank} {mode} {red} triton loss")
-                assert_close(t_gh, rgh, 5e-6, f"rank {rank} {mode} {red} triton grad_hidden")
-                assert_close(
-                    t_gw,
-                    rgw[rank * V_loc : (rank + 1) * V_loc],
-                    5e-6,
-                    f"rank {rank} {mode} {red} triton gw",
-                )
-        # The statistics over the group: the same counts as one rank, on every rank.
-        hidden, weight, target = make_inputs(260, N=23, H=14, V=2 * 43)
-        target[1::2] = F.linear(hidden, weight).argmax(-1)[1::2]
-        target[3] = 2 * 43  # invalid: just past the global vocab
-        _, want = torch.ops.graphtrain.linear_cross_entropy_with_stats(hidden, weight, target)
-        assert want[0] > 0 and want[1] == 1
-        for mode in ("low_memory", "fast"):
-            _, got = torch.ops.graphtrain.linear_cross_entropy_with_stats(
-                hidden, weight[rank * 43 : (rank + 1) * 43], target, group_name, mode=mode
-            )
-            assert torch.equal(got, want), (rank, mode, got, want)
-        dist.barrier()  # every rank done with its collectives before gloo tears down
-    finally:
-        dist.destroy_process_group()
+    # The statistics over the group: the same counts as one rank, on every rank.
+    hidden, weight, target = make_inputs(260, N=23, H=14, V=2 * 43)
+    target[1::2] = F.linear(hidden, weight).argmax(-1)[1::2]
+    target[3] = 2 * 43  # invalid: just past the global vocab
+    _, want = torch.ops.graphtrain.linear_cross_entropy_with_stats(hidden, weight, target)
+    assert want[0] > 0 and want[1] == 1
+    for mode in ("low_memory", "fast"):
+        _, got = torch.ops.graphtrain.linear_cross_entropy_with_stats(
+            hidden, weight[rank * 43 : (rank + 1) * 43], target, group_name, mode=mode
+        )
+        assert torch.equal(got, want), (rank, mode, got, want)
 
 
-def test_vocab_parallel_tp2_gloo(monkeypatch, tmp_path):
-    """tp=2 on gloo equals one rank; the children interpret the Triton kernels too."""
-    import torch.multiprocessing as mp
+def test_vocab_parallel_tp2_gloo(monkeypatch):
+    """tp=2 on gloo equals one rank; the ranks interpret the Triton kernels too."""
+    from parallel_dist import run_ranks  # not at the top: this file also runs as a script
 
-    # Children inherit the environment at spawn and import the kernels afresh: interpreted.
+    # The ranks take this environment before they import the kernels: interpreted.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ctx = mp.start_processes(
-        # A file rendezvous: no race for a free TCP port.
-        _tp_worker,
-        args=(2, str(tmp_path / "rendezvous")),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.time() + 240
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("tp=2 gloo test timed out")
+    run_ranks(_tp_worker, 2)
 
 
 def test_benchmark_cpu_smoke():

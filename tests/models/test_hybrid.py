@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import job, poisoned_model, torchrun_jobs
+from conftest import job, poisoned_model, rank_jobs
 
 from graphtrain.attention import document_causal_mask
 from graphtrain.config import load_config
@@ -250,7 +250,7 @@ def test_fsdp_follows_the_single_process_curve(corpus, tmp_path):
     common = ["--preset=hybrid-debug", "--training.steps=4", "--metrics.log_interval=1"]
     single = train(load_config(job(corpus, tmp_path / "one", *common)))
     two = ["--parallel.dp_shard=2", "--training.micro_batch_size=2"]
-    (metrics,) = torchrun_jobs(2, [job(corpus, tmp_path / "two", *common, *two)])
+    (metrics,) = rank_jobs(2, [job(corpus, tmp_path / "two", *common, *two)])
     multi = [m["loss"] for m in metrics if "loss" in m]
     assert len(multi) == 4
     for a, b in zip(single.losses, multi, strict=True):

@@ -7,8 +7,7 @@ the returned norm and the clipped full gradients equal torch's clip on the unsha
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from parallel_dist import run_ranks
 from torch.distributed.tensor import DTensor
 
 from graphtrain.optim import clip_grad_norm_
@@ -90,54 +89,44 @@ def check_case(specs, max_norm):
             torch.testing.assert_close(d.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-6)
 
 
-def worker(rank: int, world_size: int, init_file: str, case: str) -> None:
-    torch.set_num_threads(1)
-    # A file rendezvous instead of a TCP port: no race for free ports between parallel tests.
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard
+def worker(rank: int, world_size: int, case: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
 
-        if case == "1d":
-            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-            specs = [
-                ((8, 6), mesh, [Shard(0)]),
-                ((5, 3), mesh, [Shard(0)]),  # uneven: 3 + 2 rows
-                ((6, 4), mesh, [Shard(1)]),
-                ((7,), mesh, [Replicate()]),
-            ]
-        else:
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            specs = [
-                ((8, 6), mesh, [Shard(0), Shard(1)]),  # FSDP + column-wise TP
-                ((6, 8), mesh, [Shard(0), Shard(0)]),  # FSDP + row-wise TP
-                ((5,), mesh, [Shard(0), Replicate()]),  # FSDP'd norm weight, replicated on tp
-                ((3, 4), mesh["dp"], [Shard(0)]),  # only on the dp sub-mesh
-                ((7, 2), mesh["tp"], [Replicate()]),  # only on the tp sub-mesh
-                ((4,), mesh["tp"], [Shard(0)]),
-            ]
-        check_case(specs, max_norm=1.0)  # clips: the grad norms are ~5-10
-        check_case(specs, max_norm=0.0)  # norm only
-        if case == "1d":
-            # The parameter-norm metric: a (1, 3) weight sharded over 2 ranks leaves rank 1 an
-            # empty shard; it still joins the reduction and gets the same global norm.
-            from torch.distributed.tensor import distribute_tensor
+    if case == "1d":
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        specs = [
+            ((8, 6), mesh, [Shard(0)]),
+            ((5, 3), mesh, [Shard(0)]),  # uneven: 3 + 2 rows
+            ((6, 4), mesh, [Shard(1)]),
+            ((7,), mesh, [Replicate()]),
+        ]
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        specs = [
+            ((8, 6), mesh, [Shard(0), Shard(1)]),  # FSDP + column-wise TP
+            ((6, 8), mesh, [Shard(0), Shard(0)]),  # FSDP + row-wise TP
+            ((5,), mesh, [Shard(0), Replicate()]),  # FSDP'd norm weight, replicated on tp
+            ((3, 4), mesh["dp"], [Shard(0)]),  # only on the dp sub-mesh
+            ((7, 2), mesh["tp"], [Replicate()]),  # only on the tp sub-mesh
+            ((4,), mesh["tp"], [Shard(0)]),
+        ]
+    check_case(specs, max_norm=1.0)  # clips: the grad norms are ~5-10
+    check_case(specs, max_norm=0.0)  # norm only
+    if case == "1d":
+        # The parameter-norm metric: a (1, 3) weight sharded over 2 ranks leaves rank 1 an
+        # empty shard; it still joins the reduction and gets the same global norm.
+        from torch.distributed.tensor import distribute_tensor
 
-            from graphtrain.optim import global_norm
+        from graphtrain.optim import global_norm
 
-            full = [torch.arange(3.0).reshape(1, 3), torch.ones(5)]
-            sharded = [distribute_tensor(full[0], mesh, [Shard(0)]), full[1]]
-            assert sharded[0].to_local().numel() == (3 if rank == 0 else 0)
-            torch.testing.assert_close(global_norm(sharded[:1]), torch.tensor(5.0**0.5))
-            torch.testing.assert_close(global_norm(sharded), torch.tensor(10.0**0.5))
-        dist.barrier()  # every rank done with its collectives before gloo tears down
-    finally:
-        dist.destroy_process_group()
+        full = [torch.arange(3.0).reshape(1, 3), torch.ones(5)]
+        sharded = [distribute_tensor(full[0], mesh, [Shard(0)]), full[1]]
+        assert sharded[0].to_local().numel() == (3 if rank == 0 else 0)
+        torch.testing.assert_close(global_norm(sharded[:1]), torch.tensor(5.0**0.5))
+        torch.testing.assert_close(global_norm(sharded), torch.tensor(10.0**0.5))
 
 
 @pytest.mark.parametrize(("case", "world_size"), [("1d", 2), ("2d", 4)])
-def test_dtensor_grads_match_full(case, world_size, tmp_path):
-    init_file = str(tmp_path / "rendezvous")
-    mp.spawn(worker, args=(world_size, init_file, case), nprocs=world_size, join=True)
+def test_dtensor_grads_match_full(case, world_size):
+    run_ranks(worker, world_size, case)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job, torchrun_jobs
+from conftest import job, rank_jobs
 
 from graphtrain.config import load_config
 from graphtrain.parallel import ParallelDims, apply_ep
@@ -74,7 +74,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
     """(run directory, logged steps) of every run of RUNS, by name. The one-process runs train
-    in this process; all the runs of 2 ranks share one torchrun launch, those of 4 another
+    in this process; all the runs of 2 ranks share one launch (conftest.rank_jobs), those of 4 another
     (process start and imports cost more than such a run)."""
     root = tmp_path_factory.mktemp("ep")
     args = {name: job(corpus, root / name, *_COMMON, *extra) for name, (_, extra) in RUNS.items()}
@@ -85,7 +85,7 @@ def runs(corpus, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
             metrics[name] = _lines(root / name / "run")
     for nproc in (2, 4):
         names = [name for name, (n, _) in RUNS.items() if n == nproc]
-        metrics.update(zip(names, torchrun_jobs(nproc, [args[n] for n in names]), strict=True))
+        metrics.update(zip(names, rank_jobs(nproc, [args[n] for n in names]), strict=True))
     return {
         name: (root / name / "run", [m for m in lines if "loss" in m])
         for name, lines in metrics.items()

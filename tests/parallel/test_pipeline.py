@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import job, torchrun_jobs
+from conftest import job, rank_jobs
 
 from graphtrain.config import load_config
 from graphtrain.parallel import check_layout
@@ -267,7 +267,7 @@ def test_stages_start_from_the_whole_models_weights(schedule, layout, mtp_depth)
 
 @pytest.fixture(scope="module")
 def pipeline_runs(corpus, tmp_path_factory):
-    """Single-process runs and pp=2 runs of the same jobs (one torchrun launch for all)."""
+    """Single-process runs and pp=2 runs of the same jobs (one launch for all: conftest.rank_jobs)."""
     tmp = tmp_path_factory.mktemp("pipeline")
     common = common_args(corpus)
     # Two loader micro-batches of 4 rows per step: gpipe splits the 8 rows in 4.
@@ -300,7 +300,7 @@ def pipeline_runs(corpus, tmp_path_factory):
         job(corpus, tmp / name, *common, "--parallel.pp=2", *args)
         for name, (_, args) in layouts.items()
     ]
-    runs = dict(zip(layouts, torchrun_jobs(2, jobs), strict=True))
+    runs = dict(zip(layouts, rank_jobs(2, jobs), strict=True))
     return {name: (single[ref], runs[name]) for name, (ref, _) in layouts.items()}
 
 
@@ -406,7 +406,7 @@ def multi_stage_runs(corpus, tmp_path_factory):
         job(corpus, tmp / name, *common, *layout, f"--parallel.pp_schedule={name}")
         for name in names
     ]
-    return single, dict(zip(names, torchrun_jobs(2, jobs), strict=True))
+    return single, dict(zip(names, rank_jobs(2, jobs), strict=True))
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job, torchrun_jobs
+from conftest import job, rank_jobs
 from safetensors.torch import load_file
 from test_pipeline import LOSS_RTOL, STEPS, common_args, compare, gloo_runs
 
@@ -75,7 +75,7 @@ def four_rank_runs(corpus, tmp_path_factory):
     runs = {}
     for ranks, layouts in ((2, TWO_RANKS), (4, FOUR_RANKS)):
         jobs = [job(corpus, tmp / name, *common, *args) for name, args in layouts.items()]
-        runs |= dict(zip(layouts, torchrun_jobs(ranks, jobs), strict=True))
+        runs |= dict(zip(layouts, rank_jobs(ranks, jobs), strict=True))
     return single, runs, single_moe
 
 
@@ -153,7 +153,7 @@ def test_resume_across_pipeline_sizes_and_export(corpus, tmp_path):
     straight = train(load_config(job(corpus, tmp_path / "one", *common, "--checkpoint.interval=3")))
     from_single = f"--checkpoint.resume={tmp_path / 'one' / 'run' / 'checkpoints' / 'step-0000003'}"
     interleaved = ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_layout=E|t|t|L"]
-    resumed_pp, saved_pp = torchrun_jobs(
+    resumed_pp, saved_pp = rank_jobs(
         2,
         [
             job(corpus, tmp_path / "pp_resumed", *common, "--parallel.pp=2", *interleaved,
@@ -255,7 +255,5 @@ def test_mtp_in_a_stage_follows_the_single_process_curve(corpus, tmp_path):
         job(corpus, tmp_path / name, *common, "--parallel.pp=2", *args)
         for name, (_, args) in layouts.items()
     ]
-    for (name, (reference, _)), metrics in zip(
-        layouts.items(), torchrun_jobs(2, jobs), strict=True
-    ):
+    for (name, (reference, _)), metrics in zip(layouts.items(), rank_jobs(2, jobs), strict=True):
         _same_mtp_metrics(name, references[reference], metrics)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import job, module_grads, pass_step
+from parallel_dist import run_ranks
 from torch import nn
 
 from graphtrain.compile import apply_compile
@@ -226,8 +227,7 @@ def test_trainer_runs_fp8_from_the_config(corpus, tmp_path):
     assert any("router.gate" in n and "fp8.exclude" in n for n in notes), notes
 
 
-def _colwise_worker(rank: int, world: int, init_file: str, dump: str) -> None:
-    import torch.distributed as dist
+def _colwise_worker(rank: int, world: int, dump: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -237,65 +237,49 @@ def _colwise_worker(rank: int, world: int, init_file: str, dump: str) -> None:
 
     from graphtrain.compile import backend
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 48, bias=False))
-        full = [layer.weight.detach().clone() for layer in net]
-        x = torch.randn(16, 32)
-        x[0, 0] = 40.0  # one large value: scales taken from a shard would differ
-        # the single-rank reference: the FP8 op on the whole tensors, eager
-        xr = x.clone().requires_grad_()
-        w0, w1 = (w.clone().requires_grad_() for w in full)
-        h = torch.ops.graphtrain.fp8_linear(xr, w0, None)[0]
-        want = torch.ops.graphtrain.fp8_linear(h, w1, None)[0]
-        g = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
-        want_gx, want_gw0, want_gw1 = torch.autograd.grad(want, [xr, w0, w1], g)
-        mesh = init_device_mesh("cpu", (world,))
-        parallelize_module(net, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-        compiled = torch.compile(
-            net,
-            backend=backend(
-                inner="aot_eager",
-                passes=["+fp8_linear"],
-                pass_options=SMALL,
-                dump_dir=dump if rank == 0 else None,
-            ),
-            fullgraph=True,
-        )
-        xc = x.clone().requires_grad_()
-        out = compiled(xc)
-        out.backward(g)
-        assert ((out - want).norm() / want.norm()).item() < 1e-5
-        assert ((xc.grad - want_gx).norm() / want_gx.norm()).item() < 1e-5
-        shard = slice(rank * 32, (rank + 1) * 32)  # W0's rows, W1's columns
-        for got, full in (
-            (net[0].weight.grad, want_gw0[shard]),
-            (net[1].weight.grad, want_gw1[:, shard]),
-        ):
-            got = got.to_local()
-            assert ((got - full).norm() / full.norm()).item() < 1e-5
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 48, bias=False))
+    full = [layer.weight.detach().clone() for layer in net]
+    x = torch.randn(16, 32)
+    x[0, 0] = 40.0  # one large value: scales taken from a shard would differ
+    # the single-rank reference: the FP8 op on the whole tensors, eager
+    xr = x.clone().requires_grad_()
+    w0, w1 = (w.clone().requires_grad_() for w in full)
+    h = torch.ops.graphtrain.fp8_linear(xr, w0, None)[0]
+    want = torch.ops.graphtrain.fp8_linear(h, w1, None)[0]
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    want_gx, want_gw0, want_gw1 = torch.autograd.grad(want, [xr, w0, w1], g)
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(net, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    compiled = torch.compile(
+        net,
+        backend=backend(
+            inner="aot_eager",
+            passes=["+fp8_linear"],
+            pass_options=SMALL,
+            dump_dir=dump if rank == 0 else None,
+        ),
+        fullgraph=True,
+    )
+    xc = x.clone().requires_grad_()
+    out = compiled(xc)
+    out.backward(g)
+    assert ((out - want).norm() / want.norm()).item() < 1e-5
+    assert ((xc.grad - want_gx).norm() / want_gx.norm()).item() < 1e-5
+    shard = slice(rank * 32, (rank + 1) * 32)  # W0's rows, W1's columns
+    for got, full in (
+        (net[0].weight.grad, want_gw0[shard]),
+        (net[1].weight.grad, want_gw1[:, shard]),
+    ):
+        got = got.to_local()
+        assert ((got - full).norm() / full.norm()).item() < 1e-5
 
 
 def test_tensor_parallel_linears_tp2_gloo(tmp_path):
     """tp=2 (gloo): a ColwiseParallel and a RowwiseParallel linear become fp8_linear on the
     local shards with the tp group (amaxes max-reduced); output, input gradient and both
     weight shards' gradients equal the single-rank FP8 computation."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    args = (2, str(tmp_path / "rdzv"), str(tmp_path / "dump"))
-    ctx = mp.start_processes(_colwise_worker, args=args, nprocs=2, join=False, start_method="spawn")
-    deadline = time.time() + 240
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("tp=2 gloo test timed out")
+    run_ranks(_colwise_worker, 2, str(tmp_path / "dump"))
     notes = [n for summary in (tmp_path / "dump").glob("*/summary.json")
              for s in json.loads(summary.read_text()) if s["label"] == PASS for n in s["notes"]]  # fmt: skip
     assert any(n.startswith("fp8 linear") and "[64, 32]" in n for n in notes), notes

@@ -327,10 +327,10 @@ def test_tensor_parallel_head_uses_the_vocab_parallel_op(corpus, tmp_path):
     """tp=2 (gloo): the vocab-sharded head's chain (linear -> redistribute -> to_local -> loss)
     becomes graphtrain.linear_cross_entropy_vocab_parallel on the local shards, and training
     follows the unfused run (fp32; reduction order only)."""
-    from conftest import job, torchrun_jobs
+    from conftest import job, rank_jobs
 
     common = ("--parallel.tp=2", "--training.steps=4", "--metrics.log_interval=1")
-    on, off = torchrun_jobs(
+    on, off = rank_jobs(
         2,
         [
             job(corpus, tmp_path / "on", *common, "--compile.dump_graphs=true"),

@@ -1,5 +1,12 @@
-"""Run a function on N ranks (CPU with gloo; or one GPU each with nccl) in spawned processes and
+"""Run a function on N ranks (CPU with gloo; or one GPU each with nccl) in fresh processes and
 collect what each returns.
+
+The ranks are forked from multiprocessing's fork server, which imports torch once per test
+process (~2 s a rank on 2 cores otherwise) and nothing else. Each rank takes the caller's
+environment of the moment (the server's own is the one it started with), then unpickles the
+function, importing its module as a spawned process would: what reads the environment at import
+(TRITON_INTERPRET, for Triton's decorators) sees the caller's. The server never initialises
+CUDA, so nccl ranks may.
 
 A rank that hangs (a collective waiting forever) fails the test after `timeout` seconds instead of
 blocking CI: the children are killed and TimeoutError is raised.
@@ -8,6 +15,8 @@ blocking CI: the children are killed and TimeoutError is raised.
 from __future__ import annotations
 
 import faulthandler
+import os
+import pickle
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,8 +30,16 @@ import torch.multiprocessing as mp
 
 
 def _entry(
-    rank: int, world_size: int, out_dir: str, backend: str, fn: Callable[..., Any], args: tuple
+    rank: int,
+    world_size: int,
+    out_dir: str,
+    backend: str,
+    env: dict[str, str],
+    call: bytes,
 ) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    fn, args = pickle.loads(call)
     # A rank that dies of a signal (SIGSEGV, SIGABRT from a corrupted heap) prints every
     # thread's Python stack to the test's stderr, not only its exit code.
     faulthandler.enable(all_threads=True)
@@ -61,12 +78,13 @@ def run_ranks(
     a rank killed by a signal prints every thread's stack (faulthandler) and fails it too.
     """
     with tempfile.TemporaryDirectory() as out_dir:
+        mp.set_forkserver_preload(["torch"])  # before the server's first start: once
         context = mp.start_processes(
             _entry,
-            args=(world_size, out_dir, backend, fn, args),
+            args=(world_size, out_dir, backend, dict(os.environ), pickle.dumps((fn, args))),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout
         while not context.join(timeout=1.0):

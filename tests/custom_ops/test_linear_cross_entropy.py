@@ -638,6 +638,12 @@ def test_triton_kernels_under_interpreter():
 TP_CASES = [("mean", 0.1, 1e-3), ("sum", 0.0, 0.0), ("none", 0.2, 1e-2)]
 
 
+def _assert_shard_close(got: tuple, want: tuple, tol: float, label: str) -> None:
+    """A rank's (loss, grad_hidden, grad_weight of its vocabulary rows) against the one-rank op's."""
+    for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, want, strict=True):
+        assert_close(a, b, tol, f"rank {label} {name}")
+
+
 def _tp_worker(rank: int, world: int) -> None:
     import torch.distributed as dist
 
@@ -669,14 +675,8 @@ def _tp_worker(rank: int, world: int) -> None:
             weight,
             grad_out_seed=i,
         )
-        assert_close(out, ref, 2e-6, f"rank {rank} {mode} {red} loss")
-        assert_close(gh, rgh, 2e-6, f"rank {rank} {mode} {red} grad_hidden")
-        assert_close(
-            gw,
-            rgw[rank * V_loc : (rank + 1) * V_loc],
-            2e-6,
-            f"rank {rank} {mode} {red} grad_weight",
-        )
+        want = (ref, rgh, rgw[rank * V_loc : (rank + 1) * V_loc])
+        _assert_shard_close((out, gh, gw), want, 2e-6, f"{rank} {mode} {red}")
         # The Triton path's collectives; fast mode's on "none" only (its forward statistics
         # and its backward's grad_hidden all-reduce), to keep the test short.
         if lce._interpreting() and (mode == "low_memory" or red == "none"):
@@ -693,14 +693,7 @@ def _tp_worker(rank: int, world: int) -> None:
                 mode=mode,
                 token_chunk=rows,
             )
-            assert_close(t_out, ref, 5e-6, f"rank {rank} {mode} {red} triton loss")
-            assert_close(t_gh, rgh, 5e-6, f"rank {rank} {mode} {red} triton grad_hidden")
-            assert_close(
-                t_gw,
-                rgw[rank * V_loc : (rank + 1) * V_loc],
-                5e-6,
-                f"rank {rank} {mode} {red} triton gw",
-            )
+            _assert_shard_close((t_out, t_gh, t_gw), want, 5e-6, f"{rank} {mode} {red} triton")
     # The statistics over the group: the same counts as one rank, on every rank.
     hidden, weight, target = make_inputs(260, N=23, H=14, V=2 * 43)
     target[1::2] = F.linear(hidden, weight).argmax(-1)[1::2]

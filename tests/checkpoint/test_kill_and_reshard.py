@@ -73,7 +73,8 @@ _MOE = (
 @pytest.fixture(scope="module")
 def saved_on_two_ranks(corpus, tmp_path_factory) -> dict[str, tuple[list[str], list[float]]]:
     """(one-process arguments of the run dir, losses logged by the 2 ranks) of the FSDP and the
-    MoE tp=2 runs, both trained in one launch (conftest.rank_jobs), each with a checkpoint at step 4 of 6."""
+    MoE tp=2 runs, both trained in one launch (conftest.rank_jobs), each with a checkpoint at
+    step 4 of 6."""
     tmp = tmp_path_factory.mktemp("two_ranks")
     one = {
         "fsdp": job(corpus, tmp / "fsdp", _STEPS, _SAVE, *_FSDP),

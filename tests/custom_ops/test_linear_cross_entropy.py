@@ -639,7 +639,8 @@ TP_CASES = [("mean", 0.1, 1e-3), ("sum", 0.0, 0.0), ("none", 0.2, 1e-2)]
 
 
 def _assert_shard_close(got: tuple, want: tuple, tol: float, label: str) -> None:
-    """A rank's (loss, grad_hidden, grad_weight of its vocabulary rows) against the one-rank op's."""
+    """A rank's (loss, grad_hidden, grad_weight of its vocabulary rows) against the one-rank
+    op's."""
     for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, want, strict=True):
         assert_close(a, b, tol, f"rank {label} {name}")
 

@@ -74,8 +74,8 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
     """(run directory, logged steps) of every run of RUNS, by name. The one-process runs train
-    in this process; all the runs of 2 ranks share one launch (conftest.rank_jobs), those of 4 another
-    (process start and imports cost more than such a run)."""
+    in this process; all the runs of 2 ranks share one launch (conftest.rank_jobs), those of 4
+    another (process start and imports cost more than such a run)."""
     root = tmp_path_factory.mktemp("ep")
     args = {name: job(corpus, root / name, *_COMMON, *extra) for name, (_, extra) in RUNS.items()}
     metrics = {}

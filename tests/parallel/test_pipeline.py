@@ -267,7 +267,8 @@ def test_stages_start_from_the_whole_models_weights(schedule, layout, mtp_depth)
 
 @pytest.fixture(scope="module")
 def pipeline_runs(corpus, tmp_path_factory):
-    """Single-process runs and pp=2 runs of the same jobs (one launch for all: conftest.rank_jobs)."""
+    """Single-process runs and pp=2 runs of the same jobs (one launch for all:
+    conftest.rank_jobs)."""
     tmp = tmp_path_factory.mktemp("pipeline")
     common = common_args(corpus)
     # Two loader micro-batches of 4 rows per step: gpipe splits the 8 rows in 4.

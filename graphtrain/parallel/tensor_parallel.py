@@ -74,11 +74,31 @@ def _split_keep_mask(module: nn.Module) -> ParallelStyle:
     )
 
 
+class _EmbeddingRowwise(RowwiseParallel):
+    """RowwiseParallel whose output's reduce-scatter is waited on at once (torch's leaves it
+    async), so that the first block gets the input every later block gets from the compiled
+    block before it, and Dynamo compiles the block once for all (before, twice with tp: the
+    first block's guards failed for the second, on the input's local tensor type, an
+    AsyncCollectiveTensor, and then on its placement: the same Shard(1) object as the
+    block's own input layouts, which Dynamo guarded as an alias; hence the factory's fresh
+    Shard(1)). The first block's norm reads the output next anyway."""
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: tuple, use_local_output: bool, mod: nn.Module, outputs: DTensor,
+        device_mesh: DeviceMesh,
+    ) -> torch.Tensor:  # fmt: skip
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 # Style name -> factory (given the module, for styles that depend on its signature).
 STYLES: dict[str, Callable[[nn.Module], ParallelStyle]] = {
-    # Vocab-split table; partial sums reduce-scattered onto T, kept a DTensor (module docstring).
-    "embedding_rowwise": lambda m: RowwiseParallel(
-        input_layouts=Replicate(), output_layouts=_SEQ, use_local_output=False
+    # Vocab-split table; partial sums reduce-scattered onto T, kept a DTensor (module docstring);
+    # a Shard(1) of its own (_EmbeddingRowwise).
+    "embedding_rowwise": lambda m: _EmbeddingRowwise(
+        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
     ),
     # Norm on the local T slice, output a DTensor Shard(1) for the next gather_sequence/head.
     "sequence_parallel": lambda m: SequenceParallel(sequence_dim=1),

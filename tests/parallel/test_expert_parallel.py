@@ -36,18 +36,21 @@ _MB = {dp: f"--training.micro_batch_size={4 // dp}" for dp in (1, 2, 4)}  # glob
 # Every run of this file: name -> (ranks, arguments beyond _COMMON).
 RUNS = {
     # Plain data parallelism, the references: eager, but for dp2, whose compiled graphs the
-    # compiled-ops test reads (compiled and eager agree to ~1e-7; the layouts compile).
+    # compiled-ops test reads (compiled and eager agree to ~1e-7). dp1: the resume test's.
     "dp1": (1, (_EAGER, _MB[1])),
     "dp1_sliced": (1, (_EAGER, *_SLICED, _MB[1])),
     "dp2": (2, ("--parallel.dp_shard=2", _MB[2], _DUMP, _VALIDATE)),
     "dp4": (4, (_EAGER, "--parallel.dp_shard=4", _MB[4])),
-    # The layouts.
-    "tp2": (2, (*_SLICED, "--parallel.tp=2", _MB[1])),
-    "tp2_etp2": (2, ("--parallel.tp=2", "--parallel.etp=2", _MB[1])),
+    # The layouts: compiled where expert parallelism meets tp (the all-to-all, the routers'
+    # sums over tp and the fused router and dispatch in one graph) and dp2_ep2, whose graphs
+    # the compiled-ops test reads; the others eager (a compiled 4-rank run costs 3-4x an eager
+    # one on 2 cores; tp=2's sliced routing compiled: test_pipeline_layouts' tp2_moe). Expert
+    # TP alone (tp=2, etp=2) is in both dp2_tp2_etp2 and dp2_tp2_ep2_etp2.
+    "tp2": (2, (_EAGER, *_SLICED, "--parallel.tp=2", _MB[1])),
     # With graphtrain's AdamW (AdamWCopies, "auto"'s choice on CUDA) against the reference's
     # torch AdamW: its step on FSDP, TP and expert-parallel shards, the clip in its step.
     "dp2_tp2_ep2": (4, (*_SPLIT, "--parallel.ep=2", _MB[2], "--optim.implementation=graphtrain")),
-    "dp2_tp2_etp2": (4, (*_SPLIT, "--parallel.etp=2", _MB[2])),
+    "dp2_tp2_etp2": (4, (_EAGER, *_SPLIT, "--parallel.etp=2", _MB[2])),
     # Saves at step 2 too, for the resume test.
     "dp2_tp2_ep2_etp2": (
         4,
@@ -55,7 +58,7 @@ RUNS = {
     ),
     "hsdp_ep2": (
         4,
-        ("--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2", _MB[4]),
+        (_EAGER, "--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2", _MB[4]),
     ),
     "dp2_ep2": (2, ("--parallel.dp_shard=2", "--parallel.ep=2", _MB[2], _DUMP, _VALIDATE)),
 }
@@ -63,7 +66,6 @@ RUNS = {
 # weighting) and its aux losses.
 LAYOUTS = {
     "tp2": "dp1_sliced",
-    "tp2_etp2": "dp1",
     "dp2_tp2_ep2": "dp2",
     "dp2_tp2_etp2": "dp2",
     "dp2_tp2_ep2_etp2": "dp2",
@@ -114,13 +116,13 @@ def test_tensor_and_expert_parallel_train_like_data_parallel(runs, layout):
     """Each layout against plain data parallelism over the same number of data-parallel ranks
     (so the same rows per rank and the same loss weighting), same global batch of 4 rows, same
     init, 4 steps:
-    ep=2 (experts split over the two ranks, all-to-all dispatch); tp=2 with expert TP 1 (each tp
-    rank routes its own sequence slice; MoE gradients summed over tp) or 2 (experts split on
-    their hidden dim, sequence gathered, router gradients summed over tp); dp_shard=2 x tp=2
-    with ep=2 (FSDP, TP and the all-to-all together; graphtrain's AdamW, against torch's in
-    the reference), with etp=2 (FSDP over the tp-split
-    experts) or with both (each rank's experts split over tp); HSDP 2 x 2 with ep=2 (expert
-    weights replicated over dp_replicate: their gradients summed over the replicas).
+    tp=2 with expert TP 1 (each tp rank routes its own sequence slice; MoE gradients summed
+    over tp); dp_shard=2 x tp=2 with ep=2 (FSDP, TP and the all-to-all together; graphtrain's
+    AdamW, against torch's in the reference), with etp=2 (experts split on their hidden dim,
+    sequence gathered, router gradients summed over tp; FSDP over the tp-split experts) or
+    with both (each rank's experts split over tp); HSDP 2 x 2 with ep=2 (expert weights
+    replicated over dp_replicate: their gradients summed over the replicas). ep=2 alone
+    (experts split over the two ranks, all-to-all dispatch): the compiled-ops test.
     moe-debug has every aux loss on (global_aux counts all-reduced across ranks) and the
     expert bias. The grad norm covers every gradient, expert weights included. Tolerances: see
     _assert_trains_like."""

@@ -266,7 +266,13 @@ def test_stages_start_from_the_whole_models_weights(schedule, layout, mtp_depth)
 
 
 @pytest.fixture(scope="module")
-def pipeline_runs(corpus, tmp_path_factory):
+def single_run(corpus, tmp_path_factory):
+    """The single-process run of common_args (the reference of several pipelines)."""
+    return train(load_config(job(corpus, tmp_path_factory.mktemp("single"), *common_args(corpus))))
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(corpus, tmp_path_factory, single_run):
     """Single-process runs and pp=2 runs of the same jobs (one launch for all:
     conftest.rank_jobs)."""
     tmp = tmp_path_factory.mktemp("pipeline")
@@ -281,7 +287,7 @@ def pipeline_runs(corpus, tmp_path_factory):
             "--optim.max_norm=0", "--training.micro_batch_size=1", "--schedule.batch_size=256"]  # fmt: skip
     mtp = ["--model.mtp_depth=1"]
     single = {
-        "one": train(load_config(job(corpus, tmp / "one", *common))),
+        "one": single_run,
         "two": train(load_config(job(corpus, tmp / "two", *common, *two_micro))),
         "moe": train(load_config(job(corpus, tmp / "moe", *common, *moe))),
         "bf16": train(load_config(job(corpus, tmp / "bf16", *common, *bf16))),
@@ -396,18 +402,17 @@ def gloo_runs(schedule: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def multi_stage_runs(corpus, tmp_path_factory):
+def multi_stage_runs(corpus, tmp_path_factory, single_run):
     """Two virtual stages per rank (E|t|t|L on two ranks) for each multi-stage schedule."""
     tmp = tmp_path_factory.mktemp("pipeline_multi")
     common = common_args(corpus)
-    single = train(load_config(job(corpus, tmp / "one", *common)))
     layout = ["--parallel.pp=2", "--parallel.pp_layout=E|t|t|L"]
     names = [name for name in MULTI_STAGE if gloo_runs(name)]
     jobs = [
         job(corpus, tmp / name, *common, *layout, f"--parallel.pp_schedule={name}")
         for name in names
     ]
-    return single, dict(zip(names, rank_jobs(2, jobs), strict=True))
+    return single_run, dict(zip(names, rank_jobs(2, jobs), strict=True))
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ FP8_CAST_ONCE = ("--training.fp8=true", "--fp8.min_dim=16", "--compile.passes=+f
 
 
 def _toolchain() -> bool:
-    """The device guard is a C++ extension: it needs ninja and a C++ compiler."""
+    """The device guard is built with torch.utils.cpp_extension: ninja and a C++ compiler."""
     import shutil
 
     from torch.utils.cpp_extension import is_ninja_available

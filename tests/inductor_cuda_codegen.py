@@ -7,8 +7,8 @@ a stub Triton driver reports sm_90 (Triton compiles every generated kernel for i
 wheel's ptxas for registers and spills), and a no-op C++ device guard for DeviceType::CUDA
 (a plain library built once per torch release with torch.utils.cpp_extension; a CPU build of
 torch has none, a CUDA build's asks the driver, and indexing or .contiguous() on a fake CUDA
-tensor takes one). It runs on a CPU build of torch or on a CUDA build without a GPU (checked with 2.11,
-2.13 and 2.14). graphtrain's regions and passes are applied as the trainer applies them
+tensor takes one). It runs on a CPU build of torch or on a CUDA build without a GPU (checked
+with 2.11, 2.13 and 2.14). graphtrain's regions and passes are applied as the trainer applies them
 (apply_compile, Inductor inner backend, graph dumps). The compiled wrappers then run on the
 fake tensors: Triton launches are no-ops, extern and custom ops run their fake kernels, and
 every extern torch._scaled_mm call is recorded with its operands' shapes, strides and dtypes.

@@ -219,7 +219,7 @@ def test_hybrid_forward_regions(forward):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_flex_attention_regions_at_the_1b_attention_shape(forward, tmp_path, direction):
+def test_flex_attention_regions_at_the_1b_attention_shape(request, tmp_path, direction):
     """Packed documents through flex attention (the CUDA default, training.attention=auto) with
     the trainer's block mask, at the 1b's attention shape: the block region captures the flex
     op, and every kernel (torch's flex template with its default config for sm_90, the block
@@ -228,8 +228,8 @@ def test_flex_attention_regions_at_the_1b_attention_shape(forward, tmp_path, dir
     thread at 255 registers, 8 warps, 3 stages, on torch 2.11, 2.13 and 2.14), and one of the
     mask builder's autotuned variants on 2.11: torch's choices, recorded, not failed (the
     other regions' tests hold graphtrain's kernels to no spills)."""
-    if direction == "forward":
-        report = forward["flex"]
+    if direction == "forward":  # the backward alone needs none of the forward jobs
+        report = request.getfixturevalue("forward")["flex"]
     else:
         jobs = {"flex": ("debug", *FLEX_1B_ATTENTION, "--backward")}
         report = _generate(tmp_path, jobs)["flex"]

@@ -426,7 +426,8 @@ class GPT(nn.Module):
         shifts inside documents (None: each row is one document; the main loss ignores it).
         stats: what the forward fills with `stats[name] = detached device tensor` (a dict, or
         any object with item assignment: the trainer's is not a dict, which FSDP2 would copy),
-        per-depth MTP loss and acceptance; None to compute nothing extra.
+        with MTP the main head's and each depth's loss and acceptance (`scored_head_loss`);
+        None to compute nothing extra.
         """
         B, T = input_ids.shape
         if position_ids is None:
@@ -437,12 +438,12 @@ class GPT(nn.Module):
             h = layer(h, *self.block_inputs(layer, rope, attn_mask, document_ids))
         if labels is None:
             return self.output(self.norm(h))
-        loss = self.head_loss(h, labels)
-        if self.cfg.mtp_depth and self.training:
+        if not (self.cfg.mtp_depth and self.training):
             # MTP is a training objective: evaluation (validation, `graphtrain eval`) reports
             # the next-token loss alone, comparable across mtp_depth.
-            loss = loss + self.mtp_loss(h, input_ids, labels, rope, attn_mask, document_ids, stats)
-        return loss
+            return self.head_loss(h, labels)
+        loss = self.scored_head_loss(h, labels, stats, depth=0)
+        return loss + self.mtp_loss(h, input_ids, labels, rope, attn_mask, document_ids, stats)
 
     def mtp_loss(
         self,
@@ -457,22 +458,32 @@ class GPT(nn.Module):
         """(mtp_loss_scale / D) * sum over depths k of L_k, the mean cross-entropy of depth k's
         prediction of the token k + 1 ahead (models/mtp.py). h: the trunk's last hidden state.
 
-        stats gets "mtp/loss_k" and "mtp/acceptance_k": the fraction of depth k's counted
-        positions (label not ignored) whose top-1 prediction is the true token.
+        stats gets "mtp/loss_k" and "mtp/acceptance_k" of each depth (`scored_head_loss`).
         """
         total = torch.zeros((), device=h.device)
         for k, mtp_layer in enumerate(self.mtp_layers.values(), start=1):
             ids, labels_k, keep = mtp_shift(input_ids, labels, document_ids, k)
             h = mtp_layer(h, self.tok_embeddings(ids), keep, rope, attn_mask)
-            if stats is None:
-                loss_k = self.head_loss(h, labels_k)
-            else:
-                loss_k, hits = self.head_loss(h, labels_k, count_hits=True)
-                counted = (labels_k != IGNORE_INDEX).sum().clamp(min=1)
-                stats[f"mtp/loss_{k}"] = loss_k.detach()
-                stats[f"mtp/acceptance_{k}"] = (hits / counted).detach()
-            total = total + loss_k
+            total = total + self.scored_head_loss(h, labels_k, stats, depth=k)
         return total * (self.cfg.mtp_loss_scale / self.cfg.mtp_depth)
+
+    def scored_head_loss(
+        self, h: torch.Tensor, labels: torch.Tensor, stats: Any, depth: int
+    ) -> torch.Tensor:
+        """`head_loss` of a training step with MTP: depth 0 is the main head, k the MTP depth
+        k's prediction of the token k + 1 ahead. Every head call of such a step (the main head's
+        too) counts hits when `stats` is given, so the compiled head region is one graph, not
+        two. stats gets "mtp/loss_{depth}" (depth 0: the next-token loss alone, comparable with
+        a run without MTP, where "loss" adds the depths') and "mtp/acceptance_{depth}": the
+        fraction of the counted positions (label not ignored) whose top-1 prediction is the
+        true token."""
+        if stats is None:
+            return self.head_loss(h, labels)
+        loss, hits = self.head_loss(h, labels, count_hits=True)
+        counted = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        stats[f"mtp/loss_{depth}"] = loss.detach()
+        stats[f"mtp/acceptance_{depth}"] = (hits / counted).detach()
+        return loss
 
     def head_loss(
         self, h: torch.Tensor, labels: torch.Tensor, count_hits: bool = False

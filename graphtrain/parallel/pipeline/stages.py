@@ -109,7 +109,8 @@ class PipelineStageModule(nn.Module):
         self.router_layers = {f"layers.{i}" for i in spec.layers}
         self.router_layers |= {f"mtp_layers.{k}.block" for k in spec.mtp}
         self.tp_mesh: Any = None  # set under tensor parallel: activations are Shard(1) on it
-        # The MTP depths' statistics of the step, weighted by each micro-batch's loss weight.
+        # The main head's and MTP depths' statistics of the step (with MTP), weighted by each
+        # micro-batch's loss weight.
         self.stats: dict[str, torch.Tensor] = {}
         # Views of the step's outputs under a zero-bubble schedule (the runner's
         # _split_backward says why), else None.
@@ -152,25 +153,28 @@ class PipelineStageModule(nn.Module):
         # The model's flag (validation sets it, not the stages'): MTP is a training loss only.
         training = model.training
         if self.spec.head:
-            loss = (model.head_loss(h, inputs["labels"]),)
+            if not (training and model.cfg.mtp_depth):
+                loss = (model.head_loss(h, inputs["labels"]),)
+            else:  # as GPT.forward: the main head's call counts hits as the depths' do
+                stats = self._micro_batch_stats(micro_batch)
+                loss = (model.scored_head_loss(h, inputs["labels"], stats, depth=0),)
             if self.spec.hidden_to_mtp and training:
                 # A copy, not a view: the zero-bubble schedules detach a stage's outputs in
                 # place after its input backward, which a view refuses.
                 return self._send(h), loss[0].reshape(1).clone()
         if self.spec.mtp and training:
-            stats: dict[str, torch.Tensor] = {}
             mtp = model.mtp_loss(
                 h, inputs["input_ids"], inputs["labels"], rope, inputs["attn_mask"],
-                inputs["document_ids"], stats,
+                inputs["document_ids"], self._micro_batch_stats(micro_batch),
             )  # fmt: skip
-            weight = self.weights[micro_batch]
-            for name, value in stats.items():
-                self.stats[name] = self.stats.get(name, 0.0) + value.float() * weight
             loss = (loss[0].reshape(()) + mtp,)
         if loss:
             # (1,): the schedule concatenates stage outputs, which a 0-d loss cannot be.
             return loss[0].reshape(1)
         return self._send(h)
+
+    def _micro_batch_stats(self, micro_batch: int) -> _WeightedStats:
+        return _WeightedStats(self.stats, self.weights[micro_batch])
 
     def _send(self, h: torch.Tensor) -> torch.Tensor:
         """The hidden state this stage sends on: under sequence parallel its (B, T/tp, dim)
@@ -180,6 +184,20 @@ class PipelineStageModule(nn.Module):
         if not isinstance(h, DTensor):
             return h
         return h.to_local().clone() if self.graphs is not None else h.to_local()
+
+
+class _WeightedStats:
+    """`stats` as a stage's model calls get it: `stats[name] = value` adds the value, weighted
+    by the micro-batch's loss weight, to the stage's step statistics (as TrainStep sums the
+    micro-batches' without pp)."""
+
+    __slots__ = ("target", "weight")
+
+    def __init__(self, target: dict[str, torch.Tensor], weight: float) -> None:
+        self.target, self.weight = target, weight
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self.target[name] = self.target.get(name, 0.0) + value.float() * self.weight
 
 
 def cut_model(

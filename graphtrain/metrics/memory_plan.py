@@ -6,7 +6,7 @@ What
     dp_shard by FSDP2 and over tp / etp / ep as the layout splits them), the gradients (the
     same shards), AdamW's two moments (optim.state_dtype), the bf16 working copies where the
     layout has them, FSDP's gathered parameters (the largest block's, twice: running and
-    prefetched), the activations per micro-batch (per block, what autograd keeps per token of
+    prefetched; under pp, every block of the rank), the activations per micro-batch (per block, what autograd keeps per token of
     the rank's sequence slice; with activation_checkpoint=full only each block's input plus
     one block's recompute; with activation_memory_budget b, the inputs plus b of the rest plus
     1 - b of one block's) and the loss's buffers (the fused op's own figure,
@@ -160,7 +160,12 @@ def _rank_items(
         if copies:
             items["working copies"] = int(copies)
     if dims.dp_shard > 1:
-        items["gathered parameters"] = int(2 * max(per_block.values(), default=0) * compute)
+        # Under pp every block of the rank stays gathered from its first forward to the step's
+        # last backward (graphtrain.parallel._shard_data_parallel); else the running block's
+        # and the prefetched one's.
+        blocks = per_block.values()
+        gathered = sum(blocks) if dims.pp > 1 else 2 * max(blocks, default=0)
+        items["gathered parameters"] = int(gathered * compute)
     tokens *= t.seq_len
     layers = [int(i) for i in model.layers]  # a pipeline rank's layers only
     if layers:

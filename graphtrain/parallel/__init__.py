@@ -189,12 +189,19 @@ def _shard_data_parallel(
     DTensor parameters, state dict and composition with TP/compile as FSDP, where
     replicate() (DDP) has its own state-dict and TP rules.
     """
+    # Pipeline parallel: the stages the schedule calls are the roots, not the model, and their
+    # blocks keep their gathered parameters from forward to backward (resharded after the
+    # step's last backward). Resharded after each forward, every micro-batch would gather each
+    # block twice (torchtitan's default under pp is the same, for that reason), and under zbv
+    # a stage whose parameters were sharded when torch's input half of the backward listed
+    # them lost its weight gradients: the weight half found no parameter to differentiate.
+    stages = getattr(model, "pipeline_stages", None)
     apply_fsdp(
         model,
         fsdp_mesh(mesh, dims),
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
+        reshard_after_forward=stages is None,
         ignored_params=set(expert_params(model)) or None,
-        # Pipeline parallel: the stages the schedule calls are the roots, not the model.
-        roots=getattr(model, "pipeline_stages", None),
+        roots=stages,
     )

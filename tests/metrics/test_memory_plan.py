@@ -63,6 +63,17 @@ def test_parameter_shards_match_the_parallelized_model(args):
     assert plan.total == sum(plan.items.values())
 
 
+def test_gathered_parameters_are_every_block_of_a_pipeline_rank():
+    """FSDP's gathered parameters: the largest block twice (running and prefetched) without
+    pp; under pp each block of the rank's stages, which stay gathered from forward to backward
+    (graphtrain.parallel): 3 blocks on each of two pp ranks of a 6-layer model."""
+    six = ["--preset", "debug", "--model.num_layers=6"]
+    flat = plan_memory(load_config([*six, "--parallel.dp_shard=4"]), 4)
+    piped = plan_memory(load_config([*six, "--parallel.dp_shard=2", "--parallel.pp=2"]), 4)
+    block = flat.items["gathered parameters"] / 2
+    assert block > 0 and piped.items["gathered parameters"] == 3 * block
+
+
 def test_plan_command_prints_a_layout_and_refuses_one_that_does_not_fit(capsys):
     assert _plan(["--preset", "8b", "--ngpu", "64", "--parallel.tp=8"]) == 0
     out = capsys.readouterr().out

@@ -280,18 +280,10 @@ def _check_v_schedule_backend(schedule: str, device: str) -> None:
 
 
 def _check_v_schedule_data_parallel(schedule: str, mtp_depth: int, dims: Any) -> None:
-    """The V schedules with data parallelism (FSDP2 on every stage), where they do not train
-    right: under zbv the weight halves of the first half of one stage's micro-batches leave no
-    gradient (4 CPU ranks, torch 2.13; docs/design/pipeline.md; dualpipev is right), and with
-    MTP the V puts the MTP stage beside the embedding's, two FSDP2 roots over one embedding,
-    which fully_shard refuses."""
+    """MTP under a V schedule with data parallelism (FSDP2 on every stage): the V puts the MTP
+    stage beside the embedding's, two FSDP2 roots over one embedding, which fully_shard
+    refuses."""
     dp = f"parallel.dp_shard={dims.dp_shard}, dp_replicate={dims.dp_replicate}"
-    if schedule == "zbv" and dims.dp_size > 1:
-        raise ValueError(
-            f"parallel.pp_schedule='zbv' with data parallelism ({dp}) gives wrong gradients "
-            "(one stage loses the weight gradients of half its micro-batches); use dualpipev or "
-            "interleaved_1f1b"
-        )
     if schedule in V_SCHEDULES and mtp_depth and dims.dp_size > 1:
         raise ValueError(
             f"model.mtp_depth={mtp_depth} with parallel.pp_schedule={schedule!r} and data "

@@ -12,10 +12,7 @@ what it says).
                  the ops it runs in fp32 (softmax, norms) in fp32
     working      training.working_weights with fp32 masters and 16-bit compute: the masters that
                  would be cast on every use get 16-bit copies (working_masters), except those
-                 the compiled graph concatenates (their concatenation casts them); not under
-                 a zero-bubble pipeline schedule, whose weight half sets the gradients itself
-                 (`weight.grad = dw`): the copy's hook that moves its gradient into the master
-                 would never run, and the masters would train without them
+                 the compiled graph concatenates (their concatenation casts them)
     pipeline     the activations between pipeline stages: the compute dtype where FSDP2 or
                  16-bit masters make it the residual's, else fp32 (autocast keeps the residual
                  in fp32)
@@ -32,7 +29,6 @@ from torch import nn
 from graphtrain.config import CompileConfig, JobConfig
 from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, expert_params
-from graphtrain.parallel.pipeline.layout import V_SCHEDULES
 from graphtrain.passes.fuse_sibling_grouped_mm import concatenated_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,14 +57,13 @@ class Precision:
             compute = DTYPES[t.dtype]
         mixed = master == torch.float32 and compute != torch.float32
         data_parallel = dims.dp_size > 1
-        split_backward = dims.pp_enabled and cfg.parallel.pp_schedule in V_SCHEDULES
         return cls(
             master=master,
             compute=compute,
             reduce=DTYPES[t.reduce_dtype],
             state=DTYPES[cfg.optim.state_dtype],
             autocast=compute != torch.float32 and not data_parallel,
-            working=mixed and t.working_weights and not split_backward,
+            working=mixed and t.working_weights,
             pipeline=compute if data_parallel or master != torch.float32 else torch.float32,
             data_parallel=data_parallel,
         )

@@ -230,9 +230,12 @@ def _build_step(
         weights.refresh_in(optimizer)  # its step writes the copies
     runner = None
     if dims.pp_enabled:  # its schedule runs the step; model(...) runs every stage (validation)
-        runner = build_runner(
-            cfg, dims, mesh, model, device, precision.pipeline, fp32_grads.after_backward
-        )
+
+        def after_backward() -> None:
+            weights.collect_grads()  # a zero-bubble schedule's weight half ran no hook
+            fp32_grads.after_backward()
+
+        runner = build_runner(cfg, dims, mesh, model, device, precision.pipeline, after_backward)
         model.forward = runner.forward
     attention = resolve_attention(cfg.training.attention, device)
     return TrainStep(

@@ -73,8 +73,7 @@ class TrainingConfig:
         "optimizer step, of the weights otherwise cast on every use (the matmul weights under "
         "autocast, i.e. without data parallelism; under FSDP2, which casts its own shards, the "
         "expert-parallel weights), used by forward and backward; same numerics "
-        "(graphtrain.optim.working_weights); off under the zero-bubble pipeline schedules (zbv, "
-        "dualpipev). false: every use casts the fp32 weight (as before)",
+        "(graphtrain.optim.working_weights). false: every use casts the fp32 weight (as before)",
     )
     attention: Literal["auto", "flex", "varlen", "sdpa", "causal"] = option(
         "auto",

@@ -13,7 +13,8 @@ What
         refresh(): the masters copied into the working copies (after each optimizer step);
         refresh_in(optimizer) hands that to an optimizer that writes the copies itself.
         Gradients: a post-accumulate-grad hook on each copy adds its micro-batch gradient into
-        the master's fp32 .grad and drops it. With no masters it holds and installs nothing.
+        the master's fp32 .grad and drops it; collect_grads() moves those a zero-bubble
+        pipeline's weight half set itself (no hook ran). No masters: nothing held or installed.
 
 Numerics
     Bitwise the same as autocast on the fp32 masters (the same round-to-nearest cast, the same
@@ -115,6 +116,13 @@ class WorkingWeights:
         finally:
             for module, name, i in self._slots:
                 module._parameters[name] = self._masters[i]
+
+    def collect_grads(self) -> None:
+        """Gradients set on the copies directly, moved into the masters as the hook moves the
+        accumulated ones (a copy whose hook ran has none)."""
+        for master, copy in zip(self._masters, self._copies, strict=True):
+            if copy.grad is not None:
+                _into_master(master, copy)
 
     @torch.no_grad()
     def refresh(self) -> None:

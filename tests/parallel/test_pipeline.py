@@ -445,11 +445,37 @@ def test_zbv_with_fsdp_trains_as_interleaved_1f1b(corpus, tmp_path):
         job(corpus, tmp_path / name, *steps, *layout, f"--parallel.pp_schedule={name}")
         for name in names
     ]
-    zbv, interleaved = ([m for m in lines if "loss" in m] for lines in rank_jobs(4, jobs))
-    assert len(zbv) == len(interleaved) == 3
+    _same_steps(*rank_jobs(4, jobs), steps=3)
+
+
+def _same_steps(zbv: list[dict], interleaved: list[dict], steps: int) -> None:
+    zbv, interleaved = ([m for m in lines if "loss" in m] for lines in (zbv, interleaved))
+    assert len(zbv) == len(interleaved) == steps
     for a, b in zip(interleaved, zbv, strict=True):
         for key in ("loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
+
+
+@pytest.mark.slow  # 2 ranks, two jobs
+def test_zbv_with_working_copies_trains_as_interleaved_1f1b(corpus, tmp_path):
+    """bf16 compute on fp32 masters with their bf16 working copies (training.working_weights)
+    under zbv gives interleaved 1F1B's losses and gradient norms (E|t|t|L on 2 CPU ranks,
+    eager; measured: bitwise equal). zbv's weight half sets each copy's .grad itself, which
+    runs no post-accumulate-grad hook: the pipeline moves those gradients into the masters
+    after each backward (WorkingWeights.collect_grads). Without that the masters stepped
+    without them (loss 6.53 against 6.03 after 10 steps), and the copies were turned off
+    under the zero-bubble schedules."""
+    if not gloo_runs("zbv"):
+        pytest.skip(f"torch {torch.__version__} runs no zbv on gloo (refused at start)")
+    steps = ["--training.steps=3", "--metrics.log_interval=1", "--compile.enable=false"]
+    layout = ["--parallel.pp=2", "--parallel.pp_layout=E|t|t|L", "--parallel.pp_microbatches=2",
+              "--training.dtype=bfloat16"]  # fmt: skip
+    names = ("zbv", "interleaved_1f1b")
+    jobs = [
+        job(corpus, tmp_path / name, *steps, *layout, f"--parallel.pp_schedule={name}")
+        for name in names
+    ]
+    _same_steps(*rank_jobs(2, jobs), steps=3)
 
 
 def compiled_head_stage(dump_dir: Path) -> tuple[Any, torch.Tensor]:

@@ -166,7 +166,8 @@ class PipelineRunner:
         after_backward: Callable[[], None] = lambda: None,
     ) -> None:
         """after_backward: run after each micro-batch's backward (both halves of a split one)
-        of each stage: the fp32 gradient sums (graphtrain.optim.FP32GradAccumulator)."""
+        of each stage: the working copies' gradients into their masters, the fp32 gradient
+        sums (graphtrain.optim.FP32GradAccumulator)."""
         self.model, self.stages, self.group = model, stages, pp_group
         self.num_stages, self.pp, self.schedule_name = num_stages, pp, schedule
         self.num_microbatches, self.device = num_microbatches, device

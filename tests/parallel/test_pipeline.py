@@ -425,57 +425,44 @@ def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs,
     compare(single, runs[schedule])
 
 
-@pytest.mark.slow  # 4 ranks, two jobs
-def test_zbv_with_fsdp_trains_as_interleaved_1f1b(corpus, tmp_path):
-    """zbv under FSDP2 (pp=2 x dp_shard=2, E|t|t|L on 4 CPU ranks) gives interleaved 1F1B's
-    losses and gradient norms: the same stages and micro-batches on the same data-parallel
-    ranks (measured: bitwise equal). Eager: what went wrong was FSDP2's resharding, not the
-    compiler. When FSDP2 resharded a block after its forward, its stage's parameters were
-    sharded when torch's input half of the split backward listed the parameters its weight
-    half differentiates: none found, so the weight halves of stage 1's first micro-batches
-    gave no gradient (grad norm 2.3220 against 2.3253 at the first step)."""
+def _zbv_as_interleaved(corpus: Path, tmp_path: Path, nproc: int, *args: str) -> None:
+    """zbv and interleaved 1F1B, E|t|t|L with two micro-batches on `nproc` CPU ranks (eager),
+    give the same losses and gradient norms over 3 steps (measured: bitwise equal)."""
     if not gloo_runs("zbv"):
         pytest.skip(f"torch {torch.__version__} runs no zbv on gloo (refused at start)")
-    steps = ["--training.steps=3", "--metrics.log_interval=1", "--compile.enable=false"]
-    layout = ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_layout=E|t|t|L",
-              "--parallel.pp_microbatches=2", "--training.micro_batch_size=2",
-              "--schedule.batch_size=256"]  # fmt: skip
+    common = ["--training.steps=3", "--metrics.log_interval=1", "--compile.enable=false",
+              "--parallel.pp=2", "--parallel.pp_layout=E|t|t|L", "--parallel.pp_microbatches=2",
+              *args]  # fmt: skip
     names = ("zbv", "interleaved_1f1b")
-    jobs = [
-        job(corpus, tmp_path / name, *steps, *layout, f"--parallel.pp_schedule={name}")
-        for name in names
-    ]
-    _same_steps(*rank_jobs(4, jobs), steps=3)
-
-
-def _same_steps(zbv: list[dict], interleaved: list[dict], steps: int) -> None:
-    zbv, interleaved = ([m for m in lines if "loss" in m] for lines in (zbv, interleaved))
-    assert len(zbv) == len(interleaved) == steps
+    jobs = [job(corpus, tmp_path / n, *common, f"--parallel.pp_schedule={n}") for n in names]
+    zbv, interleaved = ([m for m in lines if "loss" in m] for lines in rank_jobs(nproc, jobs))
+    assert len(zbv) == len(interleaved) == 3
     for a, b in zip(interleaved, zbv, strict=True):
         for key in ("loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
 
 
+@pytest.mark.slow  # 4 ranks, two jobs
+def test_zbv_with_fsdp_trains_as_interleaved_1f1b(corpus, tmp_path):
+    """zbv under FSDP2 (pp=2 x dp_shard=2): the same stages and micro-batches on the same
+    data-parallel ranks as interleaved 1F1B. Eager: what went wrong was FSDP2's resharding,
+    not the compiler. When FSDP2 resharded a block after its forward, its stage's parameters
+    were sharded when torch's input half of the split backward listed the parameters its
+    weight half differentiates: none found, so the weight halves of stage 1's first
+    micro-batches gave no gradient (grad norm 2.3220 against 2.3253 at the first step)."""
+    _zbv_as_interleaved(corpus, tmp_path, 4, "--parallel.dp_shard=2",
+                        "--training.micro_batch_size=2", "--schedule.batch_size=256")  # fmt: skip
+
+
 @pytest.mark.slow  # 2 ranks, two jobs
 def test_zbv_with_working_copies_trains_as_interleaved_1f1b(corpus, tmp_path):
-    """bf16 compute on fp32 masters with their bf16 working copies (training.working_weights)
-    under zbv gives interleaved 1F1B's losses and gradient norms (E|t|t|L on 2 CPU ranks,
-    eager; measured: bitwise equal). zbv's weight half sets each copy's .grad itself, which
-    runs no post-accumulate-grad hook: the pipeline moves those gradients into the masters
-    after each backward (WorkingWeights.collect_grads). Without that the masters stepped
-    without them (loss 6.53 against 6.03 after 10 steps), and the copies were turned off
-    under the zero-bubble schedules."""
-    if not gloo_runs("zbv"):
-        pytest.skip(f"torch {torch.__version__} runs no zbv on gloo (refused at start)")
-    steps = ["--training.steps=3", "--metrics.log_interval=1", "--compile.enable=false"]
-    layout = ["--parallel.pp=2", "--parallel.pp_layout=E|t|t|L", "--parallel.pp_microbatches=2",
-              "--training.dtype=bfloat16"]  # fmt: skip
-    names = ("zbv", "interleaved_1f1b")
-    jobs = [
-        job(corpus, tmp_path / name, *steps, *layout, f"--parallel.pp_schedule={name}")
-        for name in names
-    ]
-    _same_steps(*rank_jobs(2, jobs), steps=3)
+    """bf16 compute on fp32 masters with their bf16 working copies (training.working_weights).
+    zbv's weight half sets each copy's .grad itself, which runs no post-accumulate-grad hook:
+    the pipeline moves those gradients into the masters after each backward
+    (WorkingWeights.collect_grads). Without that the masters stepped without them (loss 6.53
+    against 6.03 after 10 steps), and the copies were turned off under the zero-bubble
+    schedules."""
+    _zbv_as_interleaved(corpus, tmp_path, 2, "--training.dtype=bfloat16")
 
 
 def compiled_head_stage(dump_dir: Path) -> tuple[Any, torch.Tensor]:

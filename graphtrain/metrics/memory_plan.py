@@ -6,10 +6,11 @@ What
     dp_shard by FSDP2 and over tp / etp / ep as the layout splits them), the gradients (the
     same shards), AdamW's two moments (optim.state_dtype), the bf16 working copies where the
     layout has them, FSDP's gathered parameters (the largest block's, twice: running and
-    prefetched; under pp, every block of the rank), the activations per micro-batch (per block, what autograd keeps per token of
-    the rank's sequence slice; with activation_checkpoint=full only each block's input plus
-    one block's recompute; with activation_memory_budget b, the inputs plus b of the rest plus
-    1 - b of one block's) and the loss's buffers (the fused op's own figure,
+    prefetched; under pp, every block of the rank), the activations per micro-batch (per
+    block, what autograd keeps per token of the rank's sequence slice; with
+    activation_checkpoint=full only each block's input plus one block's recompute; with
+    activation_memory_budget b, the inputs plus b of the rest plus 1 - b of one block's) and
+    the loss's buffers (the fused op's own figure,
     linear_cross_entropy.fast_mode_extra_bytes, or the unfused logits where compile.lce_mode
     auto may leave the loss to Inductor).
 

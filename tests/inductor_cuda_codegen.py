@@ -214,7 +214,9 @@ def install() -> None:
     from torch._inductor.runtime import triton_heuristics
 
     sys.path.insert(0, str(HERE))
-    from triton_aot import _ptxas  # the same ptxas report as the kernel compile test
+    from triton_aot import _ptxas, keep_ptxas_logs  # the kernel compile test's report
+
+    keep_ptxas_logs()
 
     def record(self: Any) -> None:
         for result in self.compile_results:

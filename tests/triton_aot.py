@@ -23,7 +23,10 @@ when it compiled).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import importlib
+import io
 import json
 import os
 import pkgutil
@@ -73,25 +76,56 @@ def find(package: str, name: str) -> Any:
     raise AttributeError(f"no {name!r} in {package} or its submodules")
 
 
+_PTXAS_LOGS: dict[str, str] = {}  # sha256 of a PTX -> the log of Triton's own ptxas -v on it
+
+
+def keep_ptxas_logs() -> None:
+    """Keep the log of the `ptxas -v` Triton runs on each PTX it compiles (it prints it on
+    request), so that _ptxas reads registers and spills from it instead of running ptxas on
+    the same PTX again (half the ptxas time of a compile check). A kernel Triton's cache
+    gave, or a triton without the knob, still gets its own ptxas run."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    if not hasattr(knobs.nvidia, "dump_ptxas_log"):
+        return
+    knobs.nvidia.dump_ptxas_log = True
+    make_cubin = CUDABackend.make_cubin
+
+    def logged(self: Any, src: str, *args: Any, **kwargs: Any) -> Any:
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log):
+                return make_cubin(self, src, *args, **kwargs)
+        except Exception:
+            sys.stdout.write(log.getvalue())  # Triton's own report of the failure
+            raise
+        finally:
+            _PTXAS_LOGS[hashlib.sha256(src.encode()).hexdigest()] = log.getvalue()
+
+    CUDABackend.make_cubin = logged
+
+
 def _ptxas(ptx: str, arch: int) -> dict[str, int | None]:
     """ptxas -v's registers and spills for `ptx`, with the ptxas Triton compiles for `arch`
     with (triton 3.9 takes its CUDA 13 ptxas for Hopper too: its PTX is too new for the
-    CUDA 12.9 one)."""
+    CUDA 12.9 one): from the log of Triton's own run where keep_ptxas_logs kept it."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas(arch).path
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    try:
-        run = subprocess.run(
-            [ptxas, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    finally:
-        os.unlink(f.name)
-    log = run.stdout + run.stderr
+    log = _PTXAS_LOGS.get(hashlib.sha256(ptx.encode()).hexdigest())
+    if log is None:
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        try:
+            run = subprocess.run(
+                [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+        finally:
+            os.unlink(f.name)
+        log = run.stdout + run.stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {
@@ -153,6 +187,7 @@ def _install(arch: int) -> None:
             return True
 
     driver.set_active(StubDriver())
+    keep_ptxas_logs()
     original = JITFunction.run
     options = ("num_warps", "num_stages", "num_ctas", "maxnreg", "debug", "instrumentation_mode")
 

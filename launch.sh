@@ -10,7 +10,8 @@
 # the command instead of running it), TORCH_SPEC (the torch requirement to install when torch is
 # missing), SHUTDOWN_TIMEOUT (seconds the ranks get to save after a signal; default: estimated
 # from the checkpoint size). Outside a virtual environment it creates .venv and installs the
-# project into it. Relative paths (CONFIG, --data.paths, the run directory) are the caller's:
+# project into it; it installs again where the environment's graphtrain is another checkout's.
+# Relative paths (CONFIG, --data.paths, the run directory) are the caller's:
 # only the set-up and the tests run in this folder. After a save on a signal it exits 75.
 set -euo pipefail
 CALLER_DIR="$PWD"
@@ -30,9 +31,16 @@ setup() {
         fi
         PY="$PWD/.venv/bin/python"
     fi
-    local stamp
+    local stamp found here
+    here="$(pwd -P)"
     stamp="$(dirname "$PY")/../.graphtrain-installed"
-    if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]] || ! "$PY" -c "import graphtrain" >/dev/null 2>&1; then
+    found="$(imported_from)"
+    if [[ -n "$found" && "$found" != "$here" ]]; then
+        # Another checkout's editable install (or a copy in site-packages): the ranks, which
+        # run where the caller stands, would run its code.
+        echo "launch.sh: graphtrain imports from $found, not from this checkout" >&2
+    fi
+    if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" || "$found" != "$here" ]]; then
         echo "launch.sh: installing graphtrain and its dependencies into $(dirname "$(dirname "$PY")")" >&2
         "$PY" -m pip install -q --upgrade pip >/dev/null
         if ! "$PY" -c "import torch" >/dev/null 2>&1; then
@@ -47,7 +55,22 @@ setup() {
         fi
         "$PY" -m pip install -q -e ".[dev]"
         touch "$stamp"
+        found="$(imported_from)"
+        if [[ "$found" != "$here" ]]; then
+            echo "launch.sh: graphtrain still imports from ${found:-nowhere}, not from $here" \
+                "(PYTHONPATH=${PYTHONPATH:-}); unset PYTHONPATH or run that checkout's launch.sh" >&2
+            exit 1
+        fi
     fi
+}
+
+# The checkout whose graphtrain $PY finds away from this folder, as the ranks do (found, not
+# imported: no torch import; empty if none).
+imported_from() {
+    (cd / && PYTHONSAFEPATH=1 "$PY" -c 'import importlib.util as u, os
+s = u.find_spec("graphtrain")
+print(os.path.dirname(os.path.dirname(os.path.realpath(s.origin))) if s and s.origin else "")' \
+        2>/dev/null) || true
 }
 
 # Runs the command (exec: this script ends there) or, with DRY_RUN=1, prints it and ends, so

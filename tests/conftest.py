@@ -1,8 +1,8 @@
 """Shared fixtures: a small synthetic corpus with its tokenizer, the argv of a debug job on it
-(used by the trainer and checkpoint tests), a launcher of multi-rank jobs, a
-one-rank gloo group, the TRITON_INTERPRET=1 subprocess the kernel tests run, and for the pass
-tests a Dynamo graph as a pass receives it, a pass's entry in a graph dump and a module's
-gradients, eager or compiled."""
+(used by the trainer and checkpoint tests), a launcher of multi-rank jobs, launch.sh's
+environment, a one-rank gloo group, the TRITON_INTERPRET=1 subprocess the kernel tests run,
+and for the pass tests a Dynamo graph as a pass receives it, a pass's entry in a graph dump and
+a module's gradients, eager or compiled."""
 
 import json
 import os
@@ -128,6 +128,21 @@ def rank_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         metrics.append([json.loads(x) for x in lines])
     return metrics
+
+
+def launch_env(tmp_path: Path, python: str = "") -> dict[str, str]:
+    """The environment of a launch.sh run on this interpreter and this checkout that installs
+    nothing: VIRTUAL_ENV a stand-in whose python runs this one (or the `python` sh script given)
+    and whose install stamp is fresh, this checkout first on PYTHONPATH (launch.sh checks that
+    the ranks find it), one OpenMP thread."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    shim = venv / "bin" / "python"
+    shim.write_text(f'#!/bin/sh\n{python}exec "{sys.executable}" "$@"\n')
+    shim.chmod(0o755)
+    (venv / ".graphtrain-installed").touch()
+    repo = str(Path(__file__).resolve().parent.parent)
+    return {**os.environ, "VIRTUAL_ENV": str(venv), "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture

@@ -3,17 +3,14 @@ rendezvous), started through launch.sh with the README's own command lines, foll
 a single process (same global batch: 2 ranks x 2 rows = 1 x 4 rows)."""
 
 import json
-import os
 import re
 import shlex
 import socket
-import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import job
+from conftest import job, launch_env
 
 from graphtrain.config import load_config
 from graphtrain.trainer import train
@@ -35,25 +32,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _venv(tmp_path: Path) -> Path:
-    """A VIRTUAL_ENV for launch.sh whose python is this interpreter, marked installed (launch.sh
-    then installs nothing)."""
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    python = venv / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
-    python.chmod(python.stat().st_mode | stat.S_IEXEC)
-    (venv / ".graphtrain-installed").touch()
-    return venv
-
-
 @pytest.mark.slow  # two torchrun nodes and a single-process run (~50 s on 2 busy cores)
 def test_two_nodes_through_launch_sh_follow_one_process(corpus, tmp_path):
     common = ["--training.steps=4", "--metrics.log_interval=1", "--metrics.val_interval=0"]
     single = train(load_config(job(corpus, tmp_path / "one", *common)))
     extra = job(corpus, tmp_path / "two", *common)[2:]  # the README line has the preset
     port = str(_free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VIRTUAL_ENV": str(_venv(tmp_path))}
+    env = launch_env(tmp_path)
     nodes = []
     for line in _readme_node_lines():
         words = shlex.split(line)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import job, rank_jobs
+from conftest import job, launch_env, rank_jobs
 
 from graphtrain.checkpoint import complete_checkpoints
 from graphtrain.checkpoint.manager import step_of
@@ -118,18 +118,11 @@ def test_sigterm_during_start_up_says_so_and_exits_75(corpus, tmp_path):
 
 
 def _launch_sh(tmp_path: Path, args: list[str], port: str) -> subprocess.Popen:
-    """launch.sh with NGPU=2 on this interpreter (a stand-in venv marked installed)."""
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True, exist_ok=True)
-    python = venv / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    python.chmod(0o755)
-    (venv / ".graphtrain-installed").touch()
+    """launch.sh with NGPU=2 on this interpreter (conftest.launch_env)."""
     repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "VIRTUAL_ENV": str(venv), "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         ["bash", str(repo / "launch.sh"), *args],
-        env={**env, "NGPU": "2", "MASTER_PORT": port},
+        env={**launch_env(tmp_path), "NGPU": "2", "MASTER_PORT": port},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -6,7 +6,6 @@ default corpus is exercised by the data tests and by `./launch.sh` itself.
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job, rank_jobs
+from conftest import job, launch_env, rank_jobs
 
 from graphtrain.config import load_config
 from graphtrain.trainer import train
@@ -366,24 +365,13 @@ def test_a_failed_start_leaves_no_run_directory(corpus, tmp_path):
 
 
 def _launch(tmp_path: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
-    """launch.sh running this interpreter with this checkout first, and no set-up: its
-    VIRTUAL_ENV is a stand-in whose python runs this one and whose install stamp is fresh, so
-    launch.sh never installs anything into the environment the tests run in."""
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    python = venv / "bin" / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    python.chmod(0o755)
-    (venv / ".graphtrain-installed").touch()
-    env = {
-        **os.environ,
-        "VIRTUAL_ENV": str(venv),
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        **env,
-    }
+    """launch.sh running this interpreter with this checkout first, and no set-up
+    (conftest.launch_env)."""
     return subprocess.run(
-        ["bash", str(REPO / "launch.sh"), *args], capture_output=True, text=True, env=env
+        ["bash", str(REPO / "launch.sh"), *args],
+        capture_output=True,
+        text=True,
+        env={**launch_env(tmp_path), **env},
     )
 
 
@@ -405,9 +393,36 @@ def test_launch_sh_multi_rank_config_error_is_one_line_with_exit_code_2(tmp_path
     assert not (tmp_path / "run").exists()
 
 
-def test_launch_sh_dry_run_builds_the_torchrun_command():
+def test_launch_sh_installs_this_checkout_where_another_ones_graphtrain_is_found(tmp_path):
+    """A venv whose graphtrain is another checkout's (an editable install of it, here its
+    folder on PYTHONPATH): the ranks run where the caller stands and would run that code, so
+    launch.sh names it and installs this checkout; where that cannot win (PYTHONPATH), it
+    stops with both paths. This checkout found: nothing installed. (The stand-in python logs
+    its pip calls instead of running them.)"""
+    other = tmp_path / "other"
+    (other / "graphtrain").mkdir(parents=True)
+    (other / "graphtrain" / "__init__.py").write_text("")
+    pip_log = tmp_path / "pip.log"
+    logs_pip = f'case "$*" in *"-m pip"*) echo "$*" >> "{pip_log}"; exit 0;; esac\n'
+    env = {**launch_env(tmp_path, python=logs_pip), "DRY_RUN": "1", "NGPU": "1"}
+    args = ["bash", str(REPO / "launch.sh"), "--training.steps=3"]
+    out = subprocess.run(
+        args, capture_output=True, text=True, env={**env, "PYTHONPATH": str(other)}
+    )
+    assert out.returncode == 1, out.stderr
+    assert f"graphtrain imports from {other.resolve()}, not from this checkout" in out.stderr
+    assert "installing graphtrain" in out.stderr
+    assert f"still imports from {other.resolve()}, not from {REPO.resolve()}" in out.stderr
+    assert "-m pip install -q -e .[dev]" in pip_log.read_text()
+    pip_log.unlink()
+    out = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
+    assert "installing" not in out.stderr and not pip_log.exists(), out.stderr
+    assert out.stdout.strip().endswith("-m graphtrain train --training.steps=3")
+
+
+def test_launch_sh_dry_run_builds_the_torchrun_command(tmp_path):
     env = {
-        **os.environ,
+        **launch_env(tmp_path),
         "DRY_RUN": "1",
         "NGPU": "4",
         "NNODES": "2",
@@ -428,8 +443,8 @@ def test_launch_sh_dry_run_builds_the_torchrun_command():
     assert out.strip().endswith("-m graphtrain train --parallel.tp=2")
 
 
-def test_launch_sh_dry_run_with_one_gpu_prints_only_the_plain_command():
-    env = {**os.environ, "DRY_RUN": "1", "NGPU": "1", "NNODES": "1"}
+def test_launch_sh_dry_run_with_one_gpu_prints_only_the_plain_command(tmp_path):
+    env = {**launch_env(tmp_path), "DRY_RUN": "1", "NGPU": "1", "NNODES": "1"}
     out = subprocess.run(
         ["bash", str(REPO / "launch.sh"), "--training.steps=3"],
         capture_output=True,

@@ -6,14 +6,12 @@ resume past training.steps is refused; `graphtrain train --check` (launch.sh's c
 ranks start) finds what the ranks would each refuse."""
 
 import logging
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import job
+from conftest import job, launch_env
 
 from graphtrain.checkpoint import complete_checkpoints
 from graphtrain.cli import main
@@ -95,12 +93,7 @@ def test_launch_sh_resolves_relative_paths_where_the_caller_stands(corpus, tmp_p
     (work / "job.toml").write_text(
         'preset = "debug"\n[training]\nsteps = 2\n[metrics]\nval_interval = 0\ntensorboard = false\n'
     )
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    (venv / "bin" / "python").chmod(0o755)
-    (venv / ".graphtrain-installed").touch()
-    env = {**os.environ, "VIRTUAL_ENV": str(venv), "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    env = launch_env(tmp_path)
     args = [
         "--data.paths=docs.jsonl",
         "--data.tokenizer=tokenizer.json",

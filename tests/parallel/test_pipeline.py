@@ -178,6 +178,55 @@ def test_bubble_and_in_flight_micro_batches_of_each_schedule():
     assert in_flight_micro_batches("interleaved_1f1b", 4, 3, 8) == pytest.approx(5 / 2)
 
 
+def test_step_timeline_counts_the_time_outside_the_stages_work_as_idle(monkeypatch):
+    """The log's pp/bubble_measured (StepTimeline, host clock on CPU): a 10 s step whose two
+    actions take 3 and 4 s, one of them raising, is 30% idle; the next step starts afresh."""
+    from graphtrain.parallel.pipeline import runner
+
+    clock = iter([0.0, 1.0, 4.0, 5.0, 9.0, 10.0, 20.0, 21.0, 22.0, 25.0])
+    monkeypatch.setattr(runner, "perf_counter", lambda: next(clock))
+    timeline = runner.StepTimeline(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="before a step ended"):
+        timeline.idle_fraction()
+    timeline.begin()
+    with timeline.action():
+        pass
+    with pytest.raises(ValueError), timeline.action():
+        raise ValueError
+    timeline.end()
+    assert timeline.idle_fraction() == pytest.approx(0.3)
+    timeline.begin()
+    with timeline.action():
+        pass
+    timeline.end()
+    assert timeline.idle_fraction() == pytest.approx(0.8)  # 1 of 5 s: the old actions gone
+
+
+@pytest.mark.gpu
+def test_step_timeline_times_the_gpus_work_with_cuda_events():
+    """On a GPU the actions are the GPU's time (CUDA events): queued back to back, two large
+    matmuls leave the step almost busy however little the host spent calling them; a host
+    pause of 0.2 s between two small ones is GPU idle time, most of the step."""
+    import time
+
+    from graphtrain.parallel.pipeline.runner import StepTimeline
+
+    a = torch.randn(4096, 4096, device="cuda")
+    (a @ a).sum().item()  # the first GEMM's set-up out of the way
+    timeline = StepTimeline(torch.device("cuda"))
+    for pause, small in ((0.0, False), (0.2, True)):
+        x = a[:64, :64] if small else a
+        timeline.begin()
+        for _ in range(2):
+            with timeline.action():
+                for _ in range(1 if small else 20):
+                    x = x @ x / x.shape[0] ** 0.5  # the scale kept
+            time.sleep(pause)
+        timeline.end()
+        idle = timeline.idle_fraction()
+        assert (idle > 0.8) if small else (idle < 0.1), (pause, idle)
+
+
 def test_plan_gives_each_pipeline_rank_and_the_bubble():
     """`graphtrain plan` under pp: the stages' parameters add up to the whole model's, the
     first 1F1B rank keeps pp micro-batches' activations of its layers, the last the head."""
@@ -339,6 +388,7 @@ def test_pp2_follows_the_single_process_curve(pipeline_runs, schedule):
     # The schedule's predicted bubble beside tokens/s and MFU: (pp - 1) / (n + pp - 1).
     bubbles = [m["pp/bubble_predicted"] for m in metrics if "loss" in m]
     assert bubbles == [pytest.approx(1 / (4 + 1))] * STEPS
+    _assert_measured_bubble(metrics)
     # Gradient and parameter norms are over every stage, not rank 0's alone.
     lines = (single.run_dir / "metrics.jsonl").read_text().splitlines()
     reference = [json.loads(x) for x in lines]
@@ -423,6 +473,16 @@ def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs,
     if schedule not in runs:
         pytest.skip(f"torch {torch.__version__} runs no {schedule} on gloo (refused at start)")
     compare(single, runs[schedule])
+    _assert_measured_bubble(runs[schedule])
+
+
+def _assert_measured_bubble(metrics: list[dict]) -> None:
+    """Every logged step has its measured bubble, the mean over the pp ranks of the time
+    each spent outside its stages' work: some (a rank waits for the other's first forward or
+    last backward at least), never all of it. Its value on loaded CPU ranks says nothing of a
+    GPU's (so no tighter bound)."""
+    measured = [m["pp/bubble_measured"] for m in metrics if "loss" in m]
+    assert len(measured) == STEPS and all(0 < x < 1 for x in measured), measured
 
 
 def _zbv_as_interleaved(corpus: Path, tmp_path: Path, nproc: int, *args: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Sequence
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from graphtrain.parallel.pipeline.stages import PipelineStageModule, cut_model
 
 # The loader's per-row tensors: what the pipeline's micro-batches are cut from.
 _ROW_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+_IDLE = "pp/idle"  # each rank's measured idle fraction, before the mean over the pp ranks
 
 
 def norm_over_stages(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -57,21 +59,77 @@ def clip_grad_norm_pp_(
     return total
 
 
-def _stage_class(after_backward: Callable[[], None]) -> type:
-    """torch's PipelineStage calling `after_backward` after each backward it runs: the
+class StepTimeline:
+    """This rank's busy time in a pipelined step: begin() and end() around the schedule's step,
+    action() around each forward and backward of its stages; idle_fraction() is the share of
+    the step spent outside them (waiting for another rank, sending, receiving). On a GPU the
+    marks are CUDA events on the current stream, so what is timed is the GPU's work, not its
+    launches (a stage's forward is queued after the wait for its input); on a CPU, the host
+    clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.step: tuple[Any, Any] | None = None
+        self.actions: list[tuple[Any, Any]] = []
+        self._start: Any = None
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+    def begin(self) -> None:
+        self.actions, self._start = [], self._mark()
+
+    def end(self) -> None:
+        self.step = (self._start, self._mark())
+
+    @contextlib.contextmanager
+    def action(self) -> Any:
+        start = self._mark()
+        try:
+            yield
+        finally:
+            self.actions.append((start, self._mark()))
+
+    def idle_fraction(self) -> float:
+        """Of the last step (on a GPU this waits for its end)."""
+        if self.step is None:
+            raise RuntimeError("idle_fraction() before a step ended")
+        if self.cuda:
+            self.step[1].synchronize()
+        total = self._seconds(*self.step)
+        busy = sum(self._seconds(*a) for a in self.actions)
+        return 1.0 - busy / total if total > 0 else 0.0
+
+
+def _stage_class(after_backward: Callable[[], None], timeline: StepTimeline) -> type:
+    """torch's PipelineStage calling `after_backward` after each backward it runs (the
     schedule runs every micro-batch's backward, and a split one's weight half sets .grad
-    itself (no hook on the parameters would see it)."""
+    itself: no hook on the parameters would see it), each forward and backward timed as a
+    `timeline` action."""
     from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            with timeline.action():
+                return super().forward_one_chunk(*args, **kwargs)
+
         def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            out = super().backward_one_chunk(*args, **kwargs)
-            after_backward()
+            with timeline.action():
+                out = super().backward_one_chunk(*args, **kwargs)
+                after_backward()
             return out
 
         def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            out = super().backward_weight_one_chunk(*args, **kwargs)
-            after_backward()
+            with timeline.action():
+                out = super().backward_weight_one_chunk(*args, **kwargs)
+                after_backward()
             return out
 
     return Stage
@@ -180,7 +238,8 @@ class PipelineRunner:
         self.head_stage = num_stages - 1 if head_stage is None else head_stage
         self.copies = shared.copies if shared is not None else []
         self.statistics: dict[str, torch.Tensor] = {}  # the MTP depths' of the last step
-        pipeline_stages = self._torch_stages(seq_len, _stage_class(after_backward))
+        self.timeline = StepTimeline(device)
+        pipeline_stages = self._torch_stages(seq_len, _stage_class(after_backward, self.timeline))
         cls = schedule_class(schedule)
         # scale_grads=False: each micro-batch's loss already carries its token weight.
         kwargs = {"loss_fn": self._loss, "scale_grads": False}
@@ -294,12 +353,14 @@ class PipelineRunner:
         args = (torch.cat([i["input_ids"] for i in inputs]),) if self.first else ()
         losses: list[torch.Tensor] = []
         with self._split_backward():
+            self.timeline.begin()
             self.schedule.step(
                 *args,
                 target=weights.to(self.device) if self.last else None,
                 losses=losses if self.last else None,
                 micro_batch=index,
             )
+            self.timeline.end()
         for stage in self.stages:
             stage.micro_batches, stage.balance = [], None
         self.statistics = {k: v for stage in self.stages for k, v in stage.stats.items()}
@@ -330,14 +391,18 @@ class PipelineRunner:
     def merged_statistics(self, extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every stage's step statistics on every pp rank (log steps only: a host sync). Each
         name comes from one stage (its layers'), except those all stages have, which are
-        summed (FP8 saturation counts); and the schedule's predicted bubble fraction."""
+        summed (FP8 saturation counts); and the schedule's predicted bubble fraction beside the
+        measured one: the last step's idle fraction (StepTimeline), the mean over the pp
+        ranks."""
         values = {name: value.float().item() for name, value in extra.items()}
+        values[_IDLE] = self.timeline.idle_fraction()
         gathered: list[Any] = [None] * self.pp
         dist.all_gather_object(gathered, values, group=self.group)
         merged: dict[str, float] = {}
         for part in gathered:
             for name, value in part.items():
                 merged[name] = merged.get(name, 0.0) + value
+        merged["pp/bubble_measured"] = merged.pop(_IDLE) / self.pp
         merged["pp/bubble_predicted"] = self.bubble
         return {name: torch.tensor(merged[name], device=self.device) for name in sorted(merged)}
 

@@ -195,13 +195,17 @@ def _shard_data_parallel(
     # block twice (torchtitan's default under pp is the same, for that reason), and under zbv
     # a stage whose parameters were sharded when torch's input half of the backward listed
     # them lost its weight gradients: the weight half found no parameter to differentiate.
-    stages = getattr(model, "pipeline_stages", None)
+    roots = getattr(model, "pipeline_stages", None)
+    if roots is not None:
+        from graphtrain.parallel.pipeline.stages import fsdp_roots
+
+        roots = fsdp_roots(roots)
     apply_fsdp(
         model,
         fsdp_mesh(mesh, dims),
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
-        reshard_after_forward=stages is None,
+        reshard_after_forward=roots is None,
         ignored_params=set(expert_params(model)) or None,
-        roots=stages,
+        roots=roots,
     )

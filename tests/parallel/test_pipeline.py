@@ -21,12 +21,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import job, rank_jobs
+from parallel_dist import run_ranks
 
 from graphtrain.config import load_config
 from graphtrain.parallel import check_layout
 from graphtrain.parallel.pipeline import (
     bubble_fraction,
     cut_model,
+    fsdp_roots,
     in_flight_micro_batches,
     parse_layout,
     schedule_class,
@@ -135,9 +137,12 @@ def test_start_checks():
     v = ("--parallel.pp=2", "--parallel.pp_layout=E|t|t|L", "--training.device=cuda")
     _check(*v, "--parallel.pp_schedule=dualpipev", "--parallel.dp_shard=2", world_size=4)
     _check(*v, "--parallel.pp_schedule=zbv", "--parallel.dp_replicate=2", world_size=4)
-    with pytest.raises(ValueError, match=r"mtp_depth=1 with parallel.pp_schedule='dualpipev' "):
-        _check(*v, "--parallel.pp_layout=E|t|tL|m", "--model.mtp_depth=1",
-               "--parallel.pp_schedule=dualpipev", "--parallel.dp_shard=2", world_size=4)  # fmt: skip
+    # MTP beside the embedding on rank 0 under FSDP2 (its own root: stages.fsdp_roots)
+    _check(*v, "--parallel.pp_layout=E|t|tL|m", "--model.mtp_depth=1",
+           "--parallel.pp_schedule=dualpipev", "--parallel.dp_shard=2", world_size=4)  # fmt: skip
+    with pytest.raises(ValueError, match=r"a micro-batch per stage at least \(4 stages\), got "
+                                         r"parallel.pp_microbatches=2"):  # fmt: skip
+        _check(*v, "--parallel.pp_schedule=dualpipev", "--parallel.pp_microbatches=2")
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
     # A recomputed forward would read global-aux step counts later micro-batches have added to.
@@ -280,11 +285,13 @@ def test_launch_sh_check_refuses_a_bad_layout_before_any_rank_starts():
 @pytest.mark.parametrize(
     ("schedule", "layout", "mtp_depth"),
     [("1f1b", "", 0), ("zbv", "", 0), ("interleaved_1f1b", "Et|t|t|tLm", 1),
-     ("interleaved_1f1b", "Et|t|t*2L|m", 1)],
+     ("interleaved_1f1b", "Et|t|t*2L|m", 1), ("zbv", "Et|t|t*2L|m", 1)],
 )  # fmt: skip
 def test_stages_start_from_the_whole_models_weights(schedule, layout, mtp_depth):
     """Each rank's cut model, initialised alone, holds the whole model's values (bitwise),
-    the MTP stage's copies of the embedding, norm and head included."""
+    the MTP stage's copies of the embedding, norm and head included. Under zbv the MTP stage
+    (3) is on rank 0 beside the embedding's (0): they share the embedding, neither as a child
+    (FSDP2 makes it a root of its own) but each with its parameters (the weight half's)."""
     cfg = GPTConfig(vocab_size=96, dim=32, num_layers=4, num_heads=2, num_kv_heads=1, ffn_dim=48,
                     mtp_depth=mtp_depth)  # fmt: skip
     whole = build_model(cfg)
@@ -304,13 +311,60 @@ def test_stages_start_from_the_whole_models_weights(schedule, layout, mtp_depth)
         assert {s.spec.index for s in stages} == {
             s.index for s in specs if stage_rank(s.index, len(specs), 2, schedule) == rank
         }
+        users = [s for s in stages if s.spec.embedding or s.spec.mtp]
+        embedding = model.tok_embeddings if len(users) == 2 else None
+        for stage in stages:
+            assert stage.shared_embedding is embedding
+            assert "tok_embeddings" not in dict(stage.named_modules()) or embedding is None
+        for stage in users:
+            assert any(p is model.tok_embeddings.weight for p in stage.parameters())
+        assert fsdp_roots(stages) == [*([embedding] if embedding else []), *stages]
     assert set(seen) == set(expected)  # every parameter lives in a rank's stages
     shared = ["tok_embeddings.weight", "norm.weight", "output.weight"]
     # Rank 1 holds the MTP stage (3), rank 0 the embedding and the head (stage 2 of 4, or the
     # MTP stage's own with the head in it on rank 1): the copies are on rank 1.
     copies = {name for name in seen if seen.count(name) == 2}
-    want = {"Et|t|t|tLm": {"tok_embeddings.weight"}, "Et|t|t*2L|m": set(shared)}
-    assert copies == want.get(layout, set())
+    want = {
+        ("interleaved_1f1b", "Et|t|t|tLm"): {"tok_embeddings.weight"},
+        ("interleaved_1f1b", "Et|t|t*2L|m"): set(shared),
+        ("zbv", "Et|t|t*2L|m"): set(shared[1:]),  # on rank 0; the embedding is its own
+    }
+    assert copies == want.get((schedule, layout), set())
+
+
+def _reduced_once_rank(rank: int, world_size: int) -> None:
+    """An embedding FSDP2-sharded as a root of its own over 2 ranks, three forward and backward
+    passes inside reduced_once: gathered throughout, no gradient reduced until the end, then
+    the six passes' gradients reduced once (FSDP2's mean over the ranks), sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from graphtrain.parallel.pipeline.runner import reduced_once
+
+    torch.manual_seed(0)
+    reference = torch.nn.Embedding(10, 4)
+    embedding = torch.nn.Embedding(10, 4)
+    embedding.load_state_dict(reference.state_dict())
+    fully_shard(embedding, mesh=init_device_mesh("cpu", (world_size,)))
+    sharded = embedding.weight
+    assert isinstance(sharded, DTensor)
+    ids = torch.randint(0, 10, (world_size, 3, 5))  # each rank's 3 passes
+    weight = torch.randn(5, 4)
+    with reduced_once(embedding):
+        for i in range(3):
+            (embedding(ids[rank, i]) * weight).sum().backward()
+            assert embedding.weight is not sharded  # still gathered
+            assert sharded.grad is None  # nothing reduced yet
+    assert embedding.weight is sharded  # resharded
+    for r in range(world_size):
+        for i in range(3):
+            (reference(ids[r, i]) * weight).sum().backward()
+    torch.testing.assert_close(sharded.grad.full_tensor(), reference.weight.grad / world_size)
+
+
+def test_a_shared_embedding_root_reduces_its_gradient_once_per_step():
+    run_ranks(_reduced_once_rank, 2)
 
 
 @pytest.fixture(scope="module")

@@ -27,19 +27,22 @@ from graphtrain.trainer import train
 EXPORT_RTOL, EXPORT_ATOL = 1e-5, 1e-6
 ONE_ROW_MOE = ["--preset=moe-debug", "--training.micro_batch_size=1", "--schedule.batch_size=256"]
 EP = [*ONE_ROW_MOE, "--parallel.dp_shard=2", "--parallel.ep=2"]
+# zbv where torch runs it on gloo (2.12 and later), else interleaved 1F1B.
+ZBV = f"--parallel.pp_schedule={'zbv' if gloo_runs('zbv') else 'interleaved_1f1b'}"
 # moe-debug with MTP depth 1 and tp=2 (expert TP 1: each tp rank routes its sequence slice,
 # the routers' counts summed over the stage's dp and tp ranks, never over the other stage's).
 TP_MOE = ["--preset=moe-debug", "--training.micro_batch_size=2", "--schedule.batch_size=256",
           "--parallel.tp=2", "--model.mtp_depth=1"]  # fmt: skip
-# Its pipeline: the MTP depth in a stage of its own, zbv where torch runs it on gloo (its
-# weight half sets gradients itself, the experts' as views: _grads_in_param_layout).
-TP_MOE_STAGES = ["--parallel.pp_layout=Et|t|tL|m", "--parallel.pp_microbatches=2",
-                 f"--parallel.pp_schedule={'zbv' if gloo_runs('zbv') else 'interleaved_1f1b'}"]  # fmt: skip
+# Its pipeline: the MTP depth in a stage of its own, zbv (its weight half sets gradients
+# itself, the experts' as views: _grads_in_param_layout).
+TP_MOE_STAGES = ["--parallel.pp_layout=Et|t|tL|m", "--parallel.pp_microbatches=2", ZBV]
 # debug with MTP depth 1: four rows per step, two per data-parallel rank under dp_shard=2.
 MTP = ["--model.mtp_depth=1", "--training.micro_batch_size=2", "--schedule.batch_size=256"]
-# MTP in a stage of its own (copies of the embedding, final norm and head on the other rank).
-MTP_STAGE = ["--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
-             "--parallel.pp_layout=E|t|tL|m", "--parallel.pp_microbatches=2"]  # fmt: skip
+# MTP in a stage of its own: zbv (the V puts the MTP stage beside the embedding's on rank 0,
+# which shares the embedding and holds copies of the final norm and head), or interleaved
+# (copies of all three on the other rank).
+MTP_STAGE = ["--parallel.pp=2", "--parallel.pp_layout=E|t|tL|m", "--parallel.pp_microbatches=2",
+             ZBV]  # fmt: skip
 # The 2-rank references of the pipelined MoE and FSDP + MTP runs.
 # With MTP, the same micro-batches with and without pp (one row each; each weights the depth's
 # mean by the micro-batch's share of the main loss's tokens).
@@ -207,12 +210,13 @@ def _same_mtp_metrics(name: str, want: list[dict], got: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_mtp_stage_with_fsdp_follows_the_same_run_without_pp(four_rank_runs):
-    """MTP depth 1 in a stage of its own under pp=2 x dp_shard=2 (the copies of the embedding,
-    norm and head FSDP-sharded like their owners; their gradient shards summed between the
-    two pp ranks of each dp position) against dp_shard=2 alone: the same data-parallel ranks,
-    so the same loss weighting: the loss, the norms and the depth's loss and acceptance, which
-    dp_shard=2 alone logs too since the step's statistics survive FSDP2's input cast (measured:
-    2e-7 apart)."""
+    """MTP depth 1 in a stage of its own under pp=2 x dp_shard=2 (zbv: the embedding shared
+    by rank 0's two stages, an FSDP2 root of its own, its gradient reduced once per step; the
+    copies of the norm and head FSDP-sharded like their owners, their gradient shards summed
+    between the two pp ranks of each dp position) against dp_shard=2 alone: the same
+    data-parallel ranks, so the same loss weighting: the loss, the norms and the depth's loss
+    and acceptance, which dp_shard=2 alone logs too since the step's statistics survive
+    FSDP2's input cast (measured: 2e-7 apart, zbv and interleaved)."""
     _, runs, _ = four_rank_runs
     assert "mtp/acceptance_1" in runs["fsdp2_mtp"][-2]  # FSDP2 copied a stats dict before
     _same_mtp_metrics("pp2_fsdp2_mtp", runs["fsdp2_mtp"], runs["pp2_fsdp2_mtp"])

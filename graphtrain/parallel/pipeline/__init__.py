@@ -38,7 +38,7 @@ from graphtrain.parallel.pipeline.runner import (
     cut_pipeline,
     norm_over_stages,
 )
-from graphtrain.parallel.pipeline.stages import PipelineStageModule, cut_model
+from graphtrain.parallel.pipeline.stages import PipelineStageModule, cut_model, fsdp_roots
 
 __all__ = [
     "SCHEDULES",
@@ -52,6 +52,7 @@ __all__ = [
     "clip_grad_norm_pp_",
     "cut_model",
     "cut_pipeline",
+    "fsdp_roots",
     "in_flight_micro_batches",
     "norm_over_stages",
     "parse_layout",

@@ -279,19 +279,6 @@ def _check_v_schedule_backend(schedule: str, device: str) -> None:
         )
 
 
-def _check_v_schedule_data_parallel(schedule: str, mtp_depth: int, dims: Any) -> None:
-    """MTP under a V schedule with data parallelism (FSDP2 on every stage): the V puts the MTP
-    stage beside the embedding's, two FSDP2 roots over one embedding, which fully_shard
-    refuses."""
-    dp = f"parallel.dp_shard={dims.dp_shard}, dp_replicate={dims.dp_replicate}"
-    if schedule in V_SCHEDULES and mtp_depth and dims.dp_size > 1:
-        raise ValueError(
-            f"model.mtp_depth={mtp_depth} with parallel.pp_schedule={schedule!r} and data "
-            f"parallelism ({dp}): the MTP stage shares the embedding's rank, which FSDP2 cannot "
-            "shard for two stages; use interleaved_1f1b (its MTP stage holds a copy)"
-        )
-
-
 def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
     """The start check of a pipelined job (a ValueError naming the bad value otherwise)."""
     parallel, model_cfg = cfg.parallel, cfg.model
@@ -309,12 +296,16 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
             "live in different stages; untie them or set parallel.pp=1"
         )
     _check_v_schedule_backend(parallel.pp_schedule, cfg.training.device)
-    _check_v_schedule_data_parallel(parallel.pp_schedule, model_cfg.mtp_depth, dims)
     n, _ = pipeline_microbatches(cfg, dims)
     if parallel.pp_schedule in ("1f1b", "interleaved_1f1b") and n < dims.pp:
         raise ValueError(
             f"parallel.pp_schedule={parallel.pp_schedule!r} needs at least parallel.pp={dims.pp} "
             f"micro-batches per step, got {n}; raise schedule.batch_size"
+        )
+    if parallel.pp_schedule == "dualpipev" and n < len(specs):
+        raise ValueError(
+            f"parallel.pp_schedule='dualpipev' needs a micro-batch per stage at least ({len(specs)}"
+            f" stages), got parallel.pp_microbatches={n}; raise it, or schedule.batch_size"
         )
     if parallel.pp_schedule == "interleaved_1f1b" and n % dims.pp:
         raise ValueError(

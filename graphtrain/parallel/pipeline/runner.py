@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Sequence
 from time import perf_counter
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from graphtrain.balance import RouterBalance
@@ -199,6 +201,28 @@ class SharedCopies:
                     dist.all_reduce(grad, group=group)
 
 
+@contextlib.contextmanager
+def reduced_once(root: FSDPModule | None) -> Any:
+    """Around a step: an FSDP2 root the schedule does not know (the embedding two stages of
+    this rank share: stages.fsdp_roots) run as torch's schedule runs a stage's root: kept
+    gathered, its gradient summed unsharded over every backward of the step, then
+    reduce-scattered and resharded once, by torch's own code for a stage (perform_reduce_grad,
+    which reads only the stage's module). Left to FSDP2's defaults, every backward through it
+    would reduce-scatter its gradient and reshard it, and the next forward gather it again:
+    two collectives over the whole embedding per micro-batch and stage instead of one per
+    step (the gradients come out the same)."""
+    if root is None:
+        yield
+        return
+    from torch.distributed.pipelining import PipelineStage
+
+    root.set_is_last_backward(False)
+    root.set_reshard_after_backward(False)
+    root.set_requires_gradient_sync(False)
+    yield
+    PipelineStage.perform_reduce_grad(SimpleNamespace(submod=root), 1)
+
+
 class PipelineRunner:
     """The pipeline schedule over this rank's stages, and the forward of a whole batch."""
 
@@ -248,6 +272,10 @@ class PipelineRunner:
         else:
             self.schedule = cls(pipeline_stages, num_microbatches, **kwargs)
         self.first = any(s.spec.embedding for s in stages)
+        # The embedding two of this rank's stages share, where FSDP2 made it a root of its own.
+        self.embedding_root = next(
+            (e for s in stages if isinstance(e := s.shared_embedding, FSDPModule)), None
+        )
         self.last = any(s.spec.index == num_stages - 1 for s in stages)
         # Logged beside tokens/s and MFU, which are over the whole pipeline: its idle time is
         # in their wall-clock time, this says how much of it the schedule predicts.
@@ -352,7 +380,7 @@ class PipelineRunner:
         index = torch.arange(len(pieces))  # on the CPU: the stages read it without a sync
         args = (torch.cat([i["input_ids"] for i in inputs]),) if self.first else ()
         losses: list[torch.Tensor] = []
-        with self._split_backward():
+        with self._split_backward(), reduced_once(self.embedding_root):
             self.timeline.begin()
             self.schedule.step(
                 *args,

@@ -3,7 +3,7 @@ the whole model's values, and the stage modules the schedule runs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -89,13 +89,21 @@ class PipelineStageModule(nn.Module):
     the schedule sees their parameters), its inputs from the previous stage (or the token ids)
     and the micro-batch's side inputs (positions, mask, labels) from the runner by index.
     An MTP stage also holds the embedding, final norm and head (copies where another rank's
-    stage owns them: graphtrain.parallel.pipeline.runner reduces their gradients)."""
+    stage owns them: graphtrain.parallel.pipeline.runner reduces their gradients).
 
-    def __init__(self, model: nn.Module, spec: StageSpec) -> None:
+    shared_embedding: the embedding where two stages of this rank run it (a V schedule puts the
+    MTP stage beside the embedding's): not a child of either, so that under FSDP2 it is a root
+    of its own (fsdp_roots; one unit under two stage roots is refused), yet among both stages'
+    parameters(), which a zero-bubble schedule's weight half differentiates."""
+
+    def __init__(self, model: nn.Module, spec: StageSpec, shared_embedding: bool = False) -> None:
         super().__init__()
         self.spec = spec
         self.__dict__["_model"] = model  # not a child: its parameters are not this stage's
-        if spec.embedding or spec.mtp:
+        self.__dict__["shared_embedding"] = None
+        if (spec.embedding or spec.mtp) and shared_embedding:
+            self.__dict__["shared_embedding"] = model.tok_embeddings
+        elif spec.embedding or spec.mtp:
             self.tok_embeddings = model.tok_embeddings
         self.layers = nn.ModuleList([model.layers[str(i)] for i in spec.layers])
         if spec.head or spec.mtp:
@@ -115,6 +123,11 @@ class PipelineStageModule(nn.Module):
         # Views of the step's outputs under a zero-bubble schedule (the runner's
         # _split_backward says why), else None.
         self.graphs: list[torch.Tensor] | None = None
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        yield from super().parameters(recurse)
+        if recurse and self.shared_embedding is not None:
+            yield from self.shared_embedding.parameters()
 
     def forward(
         self, h: torch.Tensor, *loss: torch.Tensor, micro_batch: torch.Tensor
@@ -225,4 +238,13 @@ def cut_model(
         if int(name) not in depths:
             del model.mtp_layers[name]
     model.init_weights = _StageInit(model, build)
-    return [PipelineStageModule(model, s) for s in mine]
+    shared = sum(bool(s.embedding or s.mtp) for s in mine) > 1
+    return [PipelineStageModule(model, s, shared_embedding=shared) for s in mine]
+
+
+def fsdp_roots(stages: Sequence[PipelineStageModule]) -> list[nn.Module]:
+    """The FSDP2 roots of this rank's stages: each stage, and before them the embedding where
+    two stages share it (PipelineStageModule's shared_embedding; PipelineRunner reduces its
+    gradients once per step, as torch's schedule does a stage's)."""
+    shared = next((s.shared_embedding for s in stages if s.shared_embedding is not None), None)
+    return [*stages] if shared is None else [shared, *stages]

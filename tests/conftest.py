@@ -86,6 +86,19 @@ def job(corpus: Path, tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
+def gloo_runs(schedule: str) -> bool:
+    """Whether graphtrain runs the pipeline schedule on CPU ranks with this torch (not the V
+    schedules on torch 2.11: tests/parallel/test_pipeline.py's
+    test_v_schedules_on_gloo_need_torch_2_12)."""
+    from graphtrain.parallel.pipeline.layout import _check_v_schedule_backend
+
+    try:
+        _check_v_schedule_backend(schedule, "cpu")
+    except ValueError:
+        return False
+    return True
+
+
 def rank_jobs(nproc: int, jobs: list[list[str]]) -> list[list[dict]]:
     """Run `graphtrain train ARGS` on nproc CPU ranks (gloo) for each ARGS of `jobs`, one after
     the other, every rank forked from one process that imported the trainer (train_jobs.py: the

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import job, rank_jobs
+from conftest import gloo_runs, job, rank_jobs
 from parallel_dist import run_ranks
 
 from graphtrain.config import load_config
@@ -34,7 +34,6 @@ from graphtrain.parallel.pipeline import (
     schedule_class,
     stage_rank,
 )
-from graphtrain.parallel.pipeline.layout import _check_v_schedule_backend
 from graphtrain.trainer import train
 from models import GPTConfig, build_model
 
@@ -492,16 +491,6 @@ def test_moe_pp2_follows_the_single_process_curve(pipeline_runs):
 
 
 MULTI_STAGE = ["interleaved_1f1b", "zbv", "dualpipev"]
-
-
-def gloo_runs(schedule: str) -> bool:
-    """Whether graphtrain runs `schedule` on CPU ranks with this torch (not the V schedules
-    on torch 2.11: test_v_schedules_on_gloo_need_torch_2_12)."""
-    try:
-        _check_v_schedule_backend(schedule, "cpu")
-    except ValueError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")

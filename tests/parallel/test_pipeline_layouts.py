@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job, rank_jobs
+from conftest import gloo_runs, job, rank_jobs
 from safetensors.torch import load_file
-from test_pipeline import LOSS_RTOL, STEPS, common_args, compare, gloo_runs
+from test_pipeline import LOSS_RTOL, STEPS, common_args, compare
 
 from graphtrain.checkpoint.hf import export_hf
 from graphtrain.config import load_config

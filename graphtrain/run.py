@@ -442,6 +442,7 @@ def _build_model(
         param_dtype=precision.compute,
         reduce_dtype=precision.reduce,
         fp8_all_gather=cfg.fp8 if cfg.fp8.fsdp_all_gather_fp8 else None,
+        reshard_policy=cfg.parallel.fsdp_reshard_after_forward,
     )
     model.to_empty(device=device)
     model.init_weights(seed=training.seed)

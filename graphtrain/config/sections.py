@@ -165,6 +165,13 @@ class ParallelConfig:
         "How overlap_tp_comm overlaps: auto (torch's symm_mem fused ops where the tp group has "
         "symmetric memory, else chunked), chunked, or symm_mem.",
     )
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = option(
+        "default",
+        "FSDP2 after a block's forward: default frees its gathered weights without pp and keeps "
+        "them until the step's last backward with pp (one all-gather per step); always frees "
+        "them (least memory; under pp an all-gather per micro-batch, block and pass; not with "
+        "zbv or dualpipev); never keeps them until the backward (the most memory).",
+    )
     pp: int = option(
         1,
         "Pipeline-parallel ranks, the outermost mesh axis (graphtrain.parallel.pipeline).",

@@ -33,6 +33,7 @@ from graphtrain.config import JobConfig
 from graphtrain.custom_ops.linear_cross_entropy import fast_mode_extra_bytes, unfused_extra_bytes
 from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, check_layout
+from graphtrain.parallel.fsdp import reshards_after_forward
 from graphtrain.passes.fuse_sibling_grouped_mm import concatenated_weights
 from models import MoEConfig, build_model, tp_plan
 
@@ -161,11 +162,12 @@ def _rank_items(
         if copies:
             items["working copies"] = int(copies)
     if dims.dp_shard > 1:
-        # Under pp every block of the rank stays gathered from its first forward to the step's
-        # last backward (graphtrain.parallel._shard_data_parallel); else the running block's
-        # and the prefetched one's.
+        # Kept after forward (by default under pp: graphtrain.parallel.fsdp's
+        # reshards_after_forward), every block of the rank is gathered at once; else the
+        # running block's and the prefetched one's.
         blocks = per_block.values()
-        gathered = sum(blocks) if dims.pp > 1 else 2 * max(blocks, default=0)
+        kept = not reshards_after_forward(cfg.parallel.fsdp_reshard_after_forward, dims.pp)
+        gathered = sum(blocks) if kept else 2 * max(blocks, default=0)
         items["gathered parameters"] = int(gathered * compute)
     tokens *= t.seq_len
     layers = [int(i) for i in model.layers]  # a pipeline rank's layers only

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 from graphtrain.parallel.activation_checkpoint import AC_MODES, apply_ac
 from graphtrain.parallel.expert_parallel import apply_ep, expert_params, reduce_expert_grads
 from graphtrain.parallel.fp8_all_gather import apply_fp8_all_gather
-from graphtrain.parallel.fsdp import apply_fsdp
+from graphtrain.parallel.fsdp import apply_fsdp, reshards_after_forward
 from graphtrain.parallel.gradients import GradientFinisher
 from graphtrain.parallel.init import apply_reproducible_init
 from graphtrain.parallel.mesh import (
@@ -89,6 +89,7 @@ def parallelize_model(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     fp8_all_gather: Fp8Config | None = None,
+    reshard_policy: str = "default",
 ) -> GradientFinisher:
     """Apply EP -> TP -> compile -> AC -> FSDP to `model` in place; returns the call that
     finishes each step's gradients (see graphtrain.parallel.gradients).
@@ -97,8 +98,9 @@ def parallelize_model(
     compile_options: keyword arguments of graphtrain.compile.apply_compile, None for eager.
     param_dtype/reduce_dtype: FSDP2's mixed precision; without data parallelism there is no
     FSDP and the parameters' own dtype is used. fp8_all_gather: the [fp8] filters whose linears'
-    weights FSDP2 gathers in FP8 (graphtrain.parallel.fp8_all_gather), None for none. Afterwards model.init_weights(seed) gives the
-    values of the unsharded model (see graphtrain.parallel.init).
+    weights FSDP2 gathers in FP8 (graphtrain.parallel.fp8_all_gather), None for none.
+    reshard_policy: parallel.fsdp_reshard_after_forward. Afterwards model.init_weights(seed)
+    gives the values of the unsharded model (see graphtrain.parallel.init).
     """
     _check_arguments(model, mesh, dims, ac_mode=ac_mode, fp8_all_gather=fp8_all_gather)
 
@@ -132,7 +134,7 @@ def parallelize_model(
     # 4. FSDP last: it shards whatever parameters exist by now (DTensor TP shards included,
     #    giving 2-D dp x tp parameters) and wraps the blocks as they will run.
     if dims.dp_replicate > 1 or dims.dp_shard > 1:
-        _shard_data_parallel(model, mesh, dims, param_dtype, reduce_dtype)
+        _shard_data_parallel(model, mesh, dims, param_dtype, reduce_dtype, reshard_policy)
 
     # 5. Seeded init must reproduce the unsharded values whatever the layout above.
     apply_reproducible_init(model)
@@ -180,6 +182,7 @@ def _shard_data_parallel(
     dims: ParallelDims,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
+    reshard_policy: str,
 ) -> None:
     """FSDP2 over the data-parallel axes, the expert-parallel weights left alone.
 
@@ -189,12 +192,10 @@ def _shard_data_parallel(
     DTensor parameters, state dict and composition with TP/compile as FSDP, where
     replicate() (DDP) has its own state-dict and TP rules.
     """
-    # Pipeline parallel: the stages the schedule calls are the roots, not the model, and their
-    # blocks keep their gathered parameters from forward to backward (resharded after the
-    # step's last backward). Resharded after each forward, every micro-batch would gather each
-    # block twice (torchtitan's default under pp is the same, for that reason), and under zbv
-    # a stage whose parameters were sharded when torch's input half of the backward listed
-    # them lost its weight gradients: the weight half found no parameter to differentiate.
+    # Pipeline parallel: the stages the schedule calls are the roots, not the model (their
+    # blocks kept gathered by default: reshards_after_forward). Under zbv a stage whose
+    # parameters were sharded when torch's input half of the backward listed them lost its
+    # weight gradients: the weight half found no parameter to differentiate.
     roots = getattr(model, "pipeline_stages", None)
     if roots is not None:
         from graphtrain.parallel.pipeline.stages import fsdp_roots
@@ -205,7 +206,7 @@ def _shard_data_parallel(
         fsdp_mesh(mesh, dims),
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
-        reshard_after_forward=roots is None,
+        reshard_after_forward=reshards_after_forward(reshard_policy, dims.pp),
         ignored_params=set(expert_params(model)) or None,
         roots=roots,
     )

@@ -21,6 +21,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
+def reshards_after_forward(policy: str, pp: int) -> bool:
+    """parallel.fsdp_reshard_after_forward for a job with `pp` pipeline ranks. The default keeps
+    a pipeline's blocks gathered from their first forward to the step's last backward:
+    resharded after each forward, every micro-batch would gather each block twice (torchtitan's
+    default under pp is the same, for that reason), and the zero-bubble schedules need them
+    gathered (graphtrain.parallel.pipeline.layout refuses "always" there)."""
+    return {"always": True, "never": False}.get(policy, pp == 1)
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,

@@ -66,12 +66,22 @@ def test_parameter_shards_match_the_parallelized_model(args):
 def test_gathered_parameters_are_every_block_of_a_pipeline_rank():
     """FSDP's gathered parameters: the largest block twice (running and prefetched) without
     pp; under pp each block of the rank's stages, which stay gathered from forward to backward
-    (graphtrain.parallel): 3 blocks on each of two pp ranks of a 6-layer model."""
+    (graphtrain.parallel): 3 blocks on each of two pp ranks of a 6-layer model. With
+    parallel.fsdp_reshard_after_forward, always: two blocks under pp too; never: all six
+    without pp."""
     six = ["--preset", "debug", "--model.num_layers=6"]
-    flat = plan_memory(load_config([*six, "--parallel.dp_shard=4"]), 4)
-    piped = plan_memory(load_config([*six, "--parallel.dp_shard=2", "--parallel.pp=2"]), 4)
-    block = flat.items["gathered parameters"] / 2
-    assert block > 0 and piped.items["gathered parameters"] == 3 * block
+
+    def gathered(*args: str) -> float:
+        return plan_memory(load_config([*six, *args]), 4).items["gathered parameters"]
+
+    block = gathered("--parallel.dp_shard=4") / 2
+    assert block > 0
+    piped = ("--parallel.dp_shard=2", "--parallel.pp=2")
+    assert gathered(*piped) == 3 * block
+    assert gathered(*piped, "--parallel.fsdp_reshard_after_forward=always") == 2 * block
+    assert gathered("--parallel.dp_shard=4", "--parallel.fsdp_reshard_after_forward=never") == (
+        6 * block
+    )
 
 
 def test_plan_command_prints_a_layout_and_refuses_one_that_does_not_fit(capsys):

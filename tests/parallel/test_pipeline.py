@@ -142,6 +142,12 @@ def test_start_checks():
     with pytest.raises(ValueError, match=r"a micro-batch per stage at least \(4 stages\), got "
                                          r"parallel.pp_microbatches=2"):  # fmt: skip
         _check(*v, "--parallel.pp_schedule=dualpipev", "--parallel.pp_microbatches=2")
+    always = "--parallel.fsdp_reshard_after_forward=always"
+    with pytest.raises(ValueError, match=r"fsdp_reshard_after_forward='always' with parallel.pp_"
+                                         r"schedule='zbv': its split backward needs"):  # fmt: skip
+        _check(*v, "--parallel.pp_schedule=zbv", "--parallel.dp_shard=2", always, world_size=4)
+    _check(*v, "--parallel.pp_schedule=zbv", always)  # no data parallelism: nothing resharded
+    _check("--parallel.pp=2", "--parallel.dp_shard=2", always, world_size=4)
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         load_config(["--preset", "debug", "--parallel.pp_schedule=zb"])
     # A recomputed forward would read global-aux step counts later micro-batches have added to.
@@ -528,21 +534,27 @@ def _assert_measured_bubble(metrics: list[dict]) -> None:
     assert len(measured) == STEPS and all(0 < x < 1 for x in measured), measured
 
 
-def _zbv_as_interleaved(corpus: Path, tmp_path: Path, nproc: int, *args: str) -> None:
+def _zbv_as_interleaved(
+    corpus: Path, tmp_path: Path, nproc: int, *args: str, also: tuple[str, ...] = ()
+) -> None:
     """zbv and interleaved 1F1B, E|t|t|L with two micro-batches on `nproc` CPU ranks (eager),
-    give the same losses and gradient norms over 3 steps (measured: bitwise equal)."""
+    give the same losses and gradient norms over 3 steps (measured: bitwise equal); and so
+    does interleaved 1F1B with the arguments `also`, if given."""
     if not gloo_runs("zbv"):
         pytest.skip(f"torch {torch.__version__} runs no zbv on gloo (refused at start)")
     common = ["--training.steps=3", "--metrics.log_interval=1", "--compile.enable=false",
               "--parallel.pp=2", "--parallel.pp_layout=E|t|t|L", "--parallel.pp_microbatches=2",
               *args]  # fmt: skip
-    names = ("zbv", "interleaved_1f1b")
-    jobs = [job(corpus, tmp_path / n, *common, f"--parallel.pp_schedule={n}") for n in names]
-    zbv, interleaved = ([m for m in lines if "loss" in m] for lines in rank_jobs(nproc, jobs))
-    assert len(zbv) == len(interleaved) == 3
-    for a, b in zip(interleaved, zbv, strict=True):
-        for key in ("loss", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-6), (a["step"], key)
+    runs = {n: (f"--parallel.pp_schedule={n}",) for n in ("interleaved_1f1b", "zbv")}
+    if also:
+        runs["also"] = ("--parallel.pp_schedule=interleaved_1f1b", *also)
+    jobs = [job(corpus, tmp_path / name, *common, *extra) for name, extra in runs.items()]
+    interleaved, *others = ([m for m in lines if "loss" in m] for lines in rank_jobs(nproc, jobs))
+    for name, metrics in zip(list(runs)[1:], others, strict=True):
+        assert len(metrics) == len(interleaved) == 3, name
+        for a, b in zip(interleaved, metrics, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-6), (name, a["step"], key)
 
 
 @pytest.mark.slow  # 4 ranks, two jobs
@@ -552,9 +564,12 @@ def test_zbv_with_fsdp_trains_as_interleaved_1f1b(corpus, tmp_path):
     not the compiler. When FSDP2 resharded a block after its forward, its stage's parameters
     were sharded when torch's input half of the split backward listed the parameters its
     weight half differentiates: none found, so the weight halves of stage 1's first
-    micro-batches gave no gradient (grad norm 2.3220 against 2.3253 at the first step)."""
+    micro-batches gave no gradient (grad norm 2.3220 against 2.3253 at the first step).
+    Interleaved 1F1B with parallel.fsdp_reshard_after_forward=always (each block gathered again
+    for each micro-batch's forward and backward) trains the same."""
     _zbv_as_interleaved(corpus, tmp_path, 4, "--parallel.dp_shard=2",
-                        "--training.micro_batch_size=2", "--schedule.batch_size=256")  # fmt: skip
+                        "--training.micro_batch_size=2", "--schedule.batch_size=256",
+                        also=("--parallel.fsdp_reshard_after_forward=always",))  # fmt: skip
 
 
 @pytest.mark.slow  # 2 ranks, two jobs

@@ -296,6 +296,18 @@ def check_pipeline(cfg: Any, dims: Any) -> list[StageSpec]:
             "live in different stages; untie them or set parallel.pp=1"
         )
     _check_v_schedule_backend(parallel.pp_schedule, cfg.training.device)
+    if (
+        parallel.pp_schedule in V_SCHEDULES
+        and parallel.fsdp_reshard_after_forward == "always"
+        and dims.dp_size > 1
+    ):
+        # torch's input half lists the stage's parameters for the weight half: resharded ones
+        # would leave the weight half nothing to differentiate (the zbv bug of the design note).
+        raise ValueError(
+            f"parallel.fsdp_reshard_after_forward='always' with parallel.pp_schedule="
+            f"{parallel.pp_schedule!r}: its split backward needs each stage's weights gathered "
+            "from forward to the weight gradients; use 'default', or 1f1b / interleaved_1f1b"
+        )
     n, _ = pipeline_microbatches(cfg, dims)
     if parallel.pp_schedule in ("1f1b", "interleaved_1f1b") and n < dims.pp:
         raise ValueError(

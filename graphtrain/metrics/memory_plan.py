@@ -130,17 +130,27 @@ def _rank_items(
     master = _DTYPE_BYTES[t.master_dtype]
     compute = 2 if t.dtype == "auto" else _DTYPE_BYTES[t.dtype]  # auto: bf16 on GPUs
     state = min(_DTYPE_BYTES[cfg.optim.state_dtype], master)
-    local, per_block = 0.0, {}
+    local, per_block, fsdp_whole = 0.0, {}, 0.0
     for name, param in model.named_parameters():
         share = param.numel() / _tp_divisor(name, plan, dims)
         # Routed experts under ep: split over ep, replicated over the other dp ranks.
-        local += share / (dims.ep if dims.ep > 1 and ".experts." in name else dims.dp_shard)
+        expert = dims.ep > 1 and ".experts." in name
+        local += share / (dims.ep if expert else dims.dp_shard)
+        fsdp_whole += 0.0 if expert else share
         if name.startswith("layers."):
             block = name.split(".")[1]
             per_block[block] = per_block.get(block, 0.0) + share
+    gradients = local * master
+    if dims.pp > 1 and dims.dp_size > 1:
+        # torch's pipeline stages sum each micro-batch's gradients unsharded (FSDP2's no-sync)
+        # and reduce-scatter them once after the step (a shared embedding likewise: the
+        # pipeline runner's reduced_once): until then the whole gradient of the rank's FSDP
+        # parameters, in the reduce dtype.
+        sharded = (fsdp_whole / dims.dp_shard) * master
+        gradients += fsdp_whole * _DTYPE_BYTES[t.reduce_dtype] - sharded
     items = {
         "parameters": int(local * master),
-        "gradients": int(local * master),
+        "gradients": int(gradients),
         "optimizer states": int(2 * local * state),
     }
     if t.working_weights and master == 4 and compute == 2:

@@ -84,6 +84,34 @@ def test_gathered_parameters_are_every_block_of_a_pipeline_rank():
     )
 
 
+def test_pipeline_ranks_hold_their_whole_gradient_until_the_step_ends():
+    """Under pp x FSDP the stages sum the micro-batches' gradients unsharded (FSDP2's no-sync,
+    torch's pipeline stages) and reduce-scatter them once per step: the rank's whole gradient
+    in the reduce dtype, not its shard (measured so: tests/parallel/test_pipeline.py's
+    reduced_once test sees the sharded gradient empty until the end). moe-debug's experts
+    under ep are reduced by graphtrain itself, their ep shard."""
+    six = ["--preset", "debug", "--model.num_layers=6"]
+
+    def items(*args: str) -> dict[str, float]:
+        return plan_memory(load_config([*six, *args]), 8).items
+
+    flat = items("--parallel.dp_shard=8")
+    assert flat["gradients"] == flat["parameters"]  # fp32 shards
+    for dp in (2, 4):
+        piped = items(f"--parallel.dp_shard={dp}", f"--parallel.pp={8 // dp}")
+        assert piped["gradients"] == dp * piped["parameters"]
+        bf16 = items(f"--parallel.dp_shard={dp}", f"--parallel.pp={8 // dp}",
+                     "--training.reduce_dtype=bfloat16")  # fmt: skip
+        assert bf16["gradients"] == dp * piped["parameters"] / 2
+    # The routed experts E: with ep=1 FSDP shards them (E / 4 stored, E gradient in the step),
+    # with ep=2 each rank holds E / 2 of parameters and of gradient.
+    moe = ["--preset", "moe-debug", "--parallel.dp_shard=4", "--parallel.pp=2"]
+    ep1, ep2 = (plan_memory(load_config([*moe, f"--parallel.ep={ep}"]), 8).items for ep in (1, 2))
+    experts = ep2["parameters"] - ep1["parameters"]  # (E / 2 - E / 4) x 4 bytes = E
+    assert experts > 0
+    assert ep1["gradients"] - ep2["gradients"] == pytest.approx(2 * experts, abs=8)  # 4E - 2E
+
+
 def test_plan_command_prints_a_layout_and_refuses_one_that_does_not_fit(capsys):
     assert _plan(["--preset", "8b", "--ngpu", "64", "--parallel.tp=8"]) == 0
     out = capsys.readouterr().out

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from graphtrain.balance import RouterBalance
 from graphtrain.data.packing import IGNORE_INDEX
 from graphtrain.optim.clip import GradScale, clip_coefficient, global_norm, scale_grads_
+from graphtrain.parallel.fsdp import reshards_after_forward
 from graphtrain.parallel.pipeline.layout import (
     V_SCHEDULES,
     bubble_fraction,
@@ -110,11 +111,15 @@ class StepTimeline:
         return 1.0 - busy / total if total > 0 else 0.0
 
 
-def _stage_class(after_backward: Callable[[], None], timeline: StepTimeline) -> type:
+def _stage_class(
+    after_backward: Callable[[], None], timeline: StepTimeline, reshard: bool = False
+) -> type:
     """torch's PipelineStage calling `after_backward` after each backward it runs (the
     schedule runs every micro-batch's backward, and a split one's weight half sets .grad
     itself: no hook on the parameters would see it), each forward and backward timed as a
-    `timeline` action."""
+    `timeline` action. reshard (parallel.fsdp_reshard_after_forward=always): the stage's FSDP2
+    units resharded after each (whole) backward too, which torch's stage keeps gathered until
+    the step's end; the gradients summed unsharded stay (FSDP2's no-sync)."""
     from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
@@ -126,6 +131,9 @@ def _stage_class(after_backward: Callable[[], None], timeline: StepTimeline) -> 
             with timeline.action():
                 out = super().backward_one_chunk(*args, **kwargs)
                 after_backward()
+                for module in self.submod.modules() if reshard else ():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
             return out
 
         def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
@@ -246,10 +254,13 @@ class PipelineRunner:
         shared: SharedCopies | None = None,
         head_stage: int | None = None,
         after_backward: Callable[[], None] = lambda: None,
+        reshard_after_backward: bool = False,
     ) -> None:
         """after_backward: run after each micro-batch's backward (both halves of a split one)
         of each stage: the working copies' gradients into their masters, the fp32 gradient
-        sums (graphtrain.optim.FP32GradAccumulator)."""
+        sums (graphtrain.optim.FP32GradAccumulator). reshard_after_backward: the stages'
+        FSDP2 units resharded after each backward (parallel.fsdp_reshard_after_forward=always;
+        never with a split backward, refused at start)."""
         self.model, self.stages, self.group = model, stages, pp_group
         self.num_stages, self.pp, self.schedule_name = num_stages, pp, schedule
         self.num_microbatches, self.device = num_microbatches, device
@@ -263,7 +274,8 @@ class PipelineRunner:
         self.copies = shared.copies if shared is not None else []
         self.statistics: dict[str, torch.Tensor] = {}  # the MTP depths' of the last step
         self.timeline = StepTimeline(device)
-        pipeline_stages = self._torch_stages(seq_len, _stage_class(after_backward, self.timeline))
+        stage_class = _stage_class(after_backward, self.timeline, reshard_after_backward)
+        pipeline_stages = self._torch_stages(seq_len, stage_class)
         cls = schedule_class(schedule)
         # scale_grads=False: each micro-batch's loss already carries its token weight.
         kwargs = {"loss_fn": self._loss, "scale_grads": False}
@@ -546,4 +558,6 @@ def build_runner(
         device=device,
         make_inputs=lambda batch: model_inputs(batch, device, attention),
         after_backward=after_backward,
+        reshard_after_backward=dims.dp_size > 1
+        and reshards_after_forward(cfg.parallel.fsdp_reshard_after_forward, dims.pp),
     )

@@ -372,6 +372,54 @@ def test_a_shared_embedding_root_reduces_its_gradient_once_per_step():
     run_ranks(_reduced_once_rank, 2)
 
 
+def _resharding_stage_rank(rank: int, world_size: int, reshard: bool) -> tuple[list, list]:
+    """One stage (two FSDP2 blocks over the 2 ranks, each rank its own one-stage pipeline) run
+    by GPipe over two micro-batches with the runner's stage class: whether the blocks were
+    sharded after each backward, and the step's gradients."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import ScheduleGPipe
+    from torch.distributed.tensor import DTensor
+
+    from graphtrain.parallel.pipeline.runner import StepTimeline, _stage_class
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model:
+        fully_shard(block, mesh=mesh)  # resharded after forward
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group
+    sharded: list[bool] = []
+
+    class Probe(_stage_class(lambda: None, StepTimeline(torch.device("cpu")), reshard)):
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().backward_one_chunk(*args, **kwargs)
+            sharded.append(all(isinstance(p, DTensor) for p in model[0].parameters()))
+            return out
+
+    rows = torch.empty(2, 8)
+    stage = Probe(model, 0, 1, torch.device("cpu"), input_args=(rows,), output_args=(rows,),
+                  group=groups[rank])  # fmt: skip
+    schedule = ScheduleGPipe(stage, 2, loss_fn=lambda out, y: ((out - y) ** 2).sum())
+    torch.manual_seed(1 + rank)
+    schedule.step(torch.randn(4, 8), target=torch.randn(4, 8))
+    return sharded, [p.grad.full_tensor() for p in model.parameters()]
+
+
+def test_the_stages_reshard_after_backward_with_always():
+    """parallel.fsdp_reshard_after_forward=always under pp: torch's stage keeps its FSDP2 units
+    gathered from a backward to the step's end (measured here: gathered after both backwards
+    without the runner's resharding); the runner's stage reshards them after each backward,
+    with the same gradients (the micro-batches' sums stay unsharded until the reduce)."""
+    kept, resharded = (run_ranks(_resharding_stage_rank, 2, reshard) for reshard in (False, True))
+    for (kept_flags, kept_grads), (flags, grads) in zip(kept, resharded, strict=True):
+        assert kept_flags == [False, False] and flags == [True, True]
+        for a, b in zip(kept_grads, grads, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def single_run(corpus, tmp_path_factory):
     """The single-process run of common_args (the reference of several pipelines)."""

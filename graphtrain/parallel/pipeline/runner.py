@@ -216,9 +216,9 @@ def reduced_once(root: FSDPModule | None) -> Any:
     gathered, its gradient summed unsharded over every backward of the step, then
     reduce-scattered and resharded once, by torch's own code for a stage (perform_reduce_grad,
     which reads only the stage's module). Left to FSDP2's defaults, every backward through it
-    would reduce-scatter its gradient and reshard it, and the next forward gather it again:
-    two collectives over the whole embedding per micro-batch and stage instead of one per
-    step (the gradients come out the same)."""
+    would reduce-scatter its gradient and reshard it, and the next forward gather it again: a
+    reduce-scatter and an all-gather of the whole embedding per micro-batch and stage, where
+    one reduce-scatter per step does (the gradients come out the same, measured)."""
     if root is None:
         yield
         return

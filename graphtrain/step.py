@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDict
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from graphtrain.attention import build_attention_mask
 from graphtrain.metrics import model_training_flops
@@ -225,7 +226,14 @@ class TrainStep:
         # Counts come from the loader (CPU tensors): no device sync.
         num_labels = [batch["num_label_tokens"] for batch in batches]
         flops = 0
-        for batch, n in zip(batches, num_labels, strict=True):
+        # HSDP (dp_replicate > 1): each micro-batch's gradient is reduce-scattered within its
+        # replica and summed there; the all-reduce over the replicas (across nodes) runs once,
+        # on the last micro-batch (FSDP2's set_requires_all_reduce; a no-op without replicas).
+        model = self.forward.model
+        hsdp = model if isinstance(model, FSDPModule) else None
+        for i, (batch, n) in enumerate(zip(batches, num_labels, strict=True)):
+            if hsdp is not None:
+                hsdp.set_requires_all_reduce(i == len(batches) - 1)
             # Exact FLOPs of this rank's micro-batch (document-causal attention pairs
             # included), counted on the host from the loader's CPU-side numbers.
             flops += model_training_flops(

@@ -131,3 +131,43 @@ def test_model_statistics_survive_fsdp2(one_rank_group):
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     stats = make_step(model, [], num_micro=1)(batches(1), step=0)
     assert torch.equal(stats.extra["test/loss"], stats.loss)
+
+
+def _hsdp_rank(rank: int, world_size: int) -> tuple[int, list[torch.Tensor]]:
+    """The step on 2 ranks as HSDP replicas (dp_replicate=2, dp_shard=1), 3 micro-batches:
+    FSDP2's all-reduces over the replicas, and the parameters after the step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = WithStats()
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    fully_shard(model, mesh=mesh)
+    replicas = mesh.get_group("dp_replicate")
+    all_reduce, calls = dist.all_reduce, []
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(kwargs.get("group") is replicas)
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        make_step(model, [], num_micro=3)(batches(3), step=0)
+    finally:
+        dist.all_reduce = all_reduce
+    return sum(calls), [p.full_tensor() for p in model.parameters()]
+
+
+def test_hsdp_all_reduces_over_the_replicas_once_per_step():
+    """HSDP with gradient accumulation: each micro-batch's gradient is reduce-scattered within
+    the replica, the all-reduce over the replicas (across nodes) runs once per step, not once
+    per micro-batch; the step's update equals one process's (both replicas see the same
+    batches: their mean gradient is one process's)."""
+    from parallel_dist import run_ranks
+
+    model = WithStats()
+    make_step(model, [], num_micro=3)(batches(3), step=0)
+    for count, params in run_ranks(_hsdp_rank, 2):
+        assert count == 1
+        for got, want in zip(params, model.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -372,11 +372,18 @@ def test_a_shared_embedding_root_reduces_its_gradient_once_per_step():
     run_ranks(_reduced_once_rank, 2)
 
 
-def _resharding_stage_rank(rank: int, world_size: int, reshard: bool) -> tuple[list, list]:
+def _resharding_stage_rank(rank: int, world_size: int) -> list[tuple[list, list]]:
+    """_resharding_stage without and with the runner's resharding."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group
+    return [_resharding_stage(rank, world_size, groups[rank], r) for r in (False, True)]
+
+
+def _resharding_stage(rank: int, world_size: int, group: Any, reshard: bool) -> tuple[list, list]:
     """One stage (two FSDP2 blocks over the 2 ranks, each rank its own one-stage pipeline) run
     by GPipe over two micro-batches with the runner's stage class: whether the blocks were
     sharded after each backward, and the step's gradients."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import ScheduleGPipe
@@ -390,7 +397,6 @@ def _resharding_stage_rank(rank: int, world_size: int, reshard: bool) -> tuple[l
     for block in model:
         fully_shard(block, mesh=mesh)  # resharded after forward
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group
     sharded: list[bool] = []
 
     class Probe(_stage_class(lambda: None, StepTimeline(torch.device("cpu")), reshard)):
@@ -401,7 +407,7 @@ def _resharding_stage_rank(rank: int, world_size: int, reshard: bool) -> tuple[l
 
     rows = torch.empty(2, 8)
     stage = Probe(model, 0, 1, torch.device("cpu"), input_args=(rows,), output_args=(rows,),
-                  group=groups[rank])  # fmt: skip
+                  group=group)  # fmt: skip
     schedule = ScheduleGPipe(stage, 2, loss_fn=lambda out, y: ((out - y) ** 2).sum())
     torch.manual_seed(1 + rank)
     schedule.step(torch.randn(4, 8), target=torch.randn(4, 8))
@@ -413,8 +419,7 @@ def test_the_stages_reshard_after_backward_with_always():
     gathered from a backward to the step's end (measured here: gathered after both backwards
     without the runner's resharding); the runner's stage reshards them after each backward,
     with the same gradients (the micro-batches' sums stay unsharded until the reduce)."""
-    kept, resharded = (run_ranks(_resharding_stage_rank, 2, reshard) for reshard in (False, True))
-    for (kept_flags, kept_grads), (flags, grads) in zip(kept, resharded, strict=True):
+    for (kept_flags, kept_grads), (flags, grads) in run_ranks(_resharding_stage_rank, 2):
         assert kept_flags == [False, False] and flags == [True, True]
         for a, b in zip(kept_grads, grads, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=0)

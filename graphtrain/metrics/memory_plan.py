@@ -4,9 +4,10 @@ What
     plan_memory(cfg, world_size) builds the model on the meta device (no memory) and adds up,
     for one rank of the configured layout: the parameters (the master copy, sharded over
     dp_shard by FSDP2 and over tp / etp / ep as the layout splits them), the gradients (the
-    same shards), AdamW's two moments (optim.state_dtype), the bf16 working copies where the
-    layout has them, FSDP's gathered parameters (the largest block's, twice: running and
-    prefetched; under pp, every block of the rank), the activations per micro-batch (per
+    same shards; under pp x FSDP the whole, summed unsharded until the step's reduce),
+    AdamW's two moments (optim.state_dtype), the bf16 working copies where the layout has
+    them, FSDP's gathered parameters (the largest block's, twice: running and prefetched;
+    under pp by default, every block of the rank), the activations per micro-batch (per
     block, what autograd keeps per token of the rank's sequence slice; with
     activation_checkpoint=full only each block's input plus one block's recompute; with
     activation_memory_budget b, the inputs plus b of the rest plus 1 - b of one block's) and

@@ -326,8 +326,9 @@ def test_stages_start_from_the_whole_models_weights(schedule, layout, mtp_depth)
         assert fsdp_roots(stages) == [*([embedding] if embedding else []), *stages]
     assert set(seen) == set(expected)  # every parameter lives in a rank's stages
     shared = ["tok_embeddings.weight", "norm.weight", "output.weight"]
-    # Rank 1 holds the MTP stage (3), rank 0 the embedding and the head (stage 2 of 4, or the
-    # MTP stage's own with the head in it on rank 1): the copies are on rank 1.
+    # Interleaved: rank 1 holds the MTP stage (3), rank 0 the embedding and the head (stage 2
+    # of 4, or the MTP stage's own with the head in it on rank 1): the copies are on rank 1.
+    # zbv: rank 0 holds the embedding's stage (0) and the MTP stage (3), rank 1 the head's (2).
     copies = {name for name in seen if seen.count(name) == 2}
     want = {
         ("interleaved_1f1b", "Et|t|t|tLm"): {"tok_embeddings.weight"},

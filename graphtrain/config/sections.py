@@ -169,7 +169,7 @@ class ParallelConfig:
         "default",
         "FSDP2 after a block's forward: default frees its gathered weights without pp and keeps "
         "them until the step's last backward with pp (one all-gather per step); always frees "
-        "them (least memory; under pp an all-gather per micro-batch, block and pass; not with "
+        "them (less memory; under pp an all-gather per micro-batch, block and pass; not with "
         "zbv or dualpipev); never keeps them until the backward (the most memory).",
     )
     pp: int = option(

@@ -5,6 +5,7 @@ import contextlib
 
 import numpy as np
 import torch
+from parallel_dist import run_ranks
 from torch import nn
 
 from graphtrain.data.packing import pack_rows
@@ -163,8 +164,6 @@ def test_hsdp_all_reduces_over_the_replicas_once_per_step():
     the replica, the all-reduce over the replicas (across nodes) runs once per step, not once
     per micro-batch; the step's update equals one process's (both replicas see the same
     batches: their mean gradient is one process's)."""
-    from parallel_dist import run_ranks
-
     model = WithStats()
     make_step(model, [], num_micro=3)(batches(3), step=0)
     for count, params in run_ranks(_hsdp_rank, 2):

@@ -146,6 +146,7 @@ def test_two_rank_preemption_through_launch_sh_exits_75_and_a_dead_rank_is_one_l
     says in one line which checkpoint to continue from, no gloo traceback."""
     args = job(corpus, tmp_path, "--training.steps=40", "--metrics.log_interval=1")
     args += ["--training.device=cpu", "--metrics.val_interval=0", "--checkpoint.interval=100"]
+    args += ["--compile.enable=false"]  # signals and saves: the compiled run's are tested above
     metrics = tmp_path / "run" / "metrics.jsonl"
     proc = _launch_sh(tmp_path, args, str(29600 + os.getpid() % 300))
     _after_losses(proc, metrics, 3)

@@ -56,13 +56,16 @@ def test_kill_during_save_resumes_from_the_previous_checkpoint(
 _STEPS = "--training.steps=6"
 _SAVE = "--checkpoint.interval=4"
 # Saved by 2 processes: FSDP over dp_shard=2 with bf16 moments; an MoE model with tp=2 (no aux
-# losses: those are per sequence slice under tp, so they would differ from one rank's).
-_FSDP = ("--optim.state_dtype=bfloat16", "--metrics.log_interval=1")
+# losses: those are per sequence slice under tp, so they would differ from one rank's). Eager:
+# the checkpoints' layouts are under test (compiled layouts: tests/parallel).
+_EAGER = "--compile.enable=false"
+_FSDP = ("--optim.state_dtype=bfloat16", "--metrics.log_interval=1", _EAGER)
 _FSDP_TWO = ("--parallel.dp_shard=2", "--training.micro_batch_size=2")
 _MOE = (
     "--preset",
     "moe-debug",
     "--metrics.log_interval=1",
+    _EAGER,
     *(
         f"--model.{k}=0"
         for k in ("aux_loss_coef", "seq_aux_loss_coef", "global_aux_loss_coef", "z_loss_coef")

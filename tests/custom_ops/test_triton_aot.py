@@ -7,9 +7,9 @@ entry that says why and bounds it (a worse regression still fails).
 
 Budget (cold Triton cache, 2 shared cores): the fast subset (every kernel at a benchmark shape
 and its launcher's configuration, ~20 variants) takes ~20 s of CPU and runs unmarked; sm_100's
-fast subset is slow-marked; sm_90's "ci" set (more shapes and dtypes, ~3 min cold) and "all"
-(both benchmark shapes of the head, its fp32 path) run on request (GRAPHTRAIN_TRITON_AOT_ALL=1,
-after retuning a kernel).
+fast subset (~25 s), sm_90's "ci" set (more shapes and dtypes, ~3 min cold) and "all" (both
+benchmark shapes of the head, its fp32 path) run on request (GRAPHTRAIN_TRITON_AOT_ALL=1, after
+retuning a kernel: the targets' cards are Hopper's, and the suite keeps to its 20 minutes).
 """
 
 from __future__ import annotations
@@ -185,7 +185,12 @@ def test_fp8_casts_compute_each_byte_once(fast_sm90):
         assert r["instructions"] < limit, (r["case"], r["instructions"])
 
 
-@pytest.mark.slow  # ~25 s of CPU cold
+@pytest.mark.skipif(
+    os.environ.get("GRAPHTRAIN_TRITON_AOT_ALL") != "1",
+    reason="the fast subset for Blackwell (~25 s of CPU cold; the cards of the targets are "
+    "Hopper's, whose fast subset runs unmarked): set GRAPHTRAIN_TRITON_AOT_ALL=1",
+)
+@pytest.mark.slow
 def test_fast_subset_compiles_within_the_limits_on_sm100(tmp_path_factory):
     records = _compile(tmp_path_factory, "fast", 100)
     assert len(records) >= 15

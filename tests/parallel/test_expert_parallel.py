@@ -41,15 +41,19 @@ RUNS = {
     "dp1_sliced": (1, (_EAGER, *_SLICED, _MB[1])),
     "dp2": (2, ("--parallel.dp_shard=2", _MB[2], _DUMP, _VALIDATE)),
     "dp4": (4, (_EAGER, "--parallel.dp_shard=4", _MB[4])),
-    # The layouts: compiled where expert parallelism meets tp (the all-to-all, the routers'
-    # sums over tp and the fused router and dispatch in one graph) and dp2_ep2, whose graphs
-    # the compiled-ops test reads; the others eager (a compiled 4-rank run costs 3-4x an eager
-    # one on 2 cores; tp=2's sliced routing compiled: test_pipeline_layouts' tp2_moe). Expert
-    # TP alone (tp=2, etp=2) is in both dp2_tp2_etp2 and dp2_tp2_ep2_etp2.
+    # The layouts: compiled where expert parallelism meets tp and expert TP (the all-to-all, the
+    # routers' sums over tp, the expert-TP collectives and the fused router and dispatch in one
+    # graph: dp2_tp2_ep2_etp2) and dp2_ep2, whose graphs the compiled-ops test reads; the others
+    # eager (a compiled 4-rank run costs 3-4x an eager one on 2 cores; tp=2's sliced routing
+    # compiled: test_pipeline_layouts' pp2_tp2_moe). Expert TP alone (tp=2, etp=2) is in both
+    # dp2_tp2_etp2 and dp2_tp2_ep2_etp2.
     "tp2": (2, (_EAGER, *_SLICED, "--parallel.tp=2", _MB[1])),
     # With graphtrain's AdamW (AdamWCopies, "auto"'s choice on CUDA) against the reference's
     # torch AdamW: its step on FSDP, TP and expert-parallel shards, the clip in its step.
-    "dp2_tp2_ep2": (4, (*_SPLIT, "--parallel.ep=2", _MB[2], "--optim.implementation=graphtrain")),
+    "dp2_tp2_ep2": (
+        4,
+        (_EAGER, *_SPLIT, "--parallel.ep=2", _MB[2], "--optim.implementation=graphtrain"),
+    ),
     "dp2_tp2_etp2": (4, (_EAGER, *_SPLIT, "--parallel.etp=2", _MB[2])),
     # Saves at step 2 too, for the resume test.
     "dp2_tp2_ep2_etp2": (

@@ -1,12 +1,15 @@
 """Pipeline parallelism (graphtrain.parallel.pipeline): the layout string and its start checks,
 the stages' init against the whole model's, and pp=2 training on CPU (gloo) against one process.
 
-Training: `debug` (2 layers) compiled with graphtrain's backend (aot_eager inner), 10 steps,
-fp32. The pipeline splits each step's rows into micro-batches weighted by their labelled tokens,
-which is the single-process step's loss written as a sum: losses equal within LOSS_RTOL = 1e-5
-(measured: a few 1e-7 relative, fp32 sums in another order). A gradient missing from one stage,
-scaled twice, or a stage initialised with other values moves the loss by more than 1e-3 within
-a few steps at LR 1e-3.
+Training: `debug` (2 layers), 10 steps, fp32; compiled with graphtrain's backend (aot_eager
+inner) where the compile meets the pipeline (1F1B's stages, the V schedule's split backward),
+eager where a run checks the schedule's arithmetic (GPipe, interleaved, dualpipev, MoE
+statistics, fp32 sums; compiled and eager agree to ~1e-7, and test_pipeline_layouts.py compiles
+MoE and MTP stages). The pipeline splits each step's rows into micro-batches weighted by their
+labelled tokens, which is the single-process step's loss written as a sum: losses equal within
+LOSS_RTOL = 1e-5 (measured: a few 1e-7 relative, fp32 sums in another order). A gradient
+missing from one stage, scaled twice, or a stage initialised with other values moves the loss
+by more than 1e-3 within a few steps at LR 1e-3.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from models import GPTConfig, build_model
 REPO = Path(__file__).resolve().parents[2]
 LOSS_RTOL = 1e-5
 STEPS = 10
+EAGER = "--compile.enable=false"
 
 
 def _parts(specs):
@@ -447,20 +451,21 @@ def pipeline_runs(corpus, tmp_path_factory, single_run):
     bf16 = ["--training.master_dtype=bfloat16", "--optim.fp32_grad_accum=*",
             "--optim.max_norm=0", "--training.micro_batch_size=1", "--schedule.batch_size=256"]  # fmt: skip
     mtp = ["--model.mtp_depth=1"]
+    # Eager but 1F1B (docstring), the references as their pipelines.
     single = {
         "one": single_run,
-        "two": train(load_config(job(corpus, tmp / "two", *common, *two_micro))),
-        "moe": train(load_config(job(corpus, tmp / "moe", *common, *moe))),
-        "bf16": train(load_config(job(corpus, tmp / "bf16", *common, *bf16))),
-        "bf16_mtp": train(load_config(job(corpus, tmp / "bf16_mtp", *common, *bf16, *mtp))),
+        "two": train(load_config(job(corpus, tmp / "two", *common, EAGER, *two_micro))),
+        "moe": train(load_config(job(corpus, tmp / "moe", *common, EAGER, *moe))),
+        "bf16": train(load_config(job(corpus, tmp / "bf16", *common, EAGER, *bf16))),
+        "bf16_mtp": train(load_config(job(corpus, tmp / "bf16_mtp", *common, EAGER, *mtp, *bf16))),
     }
     layouts = {
         "1f1b": ("one", ["--parallel.pp_microbatches=4"]),
-        "gpipe": ("two", [*two_micro, "--parallel.pp_schedule=gpipe",
+        "gpipe": ("two", [EAGER, *two_micro, "--parallel.pp_schedule=gpipe",
                           "--parallel.pp_microbatches=4"]),
-        "moe_1f1b": ("moe", [*moe, "--parallel.pp_microbatches=2"]),
-        "bf16_1f1b": ("bf16", [*bf16, "--parallel.pp_microbatches=4"]),
-        "bf16_mtp_stage": ("bf16_mtp", [*bf16, *mtp, "--parallel.pp_microbatches=4",
+        "moe_1f1b": ("moe", [EAGER, *moe, "--parallel.pp_microbatches=2"]),
+        "bf16_1f1b": ("bf16", [EAGER, *bf16, "--parallel.pp_microbatches=4"]),
+        "bf16_mtp_stage": ("bf16_mtp", [EAGER, *bf16, *mtp, "--parallel.pp_microbatches=4",
                                         "--parallel.pp_schedule=interleaved_1f1b",
                                         "--parallel.pp_layout=E|t|tL|m"]),
     }  # fmt: skip
@@ -560,17 +565,19 @@ def multi_stage_runs(corpus, tmp_path_factory, single_run):
     common = common_args(corpus)
     layout = ["--parallel.pp=2", "--parallel.pp_layout=E|t|t|L"]
     names = [name for name in MULTI_STAGE if gloo_runs(name)]
+    # zbv compiled (its split backward), the others eager (docstring)
     jobs = [
-        job(corpus, tmp / name, *common, *layout, f"--parallel.pp_schedule={name}")
+        job(corpus, tmp / name, *common, *layout, f"--parallel.pp_schedule={name}",
+            *(() if name == "zbv" else (EAGER,)))
         for name in names
-    ]
+    ]  # fmt: skip
     return single_run, dict(zip(names, rank_jobs(2, jobs), strict=True))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", MULTI_STAGE)
 def test_multi_stage_schedules_follow_the_single_process_curve(multi_stage_runs, schedule):
-    """Interleaved 1F1B and the zero-bubble V schedules (split input / weight backward, run
+    """Interleaved 1F1B and the zero-bubble V schedules (split input / weight backward; zbv
     compiled: AOT autograd's donated buffers off) give the single-process losses."""
     single, runs = multi_stage_runs
     if schedule not in runs:

@@ -1,6 +1,10 @@
 """Pipeline parallelism composed with the other axes on 4 CPU ranks (gloo), resume across
 pipeline sizes and Hugging Face export of a pipelined run: each against the same job without
-pp (tolerances in tests/parallel/test_pipeline.py's docstring)."""
+pp (tolerances in tests/parallel/test_pipeline.py's docstring). Compiled: pp with ep and FSDP
+(pp2_ep2), with tp, MoE and an MTP stage under zbv (pp2_tp2_moe), with FSDP and an MTP stage
+under zbv (pp2_fsdp2_mtp), and MTP in the head's stage; eager: the dense pp2_tp2, pp=4, the
+references without pp, the other MTP stages and the resume runs (compiled and eager agree to
+~1e-7)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import pytest
 import torch
 from conftest import gloo_runs, job, rank_jobs
 from safetensors.torch import load_file
-from test_pipeline import LOSS_RTOL, STEPS, common_args, compare
+from test_pipeline import EAGER, LOSS_RTOL, STEPS, common_args, compare
 
 from graphtrain.checkpoint.hf import export_hf
 from graphtrain.config import load_config
@@ -47,15 +51,17 @@ MTP_STAGE = ["--parallel.pp=2", "--parallel.pp_layout=E|t|tL|m", "--parallel.pp_
 # With MTP, the same micro-batches with and without pp (one row each; each weights the depth's
 # mean by the micro-batch's share of the main loss's tokens).
 FSDP_MTP = [*MTP, "--training.micro_batch_size=1", "--parallel.dp_shard=2"]
-TWO_RANKS = {"ep2": EP, "tp2_moe": TP_MOE, "fsdp2_mtp": FSDP_MTP}
+TWO_RANKS = {name: [EAGER, *args] for name, args in
+             (("ep2", EP), ("tp2_moe", TP_MOE), ("fsdp2_mtp", FSDP_MTP))}  # fmt: skip
 FOUR_RANKS = {
-    "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
+    "pp2_tp2": [EAGER, "--parallel.pp=2", "--parallel.tp=2"],  # compiled: pp2_tp2_moe
     "pp2_ep2": [*EP, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
     "pp2_tp2_moe": [*TP_MOE, "--parallel.pp=2", *TP_MOE_STAGES],
     "pp2_fsdp2_mtp": [*FSDP_MTP, *MTP_STAGE],
     # pp=4, one part per stage (1F1B wants a micro-batch per stage at least). A stage of the
     # embedding alone: test_pipeline's E|t|t|L on two ranks.
     "pp4_moe": [
+        EAGER,
         *ONE_ROW_MOE,
         "--parallel.pp=4",
         "--parallel.pp_layout=Et|t|t|L",
@@ -147,7 +153,7 @@ def test_resume_across_pipeline_sizes_and_export(corpus, tmp_path):
     """A pp=1 checkpoint resumed with pp=2 (interleaved, another layout), and a pp=2 checkpoint
     resumed with pp=1, continue the uninterrupted single-process curve; the pp=2 run's final
     checkpoint exports to the single-process run's safetensors (same names, shapes, values)."""
-    common = common_args(corpus, steps=6)
+    common = [*common_args(corpus, steps=6), EAGER]
     straight = train(load_config(job(corpus, tmp_path / "one", *common, "--checkpoint.interval=3")))
     from_single = f"--checkpoint.resume={tmp_path / 'one' / 'run' / 'checkpoints' / 'step-0000003'}"
     interleaved = ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_layout=E|t|t|L"]
@@ -244,12 +250,13 @@ def test_mtp_in_a_stage_follows_the_single_process_curve(corpus, tmp_path):
     two = ["--parallel.pp_microbatches=2"]
     layouts = {
         "head_stage": ("two_rows", [*two, "--parallel.pp_layout=Et|tLm"]),
-        "own_stage": ("two_rows", [*two, "--parallel.pp_schedule=interleaved_1f1b",
+        "own_stage": ("two_rows", [*two, EAGER, "--parallel.pp_schedule=interleaved_1f1b",
                                    "--parallel.pp_layout=E|t|tL|m"]),
     }  # fmt: skip
     v_schedule = _installed_v_schedule()
     if v_schedule is not None:
-        layouts[v_schedule] = ("one_row", [*one_row, f"--parallel.pp_schedule={v_schedule}",
+        layouts[v_schedule] = ("one_row", [*one_row, EAGER,
+                                           f"--parallel.pp_schedule={v_schedule}",
                                            "--parallel.pp_layout=E|t|tL|m"])  # fmt: skip
     jobs = [
         job(corpus, tmp_path / name, *common, "--parallel.pp=2", *args)

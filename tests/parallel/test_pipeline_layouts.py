@@ -1,10 +1,10 @@
 """Pipeline parallelism composed with the other axes on 4 CPU ranks (gloo), resume across
 pipeline sizes and Hugging Face export of a pipelined run: each against the same job without
-pp (tolerances in tests/parallel/test_pipeline.py's docstring). Compiled: pp with ep and FSDP
-(pp2_ep2), with tp, MoE and an MTP stage under zbv (pp2_tp2_moe), with FSDP and an MTP stage
-under zbv (pp2_fsdp2_mtp), and MTP in the head's stage; eager: the dense pp2_tp2, pp=4, the
-references without pp, the other MTP stages and the resume runs (compiled and eager agree to
-~1e-7)."""
+pp (tolerances in tests/parallel/test_pipeline.py's docstring). Compiled: pp with tp, MoE and
+an MTP stage under zbv (pp2_tp2_moe), with FSDP and an MTP stage under zbv (pp2_fsdp2_mtp), and
+MTP in the head's stage; eager: the dense pp2_tp2, pp2_ep2, pp=4, the references without pp,
+the other MTP stages and the resume runs (compiled and eager agree to ~1e-7; each axis is
+compiled without pp in its own tests)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ TWO_RANKS = {name: [EAGER, *args] for name, args in
              (("ep2", EP), ("tp2_moe", TP_MOE), ("fsdp2_mtp", FSDP_MTP))}  # fmt: skip
 FOUR_RANKS = {
     "pp2_tp2": [EAGER, "--parallel.pp=2", "--parallel.tp=2"],  # compiled: pp2_tp2_moe
-    "pp2_ep2": [*EP, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
+    # eager: ep compiled in test_expert_parallel's dp2_ep2, an MoE stage compiled: pp2_tp2_moe
+    "pp2_ep2": [EAGER, *EP, "--parallel.pp=2", "--parallel.pp_microbatches=2"],
     "pp2_tp2_moe": [*TP_MOE, "--parallel.pp=2", *TP_MOE_STAGES],
     "pp2_fsdp2_mtp": [*FSDP_MTP, *MTP_STAGE],
     # pp=4, one part per stage (1F1B wants a micro-batch per stage at least). A stage of the

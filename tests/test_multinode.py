@@ -32,7 +32,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # two torchrun nodes and a single-process run (~50 s on 2 busy cores)
+@pytest.mark.slow  # two torchrun nodes and a single-process run (~40 s on 2 busy cores)
 def test_two_nodes_through_launch_sh_follow_one_process(corpus, tmp_path):
     # eager: the launch and the rendezvous are under test (compiled layouts: tests/parallel)
     common = ["--training.steps=4", "--metrics.log_interval=1", "--metrics.val_interval=0",

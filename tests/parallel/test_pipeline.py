@@ -451,7 +451,7 @@ def pipeline_runs(corpus, tmp_path_factory, single_run):
     bf16 = ["--training.master_dtype=bfloat16", "--optim.fp32_grad_accum=*",
             "--optim.max_norm=0", "--training.micro_batch_size=1", "--schedule.batch_size=256"]  # fmt: skip
     mtp = ["--model.mtp_depth=1"]
-    # Eager but 1F1B (docstring), the references as their pipelines.
+    # Every pipeline but 1F1B eager (docstring), each reference as its pipeline.
     single = {
         "one": single_run,
         "two": train(load_config(job(corpus, tmp / "two", *common, EAGER, *two_micro))),

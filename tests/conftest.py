@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from parallel_dist import scalar_cpu_kernels
 
 from graphtrain.compile import backend
 from graphtrain.data.tokenizer import train_bpe_tokenizer
@@ -26,6 +27,8 @@ from graphtrain.data.tokenizer import train_bpe_tokenizer
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+# Inductor's CPU kernels without SIMD, in every test process (the docstring says why).
+scalar_cpu_kernels()
 
 
 def pytest_collection_modifyitems(config, items):

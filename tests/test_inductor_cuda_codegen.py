@@ -1,7 +1,7 @@
 """Inductor's CUDA code for graphtrain's compiled regions, generated on a CPU (issue 26):
 tests/inductor_cuda_codegen.py, in a child process (its CUDA stubs stay out of this one),
-compiles the forward regions of `debug`, `moe-debug` with FP8, `debug` with an MTP depth and
-varlen attention, and `hybrid-debug` (Gated DeltaNet blocks in their chunked form, then with
+compiles the forward regions of `moe-debug` with FP8, `debug` with an MTP depth and varlen
+attention, and `hybrid-debug` (Gated DeltaNet blocks in their chunked form, then with
 the gated_delta_rule pass's op) on fake CUDA tensors, the backward regions of `moe-debug`
 with FP8, and both directions of flex attention on packed documents at the 1b's attention
 shape. Asserted: the run completes; the passes fired as on a GPU (the fused cross-entropy,
@@ -116,8 +116,9 @@ FLEX_1B_ATTENTION = (
     "--training.seq_len=4096", "--training.micro_batch_size=1",
 )  # fmt: skip
 # Every forward job of this file, generated in one child process (~7 s of imports each).
+# (`debug` alone is not one: its regions are the MTP job's block and head, its causal attention
+# the MoE and hybrid jobs'.)
 FORWARD = {
-    "debug": ("debug",),
     "moe_fp8": ("moe-debug", *FP8_CAST_ONCE),
     "mtp_varlen": ("debug", "--model.mtp_depth=1", "--attention=varlen"),
     "hybrid_chunked": ("hybrid-debug",),
@@ -129,15 +130,6 @@ FORWARD = {
 @pytest.fixture(scope="module")
 def forward(tmp_path_factory) -> dict[str, dict]:
     return _generate(tmp_path_factory.mktemp("forward"), FORWARD)
-
-
-@pytest.mark.slow
-def test_debug_forward_regions(forward):
-    debug = forward["debug"]
-    fired = _fired(debug)
-    assert fired["head_loss"] == {"graphtrain.linear_cross_entropy.default": 1}, fired
-    _assert_kernels_fit(debug)
-    assert debug["scaled_mm"] == []  # no FP8 without training.fp8
 
 
 @pytest.mark.slow
@@ -193,13 +185,18 @@ def test_moe_debug_fp8_backward_regions(tmp_path):
 @pytest.mark.slow
 def test_mtp_forward_regions_with_varlen_attention(forward):
     """debug with an MTP depth, packed documents through torch's varlen attention
-    (training.attention=varlen): the op traced into the block and MTP regions."""
+    (training.attention=varlen): the op traced into the block and MTP regions, the fused
+    cross-entropy in the head's region (two graphs: the trunk's labels and the depth's, one
+    token shorter)."""
     report = forward["mtp_varlen"]
     regions = {entry["graph"].split("/")[0].rpartition("-")[0] for entry in report["notes"]}
     assert {"block", "mtp_1", "head_loss"} <= regions, regions
     for region in ("block-0", "mtp_1-0"):
         assert report["captured"][region].get("torch_attn._varlen_attn") == 1, report["captured"]
+    fired = _fired(report)
+    assert fired["head_loss"] == {"graphtrain.linear_cross_entropy.default": 2}, fired
     _assert_kernels_fit(report)
+    assert report["scaled_mm"] == []  # no FP8 without training.fp8
 
 
 @pytest.mark.slow

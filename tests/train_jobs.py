@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from parallel_dist import scalar_cpu_kernels
 
 import graphtrain.trainer  # noqa: F401  imported once, before the forks
 from graphtrain.cli import main
@@ -86,6 +87,7 @@ def _warm_up() -> None:
 
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a rank killed by a signal prints its stacks
+    scalar_cpu_kernels()
     _warm_up()
     world_size, jobs = int(sys.argv[1]), json.loads(sys.argv[2])
     with tempfile.TemporaryDirectory(prefix="graphtrain-jobs-") as folder:

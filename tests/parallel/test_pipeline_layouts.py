@@ -79,8 +79,9 @@ def four_rank_runs(corpus, tmp_path_factory):
     its no-grad graphs would be a third of the compile time of 10 compiled jobs."""
     tmp = tmp_path_factory.mktemp("pipeline_four")
     common = [*common_args(corpus), "--metrics.validate=false"]
-    single = train(load_config(job(corpus, tmp / "one", *common)))
-    single_moe = train(load_config(job(corpus, tmp / "moe", *common, *ONE_ROW_MOE)))
+    # the references eager, as in test_pipeline.py
+    single = train(load_config(job(corpus, tmp / "one", *common, EAGER)))
+    single_moe = train(load_config(job(corpus, tmp / "moe", *common, *ONE_ROW_MOE, EAGER)))
     runs = {}
     for ranks, layouts in ((2, TWO_RANKS), (4, FOUR_RANKS)):
         jobs = [job(corpus, tmp / name, *common, *args) for name, args in layouts.items()]
@@ -241,11 +242,12 @@ def test_mtp_in_a_stage_follows_the_single_process_curve(corpus, tmp_path):
     common = [*common_args(corpus), *MTP]
     # The references: the same micro-batches as the pipeline's (each weights the depth's mean
     # by the micro-batch's share of the main loss's tokens: another split moves the depth's
-    # loss by ~2e-5). DualPipeV needs a micro-batch per stage at least: one row each.
+    # loss by ~2e-5). DualPipeV needs a micro-batch per stage at least: one row each. Eager:
+    # compiled, MTP agrees with it to fp32 rounding (tests/models/test_mtp.py).
     one_row = ["--training.micro_batch_size=1", "--parallel.pp_microbatches=4"]
     references = {}
     for name, rows in (("two_rows", []), ("one_row", one_row[:1])):
-        train(load_config(job(corpus, tmp_path / name, *common, *rows)))
+        train(load_config(job(corpus, tmp_path / name, *common, *rows, EAGER)))
         lines = (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()
         references[name] = [json.loads(x) for x in lines]
     two = ["--parallel.pp_microbatches=2"]

@@ -2,9 +2,10 @@
 aot_eager, everything else equal: the check that found three Inductor defects a GPU run would
 have met (docs/design/compile.md; benchmarks/RESULTS.md, "Inductor against aot_eager"). The
 suite compiles with aot_eager (no code generation); the CUDA default is Inductor, whose CPU code
-computes the same graphs: a difference beyond reassociated roundings is a lead. Run it by hand
-after a torch upgrade or a change to the backend or a post-grad pass (~25 min for all the
-layouts on 2 cores); tests/test_backend_agreement.py runs one.
+computes the same graphs (scalar C++ here, as in every test process:
+parallel_dist.scalar_cpu_kernels): a difference beyond reassociated roundings is a lead. Run it
+by hand after a torch upgrade or a change to the backend or a post-grad pass (~25 min for all
+the layouts on 2 cores); tests/test_backend_agreement.py runs one.
 
     python tests/backend_agreement.py [--steps N] [--out report.json] [LAYOUT ...]
 

@@ -34,8 +34,10 @@ def scalar_cpu_kernels() -> None:
     with Inductor on CPU for its graphs (partitions, inlined regions, fusions), not for its CPU
     vectorisation, which graphtrain never ships (its CUDA code is Triton). The vectorised
     codegen's tiling analysis was a third of such a compile: 46 s -> 35 s for the Gated DeltaNet
-    block's forward and backward. Called by every test process and rank (conftest, _entry,
-    train_jobs.py)."""
+    block's forward and backward. Called by every test process (conftest), train_jobs.py's
+    ranks, and the run_ranks functions that compile with Inductor (test_compiled_collectives);
+    not by _entry: importing Inductor's config imports Dynamo, ~1 s in a rank that never
+    compiles."""
     import torch._inductor.config as inductor_config
 
     inductor_config.cpp.simdlen = 1
@@ -57,7 +59,6 @@ def _entry(
     faulthandler.enable(all_threads=True)
     # One intra-op thread per rank: 4 ranks on 2 cores otherwise oversubscribe badly.
     torch.set_num_threads(1)
-    scalar_cpu_kernels()
     if backend == "nccl":
         torch.cuda.set_device(rank)
     # A file rendezvous in this run's own temp dir: no race for a free TCP port with whatever

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from parallel_dist import run_ranks
+from parallel_dist import run_ranks, scalar_cpu_kernels
 
 
 def _counts_then_local(x: torch.Tensor, y: torch.Tensor, p: torch.Tensor) -> tuple:
@@ -36,6 +36,8 @@ def _stacked_then_local(x: torch.Tensor, y: torch.Tensor, p: torch.Tensor) -> tu
 def _small_function(rank: int, world_size: int) -> list[tuple[float, ...]]:
     from graphtrain.compile import backend
 
+    scalar_cpu_kernels()
+
     torch.manual_seed(rank)
     x, y, p = torch.rand(4, 3) + rank, torch.rand(3), torch.rand(3)
     results = []
@@ -50,6 +52,8 @@ def _moe_gradients(rank: int, world_size: int) -> list[dict[str, torch.Tensor]]:
     the router's counts all-reduced over both ranks as graphtrain.balance does."""
     from graphtrain.compile import apply_compile
     from models import MODEL_PRESETS, build_model
+
+    scalar_cpu_kernels()
 
     # one MoE block (the preset's router, experts and aux losses) and the head
     cfg = dataclasses.replace(MODEL_PRESETS["moe-debug"], num_layers=1, first_k_dense=0)

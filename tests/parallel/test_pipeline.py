@@ -4,8 +4,8 @@ the stages' init against the whole model's, and pp=2 training on CPU (gloo) agai
 Training: `debug` (2 layers), 10 steps, fp32; compiled with graphtrain's backend (aot_eager
 inner) where the compile meets the pipeline (1F1B's stages, the V schedule's split backward),
 eager where a run checks the schedule's arithmetic (GPipe, interleaved, dualpipev, MoE
-statistics, fp32 sums; compiled and eager agree to ~1e-7, and test_pipeline_layouts.py compiles
-MoE and MTP stages). The pipeline splits each step's rows into micro-batches weighted by their
+statistics, fp32 sums) and for the single-process references (compiled and eager agree to
+~1e-7, and test_pipeline_layouts.py compiles MoE and MTP stages). The pipeline splits each step's rows into micro-batches weighted by their
 labelled tokens, which is the single-process step's loss written as a sum: losses equal within
 LOSS_RTOL = 1e-5 (measured: a few 1e-7 relative, fp32 sums in another order). A gradient
 missing from one stage, scaled twice, or a stage initialised with other values moves the loss
@@ -453,7 +453,7 @@ def pipeline_runs(corpus, tmp_path_factory, single_run):
     bf16 = ["--training.master_dtype=bfloat16", "--optim.fp32_grad_accum=*",
             "--optim.max_norm=0", "--training.micro_batch_size=1", "--schedule.batch_size=256"]  # fmt: skip
     mtp = ["--model.mtp_depth=1"]
-    # Every pipeline but 1F1B eager (docstring), each reference as its pipeline.
+    # Every pipeline but 1F1B eager (docstring); every reference eager.
     single = {
         "one": single_run,
         "two": train(load_config(job(corpus, tmp / "two", *common, EAGER, *two_micro))),

@@ -561,12 +561,14 @@ def _compile_for_sm90(
         ("fp32", "softmax", 1, 256, 8),
         ("fp16", "post", 1, 256, 8),
         ("fp32", "sigmoid", 8, 64, 6),  # moe-1b's router
+        ("bf16", "sigmoid", 8, 2048, 8),  # a row wider than the tile (one token a program)
     ],
 )
 def test_kernels_compile_for_hopper(dtype, score, groups, E, K, extras):
     """The CUDA codegen (which the interpreter skips) accepts both kernels, on a CPU machine,
     at the launchers' block sizes and warps, without register spills: the benchmark's 256
-    experts, top-8, and moe-1b's 64, top-6, with and without the aux sums and the lse."""
+    experts, top-8, moe-1b's 64, top-6, and 2048, with and without the aux sums and the lse
+    (Triton 3.8 and 3.9 spill where 3.6 does not: run it with each)."""
     code = {"softmax": mr._SOFTMAX_PRE, "post": mr._SOFTMAX_POST, "sigmoid": mr._SIGMOID}[score]
     g_pad, epg, epg_pad = mr._tile(E, groups)
     _compile_for_sm90(

@@ -59,10 +59,10 @@ ALLOWED = [
     ),
     *(
         Allowed(
-            kernel, (("PRECISION", "tf32x3"),), (90,), 1000, SMEM_LIMIT,
+            kernel, (("PRECISION", "tf32x3"),), (90,), 1200, SMEM_LIMIT,
             "Gated DeltaNet's loop over chunks with fp32 inputs (3xTF32 products: three times the "
-            "operand registers): 928 (forward) and 268 B per thread on sm_90, none on sm_100; "
-            "bf16 training takes tf32, which spills none",
+            "operand registers): 928 (forward) and 268 B per thread on sm_90 with Triton 3.6, "
+            "1156 and 384 with 3.9, none on sm_100; bf16 training takes tf32, which spills none",
         )
         for kernel in ("_gdr_chunk_fwd_kernel", "_gdr_chunk_bwd_kernel")
     ),
@@ -155,8 +155,9 @@ def test_the_check_can_fail(fast_sm90):
     gdr = next(r for r in fast_sm90 if r["kernel"] == "_gdr_chunk_bwd_kernel")
     assert gdr["constexprs"]["PRECISION"] == "tf32" and _problems([gdr]) == []
     fp32 = {**gdr, "constexprs": {**gdr["constexprs"], "PRECISION": "tf32x3"}}
-    assert _problems([{**fp32, "spill_stores": 268}]) == []  # allowed, within its bound
-    assert len(_problems([{**fp32, "spill_stores": 1200}])) == 1
+    bound = next(a.spill for a in ALLOWED if a.covers({**fp32, "spill_stores": 0}))
+    assert _problems([{**fp32, "spill_stores": bound}]) == []  # allowed, within its bound
+    assert len(_problems([{**fp32, "spill_stores": bound + 4}])) == 1
     assert len(_problems([{**gdr, "spill_stores": 268}])) == 1  # tf32 may not spill
 
 

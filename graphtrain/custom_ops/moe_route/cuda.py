@@ -40,14 +40,20 @@ _MAX_PADDED_EXPERTS = 4096
 # over all experts 0.067 ms at 512 / 1 warp (0.123 at 1024 / 2); softmax after the top-k was
 # not swept and keeps 1024 / 2.
 _FWD_TILE, _FWD_WARPS = 2048, 8
-_BWD_TILE_WARPS = {_SOFTMAX_PRE: (512, 1), _SOFTMAX_POST: (1024, 2), _SIGMOID: (4096, 2)}
-# Backward tile elements per thread (per [BLOCK_T, E] tensor) at most where the swept tiles
-# spill on sm_90 (ptxas -v of the sm_90a cubin; no GPU needed): the sigmoid's 64 with d
-# aux_sums or d lse (x, the softmax, d aux and d scores live at once: 255 registers and 8-276 B
-# of spills at moe-1b's 16384 x 64 and at 65536 x 256; 32 still spilled 4 B there) and rows
-# of 2048 or more experts (64 spilled 228-1764 B there, even without them; 1024 did not). The
-# tokens per program stay the sweep's; only the warps grow.
-_BWD_MAX_ELEMS, _BWD_WIDE_ROW = 16, 2048
+_BWD_TILE_WARPS = {_SOFTMAX_PRE: (512, 1), _SOFTMAX_POST: (1024, 2), _SIGMOID: (4096, 4)}
+# Where the backward spills on sm_90 (ptxas -v of the sm_90a cubin, no GPU needed; Triton 3.6,
+# 3.8 and 3.9, fp32 and bf16 logits, 64 to 2048 experts, every score function) and what
+# avoids it, per thread and [BLOCK_T, E] tile tensor:
+# - the sweep's sigmoid tile, 64 elements on 2 warps: 3.8 and 3.9 spill at fp32 logits (255
+#   registers, 52-112 B; 3.6 held it in 150); on 4 warps (32 elements) none does. The kernel
+#   reads and writes the logits once, so the thread count should not matter (not measured).
+# - with d aux_sums or d lse (x, the softmax, d aux and d scores live at once): 16 elements on
+#   8 warps spilled 220 B on 3.9 at 256 experts, and 8 on 16 warps too (128 registers at most a
+#   thread there); at most 8 elements by fewer tokens per program on the sweep's warps spills
+#   nowhere (72-168 registers below 2048 experts).
+# - rows of 2048 or more experts, one or two tokens a program: at most 16 elements by more
+#   warps (64 spilled 228-1764 B; at 8 on 8 warps 3.6 spilled 32-44 B).
+_BWD_EXTRAS_ELEMS, _BWD_WIDE_ELEMS, _BWD_WIDE_ROW = 8, 16, 2048
 
 
 def _tile(E: int, num_groups: int) -> tuple[int, int, int]:
@@ -138,11 +144,10 @@ def _bwd_config(code: int, T: int, E: int, *, extras: bool) -> tuple[int, int, i
     block_e = triton.next_power_of_2(E)
     tile, warps = _BWD_TILE_WARPS[code]
     block_t = max(1, min(tile // block_e, triton.next_power_of_2(T)))
-    elems = tile // (32 * warps)  # per thread and tile tensor, as swept
-    if extras or block_e >= _BWD_WIDE_ROW:
-        elems = min(elems, _BWD_MAX_ELEMS)
-    # More warps, not more registers per thread, where a thread would hold more than `elems`.
-    warps = min(16, max(warps, block_t * block_e // (32 * elems)))
+    if extras:
+        block_t = max(1, min(block_t, 32 * warps * _BWD_EXTRAS_ELEMS // block_e))
+    if block_e >= _BWD_WIDE_ROW:
+        warps = min(16, max(warps, block_t * block_e // (32 * _BWD_WIDE_ELEMS)))
     return block_t, block_e, warps
 
 

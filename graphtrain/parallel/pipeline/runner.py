@@ -214,21 +214,32 @@ def reduced_once(root: FSDPModule | None) -> Any:
     """Around a step: an FSDP2 root the schedule does not know (the embedding two stages of
     this rank share: stages.fsdp_roots) run as torch's schedule runs a stage's root: kept
     gathered, its gradient summed unsharded over every backward of the step, then
-    reduce-scattered and resharded once, by torch's own code for a stage (perform_reduce_grad,
-    which reads only the stage's module). Left to FSDP2's defaults, every backward through it
-    would reduce-scatter its gradient and reshard it, and the next forward gather it again: a
+    reduce-scattered and resharded once: by FSDP2's manual finalization where torch has it
+    (2.15), before that by torch's own code for a stage (perform_reduce_grad, which there reads
+    only the stage's module). Left to FSDP2's defaults, every backward through it would
+    reduce-scatter its gradient and reshard it, and the next forward gather it again: a
     reduce-scatter and an all-gather of the whole embedding per micro-batch and stage, where
     one reduce-scatter per step does (the gradients come out the same, measured)."""
     if root is None:
         yield
         return
-    from torch.distributed.pipelining import PipelineStage
-
-    root.set_is_last_backward(False)
+    manual = hasattr(root, "finalize_backward")
+    if manual:
+        root.set_manual_backward_finalization(True)
+    else:
+        root.set_is_last_backward(False)
     root.set_reshard_after_backward(False)
     root.set_requires_gradient_sync(False)
     yield
-    PipelineStage.perform_reduce_grad(SimpleNamespace(submod=root), 1)
+    if manual:
+        root.set_requires_gradient_sync(True)
+        root.set_reshard_after_backward(True)
+        root.finalize_backward()
+        root.set_manual_backward_finalization(False)
+    else:
+        from torch.distributed.pipelining import PipelineStage
+
+        PipelineStage.perform_reduce_grad(SimpleNamespace(submod=root), 1)
 
 
 class PipelineRunner:

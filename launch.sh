@@ -45,10 +45,10 @@ setup() {
         "$PY" -m pip install -q --upgrade pip >/dev/null
         if ! "$PY" -c "import torch" >/dev/null 2>&1; then
             # Without a GPU, the CPU build that the tests are run against; with one, the newest
-            # CUDA build of the tested releases (2.11 to 2.14; README).
+            # CUDA build of the tested releases (2.11 to 2.15; README).
             local spec="${TORCH_SPEC:-}"
             if [[ -z "$spec" ]]; then
-                if command -v nvidia-smi >/dev/null 2>&1; then spec="torch>=2.11,<2.15"; else spec="torch==2.13.0 triton==3.6.0"; fi
+                if command -v nvidia-smi >/dev/null 2>&1; then spec="torch>=2.11,<2.16"; else spec="torch==2.13.0 triton==3.6.0"; fi
             fi
             # shellcheck disable=SC2086
             "$PY" -m pip install -q $spec

@@ -50,7 +50,7 @@ _BWD_TILE_WARPS = {_SOFTMAX_PRE: (512, 1), _SOFTMAX_POST: (1024, 2), _SIGMOID: (
 # - with d aux_sums or d lse (x, the softmax, d aux and d scores live at once): 16 elements on
 #   8 warps spilled 220 B on 3.9 at 256 experts, and 8 on 16 warps too (128 registers at most a
 #   thread there); at most 8 elements by fewer tokens per program on the sweep's warps spills
-#   nowhere (72-168 registers below 2048 experts).
+#   nowhere (56-168 registers below 2048 experts).
 # - rows of 2048 or more experts, one or two tokens a program: at most 16 elements by more
 #   warps (64 spilled 228-1764 B; at 8 on 8 warps 3.6 spilled 32-44 B).
 _BWD_EXTRAS_ELEMS, _BWD_WIDE_ELEMS, _BWD_WIDE_ROW = 8, 16, 2048

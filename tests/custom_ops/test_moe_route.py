@@ -567,8 +567,9 @@ def _compile_for_sm90(
 def test_kernels_compile_for_hopper(dtype, score, groups, E, K, extras):
     """The CUDA codegen (which the interpreter skips) accepts both kernels, on a CPU machine,
     at the launchers' block sizes and warps, without register spills: the benchmark's 256
-    experts, top-8, moe-1b's 64, top-6, and 2048, with and without the aux sums and the lse
-    (Triton 3.8 and 3.9 spill where 3.6 does not: run it with each)."""
+    experts, top-8, moe-1b's 64, top-6, and 2048, with and without the aux sums and the lse.
+    The releases spill in different places (on the earlier tiles 3.6 failed the 2048 row with
+    the extras, 3.9 the 256 row): run it with each."""
     code = {"softmax": mr._SOFTMAX_PRE, "post": mr._SOFTMAX_POST, "sigmoid": mr._SIGMOID}[score]
     g_pad, epg, epg_pad = mr._tile(E, groups)
     _compile_for_sm90(

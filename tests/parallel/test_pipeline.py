@@ -5,11 +5,12 @@ Training: `debug` (2 layers), 10 steps, fp32; compiled with graphtrain's backend
 inner) where the compile meets the pipeline (1F1B's stages, the V schedule's split backward),
 eager where a run checks the schedule's arithmetic (GPipe, interleaved, dualpipev, MoE
 statistics, fp32 sums) and for the single-process references (compiled and eager agree to
-~1e-7, and test_pipeline_layouts.py compiles MoE and MTP stages). The pipeline splits each step's rows into micro-batches weighted by their
-labelled tokens, which is the single-process step's loss written as a sum: losses equal within
-LOSS_RTOL = 1e-5 (measured: a few 1e-7 relative, fp32 sums in another order). A gradient
-missing from one stage, scaled twice, or a stage initialised with other values moves the loss
-by more than 1e-3 within a few steps at LR 1e-3.
+~1e-7, and test_pipeline_layouts.py compiles MoE and MTP stages). The pipeline splits each
+step's rows into micro-batches weighted by their labelled tokens, which is the single-process
+step's loss written as a sum: losses equal within LOSS_RTOL = 1e-5 (measured: a few 1e-7
+relative, fp32 sums in another order). A gradient missing from one stage, scaled twice, or a
+stage initialised with other values moves the loss by more than 1e-3 within a few steps at LR
+1e-3.
 """
 
 from __future__ import annotations

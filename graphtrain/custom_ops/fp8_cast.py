@@ -149,7 +149,10 @@ def fp8_scale(amax: Tensor, float8_dtype: torch.dtype, pow2_scale: bool) -> tupl
     gives 0. pow2_scale rounds the scale down to a power of two by clearing its mantissa bits
     (exactly 2^floor(log2 scale): a log2 rounded up just below a power of two would give the
     next one, and clip at the format's maximum). The cast kernel computes the same in fp32."""
-    scale = _FORMATS[float8_dtype][0] / amax.float().clamp_min(EPS)
+    a = amax.float().clamp_min(EPS)
+    # a divided as the kernel divides (IEEE): torch's `fp8_max / a` is fp8_max * (1 / a), one
+    # ulp off for about a quarter of amaxes
+    scale = torch.full_like(a, _FORMATS[float8_dtype][0]) / a
     if pow2_scale:
         pow2 = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
         scale = torch.where(scale.isnan(), scale, pow2)
@@ -218,8 +221,9 @@ def _fp8_code(v, EMIN: tl.constexpr, MBITS: tl.constexpr):
     subnormal = (a + 2.0 ** (EMIN - MBITS + 23)).to(tl.int32, bitcast=True) - (
         (EMIN - MBITS + 150) << 23
     )
-    # a NaN's exponent makes `normal` above 0x7F: the minimum is the NaN code 0x7F
-    return tl.minimum(tl.where(a < 2.0**EMIN, subnormal, normal), 0x7F)
+    # A NaN is the NaN code 0x7F by name: its bits can overflow `normal` (CUDA's own NaN,
+    # 0x7FFFFFFF, made it 0x40, 2.0 in E4M3, on an H200); |v| <= max fits below 0x7F.
+    return tl.where(a != a, 0x7F, tl.where(a < 2.0**EMIN, subnormal, normal))
 
 
 @triton.jit

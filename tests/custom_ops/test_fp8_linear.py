@@ -318,9 +318,40 @@ def test_cuda_matches_float64_on_fp8_operands(dtype):
     # 9.4e-5 (~2^-13.4) on out (K = 128), so 2^-11 bounds it with 4x to spare. bf16: the
     # output's rounding (2^-9) dominates.
     tol = 2.0**-11 if dtype == torch.float32 else 2.0**-8
-    assert rel(out, x8 @ w8.T + b.double()) < tol
-    assert rel(gx, g8 @ w8) < tol and rel(gw, g8.T @ x8) < tol
-    assert rel(gb, grad.double().sum(0)) < tol
+    errors = {
+        "out": rel(out, x8 @ w8.T + b.double()),
+        "grad_x": rel(gx, g8 @ w8),
+        "grad_w": rel(gw, g8.T @ x8),
+        "grad_b": rel(gb, grad.double().sum(0)),
+    }
+    assert max(errors.values()) < tol, (errors, _diagnose(x, w, grad.to(dtype)))
+
+
+def _diagnose(x, w, grad) -> dict:
+    """Where a wrong GPU gradient comes from (2026-11-30, H200: grad_x 2.5% off in bf16 only):
+    the op's FP8 copies and the gradient's cast against fp8_cast_ref's bytes and scales, and
+    the backward's GEMMs on the reference's operands (in the gradient's dtype and in fp32)
+    against float64."""
+    _, x8_t, sx, w8_t, sw = torch.ops.graphtrain.fp8_linear(x, w, None)
+    ref = {
+        name: fp8_cast_ref(t, fp8_amax_ref(t), dtype, False, True)
+        for name, t, dtype in (("x", x, E4M3), ("w", w, E4M3), ("grad", grad, E5M2))
+    }
+    g8, g8_t, sg, _ = torch.ops.graphtrain.fp8_cast(grad, fp8_amax_ref(grad), E5M2, False, True)
+    same = {
+        "x8_t": torch.equal(x8_t.view(torch.uint8), ref["x"][1].view(torch.uint8)),
+        "w8_t": torch.equal(w8_t.view(torch.uint8), ref["w"][1].view(torch.uint8)),
+        "x/w scale_inv": (torch.equal(sx, ref["x"][2]), torch.equal(sw, ref["w"][2])),
+        "g8": torch.equal(g8.view(torch.uint8), ref["grad"][0].view(torch.uint8)),
+        "g8_t": torch.equal(g8_t.view(torch.uint8), ref["grad"][1].view(torch.uint8)),
+        "grad scale_inv": torch.equal(sg, ref["grad"][2]),
+    }
+    (r8, _, rs, _), (_, rw8_t, rws, _) = ref["grad"], ref["w"]
+    exact = (r8.double() * rs.double()) @ (rw8_t.double() * rws.double()).T
+    for out_dtype in (grad.dtype, torch.float32):
+        gx = torch._scaled_mm(r8, rw8_t.t(), rs, rws, out_dtype=out_dtype)
+        same[f"grad_x GEMM on the reference's operands, {out_dtype}"] = rel(gx, exact)
+    return same
 
 
 @pytest.mark.gpu

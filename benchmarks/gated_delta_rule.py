@@ -22,6 +22,8 @@ What
 
 Run
     python benchmarks/gated_delta_rule.py [--seq 4096 --batch 1 --documents 1] [--no-record]
+    python benchmarks/gated_delta_rule.py --kernels     # instead of the table: where our op's
+                                                        # forward + backward time goes, by kernel
     python benchmarks/gated_delta_rule.py --cpu-smoke   # no GPU: tiny shape, the op agrees with
                                                         # the reference and the pass fires
 The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from harness import parse_args, record  # run as a script: benchmarks/ is on sys.path
+from harness import kernel_table, parse_args, record  # run as a script: benchmarks/ on sys.path
 
 import graphtrain.custom_ops.gated_delta_rule  # registers the op
 from graphtrain.compile import backend as graphtrain_backend
@@ -123,6 +125,12 @@ def measure_row(name, fn, xs, grad_o, want, bench) -> str:
     return f"| {name} | {fwd:.3f} | {both:.3f} | {_rel(out, want):.1e} |"
 
 
+def ours_step(xs, grad_o, seg, D) -> tuple:
+    """Our op's forward and backward, kernels="triton": --kernels profiles it."""
+    o = OP(*xs, seg, scale=D**-0.5, chunk_size=64, kernels="triton")
+    return torch.autograd.grad(o, xs, grad_o)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -176,6 +184,8 @@ def cpu_smoke() -> None:
     assert ours.endswith("| 0.000 | 0.000 | 0.0e+00 |"), ours
     refused = measure_row("refusing peer", refusing, xs, grad_o, want, untimed)
     assert "skipped: ValueError" in refused, refused
+    table = kernel_table(functools.partial(ours_step, xs, grad_o, None, 8), top=25)
+    assert table[-1].startswith("| all ") and len(table) > 6, table  # --kernels' table
     print("cpu smoke: the op equals the reference, the pass inserts it, a refusing row says why")
 
 
@@ -188,12 +198,22 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--documents", type=int, default=1, help="equal documents per row")
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="instead of the table: our op's forward + backward kernels under torch.profiler "
+        "(printed): where its time goes",
+    )
     args = parse_args(parser, cpu_smoke)
     if args is None:
         return
     B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
     xs, grad_o = inputs(B, T, H, D, "cuda", torch.bfloat16)
     seg, cu = documents(B, T, args.documents, "cuda")
+    if args.kernels:
+        print(f"our op, forward + backward, B={B}, T={T}, {H} heads of {D}, bf16:")
+        print("\n".join(kernel_table(functools.partial(ours_step, xs, grad_o, seg, D), top=25)))
+        return
     fns = builds(D, seg, cu)
     with torch.no_grad():  # the model's chunked form in fp32, eager: no compile to wait for
         want = chunk_gated_delta_rule(*(x.float() for x in xs), seg, 64, D**-0.5)

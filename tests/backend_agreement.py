@@ -104,7 +104,7 @@ def _layouts() -> dict[str, tuple[int, tuple[str, ...], float]]:
     hybrid = {
         "one": (1, (_MB + "4",)),
         "tp2": (2, ("--parallel.tp=2", _MB + "4")),
-        "tp2_gated_delta_rule": (2, ("--parallel.tp=2", _MB + "4", "--compile.passes=+gated_delta_rule")),
+        "tp2_chunked": (2, ("--parallel.tp=2", _MB + "4", "--compile.passes=-gated_delta_rule")),
         "dp2": (2, ("--parallel.dp_shard=2", _MB + "2")),
         "pp2": (2, (*_PP, _MB + "4")),
         "budget": (1, (_MB + "4", _BUDGET)),

@@ -91,7 +91,7 @@ def test_pass_off_leaves_the_region_and_eager_numerics(tmp_path):
     block = model.layers["1"]
     inputs = _block_inputs(model, T=33)
     out, grads = _run(block, *inputs)
-    out_c, grads_c = _run(block, *inputs, dump=tmp_path, passes=())
+    out_c, grads_c = _run(block, *inputs, dump=tmp_path, passes=("-gated_delta_rule",))
     (summary,) = list(tmp_path.glob("*/summary.json"))
     labels = [s["label"] for s in json.loads(summary.read_text())]
     assert "gated_delta_rule" not in labels
@@ -185,7 +185,7 @@ def test_a_region_no_pass_replaced_is_inlined_and_inductor_differentiates_it(tmp
     block.float()
     x = x.detach().clone().requires_grad_()
     torch._dynamo.reset()
-    be = backend(inner="inductor", dump_dir=tmp_path, passes=())
+    be = backend(inner="inductor", dump_dir=tmp_path, passes=("-gated_delta_rule",))
     with region_config():
         out = torch.compile(block, backend=be, fullgraph=True)(x, rope, None, doc)
     assert pass_step(tmp_path, "captured")["op_counts"].get(REGION) == 1

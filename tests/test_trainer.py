@@ -65,6 +65,7 @@ def test_debug_run_learns_and_writes_its_run_dir(corpus, tmp_path):
         assert labels == [
             "captured",
             "canonicalize",
+            "gated_delta_rule",
             "fuse_linear_cross_entropy",
             "fuse_moe_router",
             "fuse_moe_dispatch",

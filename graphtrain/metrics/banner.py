@@ -54,6 +54,10 @@ _NEEDS = {
     "fp8_all_gather": (lambda cfg, dims: cfg.training.fp8, "training.fp8"),
     "fp8_cast_once": (lambda cfg, dims: cfg.training.fp8, "training.fp8"),
     "overlap_tp_comm": (lambda cfg, dims: dims.tp > 1, "tp > 1"),
+    "gated_delta_rule": (
+        lambda cfg, dims: "G" in getattr(cfg.model, "layer_pattern", ""),
+        "Gated DeltaNet blocks",
+    ),
 }
 
 

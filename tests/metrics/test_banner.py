@@ -99,3 +99,6 @@ def test_a_dense_fp32_single_rank_banner_leads_with_the_passes_that_can_act():
     assert active.endswith("passes on: canonicalize, fuse_linear_cross_entropy")
     assert "fuse_moe_router (MoE)" in idle and "overlap_tp_comm (tp > 1)" in idle
     assert "fp8_all_gather (training.fp8)" in idle and "fp8_cast_once" not in idle  # off
+    assert "gated_delta_rule (Gated DeltaNet blocks)" in idle
+    hybrid = _banner(load_config(["--preset", "hybrid-debug"]), ParallelDims(world_size=1))
+    assert "passes on: canonicalize, gated_delta_rule, " in hybrid["compile"]

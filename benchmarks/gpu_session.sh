@@ -328,20 +328,19 @@ stages() {
         # kernel: its chunk terms run in torch, eager, inside the op (fp32 pointwise work, six
         # batched triangular solves), the loop over chunks in Triton. Seconds.
         bench gdr-kernels 60 gated_delta_rule.py --kernels
-        # gated_delta_rule.py at Qwen3-Next's shapes (batch 1, 4096 tokens, 32 value heads of
-        # 128): ours (2026-11-30: 3.3 ms forward, 12.0 ms forward + backward), FLA's (rows that
-        # say why where refused), then the compiled chunked reference, never measured yet: it
-        # compiles the unrolled 64-chunk loop (hybrid-1b's plain row warmed up for 156 s), so
-        # it comes first this time, with time for its compile.
-        bench gated_delta_rule 200 gated_delta_rule.py
         # hybrid-1b's step: graphtrain (the gated_delta_rule pass on by default since
         # 2026-11-30, with the op's kernels as compile.gdr_kernels chooses: ours on Hopper with
         # triton 3.6, where FLA's are refused), plain torch.compile, then graphtrain with the
         # pass off as a variant row, the one row 2026-11-30's cap cut (graphtrain 249 ms a
-        # step, 39 s warm-up; plain 470 ms, 156 s warm-up): predicted near plain's time. What
-        # the budget leaves: the rows measured are recorded, a cut one is named.
+        # step, 39 s warm-up; plain 470 ms, 156 s warm-up): predicted near plain's time, the
+        # check of the new default. ~6-7 min for the three rows.
         bench e2e-hybrid-1b 420 e2e.py --model hybrid-1b --steps 10 --warmup 3 \
             --variant=--compile.passes=-gated_delta_rule
+        # gated_delta_rule.py at Qwen3-Next's shapes (batch 1, 4096 tokens, 32 value heads of
+        # 128): ours (2026-11-30: 3.3 ms forward, 12.0 ms forward + backward), FLA's (rows that
+        # say why where refused), then the compiled chunked reference, which compiles the
+        # unrolled 64-chunk loop for minutes: it gets what is left, a cut row is named.
+        bench gated_delta_rule 200 gated_delta_rule.py
         ;;
     fa4)
         # attention.py with flex's FlashAttention-4 row (its wheels installed above): flex's

@@ -337,8 +337,12 @@ def _diagnose(x, w, grad) -> dict:
         name: fp8_cast_ref(t, fp8_amax_ref(t), dtype, False, True)
         for name, t, dtype in (("x", x, E4M3), ("w", w, E4M3), ("grad", grad, E5M2))
     }
-    g8, g8_t, sg, _ = torch.ops.graphtrain.fp8_cast(grad, fp8_amax_ref(grad), E5M2, False, True)
+    amax = torch.ops.graphtrain.fp8_amax(grad)  # the backward's kernels, its record too
+    g8, g8_t, sg, _ = torch.ops.graphtrain.fp8_cast(
+        grad, amax, E5M2, False, True, record="gradient"
+    )
     same = {
+        "grad amax": torch.equal(amax, fp8_amax_ref(grad)),
         "x8_t": torch.equal(x8_t.view(torch.uint8), ref["x"][1].view(torch.uint8)),
         "w8_t": torch.equal(w8_t.view(torch.uint8), ref["w"][1].view(torch.uint8)),
         "x/w scale_inv": (torch.equal(sx, ref["x"][2]), torch.equal(sw, ref["w"][2])),

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from graphtrain.config import JobConfig
+from models.hybrid import GDN
 
 if TYPE_CHECKING:
     from graphtrain.parallel import ParallelDims
@@ -55,7 +56,7 @@ _NEEDS = {
     "fp8_cast_once": (lambda cfg, dims: cfg.training.fp8, "training.fp8"),
     "overlap_tp_comm": (lambda cfg, dims: dims.tp > 1, "tp > 1"),
     "gated_delta_rule": (
-        lambda cfg, dims: "G" in getattr(cfg.model, "layer_pattern", ""),
+        lambda cfg, dims: GDN in getattr(cfg.model, "layer_pattern", ""),
         "Gated DeltaNet blocks",
     ),
 }

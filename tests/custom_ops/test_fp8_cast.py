@@ -99,6 +99,13 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{int(differ.sum())} of {a.numel()} differ (got / want at {', '.join(firsts)})"
 
 
+def _cast_mismatches(got, want, *key) -> list:
+    """(*key, output name, how it differs) for each of fp8_cast's outputs that differs."""
+    names = ("y", "y_t", "scale_inv", "counts")
+    pairs = zip(names, got, want, strict=True)
+    return [(*key, name, diff) for name, u, v in pairs if (diff := _mismatch(u, v))]
+
+
 def check_kernels(run_amax, run_cast, shapes=SHAPES) -> None:
     """Every mismatch at once (a GPU run is rare: the first must not hide the others)."""
     wrong = []
@@ -111,9 +118,7 @@ def check_kernels(run_amax, run_cast, shapes=SHAPES) -> None:
             for dtype, pow2 in ((E4M3, False), (E5M2, False), (E4M3, special == "random")):
                 want = fc.fp8_cast_ref(x, amax * factor, dtype, pow2, True)
                 got = run_cast(x, amax * factor, dtype, pow2, True)
-                for name, u, v in zip(("y", "y_t", "scale_inv", "counts"), got, want, strict=True):
-                    if diff := _mismatch(u, v):
-                        wrong.append((shape, special, str(dtype), pow2, name, diff))
+                wrong += _cast_mismatches(got, want, shape, special, str(dtype), pow2)
     assert not wrong, wrong
 
 
@@ -336,10 +341,7 @@ def test_cuda_kernels_match_reference():
                 for dtype in (E4M3, E5M2):
                     got = torch.ops.graphtrain.fp8_cast(x, amax, dtype, False, True)
                     want = fc.fp8_cast_ref(x, amax, dtype, False, True)
-                    names = ("y", "y_t", "scale_inv", "counts")
-                    for name, u, v in zip(names, got, want, strict=True):
-                        if diff := _mismatch(u, v):
-                            wrong.append((shape, special, str(dtype), name, diff))
+                    wrong += _cast_mismatches(got, want, shape, special, str(dtype))
         assert not wrong, wrong
 
     checks = {

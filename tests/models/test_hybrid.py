@@ -156,8 +156,9 @@ def test_eager_and_compiled_losses_are_bitwise_equal(corpus, tmp_path, preset):
 
 def test_gdn_flops_are_the_matmuls_the_layer_runs():
     """The FLOPs formula of a GDN mixer (graphtrain.metrics.flops) against torch's flop counter
-    on the layer's forward; the counter does not count the triangular solve, the formula does
-    (C * C * (Dk + Dv) per chunk and value head)."""
+    on the layer's forward. Where the formula counts the unit-triangular solve for u_v and u_s
+    (C * C * (Dk + Dv) per chunk and value head), the layer solves against the identity (not
+    counted) and applies the inverse by matmuls (counted, twice that): solve_difference."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from graphtrain.metrics.flops import gated_deltanet_forward_flops_per_token
@@ -170,15 +171,16 @@ def test_gdn_flops_are_the_matmuls_the_layer_runs():
     with FlopCounterMode(display=False) as counter:
         layer(torch.randn(1, T, cfg.dim))
     C, Dk, Dv = cfg.linear_chunk_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    solve = cfg.linear_num_value_heads * C * (Dk + Dv)  # per token
-    assert counter.get_total_flops() + T * solve == T * gated_deltanet_forward_flops_per_token(cfg)
+    solve_difference = -cfg.linear_num_value_heads * C * (Dk + Dv)  # per token
+    want = T * gated_deltanet_forward_flops_per_token(cfg)
+    assert counter.get_total_flops() + T * solve_difference == want
 
 
 @pytest.mark.parametrize("gated, mtp_depth", [(True, 1), (False, 0)])
 def test_hybrid_forward_flops_match_the_flop_counter_on_the_model(gated, mtp_depth):
     """hybrid-debug's forward (its GDN blocks, gated or plain attention, MTP) against torch's
-    flop counter, plus the triangular solve the counter leaves out; whole chunks (the rule pads
-    a partial one), attention as its full T x T on SDPA's math backend."""
+    flop counter, with the solve's difference of the test above; whole chunks (the rule pads a
+    partial one), attention as its full T x T on SDPA's math backend."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -192,9 +194,9 @@ def test_hybrid_forward_flops_match_the_flop_counter_on_the_model(gated, mtp_dep
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(tokens, tokens)
     C, Dk, Dv = cfg.linear_chunk_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    solve = 3 * B * T * cfg.linear_num_value_heads * C * (Dk + Dv)  # 3 GDN blocks
+    solve_difference = -3 * B * T * cfg.linear_num_value_heads * C * (Dk + Dv)  # 3 GDN blocks
     expected = model_training_flops(cfg, num_tokens=B * T, num_attention_pairs=B * T * T)
-    assert 3 * (counter.get_total_flops() + solve) == expected
+    assert 3 * (counter.get_total_flops() + solve_difference) == expected
 
 
 @pytest.mark.parametrize("preset", ["hybrid-debug", "hybrid-moe-debug"])

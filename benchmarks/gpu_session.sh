@@ -321,12 +321,14 @@ stages() {
         ;;
     hybrid)
         # First the op's GPU tests (ours and FLA's against float64, forward and backward; FLA's
-        # skip on Hopper with triton 3.6): 2026-11-30 (H200), 3 passed, 3 skipped in 14 s.
+        # skip on Hopper with triton 3.6; the chunk inverse's kernel): 2026-11-30 (H200), 3
+        # passed, 3 skipped in 14 s.
         item gdr-tests 60 "$python" -m pytest -m gpu -q -rfEs \
-            tests/custom_ops/test_gated_delta_rule.py
-        # Where our op's 12.0 ms forward + backward go (2026-11-30; 2-4 ms predicted), kernel by
-        # kernel: its chunk terms run in torch, eager, inside the op (fp32 pointwise work, six
-        # batched triangular solves), the loop over chunks in Triton. Seconds.
+            tests/custom_ops/test_gated_delta_rule.py tests/custom_ops/test_unit_lower_inverse.py
+        # Where our op's forward + backward go, kernel by kernel (12.0 ms on 2026-11-30, with
+        # six batched triangular solves; predicted ~6.5-7.5 ms with the inverse kernel in their
+        # place, RESULTS): its chunk terms in torch, eager, inside the op (fp32 pointwise work,
+        # matmuls), the inverses and the loop over chunks in Triton. Seconds.
         bench gdr-kernels 60 gated_delta_rule.py --kernels
         # hybrid-1b's step: graphtrain (the gated_delta_rule pass on by default since
         # 2026-11-30, with the op's kernels as compile.gdr_kernels chooses: ours on Hopper with

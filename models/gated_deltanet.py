@@ -38,6 +38,9 @@ from models.layers import RMSNorm, init_trunc_normal, local_tensor
 # The loop over chunks, (q_state, intra, u_v, u_s, k_end, chunk_decay) -> o: `chunk_recurrence`.
 Recurrence = Callable[..., torch.Tensor]
 
+# (I + L)^-1 of strictly lower-triangular L [..., C, C]: `unit_lower_inverse`.
+Inverse = Callable[[torch.Tensor], torch.Tensor]
+
 # The annotation key of the recurrence region (gated_delta_rule): a compiler pass looks for it.
 REGION_KEY = "gated_delta_rule_region"
 
@@ -87,12 +90,14 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     scale: float | None = None,
     recurrence: Recurrence | None = None,
+    inverse: Inverse | None = None,
 ) -> torch.Tensor:
     """The gated delta rule, chunked. q, k: (B, T, H, Dk); v: (B, T, H, Dv); g (log decay, <= 0),
     beta: (B, T, H); segments: (B, T) from `segment_ids` or None. Returns o (B, T, H, Dv) in v's
     dtype; the state starts at zero in each row and at each segment start. scale: q's factor
-    (default Dk ** -0.5). recurrence: the loop over chunks (default `chunk_recurrence`); a
-    kernel of the same contract may stand in for it.
+    (default Dk ** -0.5). recurrence: the loop over chunks (default `chunk_recurrence`);
+    inverse: each chunk's (I + L)^-1 (default `unit_lower_inverse`); kernels of the same
+    contracts may stand in for them.
 
     Per chunk of C positions with c_i the sum of g over the chunk's positions <= i in i's
     segment and D_ij = exp(c_i - c_j) for j <= i in one segment (else 0), the C delta-rule writes u solve (I + L) u = beta v - beta k-read
@@ -135,13 +140,11 @@ def chunk_gated_delta_rule(
 
     k_beta = k * beta.unsqueeze(-1)
     lower = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
-    eye = torch.eye(C, dtype=ct, device=q.device)
-    # The system's inverse by one solve against the identity, applied by matmuls (FLA's WY
-    # form): C right-hand sides where solving for u_v and u_s takes Dk + Dv (a quarter at 64
-    # and 128; batched triangular solves are slow kernels), and one solve in the backward.
-    inverse = torch.linalg.solve_triangular(lower + eye, eye.expand_as(lower), upper=False)
-    u_v = inverse @ (v * beta.unsqueeze(-1))
-    u_s = inverse @ (k_beta * state_decay.unsqueeze(-1))
+    # The system I + lower inverted once and applied by matmuls (FLA's WY form), not solved for
+    # u_v and u_s: C right-hand sides where those solves take Dk + Dv.
+    system_inverse = (inverse or unit_lower_inverse)(lower)
+    u_v = system_inverse @ (v * beta.unsqueeze(-1))
+    u_s = system_inverse @ (k_beta * state_decay.unsqueeze(-1))
     intra = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C)
     q_state = q * state_decay.unsqueeze(-1)
     k_end = k * end_decay.unsqueeze(-1)
@@ -149,6 +152,13 @@ def chunk_gated_delta_rule(
     o = (recurrence or chunk_recurrence)(q_state, intra, u_v, u_s, k_end, chunk_decay)
     o = o.flatten(2, 3)[:, :, :T]  # (B, H, T, Dv)
     return o.transpose(1, 2).to(out_dtype)
+
+
+def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """(I + lower)^-1 for strictly lower-triangular `lower` [..., C, C]: one triangular solve
+    against the identity."""
+    eye = torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device)
+    return torch.linalg.solve_triangular(lower + eye, eye.expand_as(lower), upper=False)
 
 
 def chunk_recurrence(

@@ -446,6 +446,14 @@ def _cases() -> None:
             )
         )
 
+    # Each chunk's system inverted (graphtrain::unit_lower_inverse): 1 x 32 x 64 chunks of 64,
+    # and a padded size (24) in the ci tier.
+    uli = importlib.import_module("graphtrain.custom_ops.unit_lower_inverse")
+    for C, subset in ((64, "fast"), (24, "ci")):
+        case(f"unit_lower_inverse 2048 x {C}x{C}", subset)(
+            lambda C=C: uli.unit_lower_inverse_triton(_meta(1, 32, 64, C, C, dtype=f32))
+        )
+
     # MoE dispatch (permute / unpermute and its backward).
     for T, k, D, xdt, subset in (
         (16384, 6, 1024, f32, "ci"),

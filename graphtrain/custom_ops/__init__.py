@@ -15,4 +15,5 @@ from graphtrain.custom_ops import (
     moe_permute,  # noqa: F401  (graphtrain::moe_permute, moe_unpermute)
     moe_route,  # noqa: F401  (graphtrain::moe_route)
     moe_swiglu,  # noqa: F401  (graphtrain::moe_weighted_swiglu, its backward)
+    unit_lower_inverse,  # noqa: F401  (graphtrain::unit_lower_inverse)
 )

@@ -15,9 +15,9 @@ What
     "auto" (fla where it imports and runs, else ours). CPU and float64 run the reference.
 
 Layers (docs/design/gated_delta_rule.md, "The op"): GatedDeltaRuleOptions, the reference
-chunk_gated_delta_rule_ref, our CUDA path (the model's chunked form with its loop over chunks
-in _gdr_chunk_fwd_kernel and _gdr_chunk_bwd_kernel), FLA's through chunk_gated_delta_rule_fla
-and its backward, choose_kernels, the registration.
+chunk_gated_delta_rule_ref, our CUDA path (the model's chunked form, its loop over chunks in
+_gdr_chunk_fwd/bwd_kernel, its inverses by graphtrain::unit_lower_inverse), FLA's through
+chunk_gated_delta_rule_fla and its backward, choose_kernels, the registration.
 
 Numerics
     fp32 state and accumulation for bf16/fp32 inputs (float64 stays float64 on the reference);
@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from graphtrain.custom_ops.unit_lower_inverse import UnitLowerInverse
 from graphtrain.custom_ops.utils import schema_arguments
 from models.gated_deltanet import Recurrence
 from models.gated_deltanet import chunk_gated_delta_rule as _model_chunk_gated_delta_rule
@@ -344,8 +345,7 @@ def triton_refusal(chunk_size: int, dk: int) -> str | None:
 
 
 def _triton_recurrence(dtype: torch.dtype) -> Recurrence:
-    """The kernels' loop for inputs of `dtype`: 3xTF32 products (about fp32's accuracy) for
-    fp32 inputs, TF32 for 16-bit ones (whose values carry 8 to 11 bits; TF32 keeps 11)."""
+    """The loop for `dtype`: 3xTF32 (~fp32) for fp32, TF32 for 16-bit inputs (<= 11 bits)."""
     precision = "tf32x3" if dtype == torch.float32 else "tf32"
     return lambda *terms: _ChunkRecurrence.apply(*terms, precision)[0]
 
@@ -354,8 +354,7 @@ def chunk_gated_delta_rule_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Tensor | None,
     opts: GatedDeltaRuleOptions,
 ) -> Tensor:  # fmt: skip
-    """o: the model's chunked form (batched over chunks) with its loop over chunks in
-    _gdr_chunk_fwd_kernel."""
+    """o: the model's chunked form (batched over chunks), our kernels in its two slots."""
     if v.numel() == 0:
         return torch.empty_like(v)
     refusal = triton_refusal(opts.chunk_size, q.shape[-1])
@@ -363,7 +362,7 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(refusal)
     return _model_chunk_gated_delta_rule(
         q, k, v, g, beta, segments, chunk_size=opts.chunk_size, scale=opts.scale,
-        recurrence=_triton_recurrence(v.dtype),
+        recurrence=_triton_recurrence(v.dtype), inverse=UnitLowerInverse.apply,
     )  # fmt: skip
 
 

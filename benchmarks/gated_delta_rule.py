@@ -23,7 +23,8 @@ What
 Run
     python benchmarks/gated_delta_rule.py [--seq 4096 --batch 1 --documents 1] [--no-record]
     python benchmarks/gated_delta_rule.py --kernels     # instead of the table: where our op's
-                                                        # forward + backward time goes, by kernel
+                                                        # forward + backward time goes, by kernel,
+                                                        # and its chunk systems' inverse 3 ways
     python benchmarks/gated_delta_rule.py --cpu-smoke   # no GPU: tiny shape, the op agrees with
                                                         # the reference and the pass fires
 The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
@@ -46,7 +47,13 @@ from harness import kernel_table, parse_args, record  # run as a script: benchma
 import graphtrain.custom_ops.gated_delta_rule  # registers the op
 from graphtrain.compile import backend as graphtrain_backend
 from graphtrain.compile import region_config as graphtrain_region_config
-from models.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, l2norm, segment_ids
+from models.gated_deltanet import (
+    GatedDeltaNet,
+    chunk_gated_delta_rule,
+    l2norm,
+    segment_ids,
+    unit_lower_inverse,
+)
 
 OP = torch.ops.graphtrain.chunk_gated_delta_rule
 
@@ -131,6 +138,28 @@ def ours_step(xs, grad_o, seg, D) -> tuple:
     return torch.autograd.grad(o, xs, grad_o)
 
 
+def inverse_rows(n: int, D: int, device: str, bench) -> list[str]:
+    """The op's chunk systems inverted three ways, n systems of 64 in fp32 (forward only):
+    the two solves the chunked form ran before 2026-11-30 (for u_v and u_s, D right-hand sides
+    each), the model's solve against the identity (plain compile's and the pass-off row's),
+    graphtrain::unit_lower_inverse (our CUDA path's)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    k = l2norm(torch.randn(n, 64, D, device=device, generator=gen))
+    beta = torch.rand(n, 64, 1, device=device, generator=gen)
+    lower = ((k * beta) @ k.mT).tril(-1)
+    system = lower + torch.eye(64, device=device)
+    rhs = torch.randn(n, 64, D, device=device, generator=gen)
+    fns = {
+        f"two solves of {D} right-hand sides": lambda: [
+            torch.linalg.solve_triangular(system, rhs, upper=False) for _ in range(2)
+        ],
+        "solve against the identity (models.gated_deltanet)": lambda: unit_lower_inverse(lower),
+        "graphtrain::unit_lower_inverse": lambda: torch.ops.graphtrain.unit_lower_inverse(lower),
+    }
+    rows = [f"| {n} chunk systems of 64, inverted | ms |", "|---|---:|"]
+    return rows + [f"| {name} | {bench(fn):.3f} |" for name, fn in fns.items()]
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -186,6 +215,7 @@ def cpu_smoke() -> None:
     assert "skipped: ValueError" in refused, refused
     table = kernel_table(functools.partial(ours_step, xs, grad_o, None, 8), top=25)
     assert table[-1].startswith("| all ") and len(table) > 6, table  # --kernels' table
+    assert len(inverse_rows(4, 8, "cpu", untimed)) == 5  # and its inverse rows
     print("cpu smoke: the op equals the reference, the pass inserts it, a refusing row says why")
 
 
@@ -213,6 +243,8 @@ def main() -> None:
     if args.kernels:
         print(f"our op, forward + backward, B={B}, T={T}, {H} heads of {D}, bf16:")
         print("\n".join(kernel_table(functools.partial(ours_step, xs, grad_o, seg, D), top=25)))
+        bench = functools.partial(triton.testing.do_bench, return_mode="median")
+        print("\n".join(inverse_rows(B * H * triton.cdiv(T, 64), D, "cuda", bench)))
         return
     fns = builds(D, seg, cu)
     with torch.no_grad():  # the model's chunked form in fp32, eager: no compile to wait for

@@ -16,7 +16,7 @@ changes the state restarts from zero (a_t = 0) and the convolution reads no earl
 so no information crosses documents, as with attention's block-diagonal mask.
 
 `chunk_gated_delta_rule` is the chunked form the model runs (chunks of 64 positions: within a
-chunk a unit-triangular solve and matmuls, across chunks a loop over the state);
+chunk a unit-triangular system inverted and matmuls, across chunks a loop over the state);
 `gated_delta_rule_recurrent` is the step-by-step spec it is tested against. Numerics: the
 recurrence and its state in fp32 whatever the input dtype (float64 stays float64), the output
 in v's dtype. The compiler's pass (graphtrain.passes.gated_delta_rule) may replace the chunked

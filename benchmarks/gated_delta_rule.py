@@ -12,6 +12,8 @@ What
                         documents, the cu_seqlens it derives from our segments, a host sync)
         fla             flash-linear-attention's chunk_gated_delta_rule called directly
                         (documents as cu_seqlens over the rows laid end to end)
+        torch.compile, our kernels in its slots   the chunked form under torch.compile with
+                        our loop and inverse kernels in its slots (Inductor fuses the rest)
     where the fla-core package is installed (else the fla rows say so)
     reporting the median wall time (triton.testing.do_bench) of the forward and of forward +
     backward (all five input gradients for a fixed random output gradient), and each row's
@@ -44,7 +46,7 @@ import triton
 import triton.testing
 from harness import kernel_table, parse_args, record  # run as a script: benchmarks/ on sys.path
 
-import graphtrain.custom_ops.gated_delta_rule  # registers the op
+import graphtrain.custom_ops.gated_delta_rule as gdr  # registers the op
 from graphtrain.compile import backend as graphtrain_backend
 from graphtrain.compile import region_config as graphtrain_region_config
 from models.gated_deltanet import (
@@ -103,6 +105,12 @@ def builds(D: int, seg: torch.Tensor | None, cu: torch.Tensor) -> dict:
 
     if fla_rule is not None:
         fns["fla"] = fla
+    # The chunked form with our two kernels in its slots, the rest compiled by Inductor (its
+    # chunk terms fused, the backward AOTAutograd's): what a pass emitting that form would give
+    slots = gdr.triton_slots(torch.bfloat16)
+    fns["torch.compile, our kernels in its slots"] = torch.compile(
+        lambda q, k, v, g, b: chunk_gated_delta_rule(q, k, v, g, b, seg, 64, scale, **slots)
+    )
     fns["torch.compile"] = torch.compile(
         lambda q, k, v, g, b: chunk_gated_delta_rule(q, k, v, g, b, seg, 64, scale)
     )
@@ -171,7 +179,7 @@ def cpu_smoke() -> None:
     out = OP(q, k, v, g, beta, None, scale=8**-0.5, chunk_size=64)
     assert torch.equal(out, ref)
     seg, cu = documents(2, 70, 3, "cpu")  # the fla row's cu_seqlens are the op's for seg
-    assert torch.equal(cu, graphtrain.custom_ops.gated_delta_rule._fla_documents(seg, q)[1])
+    assert torch.equal(cu, gdr._fla_documents(seg, q)[1])
     layer = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6)
     layer.init_weights(0.02, 0.01)
     x = torch.randn(2, 40, 32)

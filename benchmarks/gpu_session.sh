@@ -340,8 +340,10 @@ stages() {
             --variant=--compile.passes=-gated_delta_rule
         # gated_delta_rule.py at Qwen3-Next's shapes (batch 1, 4096 tokens, 32 value heads of
         # 128): ours (2026-11-30: 3.3 ms forward, 12.0 ms forward + backward), FLA's (rows that
-        # say why where refused), then the compiled chunked reference, which compiles the
-        # unrolled 64-chunk loop for minutes: it gets what is left, a cut row is named.
+        # say why where refused), the chunked form compiled with our two kernels in its slots
+        # (Inductor fusing the chunk terms: the next lever, RESULTS; compiles in ~1 min), then
+        # the compiled chunked reference, which compiles the unrolled 64-chunk loop for
+        # minutes: it gets what is left, a cut row is named.
         bench gated_delta_rule 200 gated_delta_rule.py
         ;;
     fa4)

@@ -142,14 +142,16 @@ def chunk_gated_delta_rule(
     lower = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
     # The system I + lower inverted once and applied by matmuls (FLA's WY form), not solved for
     # u_v and u_s: C right-hand sides where those solves take Dk + Dv.
-    system_inverse = (inverse or unit_lower_inverse)(lower)
+    system_inverse = (unit_lower_inverse if inverse is None else inverse)(lower)
     u_v = system_inverse @ (v * beta.unsqueeze(-1))
     u_s = system_inverse @ (k_beta * state_decay.unsqueeze(-1))
     intra = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C)
     q_state = q * state_decay.unsqueeze(-1)
     k_end = k * end_decay.unsqueeze(-1)
 
-    o = (recurrence or chunk_recurrence)(q_state, intra, u_v, u_s, k_end, chunk_decay)
+    o = (chunk_recurrence if recurrence is None else recurrence)(
+        q_state, intra, u_v, u_s, k_end, chunk_decay
+    )
     o = o.flatten(2, 3)[:, :, :T]  # (B, H, T, Dv)
     return o.transpose(1, 2).to(out_dtype)
 

@@ -41,7 +41,6 @@ from torch import Tensor
 
 from graphtrain.custom_ops.unit_lower_inverse import UnitLowerInverse
 from graphtrain.custom_ops.utils import schema_arguments
-from models.gated_deltanet import Recurrence
 from models.gated_deltanet import chunk_gated_delta_rule as _model_chunk_gated_delta_rule
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -262,8 +261,7 @@ def chunk_recurrence_triton(
 
 def _chunk_recurrence_fake(q_state, intra, u_v, u_s, k_end, chunk_decay, precision):
     """(o, u, states), contiguous whatever the inputs' strides (the kernels write them so)."""
-    B, H, N, _, DK = u_s.shape
-    states = u_v.new_empty(B, H, N, DK, u_v.shape[-1])
+    states = u_v.new_empty(*u_s.shape[:3], u_s.shape[-1], u_v.shape[-1])  # (B, H, N, Dk, Dv)
     return u_v.new_empty(u_v.shape), u_v.new_empty(u_v.shape), states
 
 
@@ -344,10 +342,13 @@ def triton_refusal(chunk_size: int, dk: int) -> str | None:
     )
 
 
-def _triton_recurrence(dtype: torch.dtype) -> Recurrence:
-    """The loop for `dtype`: 3xTF32 (~fp32) for fp32, TF32 for 16-bit inputs (<= 11 bits)."""
+def triton_slots(dtype: torch.dtype) -> dict[str, Any]:
+    """Our kernels in the chunked form's slots (the loop: 3xTF32 for fp32, else TF32)."""
     precision = "tf32x3" if dtype == torch.float32 else "tf32"
-    return lambda *terms: _ChunkRecurrence.apply(*terms, precision)[0]
+    return {
+        "recurrence": lambda *terms: _ChunkRecurrence.apply(*terms, precision)[0],
+        "inverse": UnitLowerInverse.apply,
+    }
 
 
 def chunk_gated_delta_rule_triton(
@@ -362,7 +363,7 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(refusal)
     return _model_chunk_gated_delta_rule(
         q, k, v, g, beta, segments, chunk_size=opts.chunk_size, scale=opts.scale,
-        recurrence=_triton_recurrence(v.dtype), inverse=UnitLowerInverse.apply,
+        **triton_slots(v.dtype),
     )  # fmt: skip
 
 

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 
 import graphtrain.custom_ops.gated_delta_rule as gdr
 from graphtrain.custom_ops.utils import interpreting
-from models.gated_deltanet import chunk_recurrence, gated_delta_rule_recurrent, l2norm, segment_ids
+from models.gated_deltanet import (
+    chunk_gated_delta_rule,
+    chunk_recurrence,
+    gated_delta_rule_recurrent,
+    l2norm,
+    segment_ids,
+)
 
 OP = torch.ops.graphtrain.chunk_gated_delta_rule
 
@@ -259,7 +265,32 @@ def _interpreter_checks() -> None:
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=atol, msg=name)
     print("interpreter recurrence ok")
     _compiled_block_with_our_kernels()
+    _compiled_chunked_form_with_our_slots()
     print("interpreter all ok")
+
+
+def _compiled_chunked_form_with_our_slots() -> None:
+    """The chunked form under torch.compile (aot_eager) with our kernels in its two slots (the
+    benchmark's "our kernels in its slots" row): forward and every gradient against the
+    float64 recurrence, two documents."""
+    xs = [x.requires_grad_() for x in _inputs(1, 40, 2, 16, 16, seed=5)]
+    seg = _segments([[23, 17]])
+    ref = gated_delta_rule_recurrent(*xs, seg, scale=0.25)
+    grad_o = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, xs, grad_o)
+    torch._dynamo.reset()
+    slots = gdr.triton_slots(torch.float32)
+    fn = torch.compile(
+        lambda *ys: chunk_gated_delta_rule(*ys, seg, 16, 0.25, **slots),
+        backend="aot_eager", fullgraph=True,
+    )  # fmt: skip
+    ours = [x.detach().float().requires_grad_() for x in xs]
+    out = fn(*ours)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out, ours, grad_o.float())
+    for name, a, b in zip("q k v g beta".split(), grads, expected, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+    print("interpreter compiled chunked form with our slots ok")
 
 
 def _compiled_block_with_our_kernels() -> None:

@@ -53,7 +53,7 @@ def unit_lower_inverse_ref(lower: Tensor) -> Tensor:
 
 @triton.jit
 def _unit_lower_inverse_kernel(l_ptr, x_ptr, C: tl.constexpr, BLOCK: tl.constexpr):
-    # One program: matrix m. Rows and columns past C (padding) hold the identity's and are not
+    # One program, one matrix. Rows and columns past C (padding) hold the identity's and are not
     # stored; L's entries on and above the diagonal are masked off on load.
     base = tl.program_id(0).to(tl.int64) * C * C
     r16 = tl.arange(0, 16)

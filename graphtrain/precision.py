@@ -12,7 +12,7 @@ what it says).
                  the ops it runs in fp32 (softmax, norms) in fp32
     working      training.working_weights with fp32 masters and 16-bit compute: the masters that
                  would be cast on every use get 16-bit copies (working_masters), except those
-                 the compiled graph concatenates (their concatenation casts them)
+                 the compiled graph casts itself (graph_cast: concatenated, or FP8)
     pipeline     the activations between pipeline stages: the compute dtype where FSDP2 or
                  16-bit masters make it the residual's, else fp32 (autocast keeps the residual
                  in fp32)
@@ -26,9 +26,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from graphtrain.config import CompileConfig, JobConfig
+from graphtrain.config import JobConfig
 from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, expert_params
+from graphtrain.passes.fp8_linear import fp8_weights
 from graphtrain.passes.fuse_sibling_grouped_mm import concatenated_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,14 +75,23 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.compute)
 
-    def working_masters(self, model: nn.Module, compile_cfg: CompileConfig) -> list[nn.Parameter]:
+    def working_masters(self, model: nn.Module, cfg: JobConfig) -> list[nn.Parameter]:
         """The fp32 master weights that get 16-bit working copies, as they would otherwise be
         cast on every use: the matmul weights under autocast (no data parallelism), or under
         FSDP2 the expert-parallel weights it leaves alone (the experts cast them to the
-        activations' dtype). Not the weights the compiled graph concatenates (the experts' w1
-        and w3: concatenated_weights), which the concatenation casts. None without copies."""
+        activations' dtype). Not the weights the compiled graph casts itself (graph_cast).
+        None without copies."""
         if not self.working:
             return []
         masters = expert_params(model) if self.data_parallel else working_weight_params(model)
-        concatenated = {id(p) for p in concatenated_weights(model, compile_cfg)}
-        return [p for p in masters if id(p) not in concatenated]
+        cast = {id(p) for p in graph_cast(model, cfg)}
+        return [p for p in masters if id(p) not in cast]
+
+
+def graph_cast(model: nn.Module, cfg: JobConfig) -> list[nn.Parameter]:
+    """The weights the compiled graph casts itself from the fp32 master, to which a working
+    copy would add its bytes and save no cast: those it concatenates (the experts' w1 and w3,
+    concatenated_weights: the concatenation casts) and the FP8 linears' (fp8_weights: the op's
+    FP8 cast reads the master, 4 bytes a weight where a copy costs its write, its read and the
+    gradient's widening; docs/design/working_weights.md)."""
+    return [*concatenated_weights(model, cfg.compile), *fp8_weights(model, cfg)]

@@ -224,7 +224,7 @@ def _build_step(
 ) -> TrainStep:
     """The step: the forward with its attention, autocast and working copies (taken from the
     masters as they are now), the pipeline's runner under pp, and the step hooks."""
-    masters = precision.working_masters(model, cfg.compile)
+    masters = precision.working_masters(model, cfg)
     weights = WorkingWeights(model, masters, precision.compute)
     if isinstance(optimizer, AdamWCopies):
         weights.refresh_in(optimizer)  # its step writes the copies

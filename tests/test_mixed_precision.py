@@ -51,11 +51,26 @@ def test_working_masters_follow_the_layout():
     cfg = load_config(["--preset", "debug"])
     with torch.device("meta"):
         model = build_model(cfg.model)
-    single = Precision.of(cfg, ParallelDims(), CUDA).working_masters(model, cfg.compile)
+    single = Precision.of(cfg, ParallelDims(), CUDA).working_masters(model, cfg)
     assert single and all(p.dim() == 2 for p in single)
     fsdp = Precision.of(cfg, ParallelDims(dp_shard=2, world_size=2), CUDA)
-    assert fsdp.working_masters(model, cfg.compile) == []
-    assert Precision.of(cfg, ParallelDims(), CPU).working_masters(model, cfg.compile) == []
+    assert fsdp.working_masters(model, cfg) == []
+    assert Precision.of(cfg, ParallelDims(), CPU).working_masters(model, cfg) == []
+
+
+def test_no_copies_of_the_fp8_linears_weights():
+    """Under training.fp8 the linears the fp8_linear pass takes (fp8_weights: every matmul
+    weight of debug at a small fp8.min_dim) get no working copy, the op casting their fp32
+    masters; at the default min_dim (4096) it takes none of debug's, and all keep theirs."""
+    from models import build_model
+
+    for min_dim, copies in ((16, False), (4096, True)):
+        cfg = load_config(["--preset", "debug", "--training.fp8=true", f"--fp8.min_dim={min_dim}"])
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        matmul = working_weight_params(model)
+        copied = Precision.of(cfg, ParallelDims(), CUDA).working_masters(model, cfg)
+        assert matmul and copied == (matmul if copies else []), (min_dim, len(copied))
 
 
 def test_no_copies_of_the_weights_the_graph_concatenates():
@@ -71,11 +86,12 @@ def test_no_copies_of_the_weights_the_graph_concatenates():
     names = {id(p): name for name, p in model.named_parameters()}
     matmul = [names[id(p)] for p in working_weight_params(model)]
     concatenated = {f"layers.{i}.moe.experts.{w}" for i in (1, 2) for w in ("w1", "w3")}
-    copied = [names[id(p)] for p in precision.working_masters(model, cfg.compile)]
+    copied = [names[id(p)] for p in precision.working_masters(model, cfg)]
     assert copied == [n for n in matmul if n not in concatenated]
     assert concatenated < set(matmul) and "layers.1.moe.experts.w2" in copied
     for compile_cfg in (
         dataclasses.replace(cfg.compile, passes=["-fuse_sibling_grouped_mm"]),
         dataclasses.replace(cfg.compile, enable=False),
     ):
-        assert [names[id(p)] for p in precision.working_masters(model, compile_cfg)] == matmul
+        off = dataclasses.replace(cfg, compile=compile_cfg)
+        assert [names[id(p)] for p in precision.working_masters(model, off)] == matmul

@@ -229,6 +229,20 @@ def test_working_weights_train_and_export_exactly_as_autocast(corpus, tmp_path):
         assert value.dtype == torch.float32 and torch.equal(value, exported[1][key]), key
 
 
+def test_fp8_linears_take_no_working_copies(corpus, tmp_path):
+    """Under training.fp8 the linears the fp8_linear pass takes get no working copy (their op
+    casts the fp32 master: graphtrain.precision.graph_cast): on debug at a small fp8.min_dim,
+    where it takes every linear but the head, bf16 autocast trains bitwise the same with
+    training.working_weights on as off."""
+    common = ("--training.steps=3", "--training.dtype=bfloat16", "--training.fp8=true",
+              "--fp8.min_dim=16", "--metrics.log_interval=1", "--metrics.val_interval=0")  # fmt: skip
+    off = train(
+        load_config(job(corpus, tmp_path / "off", *common, "--training.working_weights=false"))
+    )
+    on = train(load_config(job(corpus, tmp_path / "on", *common)))
+    assert on.losses == off.losses and on.losses[-1] < on.losses[0]
+
+
 def test_activation_memory_budget_trains_the_same_curve(
     corpus, tmp_path, straight_six_steps, monkeypatch
 ):

@@ -35,7 +35,7 @@ from graphtrain.custom_ops.linear_cross_entropy import fast_mode_extra_bytes, un
 from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, check_layout
 from graphtrain.parallel.fsdp import reshards_after_forward
-from graphtrain.passes.fuse_sibling_grouped_mm import concatenated_weights
+from graphtrain.precision import graph_cast
 from models import MoEConfig, build_model, tp_plan
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -156,7 +156,7 @@ def _rank_items(
     }
     if t.working_weights and master == 4 and compute == 2:
         matmul = {id(p) for p in working_weight_params(model)}
-        concatenated = {id(p) for p in concatenated_weights(model, cfg.compile)}
+        cast = {id(p) for p in graph_cast(model, cfg)}
         copies = sum(
             p.numel()
             / _tp_divisor(name, plan, dims)
@@ -164,7 +164,7 @@ def _rank_items(
             / (dims.ep if ".experts." in name else 1)
             for name, p in model.named_parameters()
             # The trainer's choice (graphtrain.precision.Precision.working_masters).
-            if id(p) not in concatenated
+            if id(p) not in cast
             and (
                 (dims.dp_size == 1 and id(p) in matmul)
                 or (dims.dp_size > 1 and dims.ep > 1 and ".experts." in name)

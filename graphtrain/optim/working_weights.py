@@ -19,8 +19,8 @@ What
 Numerics
     Bitwise the same as autocast on the fp32 masters (the same round-to-nearest cast, the same
     GEMM operands, the same bf16 gradients added in the same order), except a weight used twice
-    in one micro-batch (none in models/: summed in bf16 before the hook) and training.fp8 (the
-    FP8 casts read the bf16 copy: below 2^-9 relative against E4M3's 2^-4 spacing).
+    in one micro-batch (none in models/: summed in bf16 before the hook). The FP8 linears'
+    weights get no copy (graphtrain.precision.graph_cast): their op casts the master.
     Why, which parameters and layouts, and the predicted costs: docs/design/working_weights.md.
 """
 

@@ -36,15 +36,17 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch import nn
 from torch.fx import Node
 
-from graphtrain.config import Fp8Config
+from graphtrain.config import Fp8Config, JobConfig, pass_options
 from graphtrain.custom_ops import fp8_grouped_mm, fp8_linear  # noqa: F401  (register the ops)
 from graphtrain.custom_ops.fp8_cast import fp8_saturation_stats, fp8_values_cast
 from graphtrain.passes import fx
 from graphtrain.passes.dump import module_path
 from graphtrain.passes.fx import Refuse
-from graphtrain.passes.registry import PassContext, register_pass
+from graphtrain.passes.registry import PassContext, register_pass, resolve_passes
+from models.layers import local_tensor
 
 # The defaults of a job without a config: the [fp8] section's (one place for both).
 DEFAULT_OPTIONS: dict[str, Any] = {
@@ -182,15 +184,34 @@ def _path(gemm: _Gemm) -> str:
     return module_path(list(stack.values())[-1][0]) if stack else gemm.weight.name
 
 
-def _check(gemm: _Gemm, path: str, opts: dict[str, Any]) -> None:
-    """Raise Refuse saying why this GEMM stays as it is."""
+def _unselected(path: str, grouped: bool, opts: dict[str, Any]) -> str | None:
+    """Why the [fp8] globs (and fp8.experts) keep the GEMM of module `path` (under its compiled
+    region) in bf16, or None."""
     if not any(fnmatch.fnmatchcase(path, g) for g in opts["fp8.include"]):
-        raise Refuse(f"module {path!r} matches no fp8.include glob {list(opts['fp8.include'])}")
+        return f"module {path!r} matches no fp8.include glob {list(opts['fp8.include'])}"
     excluded = [g for g in opts["fp8.exclude"] if fnmatch.fnmatchcase(path, g)]
     if excluded:
-        raise Refuse(f"module {path!r} matches fp8.exclude glob {excluded[0]!r}")
-    if gemm.kind == "grouped" and not opts["fp8.experts"]:
-        raise Refuse("fp8.experts is false")
+        return f"module {path!r} matches fp8.exclude glob {excluded[0]!r}"
+    return "fp8.experts is false" if grouped and not opts["fp8.experts"] else None
+
+
+def _undersized(dims: dict[str, int], opts: dict[str, Any]) -> str | None:
+    """Why the GEMM's dimensions (M, K, N; grouped: K, N) keep it in bf16, or None."""
+    multiple, least = opts["fp8.multiple_of"], opts["fp8.min_dim"]
+    odd = [f"{k}={d}" for k, d in dims.items() if d % multiple]
+    if odd:
+        return f"{', '.join(odd)} not a multiple of {multiple}"
+    small = [f"{k}={d}" for k, d in dims.items() if d < least]
+    if small:
+        return f"{', '.join(small)} below fp8.min_dim={least} (FP8 slower than bf16 there)"
+    return None
+
+
+def _check(gemm: _Gemm, path: str, opts: dict[str, Any]) -> None:
+    """Raise Refuse saying why this GEMM stays as it is."""
+    reason = _unselected(path, gemm.kind == "grouped", opts)
+    if reason:
+        raise Refuse(reason)
     vals = [fx.val(n) for n in (gemm.x, gemm.weight, gemm.node)]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         raise Refuse("its operands have no example values")
@@ -208,14 +229,36 @@ def _check(gemm: _Gemm, path: str, opts: dict[str, Any]) -> None:
         raise Refuse(f"the grouped GEMM takes x {list(x.shape)} without 2-D rows and offs")
     N, K = w.shape[-2], w.shape[-1]
     dims = {"K": K, "N": N} if gemm.kind == "grouped" else {"M": math.prod(x.shape[:-1]), "K": K, "N": N}  # fmt: skip
-    multiple, least = opts["fp8.multiple_of"], opts["fp8.min_dim"]
-    odd = [f"{k}={d}" for k, d in dims.items() if d % multiple]
-    if odd:
-        raise Refuse(f"{', '.join(odd)} not a multiple of {multiple}")
-    small = [f"{k}={d}" for k, d in dims.items() if d < least]
-    if small:
-        raise Refuse(f"{', '.join(small)} below fp8.min_dim={least} (FP8 slower than bf16 there)")
-    return None
+    reason = _undersized(dims, opts)
+    if reason:
+        raise Refuse(reason)
+
+
+def fp8_weights(model: nn.Module, cfg: JobConfig) -> list[nn.Parameter]:
+    """Where the trainer runs this pass (compile.enable, fp8_linear among compile.passes, as
+    training.fp8 puts it): the weights of `model`'s nn.Linear modules its filters take, judged
+    as the pass judges their GEMMs (the module's path under its compiled region, a block or an
+    MTP layer, else the model; the rank's shard of the weight; M the micro-batch's tokens).
+    graphtrain.precision gives them no working copy: the op casts the fp32 master itself. A
+    weight misjudged costs speed (a copy unused, or a cast per use), never correctness; the
+    experts' grouped GEMMs keep their copies."""
+    if not cfg.compile.enable or "fp8_linear" not in {
+        p.name for p in resolve_passes(cfg.compile.passes)
+    }:
+        return []
+    opts = pass_options(cfg)
+    tokens = cfg.training.micro_batch_size * cfg.training.seq_len
+    regions = [f"{a}.{k}." for a in ("layers", "mtp_layers") for k in getattr(model, a, None) or ()]
+    chosen = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        path = name.removeprefix(next((r for r in regions if name.startswith(r)), ""))
+        N, K = local_tensor(module.weight).shape
+        dims = {"M": tokens, "K": K, "N": N}
+        if not (_unselected(path, False, opts) or _undersized(dims, opts)):
+            chosen.append(module.weight)
+    return chosen
 
 
 def _rewrite(gm: torch.fx.GraphModule, gemm: _Gemm, opts: dict[str, Any]) -> Node:

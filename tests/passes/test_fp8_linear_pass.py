@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 
 from graphtrain.compile import apply_compile
 from graphtrain.config import load_config
+from graphtrain.passes.fp8_linear import fp8_weights
 from graphtrain.trainer import train
 from models import MODEL_PRESETS, build_model
 
@@ -209,22 +211,29 @@ def test_model_trains_with_fp8(preset):
 def test_trainer_runs_fp8_from_the_config(corpus, tmp_path):
     """training.fp8=true through the trainer (moe-debug: dense and MoE blocks): the options of
     the [fp8] section reach the pass, the dumps show the FP8 ops and the refusals, and the
-    run trains (finite, falling loss)."""
+    run trains (finite, falling loss). fp8_weights (the weights graphtrain.precision gives no
+    working copy) are the linears the pass made FP8 ops of, by their paths in the regions."""
     args = job(corpus, tmp_path, "--training.fp8=true", "--fp8.min_dim=16",
                "--compile.dump_graphs=true", "--training.steps=6", "--metrics.log_interval=1",
                "--metrics.val_interval=0")  # fmt: skip
     args[1] = "moe-debug"  # job() defaults to the debug preset
-    result = train(load_config(args))
+    cfg = load_config(args)
+    result = train(cfg)
     assert all(math.isfinite(x) for x in result.losses) and result.losses[-1] < result.losses[0]
-    counts, notes = {}, []
+    counts, notes, sites = {}, [], set()
     for summary in (tmp_path / "run" / "graphs").glob("*/summary.json"):
         for step in json.loads(summary.read_text()):
             if step["label"] == PASS:
                 notes += step["notes"]
                 for op in (OP, GOP):
                     counts[op] = counts.get(op, 0) + step["op_counts"].get(op, 0)
+                sites |= {s["module_path"] for s in step.get("custom_ops", []) if s["op"] == OP}
     assert counts[OP] > 0 and counts[GOP] > 0, notes
     assert any("router.gate" in n and "fp8.exclude" in n for n in notes), notes
+    model = build_model(cfg.model)
+    names = {id(p): name.removesuffix(".weight") for name, p in model.named_parameters()}
+    chosen = {re.sub(r"^layers\.\d+\.", "", names[id(p)]) for p in fp8_weights(model, cfg)}
+    assert chosen == sites and "attention.wq" in chosen, (chosen, sites)
 
 
 def _colwise_worker(rank: int, world: int, dump: str) -> None:

@@ -285,7 +285,9 @@ stages() {
         # e2e.py --fp8 3b, batch 1 (4096 tokens, ~0.2 s a step at 45% MFU plus the 3.2B AdamW
         # step): graphtrain bf16, graphtrain fp8, plain bf16, ~63 GiB each, one at a time; 10
         # layers of 4096 to compile per row, ~1 min each: the steps are cut to 6 + 2. What is
-        # left of the budget (~3 min): the row that misses it says so in its log.
+        # left of the budget (~3 min): the row that misses it says so in its log. Predicted
+        # (2026-11-30, no working copies of the FP8 linears' weights): fp8 peak 52.4 -> ~48.5
+        # GiB, under plain's 48.9; its step 136.9 -> ~135.7 ms.
         bench e2e-3b-fp8 300 e2e.py --fp8 --model 3b --batch 1 --steps 6 --warmup 2
         ;;
     mtp)

@@ -330,8 +330,10 @@ stages() {
         # Where our op's forward + backward go, kernel by kernel (12.0 ms on 2026-11-30, with
         # six batched triangular solves; predicted ~6.5-7.5 ms with the inverse kernel in their
         # place, RESULTS): its chunk terms in torch, eager, inside the op (fp32 pointwise work,
-        # matmuls), the inverses and the loop over chunks in Triton. Seconds.
-        bench gdr-kernels 60 gated_delta_rule.py --kernels
+        # matmuls), the inverses and the loop over chunks in Triton; the inverse three ways;
+        # then the chunked form compiled with our kernels in its slots (the next lever,
+        # predicted ~4-5 ms; one compile, ~1 min). ~1.5-2 min.
+        bench gdr-kernels 150 gated_delta_rule.py --kernels
         # hybrid-1b's step: graphtrain (the gated_delta_rule pass on by default since
         # 2026-11-30, with the op's kernels as compile.gdr_kernels chooses: ours on Hopper with
         # triton 3.6, where FLA's are refused), plain torch.compile, then graphtrain with the

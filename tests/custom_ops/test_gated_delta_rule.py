@@ -206,11 +206,13 @@ def test_fla_documents_are_our_segments():
 
 def _interpreter_checks() -> None:
     """Run in a child with TRITON_INTERPRET=1: our CUDA path on CPU, fp32 (the model's chunk
-    terms, the loop over chunks by the Triton kernels, the backward through torch.func) against
+    terms, their inverse and the loop over chunks by the Triton kernels, the backward through
+    torch.func) against
     the float64 recurrence and its autograd; Dk, Dv not powers of two, chunks shorter than a
     dot tile, a partial last chunk, documents across chunk boundaries (one of length 1), and
     two column blocks of the kernels (Dv 40 and 96). Then the loop alone against the model's
-    chunk_recurrence, every input's gradient; then a compiled block running it."""
+    chunk_recurrence, every input's gradient; then a compiled block running it, and the chunked
+    form compiled with our kernels in its slots."""
     assert interpreting()
     for B, T, H, Dk, Dv, chunk, lengths in [
         (1, 9, 1, 4, 4, 4, None),

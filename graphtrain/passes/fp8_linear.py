@@ -45,9 +45,10 @@ from graphtrain.custom_ops.fp8_cast import fp8_saturation_stats, fp8_values_cast
 from graphtrain.passes import fx
 from graphtrain.passes.dump import module_path
 from graphtrain.passes.fx import Refuse
-from graphtrain.passes.registry import PassContext, register_pass, resolve_passes
+from graphtrain.passes.registry import PassContext, register_pass, trainer_runs
 from models.layers import local_tensor
 
+PASS = "fp8_linear"
 # The defaults of a job without a config: the [fp8] section's (one place for both).
 DEFAULT_OPTIONS: dict[str, Any] = {
     f"fp8.{k}": v for k, v in dataclasses.asdict(Fp8Config()).items()
@@ -242,9 +243,7 @@ def fp8_weights(model: nn.Module, cfg: JobConfig) -> list[nn.Parameter]:
     graphtrain.precision gives them no working copy: the op casts the fp32 master itself. A
     weight misjudged costs speed (a copy unused, or a cast per use), never correctness; the
     experts' grouped GEMMs keep their copies."""
-    if not cfg.compile.enable or "fp8_linear" not in {
-        p.name for p in resolve_passes(cfg.compile.passes)
-    }:
+    if not trainer_runs(PASS, cfg.compile):
         return []
     opts = pass_options(cfg)
     tokens = cfg.training.micro_batch_size * cfg.training.seq_len
@@ -326,7 +325,7 @@ def _local_operands(graph: torch.fx.Graph, gemm: _Gemm) -> tuple[Node, Node, Non
     return x, w, None
 
 
-@register_pass("fp8_linear", preserves_numerics=False, default_on=False)
+@register_pass(PASS, preserves_numerics=False, default_on=False)
 def fp8_linear_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:

@@ -34,7 +34,7 @@ from torch.fx import Node
 
 from graphtrain.passes import fx
 from graphtrain.passes.fx import Refuse, val
-from graphtrain.passes.registry import PassContext, register_pass, resolve_passes
+from graphtrain.passes.registry import PassContext, register_pass, trainer_runs
 from models.moe import GroupedExperts
 
 if TYPE_CHECKING:
@@ -49,8 +49,7 @@ def concatenated_weights(model: nn.Module, compile_cfg: CompileConfig) -> list[n
     multiplies the same rows by both); else none. The concatenation reads them once per forward
     and casts as it copies, and it is what the backward keeps: a bf16 working copy of them would
     add its 2 bytes a weight to the peak and save no cast (docs/design/working_weights.md)."""
-    names = {p.name for p in resolve_passes(compile_cfg.passes)}
-    if not compile_cfg.enable or PASS not in names:
+    if not trainer_runs(PASS, compile_cfg):
         return []
     return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in (m.w1, m.w3)]
 

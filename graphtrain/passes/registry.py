@@ -129,3 +129,9 @@ def resolve_passes(switches: Sequence[str] = ()) -> list[PassSpec]:
         else:
             enabled.discard(name)
     return [p for p in all_passes() if p.name in enabled]
+
+
+def trainer_runs(name: str, compile_cfg: Any) -> bool:
+    """Whether the trainer runs pass `name` under a [compile] section (graphtrain.config's
+    CompileConfig): compile.enable, and the pass among those compile.passes resolves to."""
+    return compile_cfg.enable and name in {p.name for p in resolve_passes(compile_cfg.passes)}

@@ -29,6 +29,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 # Inductor's CPU kernels without SIMD, in every test process (the docstring says why).
 scalar_cpu_kernels()
+# The processes the tests start (torchrun's ranks, launch.sh, the CLI) print every thread's
+# Python stack if a fatal signal kills them, as the forked ranks do (parallel_dist, train_jobs):
+# a rank's rare SIGABRT at exit (gloo, "terminate called without an active exception") then
+# says where it was.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -100,60 +100,65 @@ def chunk_gated_delta_rule(
     contracts may stand in for them.
 
     Per chunk of C positions with c_i the sum of g over the chunk's positions <= i in i's
-    segment and D_ij = exp(c_i - c_j) for j <= i in one segment (else 0), the C delta-rule writes u solve (I + L) u = beta v - beta k-read
-    of the incoming state, L_ij = beta_i D_ij k_i.k_j (j < i); outputs and the next state
-    follow from u by matmuls (the WY form of DeltaNet and FLA's chunk kernels).
+    segment and D_ij = exp(c_i - c_j) for j <= i in one segment (else 0), the C delta-rule
+    writes u solve (I + L) u = beta v - beta k-read of the incoming state, L_ij = beta_i D_ij
+    k_i.k_j (j < i); outputs and the next state follow from u by matmuls (the WY form of
+    DeltaNet and FLA's chunk kernels). Computed in fp32 (float64 stays) under autocast too.
     """
-    B, T, _, Dk = q.shape
-    out_dtype = v.dtype
-    ct = _compute_dtype(v)
-    scale = Dk**-0.5 if scale is None else scale
-    C = chunk_size
-    pad = (-T) % C
-    N = (T + pad) // C
-    # (B, H, T, D) in the compute dtype; padding sits after the last position (k = beta = 0
-    # there: it writes nothing and changes no earlier output).
-    q, k, v = (F.pad(x.transpose(1, 2).to(ct), (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x.transpose(1, 2).to(ct), (0, pad)) for x in (g, beta))
-    q = q * scale
-    q, k, v = (x.unflatten(2, (N, C)) for x in (q, k, v))  # (B, H, N, C, D)
-    g, beta = g.unflatten(2, (N, C)), beta.unflatten(2, (N, C))  # (B, H, N, C)
+    # In the compute dtype whatever autocast says: under it the matmuls would be 16-bit (the
+    # decays' masked sums, the system, its inverse: poor, and CPU has no 16-bit triangular
+    # solve), where the op computes these terms in fp32 as FLA's kernels accumulate them.
+    with torch.autocast(q.device.type, enabled=False):
+        B, T, _, Dk = q.shape
+        out_dtype = v.dtype
+        ct = _compute_dtype(v)
+        scale = Dk**-0.5 if scale is None else scale
+        C = chunk_size
+        pad = (-T) % C
+        N = (T + pad) // C
+        # (B, H, T, D) in the compute dtype; padding sits after the last position (k = beta = 0
+        # there: it writes nothing and changes no earlier output).
+        q, k, v = (F.pad(x.transpose(1, 2).to(ct), (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x.transpose(1, 2).to(ct), (0, pad)) for x in (g, beta))
+        q = q * scale
+        q, k, v = (x.unflatten(2, (N, C)) for x in (q, k, v))  # (B, H, N, C, D)
+        g, beta = g.unflatten(2, (N, C)), beta.unflatten(2, (N, C))  # (B, H, N, C)
 
-    if segments is None:
-        segments = torch.zeros(B, T, dtype=torch.long, device=q.device)
-    seg = torch.cat([segments, segments[:, -1:].expand(B, pad)], 1).view(B, 1, N, C)
-    # The segment of the state entering each chunk: the previous chunk's last position's.
-    incoming = torch.cat([seg[:, :, :1, :1], seg[:, :, :-1, -1:]], 2)  # (B, 1, N, 1)
-    first = seg == incoming  # (B, 1, N, C): position i still sees the incoming state
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    keep = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal  # (B, 1, N, C, C) [i, j]
+        if segments is None:
+            segments = torch.zeros(B, T, dtype=torch.long, device=q.device)
+        seg = torch.cat([segments, segments[:, -1:].expand(B, pad)], 1).view(B, 1, N, C)
+        # The segment of the state entering each chunk: the previous chunk's last position's.
+        incoming = torch.cat([seg[:, :, :1, :1], seg[:, :, :-1, -1:]], 2)  # (B, 1, N, 1)
+        first = seg == incoming  # (B, 1, N, C): position i still sees the incoming state
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        keep = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal  # (B, 1, N, C, C) [i, j]
 
-    # Cumulative log decay within each chunk and segment, as a masked sum rather than a cumsum:
-    # differences of a plain cumsum would carry an earlier document's decays at rounding level
-    # into a later one's values and gradients; here they are multiplied by exact zeros.
-    c = (keep.to(ct) @ g.unsqueeze(-1)).squeeze(-1)  # (B, H, N, C)
-    # Masked to -inf before exp: c_i - c_j > 0 for j > i would overflow.
-    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~keep, -math.inf).exp()
-    state_decay = c.masked_fill(~first, -math.inf).exp()  # read of the incoming state
-    end_decay = (c[..., -1:] - c).masked_fill(~keep[..., -1, :], -math.inf).exp()
-    chunk_decay = state_decay[..., -1, None, None]  # (B, H, N, 1, 1): the state carried over
+        # Cumulative log decay within each chunk and segment, as a masked sum rather than a cumsum:
+        # differences of a plain cumsum would carry an earlier document's decays at rounding level
+        # into a later one's values and gradients; here they are multiplied by exact zeros.
+        c = (keep.to(ct) @ g.unsqueeze(-1)).squeeze(-1)  # (B, H, N, C)
+        # Masked to -inf before exp: c_i - c_j > 0 for j > i would overflow.
+        decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~keep, -math.inf).exp()
+        state_decay = c.masked_fill(~first, -math.inf).exp()  # read of the incoming state
+        end_decay = (c[..., -1:] - c).masked_fill(~keep[..., -1, :], -math.inf).exp()
+        chunk_decay = state_decay[..., -1, None, None]  # (B, H, N, 1, 1): the state carried over
 
-    k_beta = k * beta.unsqueeze(-1)
-    lower = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
-    # The system I + lower inverted once and applied by matmuls (FLA's WY form), not solved for
-    # u_v and u_s: C right-hand sides where those solves take Dk + Dv.
-    system_inverse = (unit_lower_inverse if inverse is None else inverse)(lower)
-    u_v = system_inverse @ (v * beta.unsqueeze(-1))
-    u_s = system_inverse @ (k_beta * state_decay.unsqueeze(-1))
-    intra = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C)
-    q_state = q * state_decay.unsqueeze(-1)
-    k_end = k * end_decay.unsqueeze(-1)
+        k_beta = k * beta.unsqueeze(-1)
+        lower = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
+        # The system I + lower inverted once and applied by matmuls (FLA's WY form), not solved for
+        # u_v and u_s: C right-hand sides where those solves take Dk + Dv.
+        system_inverse = (unit_lower_inverse if inverse is None else inverse)(lower)
+        u_v = system_inverse @ (v * beta.unsqueeze(-1))
+        u_s = system_inverse @ (k_beta * state_decay.unsqueeze(-1))
+        intra = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C)
+        q_state = q * state_decay.unsqueeze(-1)
+        k_end = k * end_decay.unsqueeze(-1)
 
-    o = (chunk_recurrence if recurrence is None else recurrence)(
-        q_state, intra, u_v, u_s, k_end, chunk_decay
-    )
-    o = o.flatten(2, 3)[:, :, :T]  # (B, H, T, Dv)
-    return o.transpose(1, 2).to(out_dtype)
+        o = (chunk_recurrence if recurrence is None else recurrence)(
+            q_state, intra, u_v, u_s, k_end, chunk_decay
+        )
+        o = o.flatten(2, 3)[:, :, :T]  # (B, H, T, Dv)
+        return o.transpose(1, 2).to(out_dtype)
 
 
 def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,31 @@ def test_bf16_inputs_give_bf16_output_computed_in_fp32():
     torch.testing.assert_close(out, ref.to(torch.bfloat16), rtol=0, atol=0)
 
 
+def test_autocast_leaves_the_chunked_form_in_fp32():
+    """A forward under bf16 autocast computes the form as without it (its matmuls would
+    otherwise be bf16, and CPU has no bf16 triangular solve: the eager hybrid model under
+    autocast failed), gradients too; a GDN layer's forward and backward run so."""
+    xs = [x.detach().float().requires_grad_() for x in _inputs(2, 40, 2, 8, 8)]
+    seg = _docs([[25, 15], [40]])
+    ref = chunk_gated_delta_rule(*xs, seg, chunk_size=16)
+    ref_grads = torch.autograd.grad(ref.sum(), xs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the forward, as the trainer's step
+        out = chunk_gated_delta_rule(*xs, seg, chunk_size=16)
+    grads = torch.autograd.grad(out.sum(), xs)
+    assert torch.equal(out, ref)
+    for name, a, b in zip("q k v g beta".split(), grads, ref_grads, strict=True):
+        assert torch.equal(a, b), name
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6, chunk_size=16)
+    layer.init_weights(0.02, 0.02)
+    x = torch.randn(2, 40, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x, _doc_ids([[25, 15], [40]]))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.isfinite().all()
+
+
 def test_a_document_sees_nothing_of_the_one_before():
     """Each document's output equals the output of that document run alone, and its outputs
     have no gradient with respect to any earlier document's inputs."""

@@ -301,8 +301,12 @@ class GraphtrainBackend:
             self.pass_options,
         )
         budget = self.activation_memory_budget
-        # AOT autograd partitions the joint graph while this call compiles the forward.
-        with torch._functorch.config.patch(activation_memory_budget=budget):
+        # AOT autograd partitions the joint graph while this call compiles the forward. The
+        # backward is traced with autocast off, as the step runs it (outside the forward's
+        # autocast): torch's default traces it under the forward's autocast, which made the
+        # backward matmuls of a region's fp32 code (autocast disabled there) bf16, unlike eager.
+        flags = {"activation_memory_budget": budget, "backward_pass_autocast": "off"}
+        with torch._functorch.config.patch(**flags):
             if self.inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 

@@ -482,3 +482,34 @@ def test_inductor_gives_eagers_gradients_for_every_region():
     for name, p in eager.items():
         err = ((inductor[name].grad - p.grad).norm() / p.grad.norm()).item()
         assert err < 1e-4, (name, err)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_backward_of_fp32_code_under_autocast_is_eagers(inner):
+    """A region's forward under bf16 autocast with a matmul the model keeps in fp32 (autocast
+    disabled there, as the Gated DeltaNet's chunked form does), its backward outside autocast
+    as the step runs it: the compiled gradients are eager's. torch's default traced the
+    backward under the forward's autocast, making that matmul's gradients bf16 (~1 off)."""
+
+    class Region(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.linear(x, self.w)  # bf16 under autocast
+            with torch.autocast("cpu", enabled=False):
+                return (h.float() @ self.w.t()).sum(-1)
+
+    torch.manual_seed(0)
+    region = Region()
+    x = torch.randn(8, 64, requires_grad=True)
+    grads = []
+    for fn in (region, torch.compile(region, backend=backend(inner=inner), fullgraph=True)):
+        torch._dynamo.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x)
+        grads.append(torch.autograd.grad(out.sum(), [x, region.w]))
+    for a, b in zip(*grads, strict=True):
+        assert b.abs().max() > 1
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)

@@ -336,12 +336,16 @@ stages() {
         bench gdr-kernels 150 gated_delta_rule.py --kernels
         # hybrid-1b's step: graphtrain (the gated_delta_rule pass on by default since
         # 2026-11-30, with the op's kernels as compile.gdr_kernels chooses: ours on Hopper with
-        # triton 3.6, where FLA's are refused), plain torch.compile, then graphtrain with the
-        # pass off as a variant row, the one row 2026-11-30's cap cut (graphtrain 249 ms a
-        # step, 39 s warm-up; plain 470 ms, 156 s warm-up): predicted near plain's time, the
-        # check of the new default. ~6-7 min for the three rows.
+        # triton 3.6, where FLA's are refused), plain torch.compile, then two variant rows:
+        # compile.gdr_form=inline (the chunked form around our two kernels, fused by Inductor,
+        # its backward derived: the next lever measured in the step, with its peak memory;
+        # predicted faster than the op's row by ~2-3 ms a layer if the kernel table's slots
+        # row beats the op), then the pass off, the row 2026-11-30's cap cut (graphtrain 249
+        # ms a step, 39 s warm-up; plain 470 ms, 156 s warm-up, its chunk terms bf16 under
+        # autocast then, fp32 since 2026-12-01): predicted near plain's time. ~7-8 min for the
+        # four rows: the cap may cut the last.
         bench e2e-hybrid-1b 420 e2e.py --model hybrid-1b --steps 10 --warmup 3 \
-            --variant=--compile.passes=-gated_delta_rule
+            --variant=--compile.gdr_form=inline --variant=--compile.passes=-gated_delta_rule
         # gated_delta_rule.py at Qwen3-Next's shapes (batch 1, 4096 tokens, 32 value heads of
         # 128): ours (2026-11-30: 3.3 ms forward, 12.0 ms forward + backward), FLA's (rows that
         # say why where refused), the chunked form compiled with our two kernels in its slots

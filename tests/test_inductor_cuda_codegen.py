@@ -123,6 +123,7 @@ FORWARD = {
     "mtp_varlen": ("debug", "--model.mtp_depth=1", "--attention=varlen"),
     "hybrid_chunked": ("hybrid-debug", "--compile.passes=-gated_delta_rule"),
     "hybrid_op": ("hybrid-debug",),
+    "hybrid_inline": ("hybrid-debug", "--compile.gdr_form=inline"),
     "flex": ("debug", *FLEX_1B_ATTENTION),
 }
 
@@ -202,8 +203,9 @@ def test_mtp_forward_regions_with_varlen_attention(forward):
 @pytest.mark.slow
 def test_hybrid_forward_regions(forward):
     """hybrid-debug as the hybrid GPU stage compiles it: the Gated DeltaNet mixer's chunked
-    form under Inductor (the gated_delta_rule pass off), then with the pass's custom op in
-    the GDN block's region (the default)."""
+    form under Inductor (the gated_delta_rule pass off), with the pass's custom op in the GDN
+    block's region (the default), and with the inline form (compile.gdr_form): Inductor's
+    kernels around our two ops."""
     chunked = forward["hybrid_chunked"]
     _assert_kernels_fit(chunked)
     assert not any("chunk_gated_delta_rule" in op for ops in _fired(chunked).values() for op in ops)
@@ -212,6 +214,13 @@ def test_hybrid_forward_regions(forward):
     rules = [ops for ops in fired.values() if "graphtrain.chunk_gated_delta_rule.default" in ops]
     assert rules == [{"graphtrain.chunk_gated_delta_rule.default": 1}], fired
     _assert_kernels_fit(report)
+    inline = forward["hybrid_inline"]
+    fired = _fired(inline)
+    assert fired["block"] == {"graphtrain.passes.gated_delta_rule.chunked_form": 1}, fired
+    ops = inline["captured"]["block-0/forward"]
+    assert ops.get("graphtrain.unit_lower_inverse.default") == 1, ops
+    assert ops.get("graphtrain.gated_delta_chunk_recurrence.default") == 1, ops
+    _assert_kernels_fit(inline)
 
 
 @pytest.mark.slow

@@ -237,6 +237,7 @@ def pass_options(cfg: JobConfig) -> dict[str, Any]:
         "lce_mode": cfg.compile.lce_mode,
         "lce_memory_budget": cfg.compile.lce_memory_budget,
         "gdr_kernels": cfg.compile.gdr_kernels,
+        "gdr_form": cfg.compile.gdr_form,
         **{f"fp8.{k}": v for k, v in dataclasses.asdict(cfg.fp8).items()},
         "tp_overlap_chunks": cfg.parallel.tp_overlap_chunks,
         "tp_overlap_variant": cfg.parallel.tp_overlap_variant,

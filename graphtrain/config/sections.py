@@ -229,10 +229,15 @@ class CompileConfig:
     )
     gdr_kernels: Literal["auto", "triton", "fla"] = option(
         "auto",
-        "The Gated DeltaNet op's CUDA kernels (pass gated_delta_rule): triton (graphtrain's), fla "
-        "(flash-linear-attention's, the fla extra), or auto: fla where it imports and runs (its "
-        "backward refuses Hopper with triton >= 3.4, < 3.7.1 unless tilelang is installed), else "
-        "triton.",
+        "The Gated DeltaNet op's CUDA kernels: triton (graphtrain's), fla (the fla extra's), or "
+        "auto: fla where it imports and runs (its backward refuses Hopper with triton >= 3.4, "
+        "< 3.7.1 unless tilelang is installed), else triton.",
+    )
+    gdr_form: Literal["op", "inline"] = option(
+        "op",
+        "What pass gated_delta_rule makes of a Gated DeltaNet region: op (one opaque op, whose "
+        "backward recomputes the forward) or inline (the model's chunked form with graphtrain's "
+        "kernels in its two slots, the rest left to Inductor; not with gdr_kernels fla).",
     )
     cudagraph_mtp: bool = option(
         True,
@@ -243,6 +248,9 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         _check_choices("compile", self)
+        if self.gdr_form == "inline" and self.gdr_kernels == "fla":  # FLA's come as one op
+            bad = "compile.gdr_form='inline' takes graphtrain's kernels, not gdr_kernels='fla'"
+            raise ValueError(f"{bad}: set compile.gdr_form='op' or compile.gdr_kernels='auto'")
         if isinstance(self.lce_memory_budget, bool) or not isinstance(self.lce_memory_budget, int):
             raise ValueError(
                 "compile.lce_memory_budget must be a whole number of bytes (0 = automatic), "

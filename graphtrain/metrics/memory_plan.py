@@ -35,6 +35,7 @@ from graphtrain.custom_ops.linear_cross_entropy import fast_mode_extra_bytes, un
 from graphtrain.optim import working_weight_params
 from graphtrain.parallel import ParallelDims, check_layout
 from graphtrain.parallel.fsdp import reshards_after_forward
+from graphtrain.passes.registry import trainer_runs
 from graphtrain.precision import graph_cast
 from models import MoEConfig, build_model, tp_plan
 
@@ -214,6 +215,8 @@ def _activations(
     per_block = [per_token] * len(layers)
     if getattr(m, "layer_pattern", None):  # a hybrid: its GDN blocks keep other tensors
         gdn = per_token - 2 * m.dim - 2 * kv_dim + gated_deltanet_activations_per_token(m)
+        if cfg.compile.gdr_form == "inline" and trainer_runs("gated_delta_rule", cfg.compile):
+            gdn += gated_deltanet_inline_activations_per_token(m)
         # Qwen3-Next's GatedAttention keeps besides: q and k before their norms, the gate, and
         # the gated product (wo's input; the attention output is the gate's gradient's).
         attention = per_token + (3 * m.dim + kv_dim if m.gated_attention else 0)
@@ -239,6 +242,19 @@ def gated_deltanet_activations_per_token(cfg: Any) -> int:
     conv = 2 * (2 * key_dim + value_dim)
     qk = 2 * key_dim + (2 * Hv * Dk if Hv != cfg.linear_num_key_heads else 0)
     return projections + conv + qk + value_dim + 2 * 2 * Hv + 2 * value_dim
+
+
+def gated_deltanet_inline_activations_per_token(cfg: Any) -> int:
+    """Elements per token (compute-dtype units) the inline form (compile.gdr_form) keeps beyond
+    the op's, per value head in fp32 (two units): its chunk terms, five of each head dim and
+    five of the chunk (the system, its inverse, the decayed products), and the state entering
+    each chunk spread over its positions; less the op's own inputs (q and k in fp32, v). Counted
+    from what Inductor's partition keeps of hybrid-1b's GDN block with our kernels (+769 MiB at
+    8192 tokens); some may be views of others, so this errs high."""
+    Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    C = cfg.linear_chunk_size
+    terms = 5 * (Dk + Dv) + Dk * Dv // C + 5 * C
+    return Hv * (2 * terms - (2 * 2 * Dk + Dv))
 
 
 def check_fits(plan: MemoryPlan, device_bytes: int, *, device: str = "the device") -> None:

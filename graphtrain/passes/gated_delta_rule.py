@@ -10,6 +10,10 @@ What
     {REGION_KEY: {"chunk_size": C, "scale": s}}. The pass replaces each tagged node with
         o = graphtrain.chunk_gated_delta_rule(q, k, v, g, beta, segments, scale=s, chunk_size=C)
     and drops the subgraph. Any other invoke_subgraph is left alone.
+    compile.gdr_form = "inline" puts a call of `chunked_form` there instead: the model's
+    chunked form with our two kernels in its slots (graphtrain::unit_lower_inverse and the loop
+    over chunks), which AOTAutograd traces through, so Inductor fuses the chunk terms around the
+    kernels and the backward keeps activations where the op recomputes its forward.
 
 Why this marker and not a pattern: docs/design/gated_delta_rule.md.
 
@@ -19,8 +23,9 @@ Refusals (the graph is left as it was and ctx.note says why)
 
 Invariant and numerics (preserves_numerics=False)
     The graph's outputs keep their values and dtypes. On CPU the op runs the model's own
-    chunked code and its backward is that code's vjp: results equal eager bitwise. On CUDA the
-    Triton forward sums in another order: agreement to fp32 rounding.
+    chunked code and its backward is that code's vjp: results equal eager bitwise (the inline
+    form is that code in the graph). On CUDA the Triton kernels (and, inline, Inductor's fused
+    chunk terms) sum in another order: agreement to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch import Tensor
 from torch.fx import Node
 
 import graphtrain.custom_ops.gated_delta_rule as gdr  # registers the op
@@ -41,6 +47,7 @@ from models.gated_deltanet import REGION_KEY
 
 _OP = torch.ops.graphtrain.chunk_gated_delta_rule.default
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+FORMS = ("op", "inline")  # compile.gdr_form (module docstring)
 
 
 def _region_options(gm: torch.fx.GraphModule, node: Node) -> dict[str, Any] | None:
@@ -76,27 +83,48 @@ def _check_operands(operands: Sequence[Any]) -> list[Node | None]:
     return [*operands[:5], segments]
 
 
-def _kernels(options: Mapping[str, Any]) -> str:
-    """compile.gdr_kernels, checked: a bad value or "fla" without FLA raises, naming it."""
-    kernels = options.get("gdr_kernels", "auto")
+def _choice(options: Mapping[str, Any]) -> tuple[str, str]:
+    """(compile.gdr_kernels, compile.gdr_form), checked: a bad value, "fla" without FLA or
+    with the inline form raises, naming it."""
+    kernels, form = options.get("gdr_kernels", "auto"), options.get("gdr_form", "op")
     if kernels not in gdr.KERNELS:
         raise ValueError(f"compile.gdr_kernels must be one of {gdr.KERNELS}, got {kernels!r}")
+    if form not in FORMS:
+        raise ValueError(f"compile.gdr_form must be one of {FORMS}, got {form!r}")
+    if kernels == "fla" and form == "inline":
+        raise ValueError("compile.gdr_form='inline' takes graphtrain's kernels, not 'fla'")
     if kernels == "fla":
         gdr.fla_module()
-    return kernels
+    return kernels, form
 
 
-def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any], kernels: str) -> str:
+def chunked_form(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Tensor | None,
+    *, scale: float, chunk_size: int,
+) -> Tensor:  # fmt: skip
+    """The recurrence as compile.gdr_form = "inline" leaves it in the graph: the model's chunked
+    form with our kernels in its slots on CUDA (the op's Triton path, not wrapped in the op), the
+    model's own code elsewhere (CPU, float64), as the op's forward chooses."""
+    opts = gdr.GatedDeltaRuleOptions(scale, chunk_size, "triton")
+    if gdr.choose_kernels("triton", v.dtype, v.device.type) == "triton":
+        return gdr.chunk_gated_delta_rule_triton(q, k, v, g, beta, segments, opts)
+    return gdr.chunk_gated_delta_rule_ref(q, k, v, g, beta, segments, opts)
+
+
+def _rewrite(
+    gm: torch.fx.GraphModule, node: Node, options: dict[str, Any], kernels: str, form: str
+) -> str:
+    """Replace the region `node` with the op, or with a call of chunked_form (form "inline")."""
     args = _check_operands(node.args[2:])
     users = list(node.users)
     if not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
         raise Refuse(f"its output is used other than as {node.name}[0]")
     graph = gm.graph
-    kwargs = {
-        "scale": float(options["scale"]),
-        "chunk_size": int(options["chunk_size"]),
-        "kernels": kernels,
-    }
+    kwargs = {"scale": float(options["scale"]), "chunk_size": int(options["chunk_size"])}
+    if form == "inline":
+        target, kernels = chunked_form, "triton"
+    else:
+        target, kwargs["kernels"] = _OP, kernels
     v = fx.val(args[2])
     runs = gdr.choose_kernels(kernels, v.dtype, v.device.type)
     dk = fx.val(args[0]).shape[-1]
@@ -104,7 +132,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any], kern
     if refusal:
         raise Refuse(refusal)
     with graph.inserting_before(node):
-        new = fx.emit(graph, "call_function", _OP, tuple(args), kwargs, like=node)
+        new = fx.emit(graph, "call_function", target, tuple(args), kwargs, like=node)
     for user in users:
         user.replace_all_uses_with(new)
         graph.erase_node(user)
@@ -114,10 +142,11 @@ def _rewrite(gm: torch.fx.GraphModule, node: Node, options: dict[str, Any], kern
         graph.erase_node(holder)
         delattr(gm, holder.target)
     names = ", ".join("None" if a is None else a.name for a in args)
+    call = "graphtrain.chunk_gated_delta_rule" if form == "op" else "chunked_form"
+    settings = ", ".join(f"{key}={value!r}" for key, value in kwargs.items() if key != "scale")
     return (
-        f"replaced the region {node.name} with {new.name} = "
-        f"graphtrain.chunk_gated_delta_rule({names}, scale={kwargs['scale']:.6g}, "
-        f"chunk_size={kwargs['chunk_size']}, kernels={kernels!r}); on {v.device.type}: {runs}"
+        f"replaced the region {node.name} with {new.name} = {call}({names}, "
+        f"scale={kwargs['scale']:.6g}, {settings}); on {v.device.type}: {runs}"
     )
 
 
@@ -128,7 +157,7 @@ def gated_delta_rule_pass(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: PassContext
 ) -> torch.fx.GraphModule:
     """Replace each Gated DeltaNet recurrence region (models.gated_deltanet.gated_delta_rule)
-    with graphtrain::chunk_gated_delta_rule."""
+    with graphtrain::chunk_gated_delta_rule (or, compile.gdr_form = "inline", chunked_form)."""
     changed = found = False
     for node in list(gm.graph.nodes):
         options = _region_options(gm, node)
@@ -136,7 +165,7 @@ def gated_delta_rule_pass(
             continue
         found = True
         try:
-            ctx.note(_rewrite(gm, node, options, _kernels(ctx.options)))
+            ctx.note(_rewrite(gm, node, options, *_choice(ctx.options)))
             changed = True
         except Refuse as why:
             ctx.note(f"left {node.name} unchanged: {why}")

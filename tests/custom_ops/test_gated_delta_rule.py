@@ -164,7 +164,7 @@ def test_our_kernels_refuse_chunks_whose_tiles_overflow_shared_memory(chunk, dk,
 def test_fla_missing_is_one_clear_error(monkeypatch):
     """Asked for where fla-core does not import: the op's kernels and the pass (at compile
     time) raise one error naming the option and the package."""
-    from graphtrain.passes.gated_delta_rule import _kernels
+    from graphtrain.passes.gated_delta_rule import _choice
 
     monkeypatch.setitem(sys.modules, gdr._FLA_MODULE, None)  # import raises ImportError
     xs = [x.float() for x in _inputs(1, 5, 1, 4, 4)]
@@ -175,10 +175,10 @@ def test_fla_missing_is_one_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match=match):
         gdr.chunk_gated_delta_rule_backward_fla(xs[2], *xs, None, opts)
     with pytest.raises(RuntimeError, match=match):
-        _kernels({"gdr_kernels": "fla"})
-    assert _kernels({"gdr_kernels": "triton"}) == "triton" and _kernels({}) == "auto"
+        _choice({"gdr_kernels": "fla"})
+    assert _choice({"gdr_kernels": "triton"}) == ("triton", "op") and _choice({})[0] == "auto"
     with pytest.raises(ValueError, match=r"compile\.gdr_kernels must be one of .*, got 'cuda'"):
-        _kernels({"gdr_kernels": "cuda"})
+        _choice({"gdr_kernels": "cuda"})
 
 
 def test_config_field_reaches_the_pass():
@@ -298,9 +298,13 @@ def _compiled_chunked_form_with_our_slots() -> None:
 def _compiled_block_with_our_kernels() -> None:
     """hybrid-debug's first block compiled as the trainer compiles it (graphtrain's backend,
     aot_eager) with the gated_delta_rule pass on and our CUDA path standing in on CPU
-    (choose_kernels made to pick it): the op's forward and its backward op (torch.func through
-    the loop's ops) inside the compiled graphs; output and every gradient as eager's, two
-    documents in a row."""
+    (choose_kernels made to pick it), in both forms (compile.gdr_form): the op's forward and
+    its backward op (torch.func through the loop's ops) inside the compiled graphs, or the
+    chunked form traced into them around our two kernels; output and every gradient as
+    eager's, two documents in a row."""
+    import tempfile
+    from pathlib import Path
+
     from graphtrain.compile import backend, region_config
     from models import MODEL_PRESETS, build_model
 
@@ -320,25 +324,36 @@ def _compiled_block_with_our_kernels() -> None:
         return "triton"
 
     gdr.choose_kernels = choose
-    results = []
-    for compiled in (False, True):
+
+    def run(form: str | None, dump: Path) -> tuple:
         xi = x.clone().requires_grad_()
         fn = block
-        if compiled:
+        if form is not None:
             torch._dynamo.reset()
-            fn = torch.compile(
-                block, backend=backend(inner="aot_eager", passes=("+gated_delta_rule",)),
-                fullgraph=True,
+            compiled = backend(
+                inner="aot_eager", passes=("+gated_delta_rule",), dump_dir=dump,
+                pass_options={"gdr_form": form},
             )  # fmt: skip
+            fn = torch.compile(block, backend=compiled, fullgraph=True)
         with region_config():  # as the trainer traces a region
             out = fn(xi, rope, None, doc)
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-        results.append((out.detach(), torch.autograd.grad(out, [xi, *block.parameters()], g)))
-    assert len(picked) >= 3, picked  # the pass, then the op's forward and backward ran ours
-    (out, grads), (out_c, grads_c) = results
-    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads_c, grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        return out.detach(), torch.autograd.grad(out, [xi, *block.parameters()], g)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out, grads = run(None, Path(tmp))
+        for form in ("op", "inline"):
+            picked.clear()
+            out_c, grads_c = run(form, Path(tmp, form))
+            # The pass, then the op's forward and backward (op), or the form's trace (inline).
+            assert len(picked) >= 3 if form == "op" else picked, (form, picked)
+            if form == "inline":  # our kernels in the graphs AOTAutograd made
+                graphs = "".join(p.read_text() for p in Path(tmp, form).rglob("00_captured.txt"))
+                for op in ("unit_lower_inverse", "gated_delta_chunk_recurrence_backward"):
+                    assert f"graphtrain.{op}" in graphs, op
+            torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-6)
+            for a, b in zip(grads_c, grads, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     print("interpreter compiled block ok")
 
 

@@ -221,9 +221,13 @@ def test_hybrid_flops_swap_attention_for_gdn(preset):
 
 
 def test_memory_plan_counts_gdn_and_gated_attention_activations():
-    """hybrid-1b's activations against the same model with attention blocks only and with
-    plain attention, by hand (per token, bf16)."""
-    from graphtrain.metrics.memory_plan import gated_deltanet_activations_per_token, plan_memory
+    """hybrid-1b's activations against the same model with attention blocks only, with plain
+    attention and with the inline Gated DeltaNet form, by hand (per token, bf16)."""
+    from graphtrain.metrics.memory_plan import (
+        gated_deltanet_activations_per_token,
+        gated_deltanet_inline_activations_per_token,
+        plan_memory,
+    )
 
     def activations(*changes):
         plan = plan_memory(load_config([*args, *changes]), 1)
@@ -243,6 +247,15 @@ def test_memory_plan_counts_gdn_and_gated_attention_activations():
     assert activations("--model.layer_pattern=*") == tokens * 16 * gated * 2
     ungated = ("--model.gated_attention=false", "--model.partial_rotary_factor=1")
     assert activations(*ungated) == tokens * (12 * gdn + 4 * plain) * 2
+    # The inline form keeps its chunk terms (768 MiB more a GDN block at these shapes).
+    inline = gated_deltanet_inline_activations_per_token(cfg)
+    assert inline * tokens * 2 == 768 * 2**20
+    assert (
+        activations("--compile.gdr_form=inline") == tokens * (12 * (gdn + inline) + 4 * gated) * 2
+    )
+    assert activations("--compile.gdr_form=inline", "--compile.enable=false") == activations()
+    off = '--compile.passes=["-gated_delta_rule"]'
+    assert activations("--compile.gdr_form=inline", off) == activations()
 
 
 @pytest.mark.slow

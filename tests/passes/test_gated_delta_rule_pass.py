@@ -15,6 +15,7 @@ from models import MODEL_PRESETS, build_model
 
 OP = "graphtrain.chunk_gated_delta_rule.default"
 REGION = "torch.ops.higher_order.invoke_subgraph"
+FORM = "graphtrain.passes.gated_delta_rule.chunked_form"  # compile.gdr_form = "inline"
 
 
 def _model(preset, seed=0):
@@ -32,15 +33,16 @@ def _block_inputs(model, T=70):
     return x, rope, doc
 
 
-def _run(block, x, rope, doc, dump=None, passes=("+gated_delta_rule",)):
+def _run(block, x, rope, doc, dump=None, passes=("+gated_delta_rule",), **pass_options):
     """Output and the gradients of x and of every parameter, eager or compiled (aot_eager)."""
     x = x.detach().clone().requires_grad_()
     fn = block
     if dump is not None:
         torch._dynamo.reset()
-        fn = torch.compile(
-            block, backend=backend(inner="aot_eager", dump_dir=dump, passes=passes), fullgraph=True
+        compiled = backend(
+            inner="aot_eager", dump_dir=dump, passes=passes, pass_options=pass_options
         )
+        fn = torch.compile(block, backend=compiled, fullgraph=True)
     with region_config():  # as apply_compile traces a region: the recurrence stays one node
         out = fn(x, rope, None, doc)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
@@ -61,6 +63,49 @@ def test_pass_replaces_the_region_and_keeps_values_and_gradients(tmp_path):
     assert torch.equal(out_c, out)
     for a, b in zip(grads_c, grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_inline_form_leaves_the_chunked_form_for_the_compiler(tmp_path):
+    """compile.gdr_form = "inline": the region becomes a call of chunked_form, which
+    AOTAutograd traces through: the graphs it compiles hold the chunked form's own ops (on CPU
+    the model's code, its inverse by a triangular solve), no region, no op; eager's numerics."""
+    model = _model("hybrid-debug")
+    block = model.layers["0"]
+    inputs = _block_inputs(model)
+    out, grads = _run(block, *inputs)
+    out_c, grads_c = _run(block, *inputs, dump=tmp_path, gdr_form="inline")
+    step = pass_step(tmp_path, "gated_delta_rule")
+    assert step["op_diff"][FORM] == 1 and step["op_diff"][REGION] == -1, step
+    assert OP not in step["op_diff"]
+    assert "= chunked_form(" in step["notes"][0] and "chunk_size=64); on cpu" in step["notes"][0]
+    for part in ("forward", "backward"):
+        (traced,) = tmp_path.glob(f"*/{part}/00_captured.txt")
+        code = traced.read_text()
+        assert "chunked_form" not in code and "invoke_subgraph" not in code
+        assert "chunk_gated_delta_rule" not in code
+        assert "linalg_solve_triangular" in code, part
+    torch.testing.assert_close(out_c, out, rtol=0, atol=0)
+    for a, b in zip(grads_c, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_form_is_one_clear_error():
+    """The form the pass reads, checked as the config checks it (a backend built by hand has
+    no config in front of it)."""
+    from graphtrain.config import CompileConfig, JobConfig, pass_options
+    from graphtrain.passes.gated_delta_rule import _choice
+
+    assert _choice(pass_options(JobConfig())) == ("auto", "op")
+    cfg = JobConfig(compile=CompileConfig(gdr_form="inline"))
+    assert _choice(pass_options(cfg)) == ("auto", "inline")
+    with pytest.raises(ValueError, match=r"gdr_form must be one of \('op', 'inline'\), got 'x'"):
+        _choice({"gdr_form": "x"})
+    with pytest.raises(ValueError, match=r"gdr_form='inline' takes graphtrain's kernels"):
+        _choice({"gdr_form": "inline", "gdr_kernels": "fla"})
+    with pytest.raises(ValueError, match=r"not gdr_kernels='fla': set compile\.gdr_form='op'"):
+        CompileConfig(gdr_form="inline", gdr_kernels="fla")
+    with pytest.raises(ValueError, match=r"compile\.gdr_form must be one of .*, got 'x'"):
+        CompileConfig(gdr_form="x")
 
 
 def test_a_chunk_our_kernels_cannot_take_leaves_the_region(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ function with a fused kernel of the same contract.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -108,7 +109,9 @@ def chunk_gated_delta_rule(
     # In the compute dtype whatever autocast says: under it the matmuls would be 16-bit (the
     # decays' masked sums, the system, its inverse: poor, and CPU has no 16-bit triangular
     # solve), where the op computes these terms in fp32 as FLA's kernels accumulate them.
-    with torch.autocast(q.device.type, enabled=False):
+    # (Meta tensors, e.g. counting FLOPs, have no autocast to turn off.)
+    no_autocast = q.device.type in ("cpu", "cuda")
+    with torch.autocast(q.device.type, enabled=False) if no_autocast else contextlib.nullcontext():
         B, T, _, Dk = q.shape
         out_dtype = v.dtype
         ct = _compute_dtype(v)

@@ -105,6 +105,8 @@ def test_autocast_leaves_the_chunked_form_in_fp32():
     assert torch.equal(out, ref)
     for name, a, b in zip("q k v g beta".split(), grads, ref_grads, strict=True):
         assert torch.equal(a, b), name
+    meta = [x.detach().to("meta") for x in xs]  # meta tensors (FLOP counts): no autocast there
+    assert chunk_gated_delta_rule(*meta, chunk_size=16).shape == ref.shape
     torch.manual_seed(0)
     layer = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6, chunk_size=16)
     layer.init_weights(0.02, 0.02)

@@ -112,7 +112,7 @@ def chunk_gated_delta_rule(
     # (Meta tensors, e.g. counting FLOPs, have no autocast to turn off.)
     no_autocast = q.device.type in ("cpu", "cuda")
     with torch.autocast(q.device.type, enabled=False) if no_autocast else contextlib.nullcontext():
-        B, T, _, Dk = q.shape
+        T, Dk = q.shape[1], q.shape[-1]
         out_dtype = v.dtype
         ct = _compute_dtype(v)
         scale = Dk**-0.5 if scale is None else scale
@@ -127,23 +127,7 @@ def chunk_gated_delta_rule(
         q, k, v = (x.unflatten(2, (N, C)) for x in (q, k, v))  # (B, H, N, C, D)
         g, beta = g.unflatten(2, (N, C)), beta.unflatten(2, (N, C))  # (B, H, N, C)
 
-        if segments is None:
-            segments = torch.zeros(B, T, dtype=torch.long, device=q.device)
-        seg = torch.cat([segments, segments[:, -1:].expand(B, pad)], 1).view(B, 1, N, C)
-        # The segment of the state entering each chunk: the previous chunk's last position's.
-        incoming = torch.cat([seg[:, :, :1, :1], seg[:, :, :-1, -1:]], 2)  # (B, 1, N, 1)
-        first = seg == incoming  # (B, 1, N, C): position i still sees the incoming state
-        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        keep = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal  # (B, 1, N, C, C) [i, j]
-
-        # Cumulative log decay within each chunk and segment, as a masked sum rather than a cumsum:
-        # differences of a plain cumsum would carry an earlier document's decays at rounding level
-        # into a later one's values and gradients; here they are multiplied by exact zeros.
-        c = (keep.to(ct) @ g.unsqueeze(-1)).squeeze(-1)  # (B, H, N, C)
-        # Masked to -inf before exp: c_i - c_j > 0 for j > i would overflow.
-        decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~keep, -math.inf).exp()
-        state_decay = c.masked_fill(~first, -math.inf).exp()  # read of the incoming state
-        end_decay = (c[..., -1:] - c).masked_fill(~keep[..., -1, :], -math.inf).exp()
+        decay, state_decay, end_decay = _chunk_decays(g, segments, T)
         chunk_decay = state_decay[..., -1, None, None]  # (B, H, N, 1, 1): the state carried over
 
         k_beta = k * beta.unsqueeze(-1)
@@ -162,6 +146,33 @@ def chunk_gated_delta_rule(
         )
         o = o.flatten(2, 3)[:, :, :T]  # (B, H, T, Dv)
         return o.transpose(1, 2).to(out_dtype)
+
+
+def _chunk_decays(
+    g: torch.Tensor, segments: torch.Tensor | None, T: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decays of `chunk_gated_delta_rule` from g (B, H, N, C), chunked and padded, and the
+    (B, T) segments or None: D (B, H, N, C, C) between positions of a chunk and segment, the
+    incoming state's to each position (0 past a segment start) and each position's to the
+    chunk's end (B, H, N, C)."""
+    B, _, N, C = g.shape
+    if segments is None:
+        segments = torch.zeros(B, T, dtype=torch.long, device=g.device)
+    seg = torch.cat([segments, segments[:, -1:].expand(B, N * C - T)], 1).view(B, 1, N, C)
+    # The segment of the state entering each chunk: the previous chunk's last position's.
+    incoming = torch.cat([seg[:, :, :1, :1], seg[:, :, :-1, -1:]], 2)  # (B, 1, N, 1)
+    first = seg == incoming  # (B, 1, N, C): position i still sees the incoming state
+    causal = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+    keep = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal  # (B, 1, N, C, C) [i, j]
+    # Cumulative log decay within each chunk and segment, as a masked sum rather than a cumsum:
+    # differences of a plain cumsum would carry an earlier document's decays at rounding level
+    # into a later one's values and gradients; here they are multiplied by exact zeros.
+    c = (keep.to(g.dtype) @ g.unsqueeze(-1)).squeeze(-1)  # (B, H, N, C)
+    # Masked to -inf before exp: c_i - c_j > 0 for j > i would overflow.
+    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~keep, -math.inf).exp()
+    state_decay = c.masked_fill(~first, -math.inf).exp()  # read of the incoming state
+    end_decay = (c[..., -1:] - c).masked_fill(~keep[..., -1, :], -math.inf).exp()
+    return decay, state_decay, end_decay
 
 
 def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,8 @@ What
     torch.fx.traceback.annotate, which tags the subgraph's nodes with
     {REGION_KEY: {"chunk_size": C, "scale": s}}. The pass replaces each tagged node with
         o = graphtrain.chunk_gated_delta_rule(q, k, v, g, beta, segments, scale=s, chunk_size=C)
-    and drops the subgraph. Any other invoke_subgraph is left alone.
-    compile.gdr_form = "inline" puts a call of `chunked_form` there instead: the model's
-    chunked form with our two kernels in its slots (graphtrain::unit_lower_inverse and the loop
-    over chunks), which AOTAutograd traces through, so Inductor fuses the chunk terms around the
-    kernels and the backward keeps activations where the op recomputes its forward.
+    and drops the subgraph (compile.gdr_form "inline": a call of `chunked_form`, which
+    AOTAutograd traces through; docs/design/gated_delta_rule.md). Other regions stay.
 
 Why this marker and not a pattern: docs/design/gated_delta_rule.md.
 

@@ -323,9 +323,10 @@ stages() {
         ;;
     hybrid)
         # First the op's GPU tests (ours and FLA's against float64, forward and backward; FLA's
-        # skip on Hopper with triton 3.6; the chunk inverse's kernel): 2026-11-30 (H200), 3
-        # passed, 3 skipped in 14 s.
-        item gdr-tests 60 "$python" -m pytest -m gpu -q -rfEs \
+        # skip on Hopper with triton 3.6; the chunk inverse's kernel; the inline form compiled,
+        # aot_eager and Inductor, one compile each): 2026-11-30 (H200), 3 passed, 3 skipped in
+        # 14 s, before the inverse's and the inline form's tests (~1 min more).
+        item gdr-tests 120 "$python" -m pytest -m gpu -q -rfEs \
             tests/custom_ops/test_gated_delta_rule.py tests/custom_ops/test_unit_lower_inverse.py
         # Where our op's forward + backward go, kernel by kernel (12.0 ms on 2026-11-30, with
         # six batched triangular solves; predicted ~6.5-7.5 ms with the inverse kernel in their

@@ -534,3 +534,41 @@ def test_benchmark_cpu_smoke():
 if __name__ == "__main__":
     if "--interpreter-checks" in sys.argv:
         _fla_checks() if os.environ.get("GRAPHTRAIN_TEST_FLA") else _interpreter_checks()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_cuda_inline_form_matches_float64(inner):
+    """compile.gdr_form = "inline" on CUDA: the model's recurrence region compiled by
+    graphtrain's backend with the pass's chunked_form in its place (AOTAutograd around our two
+    kernels, Inductor fusing the rest) in fp32, forward and every gradient against the float64
+    recurrence, to the op's fp32 bound."""
+    xs = [x.requires_grad_() for x in _inputs(2, 200, 4, 128, 128, device="cuda")]
+    seg = _segments([[50, 150], [200]], device="cuda")
+    ref = gated_delta_rule_recurrent(*xs, seg)
+    grad_o = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, xs, grad_o)
+    out, grads = _inline_form_compiled(inner, xs, seg, grad_o)
+    assert (out.double() - ref).norm() / ref.norm() < 1e-4
+    for name, a, b in zip("q k v g beta".split(), grads, expected, strict=True):
+        err = (a.double() - b).norm() / b.norm()
+        assert err < 1e-4, (name, err)
+
+
+def _inline_form_compiled(inner, xs, seg, grad_o):
+    """Output and the five gradients of the region models.gated_deltanet.gated_delta_rule in
+    fp32, compiled as the trainer compiles it with compile.gdr_form = "inline"."""
+    from graphtrain.compile import backend, region_config
+    from models.gated_deltanet import gated_delta_rule
+
+    torch._dynamo.reset()
+    compiled = backend(
+        inner=inner, passes=("+gated_delta_rule",), pass_options={"gdr_form": "inline"}
+    )
+    fn = torch.compile(
+        lambda *ys: gated_delta_rule(*ys, seg, 64, 128**-0.5), backend=compiled, fullgraph=True
+    )
+    ours = [x.detach().float().requires_grad_() for x in xs]
+    with region_config():  # the region stays one node for the pass, as in the trainer
+        out = fn(*ours)
+    return out, torch.autograd.grad(out, ours, grad_o.float())

@@ -42,8 +42,10 @@ from graphtrain.parallel import ParallelDims, dp_mesh
 NONFINITE = "nonfinite_router_tokens"
 
 
-def _sum_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return funcol.all_reduce(t, "sum", group)
+def _sum_over(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    # By the group's name: the group itself would be an input of the compiled graphs, which keep
+    # it to the end of the process (docs/design/parallel.md, "The end of a job").
+    return funcol.all_reduce(t, "sum", group_name)
 
 
 class RouterBalance:
@@ -61,7 +63,9 @@ class RouterBalance:
         self.token_slices = token_slices
         for _, router in self.routers:
             router.reduce_counts = (
-                functools.partial(_sum_over, group=count_group) if count_group is not None else None
+                functools.partial(_sum_over, group_name=count_group.group_name)
+                if count_group is not None
+                else None
             )
         self._aux: dict[str, torch.Tensor] = {}
         # Per layer: tokens with NaN/inf router logits since the start (a running total, so

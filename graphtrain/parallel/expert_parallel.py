@@ -72,7 +72,9 @@ class ExpertParallel(ParallelStyle):
         axes = tuple(device_mesh.mesh_dim_names or ())
         if axes not in _AXES:
             raise ValueError(f"ExpertParallel wants a mesh with axes {_AXES}, got {axes}")
-        self._group = device_mesh.get_group("ep")
+        # The group's name, not the group: the group would be an input of the compiled graphs,
+        # which keep it to the end of the process (docs/design/parallel.md, "The end of a job").
+        self._group = device_mesh.get_group("ep").group_name
         self._ep = device_mesh.size(0)
         return distribute_module(
             module,

@@ -63,7 +63,7 @@ def _loss_and_grad(
         router.gate.weight.copy_(weight)
         router.expert_bias.copy_(bias)
     if dp > 1:
-        router.reduce_counts = functools.partial(_sum_over, group=group)
+        router.reduce_counts = functools.partial(_sum_over, group_name=group.group_name)
     rows = B // dp
     _, _, _, loss = router(x[rank * rows : (rank + 1) * rows])
     (grad,) = torch.autograd.grad(loss, router.gate.weight)

@@ -19,6 +19,7 @@ import logging
 import math
 import signal
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from graphtrain.optim import (
     global_norm,
 )
 from graphtrain.parallel import (
+    destroy_distributed,
     init_distributed,
 )
 from graphtrain.parallel.divergence import check_replicas
@@ -76,6 +78,24 @@ def train(cfg: JobConfig) -> TrainResult:
     """Run one training job described by `cfg`; returns the losses it logged."""
     with stop_during_startup():  # a SIGTERM before the loop: one line, not a silent death
         device, rank, world_size = init_distributed(cfg.training.device)
+    # Every group ends here, not in the interpreter's exit (destroy_distributed), once the run
+    # is gone: _train's frame held it (its model's FSDP states, its groups).
+    try:
+        result = _train(cfg, device, rank, world_size)
+    except (Preempted, StartupStopped) as e:  # stopped as asked: exit 75
+        traceback.clear_frames(e.__traceback__)  # the run lives on in the traceback's frames
+        destroy_distributed()
+        raise
+    except BaseException:
+        # Failed: the CLI's line first. The launcher stops the other ranks as soon as one
+        # fails, and would stop this one (SIGTERM) during the longer teardown.
+        destroy_distributed(release=False)
+        raise
+    destroy_distributed()
+    return result
+
+
+def _train(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> TrainResult:
     # A job starts from a clean compiler state: code compiled for an earlier job in this process
     # (another model, other passes) must neither be reused nor count against the recompile limit.
     torch._dynamo.reset()
@@ -101,8 +121,6 @@ def train(cfg: JobConfig) -> TrainResult:
         raise
     finally:
         preemption.restore()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _peer_lost(run_dir: Path | None, rank: int, error: BaseException) -> PeerLostError:

@@ -34,8 +34,6 @@ from parallel_dist import scalar_cpu_kernels
 
 import graphtrain.trainer  # noqa: F401  imported once, before the forks
 from graphtrain.cli import main
-from graphtrain.config import load_config
-from graphtrain.parallel import check_layout
 from graphtrain.preemption import EXIT_PREEMPTED
 
 
@@ -51,19 +49,13 @@ def _rank(store: Path, rank: int, world_size: int, args: list[str]) -> int:
     code = main(["train", *args])
     # A job that ended as asked (done, or stopped by a signal) has ended every group it used,
     # their threads with them (graphtrain.parallel.destroy_distributed): a group left to the
-    # interpreter's exit is where a finished rank was seen to abort. Not checked for pp with
-    # FSDP, which leaves two (docs/design/parallel.md, "The end of a job").
-    if code in (0, EXIT_PREEMPTED) and not _pipelined_fsdp(args, world_size):
+    # interpreter's exit is where a finished rank was seen to abort.
+    if code in (0, EXIT_PREEMPTED):
         left = [name for name in _thread_names() if "gloo" in name]
         if left:
             print(f"rank {rank}: the job left gloo's threads running: {left}", file=sys.stderr)
             return 1
     return code
-
-
-def _pipelined_fsdp(args: list[str], world_size: int) -> bool:
-    dims = check_layout(load_config(args), world_size)
-    return dims.pp_enabled and dims.fsdp_enabled
 
 
 def _thread_names() -> list[str]:

@@ -286,14 +286,14 @@ class PipelineRunner:
         self.statistics: dict[str, torch.Tensor] = {}  # the MTP depths' of the last step
         self.timeline = StepTimeline(device)
         stage_class = _stage_class(after_backward, self.timeline, reshard_after_backward)
-        pipeline_stages = self._torch_stages(seq_len, stage_class)
+        self.torch_stages = self._torch_stages(seq_len, stage_class)
         cls = schedule_class(schedule)
         # scale_grads=False: each micro-batch's loss already carries its token weight.
         kwargs = {"loss_fn": self._loss, "scale_grads": False}
         if schedule in ("1f1b", "gpipe"):
-            self.schedule = cls(pipeline_stages[0], num_microbatches, **kwargs)
+            self.schedule = cls(self.torch_stages[0], num_microbatches, **kwargs)
         else:
-            self.schedule = cls(pipeline_stages, num_microbatches, **kwargs)
+            self.schedule = cls(self.torch_stages, num_microbatches, **kwargs)
         self.first = any(s.spec.embedding for s in stages)
         # The embedding two of this rank's stages share, where FSDP2 made it a root of its own.
         self.embedding_root = next(
@@ -414,6 +414,12 @@ class PipelineRunner:
             self.timeline.end()
         for stage in self.stages:
             stage.micro_batches, stage.balance = [], None
+        for stage in self.torch_stages:
+            # torch keeps the step's outputs until the next step. Their autograd graphs hold
+            # FSDP's hooks, which hold the model, which holds this runner: a cycle through
+            # autograd's nodes, which Python's collector cannot see, so the model and its
+            # process groups outlived the job (docs/design/parallel.md, "The end of a job").
+            stage.output_chunks.clear()
         self.statistics = {k: v for stage in self.stages for k, v in stage.stats.items()}
         loss = torch.zeros((), device=self.device)
         if self.last:

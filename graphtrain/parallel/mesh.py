@@ -148,7 +148,7 @@ def destroy_distributed(*, release: bool = True) -> None:
     destroy_process_group forgets the groups, but each DeviceMesh keeps references of its own
     (`_pg_registry`, rebuilt by every copy of a mesh) and torch's DTensor caches keep the
     meshes: with `release`, those references go too (a collection and a pass over the
-    process's objects: ~0.3 s after a small job on 2 cores). The caller drops its own (the run,
+    process's objects: 0.3-0.5 s after a small job on 2 cores). The caller drops its own (the run,
     its model's FSDP states) first.
     """
     if not dist.is_initialized():

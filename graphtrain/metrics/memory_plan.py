@@ -215,8 +215,8 @@ def _activations(
     per_block = [per_token] * len(layers)
     if getattr(m, "layer_pattern", None):  # a hybrid: its GDN blocks keep other tensors
         gdn = per_token - 2 * m.dim - 2 * kv_dim + gated_deltanet_activations_per_token(m)
-        if cfg.compile.gdr_form == "inline" and trainer_runs("gated_delta_rule", cfg.compile):
-            gdn += gated_deltanet_inline_activations_per_token(m)
+        if _compiles_the_chunked_form(cfg.compile):
+            gdn += gated_deltanet_chunked_activations_per_token(m)
         # Qwen3-Next's GatedAttention keeps besides: q and k before their norms, the gate, and
         # the gated product (wo's input; the attention output is the gate's gradient's).
         attention = per_token + (3 * m.dim + kv_dim if m.gated_attention else 0)
@@ -244,13 +244,22 @@ def gated_deltanet_activations_per_token(cfg: Any) -> int:
     return projections + conv + qk + value_dim + 2 * 2 * Hv + 2 * value_dim
 
 
-def gated_deltanet_inline_activations_per_token(cfg: Any) -> int:
-    """Elements per token (compute-dtype units) the inline form (compile.gdr_form) keeps beyond
-    the op's, per value head in fp32 (two units): its chunk terms, five of each head dim and
-    five of the chunk (the system, its inverse, the decayed products), and the state entering
+def _compiles_the_chunked_form(compile_cfg: Any) -> bool:
+    """Whether Inductor compiles the Gated DeltaNet mixer's chunked form (compile.gdr_form
+    "inline", or the gated_delta_rule pass off) rather than the pass's op (the default)."""
+    if not compile_cfg.enable:  # eager: the plan counts compiled regions (docs/design)
+        return False
+    return compile_cfg.gdr_form == "inline" or not trainer_runs("gated_delta_rule", compile_cfg)
+
+
+def gated_deltanet_chunked_activations_per_token(cfg: Any) -> int:
+    """Elements per token (compute-dtype units) the chunked form keeps, compiled by Inductor,
+    beyond the op's, per value head in fp32 (two units): its chunk terms, five of each head dim
+    and five of the chunk (the system, its inverse, the decayed products), and the state entering
     each chunk spread over its positions; less the op's own inputs (q and k in fp32, v). Counted
-    from what Inductor's partition keeps of hybrid-1b's GDN block with our kernels (+769 MiB at
-    8192 tokens); some may be views of others, so this errs high."""
+    from Inductor's partition of hybrid-1b's GDN block at 8192 tokens: +769 MiB with the inline
+    form (some of those tensors may be views of others), +798 MiB with the pass off (its loop
+    unrolled by Dynamo); this formula gives 768."""
     Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     C = cfg.linear_chunk_size
     terms = 5 * (Dk + Dv) + Dk * Dv // C + 5 * C

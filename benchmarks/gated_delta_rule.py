@@ -19,8 +19,8 @@ What
     backward (all five input gradients for a fixed random output gradient), and each row's
     error against the reference in fp32 (the chunked form, eager; relative norm). Ours run
     first, the compiled reference last (its unrolled chunk loop compiles for minutes); a row
-    that its software refuses here says why; stopped by SIGINT (a stage's time cap), the rows
-    measured are recorded.
+    that its software refuses here says why (its forward timed where only its backward
+    refuses); stopped by SIGINT (a stage's time cap), the rows measured are recorded.
 
 Run
     python benchmarks/gated_delta_rule.py [--seq 4096 --batch 1 --documents 1] [--no-record]
@@ -121,12 +121,14 @@ def builds(D: int, seg: torch.Tensor | None, cu: torch.Tensor) -> dict:
 
 def measure_row(name, fn, xs, grad_o, want, bench) -> str:
     """One table row: fn's forward and forward + backward times (bench(callable) -> ms) and its
-    error against `want`; a peer that refuses this device or software (FLA's kernels on Hopper
-    with triton < 3.7.1) is a row that says why, our own op must run."""
+    error against `want`; our own op must run, a peer that refuses this device or software is a
+    row that says why: a forward that runs is timed where only the backward refuses (FLA's
+    direct call on Hopper with triton >= 3.4.0 and < 3.7.1 raises in its backward alone)."""
+    ours = name == "graphtrain triton"
     try:
         out = fn(*xs)
     except Exception as e:
-        if name == "graphtrain triton":
+        if ours:
             raise
         return f"| {name} | skipped: {type(e).__name__}: {e} | | |"[:200]
 
@@ -137,9 +139,15 @@ def measure_row(name, fn, xs, grad_o, want, bench) -> str:
     def step():
         return torch.autograd.grad(fn(*xs), xs, grad_o)
 
-    step()
-    fwd, both = bench(forward), bench(step)
-    return f"| {name} | {fwd:.3f} | {both:.3f} | {_rel(out, want):.1e} |"
+    fwd, err = bench(forward), f"{_rel(out, want):.1e}"
+    try:
+        step()
+    except Exception as e:
+        if ours:
+            raise
+        why = f"backward refused: {type(e).__name__}: {e}"[:160]
+        return f"| {name} | {fwd:.3f} | {why} | {err} |"
+    return f"| {name} | {fwd:.3f} | {bench(step):.3f} | {err} |"
 
 
 def ours_step(xs, grad_o, seg, D) -> tuple:
@@ -173,6 +181,19 @@ def inverse_rows(n: int, D: int, device: str, bench) -> list[str]:
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """A peer whose forward runs and whose backward refuses, as FLA's on Hopper with triton
+    3.6 (its message), for the CPU smoke."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, b):
+        return chunk_gated_delta_rule(q, k, v, g, b, None, 64, q.shape[-1] ** -0.5)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        raise RuntimeError("gated chunk_bwd_dqkwg refuses this GPU and triton (see its #640)")
 
 
 def cpu_smoke() -> None:
@@ -224,10 +245,13 @@ def cpu_smoke() -> None:
     assert ours.endswith("| 0.000 | 0.000 | 0.0e+00 |"), ours
     refused = measure_row("refusing peer", refusing, xs, grad_o, want, untimed)
     assert "skipped: ValueError" in refused, refused
+    forward_only = measure_row("forward-only peer", _ForwardOnly.apply, xs, grad_o, want, untimed)
+    assert forward_only.startswith("| forward-only peer | 0.000 | backward refused: "), forward_only
+    assert forward_only.endswith(" 0.0e+00 |") and "RuntimeError: gated" in forward_only
     table = kernel_table(functools.partial(ours_step, xs, grad_o, None, 8), top=25)
     assert table[-1].startswith("| all ") and len(table) > 6, table  # --kernels' table
     assert len(inverse_rows(4, 8, "cpu", untimed)) == 5  # and its inverse rows
-    print("cpu smoke: the op equals the reference, the pass inserts it, a refusing row says why")
+    print("cpu smoke: the op equals the reference, the pass inserts it, refused rows say why")
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ import functools
 import inspect
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -68,7 +68,7 @@ import triton
 import triton.testing
 
 # run as a script: benchmarks/ is on sys.path
-from harness import kernel_table, parse_args, record, sqnr
+from harness import CUT, kernel_table, parse_args, record, rows_until_cap, sqnr
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend
@@ -89,7 +89,8 @@ IMPLS = (
     "graphtrain-fast-1chunk",
     "graphtrain-pass",
 )
-PEERS = ("liger", "liger-fp32-accum", "cut-cross-entropy", "torch-lce")  # not graphtrain's rows
+# not graphtrain's rows: one that fails here is a row that says why (ours must run)
+PEERS = ("torch.compile", "liger", "liger-fp32-accum", "cut-cross-entropy", "torch-lce")
 GIB = 1 << 30
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -258,64 +259,76 @@ def run_table(shapes: list, precisions: list[str], impls: list[str]) -> tuple[li
         "| grad SNR vs eager dB | note |",
         "|---|---|---|---:|---:|---:|---:|---|",
     ]
-    verdicts = []
-    for N, H, V in shapes:
-        for precision in precisions:
-            h, w, t = inputs(N, H, V, precision, "cuda")
-            results: dict[str, tuple[float, float, float]] = {}
-            eager_grads = None
-            for impl in impls:
-                snr = None  # this row's gradients against eager's, where both ran
-                torch._dynamo.reset()
-                fn, note = build(impl, precision)
-                if fn is not None:
-                    try:
-                        results[impl], grads = measure(fn, h, w, t, precision)
-                        if impl == "eager":
-                            eager_grads = grads
-                        elif eager_grads is not None:
-                            snr = min(map(sqnr, grads, eager_grads))
-                        del grads
-                    except torch.cuda.OutOfMemoryError:
-                        note = "out of memory"
-                    except Exception as e:  # a peer that fails on this torch/triton says so
-                        if impl not in PEERS:
-                            raise
-                        note = f"not run: {type(e).__name__}: {e}".splitlines()[0].replace("|", "/")
-                    h.grad = w.grad = None
-                    torch.cuda.empty_cache()
-                row = f"| {N}, {H}, {V} | {precision} | {impl} |"
-                if impl in results:
-                    ms, extra, loss = results[impl]
-                    err = abs(loss - results["eager"][2]) if "eager" in results else float("nan")
-                    db = "-" if snr is None else f"{snr:.1f}"
-                    lines.append(f"{row} {ms:.2f} | {extra:.2f} | {err:.1e} | {db} | {note} |")
-                else:
-                    lines.append(f"{row} - | - | - | - | {note} |")
-                    print(f"skipped {impl} ({precision}): {note}", flush=True)
-                print(lines[-1], flush=True)
-            verdicts += _verdicts(f"{N}x{H}x{V} {precision}", results)
-            del h, w, t, eager_grads
+    verdicts: list[str] = []
+
+    def fill() -> None:
+        for N, H, V in shapes:
+            for precision in precisions:
+                results = _rows_at((N, H, V), precision, impls, lines)
+                verdicts.extend(_verdicts(f"{N}x{H}x{V} {precision}", results))
+
+    rows_until_cap(lines, fill, f"| (the rest) | {CUT} | | | | | | |")
     return lines, verdicts
 
 
-def kernel_tables(shapes: list, precisions: list[str], impls: list[str], device: str) -> list:
+def _rows_at(shape: tuple, precision: str, impls: list[str], lines: list[str]) -> dict:
+    """Every impl's row at one shape and precision appended to `lines` (and printed) as it is
+    measured; their (ms, extra GiB, loss) by impl."""
+    N, H, V = shape
+    h, w, t = inputs(N, H, V, precision, "cuda")
+    results: dict[str, tuple[float, float, float]] = {}
+    eager_grads = None
+    for impl in impls:
+        snr = None  # this row's gradients against eager's, where both ran
+        torch._dynamo.reset()
+        fn, note = build(impl, precision)
+        if fn is not None:
+            try:
+                results[impl], grads = measure(fn, h, w, t, precision)
+                if impl == "eager":
+                    eager_grads = grads
+                elif eager_grads is not None:
+                    snr = min(map(sqnr, grads, eager_grads))
+                del grads
+            except torch.cuda.OutOfMemoryError:
+                note = "out of memory"
+            except Exception as e:  # a peer that fails on this torch/triton says so
+                if impl not in PEERS:
+                    raise
+                note = f"not run: {type(e).__name__}: {e}".splitlines()[0].replace("|", "/")
+            h.grad = w.grad = None
+            torch.cuda.empty_cache()
+        row = f"| {N}, {H}, {V} | {precision} | {impl} |"
+        if impl in results:
+            ms, extra, loss = results[impl]
+            err = abs(loss - results["eager"][2]) if "eager" in results else float("nan")
+            db = "-" if snr is None else f"{snr:.1f}"
+            lines.append(f"{row} {ms:.2f} | {extra:.2f} | {err:.1e} | {db} | {note} |")
+        else:
+            lines.append(f"{row} - | - | - | - | {note} |")
+            print(f"skipped {impl} ({precision}): {note}", flush=True)
+        print(lines[-1], flush=True)
+    return results
+
+
+def kernel_tables(
+    shapes: list, precisions: list[str], impls: list[str], device: str
+) -> Iterator[str]:
     """--kernels: where each row's fwd+bwd time goes, kernel by kernel (harness.kernel_table);
-    a row that cannot run here says why."""
-    out = []
+    a row that cannot run here says why. Yielded line by line, for the log to keep the tables
+    measured when a stage's cap stops it."""
     for N, H, V in shapes:
         for precision in precisions:
             h, w, t = inputs(N, H, V, precision, device)
             for impl in impls:
                 torch._dynamo.reset()
                 fn, note = build(impl, precision)
-                out += ["", f"### {impl}, {N} x {H} x {V}, {precision}", ""]
+                yield from ["", f"### {impl}, {N} x {H} x {V}, {precision}", ""]
                 if fn is None:
-                    out.append(f"not run: {note}")
+                    yield f"not run: {note}"
                     continue
                 step = functools.partial(fwd_bwd, fn, h, w, t, precision, device, True)
-                out += kernel_table(step)  # its first call, unprofiled, compiles and tunes
-    return out
+                yield from kernel_table(step)  # its first call, unprofiled, compiles and tunes
 
 
 def cpu_smoke() -> None:
@@ -348,7 +361,7 @@ def cpu_smoke() -> None:
         print(f"cpu smoke {precision}: eager, graphtrain modes and the pass agree")
     for impl in ("liger", "cut-cross-entropy", "torch-lce"):
         print(f"cpu smoke: {impl} not run ({_peer(impl)[1] or 'GPU rows only'})")
-    table = kernel_tables([(N, H, V)], ["bf16"], ["graphtrain-fast"], "cpu")
+    table = list(kernel_tables([(N, H, V)], ["bf16"], ["graphtrain-fast"], "cpu"))
     assert table[-1].startswith("| all ") and len(table) > 6, table  # --kernels' table
     print("\n".join(table))
     print("cpu smoke done")
@@ -381,7 +394,8 @@ def main() -> None:
             raise SystemExit(f"unknown {name!r}; known: {', '.join(known)}")
 
     if args.kernels:
-        print("\n".join(kernel_tables(shapes, precisions, impls, "cuda")))
+        for line in kernel_tables(shapes, precisions, impls, "cuda"):
+            print(line, flush=True)
         return
     lines, verdicts = run_table(shapes, precisions, impls)
     body = "\n".join([*lines, "", *(f"- {v}" for v in verdicts)])

@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import CUT, record, rows_until_cap  # run as a script: benchmarks/ on sys.path
 from tensordict import TensorDict
 
 from graphtrain.attention import resolve_attention
@@ -536,23 +537,40 @@ def torchtitan_measure(name: str, cfg: JobConfig, trainer, step_batches: list, w
 
 def rows_for(args: argparse.Namespace, rows: list[Row]) -> None:
     """Every row of the run into `rows` as it is measured, most important first: graphtrain's
-    (its loader draws the batches the others replay), plain torch.compile, the FP8 and
-    --variant rows, torchtitan. A run stopped part-way (the GPU stage's cap) keeps the rows it
-    measured."""
+    (its loader draws the batches the others replay), plain torch.compile (after the variant
+    rows with --plain-last; listed first either way), the FP8 and --variant rows, torchtitan.
+    A row after graphtrain's that fails says why; the rows measured before it are kept."""
     with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
         cfg = job_config(args, f"{tmp}/bf16")
         precision = " bf16" if args.fp8 else ""
         row, step_batches, eos_id = graphtrain_row(f"graphtrain{precision}", cfg, args.warmup)
         rows.append(row)
         plain = f"torch.compile (plain){precision}"
-        rows.insert(0, plain_compile_row(plain, cfg, step_batches, args.warmup))
+
+        def plain_row() -> None:
+            rows.insert(0, _or_why(plain, plain_compile_row, cfg, step_batches, args.warmup))
+
+        if not args.plain_last:
+            plain_row()
         if args.fp8:
             fp8_cfg = job_config(args, f"{tmp}/fp8", fp8=True)
-            rows.append(graphtrain_row("graphtrain fp8", fp8_cfg, args.warmup)[0])
+            rows.append(_or_why("graphtrain fp8", graphtrain_row, fp8_cfg, args.warmup))
         for i, variant in enumerate(args.variant):
             rows.append(variant_row(args, f"{tmp}/v{i}", variant, step_batches))
+        if args.plain_last:
+            plain_row()
         if not args.fp8:
             rows.append(torchtitan_row(TORCHTITAN, cfg, step_batches, args.warmup, eos_id))
+
+
+def _or_why(name: str, measure_row: Callable, *args) -> Row:
+    """measure_row(name, *args)'s row (graphtrain_row's first item), or a row that says why it
+    failed: an Inductor error or an out-of-memory in one row loses none measured before it."""
+    try:
+        row = measure_row(name, *args)
+    except Exception as e:
+        return Row(name, note=_not_run(e))
+    return row[0] if isinstance(row, tuple) else row
 
 
 def table(rows: list[Row], args: argparse.Namespace) -> str:
@@ -620,6 +638,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a config override for every row (repeatable), e.g. --set=--data.paths=docs.jsonl",
     )
     parser.add_argument(
+        "--plain-last",
+        action="store_true",
+        help="plain torch.compile's row after the --variant rows (a stage whose variants matter "
+        "more than a new plain row; a time cap cuts the last row first)",
+    )
+    parser.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -649,18 +673,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     rows: list[Row] = []
-    try:
-        rows_for(args, rows)
-    except KeyboardInterrupt:  # the stage's cap (SIGINT): record what was measured
-        if not rows:
-            raise
-        rows.append(Row("(the rest)", note="not run: stopped by SIGINT (the stage's time cap)"))
+    rows_until_cap(rows, lambda: rows_for(args, rows), Row("(the rest)", note=CUT))
     text = table(rows, args)
     if args.device == "cpu":
         print(text)
         return rows
-    from harness import record  # run as a script: benchmarks/ is on sys.path
-
     force = " (force_balance)" if args.force_balance else ""
     title = (
         f"e2e {args.model}{force}{', fp8' if args.fp8 else ''}: the trainer's step, seq "

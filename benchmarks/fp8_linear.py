@@ -48,15 +48,18 @@ The table is printed and appended to benchmarks/RESULTS.md unless --no-record.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
 from harness import (
+    CUT,
     kernel_table,
     parse_args,
     record,
+    rows_until_cap,
     sqnr,
 )  # run as a script: benchmarks/ on sys.path
 
@@ -318,11 +321,11 @@ def measure_grouped_gemms(x, w, offs, grad, label, results):
         results.append(f"| {label} | {impl} | {ms:.3f} | {base / ms:.2f}x | {tflops:.0f} TFLOP/s |")
 
 
-def kernel_tables(shapes: list[tuple[int, int, int]], grouped: bool, device: str) -> list[str]:
+def kernel_tables(shapes: list[tuple[int, int, int]], grouped: bool, device: str) -> Iterator[str]:
     """--kernels: where the FP8 rows' fwd+bwd time goes, kernel by kernel (harness.kernel_table):
     the plain recipe compiled, graphtrain's op, its pass with fp8_cast_once off and on, at each
-    linear shape; then (grouped) bf16 and FP8 grouped GEMMs at moe-1b's w1|w3 shape."""
-    out = []
+    linear shape; then (grouped) bf16 and FP8 grouped GEMMs at moe-1b's w1|w3 shape. Yielded
+    line by line, for the log to keep the tables measured when a stage's cap stops it."""
     for M, K, N in shapes:
         inputs = linear_inputs(
             M, K, N, device, torch.bfloat16 if device == "cuda" else torch.float32
@@ -330,15 +333,14 @@ def kernel_tables(shapes: list[tuple[int, int, int]], grouped: bool, device: str
         rows = [*linear_rows()[1:3], *producer_rows(16 if device == "cpu" else 4096)[1:]]
         for impl, fn in rows:
             torch._dynamo.reset()
-            out += ["", f"### {impl}, {M}x{K}x{N}", ""]
-            out += kernel_table(lambda fn=fn, a=inputs: fwd_bwd(fn, *a))  # 1st call compiles
+            yield from ["", f"### {impl}, {M}x{K}x{N}", ""]
+            yield from kernel_table(lambda fn=fn, a=inputs: fwd_bwd(fn, *a))  # 1st call compiles
     if grouped:
         tokens, E, K, N = (16384 * 6, 64, 1024, 1024) if device == "cuda" else (64, 4, 32, 16)
         x, w, offs, grad = grouped_inputs(tokens, E, K, N, device, torch.bfloat16, skewed=False)
         for impl, fn in grouped_rows():
-            out += ["", f"### {impl}, {tokens}x{K}x{N} (E={E}, even)", ""]
-            out += kernel_table(lambda fn=fn: grouped_fwd_bwd(fn, x, w, offs, grad))
-    return out
+            yield from ["", f"### {impl}, {tokens}x{K}x{N} (E={E}, even)", ""]
+            yield from kernel_table(lambda fn=fn: grouped_fwd_bwd(fn, x, w, offs, grad))
 
 
 def cpu_smoke() -> None:
@@ -377,7 +379,7 @@ def cpu_smoke() -> None:
         want = fwd_bwd(F.linear, x, w, grad)
         assert min(sqnr(g, t) for g, t in zip(fwd_bwd(peer, x, w, grad), want, strict=True)) > 20
     print(f"torchao row: {peer if isinstance(peer, str) else 'runs, agrees by SQNR'}")
-    table = kernel_tables([(64, 32, 48)], grouped=False, device="cpu")
+    table = list(kernel_tables([(64, 32, 48)], grouped=False, device="cpu"))
     assert sum(line.startswith("| all ") for line in table) == 4, table  # --kernels' tables
     print(
         "cpu smoke: fp8 rows agree with fp32 by SQNR, graphtrain equals the plain recipe, "
@@ -400,27 +402,32 @@ def main() -> None:
         return
     shapes = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
     if args.kernels:
-        print("\n".join(kernel_tables(shapes, grouped=True, device="cuda")))
+        for line in kernel_tables(shapes, grouped=True, device="cuda"):
+            print(line, flush=True)
         return
     lines = [
         "| shape | impl | fwd+bwd ms | vs first row of its kind | SQNR dB out / dx / dW vs that row "
         "(GEMM rows: their rate) |",
         "|---|---|---:|---:|---|",
     ]
-    for M, K, N in shapes:
-        shape = f"{M}x{K}x{N}"
-        torch._dynamo.reset()
-        inputs = linear_inputs(M, K, N, "cuda", torch.bfloat16)
-        measure(linear_rows(), inputs, shape, lines)
-        measure_gemms(*inputs, shape, lines)
-        measure(producer_rows(), inputs, shape, lines)
-    for label, K, N, skewed in GROUPED_SHAPES:
-        x, w, offs, grad = grouped_inputs(16384 * 6, 64, K, N, "cuda", torch.bfloat16, skewed)
-        rows = [
-            (impl, lambda x, w, fn=fn, offs=offs: fn(x, w, offs)) for impl, fn in grouped_rows()
-        ]
-        measure(rows, (x, w, grad), label, lines)
-        measure_grouped_gemms(x, w, offs, grad, label, lines)
+
+    def fill() -> None:
+        for M, K, N in shapes:
+            shape = f"{M}x{K}x{N}"
+            torch._dynamo.reset()
+            inputs = linear_inputs(M, K, N, "cuda", torch.bfloat16)
+            measure(linear_rows(), inputs, shape, lines)
+            measure_gemms(*inputs, shape, lines)
+            measure(producer_rows(), inputs, shape, lines)
+        for label, K, N, skewed in GROUPED_SHAPES:
+            x, w, offs, grad = grouped_inputs(16384 * 6, 64, K, N, "cuda", torch.bfloat16, skewed)
+            rows = [
+                (impl, lambda x, w, fn=fn, offs=offs: fn(x, w, offs)) for impl, fn in grouped_rows()
+            ]
+            measure(rows, (x, w, grad), label, lines)
+            measure_grouped_gemms(x, w, offs, grad, label, lines)
+
+    rows_until_cap(lines, fill, f"| (the rest) | {CUT} | | | |")
     table = "\n".join(lines)
     if args.no_record:
         print(table)

@@ -20,7 +20,7 @@ What
     error against the reference in fp32 (the chunked form, eager; relative norm). Ours run
     first, the compiled reference last (its unrolled chunk loop compiles for minutes); a row
     that its software refuses here says why (its forward timed where only its backward
-    refuses); stopped by SIGINT (a stage's time cap), the rows measured are recorded.
+    fails); stopped by SIGINT (a stage's time cap), the rows measured are recorded.
 
 Run
     python benchmarks/gated_delta_rule.py [--seq 4096 --batch 1 --documents 1] [--no-record]
@@ -45,7 +45,13 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
-from harness import kernel_table, parse_args, record  # run as a script: benchmarks/ on sys.path
+from harness import (  # run as a script: benchmarks/ on sys.path
+    CUT,
+    kernel_table,
+    parse_args,
+    record,
+    rows_until_cap,
+)
 
 import graphtrain.custom_ops.gated_delta_rule as gdr  # registers the op
 from graphtrain.compile import backend as graphtrain_backend
@@ -121,33 +127,30 @@ def builds(D: int, seg: torch.Tensor | None, cu: torch.Tensor) -> dict:
 
 def measure_row(name, fn, xs, grad_o, want, bench) -> str:
     """One table row: fn's forward and forward + backward times (bench(callable) -> ms) and its
-    error against `want`; our own op must run, a peer that refuses this device or software is a
-    row that says why: a forward that runs is timed where only the backward refuses (FLA's
-    direct call on Hopper with triton >= 3.4.0 and < 3.7.1 raises in its backward alone)."""
+    error against `want`. The forward is timed as training runs it, with grad (a compiled row's
+    one graph: under no_grad Dynamo would compile an inference graph too, minutes for the
+    unrolled reference). Our own op must run; a peer that fails is a row that says why, its
+    forward timed where only its backward fails (FLA's direct call on Hopper with triton >=
+    3.4.0 and < 3.7.1 refuses in its backward alone)."""
     ours = name == "graphtrain triton"
     try:
         out = fn(*xs)
+        fwd, err = bench(lambda: fn(*xs)), f"{_rel(out, want):.1e}"
     except Exception as e:
         if ours:
             raise
         return f"| {name} | skipped: {type(e).__name__}: {e} | | |"[:200]
 
-    def forward():
-        with torch.no_grad():
-            return fn(*xs)
-
     def step():
         return torch.autograd.grad(fn(*xs), xs, grad_o)
 
-    fwd, err = bench(forward), f"{_rel(out, want):.1e}"
     try:
-        step()
+        both = f"{bench(step):.3f}"
     except Exception as e:
         if ours:
             raise
-        why = f"backward refused: {type(e).__name__}: {e}"[:160]
-        return f"| {name} | {fwd:.3f} | {why} | {err} |"
-    return f"| {name} | {fwd:.3f} | {bench(step):.3f} | {err} |"
+        both = f"backward not run: {type(e).__name__}: {e}"[:160]
+    return f"| {name} | {fwd:.3f} | {both} | {err} |"
 
 
 def ours_step(xs, grad_o, seg, D) -> tuple:
@@ -246,7 +249,7 @@ def cpu_smoke() -> None:
     refused = measure_row("refusing peer", refusing, xs, grad_o, want, untimed)
     assert "skipped: ValueError" in refused, refused
     forward_only = measure_row("forward-only peer", _ForwardOnly.apply, xs, grad_o, want, untimed)
-    assert forward_only.startswith("| forward-only peer | 0.000 | backward refused: "), forward_only
+    assert forward_only.startswith("| forward-only peer | 0.000 | backward not run: "), forward_only
     assert forward_only.endswith(" 0.0e+00 |") and "RuntimeError: gated" in forward_only
     table = kernel_table(functools.partial(ours_step, xs, grad_o, None, 8), top=25)
     assert table[-1].startswith("| all ") and len(table) > 6, table  # --kernels' table
@@ -291,13 +294,12 @@ def main() -> None:
         lines.append(measure_row(SLOTS, fns[SLOTS], xs, grad_o, want, bench))
         print("\n".join(lines))
         return
-    try:
+
+    def fill() -> None:
         for name, fn in fns.items():
             lines.append(measure_row(name, fn, xs, grad_o, want, bench))
-    except KeyboardInterrupt:  # the stage's cap (SIGINT): record the rows measured
-        if len(lines) == 2:
-            raise
-        lines.append("| (the rest) | not run: stopped by SIGINT (the stage's time cap) | | |")
+
+    rows_until_cap(lines, fill, f"| (the rest) | {CUT} | | |")
     if "fla" not in fns:
         lines.append("| graphtrain fla, fla | fla-core not installed | | |")
     table = "\n".join(lines)

@@ -326,34 +326,31 @@ stages() {
         # skip on Hopper with triton 3.6; the chunk inverse's kernel; the inline form compiled,
         # aot_eager and Inductor, one compile each): 2026-11-30 (H200), 3 passed, 3 skipped in
         # 14 s, before the inverse's and the inline form's tests (~1 min more).
-        item gdr-tests 120 "$python" -m pytest -m gpu -q -rfEs \
+        item gdr-tests 100 "$python" -m pytest -m gpu -q -rfEs \
             tests/custom_ops/test_gated_delta_rule.py tests/custom_ops/test_unit_lower_inverse.py
-        # Where our op's forward + backward go, kernel by kernel (12.0 ms on 2026-11-30, with
-        # six batched triangular solves; predicted ~6.5-7.5 ms with the inverse kernel in their
-        # place, RESULTS): its chunk terms in torch, eager, inside the op (fp32 pointwise work,
-        # matmuls), the inverses and the loop over chunks in Triton; the inverse three ways;
-        # then the chunked form compiled with our kernels in its slots (the next lever,
-        # predicted ~4-5 ms; one compile, ~1 min). ~1.5-2 min.
-        bench gdr-kernels 150 gated_delta_rule.py --kernels
-        # hybrid-1b's step: graphtrain (the gated_delta_rule pass on by default since
-        # 2026-11-30, with the op's kernels as compile.gdr_kernels chooses: ours on Hopper with
-        # triton 3.6, where FLA's are refused), plain torch.compile, then two variant rows:
+        # hybrid-1b's step, the rows that set compile.gdr_form's default first: graphtrain (the
+        # gated_delta_rule pass on by default since 2026-11-30, our kernels on Hopper with
+        # triton 3.6, where FLA's are refused; 249 ms a step, 39 s warm-up on 2026-11-30), then
         # compile.gdr_form=inline (the chunked form around our two kernels, fused by Inductor,
-        # its backward derived: the next lever measured in the step, with its peak memory;
-        # predicted faster than the op's row by ~2-3 ms a layer if the kernel table's slots
-        # row beats the op), then the pass off, the row 2026-11-30's cap cut (graphtrain 249
-        # ms a step, 39 s warm-up; plain 470 ms, 156 s warm-up, its chunk terms bf16 under
-        # autocast then, fp32 since 2026-12-01): predicted near plain's time. ~7-8 min for the
-        # four rows: the cap may cut the last.
-        bench e2e-hybrid-1b 420 e2e.py --model hybrid-1b --steps 10 --warmup 3 \
+        # its backward derived; predicted faster than the op's row by ~2-3 ms a layer if the
+        # slots row beats the op, at a higher peak), then the pass off (the memory plan's 40.6
+        # GiB against the measured peak; predicted near plain's time), then plain
+        # torch.compile last (--plain-last: 470 ms, 156 s warm-up on 2026-11-30, its chunk
+        # terms fp32 under autocast since 2026-12-01). ~2.5 min warm-up each for the last two:
+        # the cap cuts plain first, a cut row is named.
+        bench e2e-hybrid-1b 300 e2e.py --model hybrid-1b --steps 10 --warmup 3 --plain-last \
             --variant=--compile.gdr_form=inline --variant=--compile.passes=-gated_delta_rule
         # gated_delta_rule.py at Qwen3-Next's shapes (batch 1, 4096 tokens, 32 value heads of
-        # 128): ours (2026-11-30: 3.3 ms forward, 12.0 ms forward + backward), FLA's (rows that
-        # say why where refused), the chunked form compiled with our two kernels in its slots
-        # (Inductor fusing the chunk terms: the next lever, RESULTS; compiles in ~1 min), then
-        # the compiled chunked reference, which compiles the unrolled 64-chunk loop for
-        # minutes: it gets what is left, a cut row is named.
-        bench gated_delta_rule 200 gated_delta_rule.py
+        # 128): ours (2026-11-30: 3.3 ms forward, 12.0 ms forward + backward; predicted ~6.5-7.5
+        # since the inverse kernel), FLA's (its forward timed, its backward refused on Hopper
+        # with triton 3.6), the chunked form compiled with our two kernels in its slots (the
+        # next lever, predicted ~4-5 ms; compiles in ~1 min), then the compiled chunked
+        # reference, which compiles the unrolled 64-chunk loop for minutes: a cut row is named.
+        bench gated_delta_rule 150 gated_delta_rule.py
+        # Where our op's forward + backward go, kernel by kernel: its chunk terms in torch,
+        # eager, inside the op (fp32 pointwise work, matmuls), the inverses and the loop over
+        # chunks in Triton; the inverse three ways; the slots row again. ~1.5-2 min: what is left.
+        bench gdr-kernels 150 gated_delta_rule.py --kernels
         ;;
     fa4)
         # attention.py with flex's FlashAttention-4 row (its wheels installed above): flex's

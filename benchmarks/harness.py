@@ -5,7 +5,8 @@ table under it and appends it to benchmarks/RESULTS.md; git_commit() is the comm
 ($GRAPHTRAIN_COMMIT where the copy's git HEAD is stale); sqnr(got, want) the signal-to-noise
 ratio in dB by which rows are checked against a reference; kernel_table(step) where a row's
 time goes, kernel by kernel; parse_args(parser, cpu_smoke) the options every benchmark has
-(--no-record, --cpu-smoke). The benchmarks run as scripts, so they
+(--no-record, --cpu-smoke); rows_until_cap(rows, fill, cut_row) keeps the rows measured when
+a GPU stage's time cap stops a benchmark part-way. The benchmarks run as scripts, so they
 import this module as `harness` (benchmarks/ is first on their sys.path).
 """
 
@@ -43,6 +44,24 @@ def record(title: str, body: str, note: str = "") -> None:
     with RESULTS.open("a") as f:
         f.write("\n" + text)
     print(f"appended to {RESULTS}")
+
+
+CUT = "not run: stopped by SIGINT (the stage's time cap)"  # a row's note, cut by the cap
+
+
+def rows_until_cap(rows: list, fill: Callable[[], object], cut_row: object) -> list:
+    """Run fill(), which appends a table's rows to `rows` as they are measured. Stopped by SIGINT
+    (benchmarks/gpu_session.sh's cap on an item) after at least one row of its own, the rows
+    measured stay and `cut_row` (saying CUT) ends them, for the caller to record; with none,
+    the interrupt goes on."""
+    before = len(rows)
+    try:
+        fill()
+    except KeyboardInterrupt:
+        if len(rows) == before:
+            raise
+        rows.append(cut_row)
+    return rows
 
 
 def git_commit() -> str:

@@ -24,6 +24,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 @pytest.fixture(scope="module")
 def e2e():
+    if str(BENCHMARKS) not in sys.path:  # its harness, as when it runs as a script
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("e2e_benchmark", BENCHMARKS / "e2e.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
@@ -246,6 +248,69 @@ def test_a_run_stopped_part_way_keeps_the_rows_it_measured(e2e, monkeypatch, cap
     rows = e2e.main(["--device=cpu", "--model=debug", "--seq-len=64"])
     assert rows[0] is measured and "stopped by SIGINT" in rows[1].note
     assert "| graphtrain | 5 | nan% | nan | nanx |" in capsys.readouterr().out  # no plain row
+
+
+def test_every_benchmark_keeps_the_rows_measured_before_the_cap(e2e):
+    # harness.rows_until_cap, as e2e.py, gated_delta_rule.py, fp8_linear.py, cross_entropy.py,
+    # mtp.py and attention.py fill their tables: rows kept, a cut row last; none measured, the
+    # interrupt goes on (the stage's log says the item was cut).
+    import harness  # benchmarks/ is on sys.path: the e2e fixture put it there
+
+    def stopped_after(n, rows):
+        def fill():
+            rows.extend(f"row {i}" for i in range(n))
+            raise KeyboardInterrupt
+
+        return fill
+
+    rows = ["header"]
+    kept = harness.rows_until_cap(rows, stopped_after(2, rows), f"cut: {harness.CUT}")
+    assert kept == ["header", "row 0", "row 1", "cut: " + harness.CUT] and kept is rows
+    rows = ["header"]
+    with pytest.raises(KeyboardInterrupt):
+        harness.rows_until_cap(rows, stopped_after(0, rows), "cut")
+    assert rows == ["header"]
+    assert harness.rows_until_cap(rows, lambda: rows.append("row"), "cut") == ["header", "row"]
+
+
+def test_a_failing_plain_or_fp8_row_says_why_and_plain_can_come_last(e2e, monkeypatch):
+    # An Inductor error or an out-of-memory in the plain or the FP8 row loses no row measured
+    # before it; --plain-last measures plain's row after the variants (listed first still).
+    order = []
+
+    def graphtrain_row(name, cfg, warmup):
+        order.append(name)
+        if name == "graphtrain fp8":
+            raise RuntimeError("the FP8 row failed\nsecond line")
+        return e2e.Row(name, tokens_per_s=5.0, loss=2.0), [], None
+
+    def plain_compile_row(name, *args):
+        order.append(name)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    def variant_row(args, run_dir, variant, step_batches):
+        order.append(variant)
+        return e2e.Row(f"graphtrain bf16 {variant}", tokens_per_s=4.0, loss=2.0)
+
+    for name, fn in [("graphtrain_row", graphtrain_row), ("plain_compile_row", plain_compile_row),
+                     ("variant_row", variant_row)]:  # fmt: skip
+        monkeypatch.setattr(e2e, name, fn)
+    seed = "--training.seed=1"
+    argv = ["--device=cpu", "--model=debug", "--seq-len=64", "--fp8", f"--variant={seed}"]
+    rows = e2e.main([*argv, "--plain-last"])
+    plain = "torch.compile (plain) bf16"
+    assert order == ["graphtrain bf16", "graphtrain fp8", seed, plain]
+    assert [r.name for r in rows] == [
+        plain,
+        "graphtrain bf16",
+        "graphtrain fp8",
+        f"graphtrain bf16 {seed}",
+    ]
+    assert rows[0].note == "not run: OutOfMemoryError: CUDA out of memory"
+    assert rows[2].note == "not run: RuntimeError: the FP8 row failed"
+    order.clear()
+    e2e.main(argv)  # the default: plain's row second
+    assert order == ["graphtrain bf16", plain, "graphtrain fp8", seed]
 
 
 def test_bad_arguments_are_named(e2e, capsys):

@@ -187,8 +187,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _ForwardOnly(torch.autograd.Function):
-    """A peer whose forward runs and whose backward refuses, as FLA's on Hopper with triton
-    3.6 (its message), for the CPU smoke."""
+    """For the CPU smoke: a peer whose forward runs and whose backward refuses, as FLA's does
+    on Hopper with triton 3.6."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, b):

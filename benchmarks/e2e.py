@@ -548,13 +548,15 @@ def rows_for(args: argparse.Namespace, rows: list[Row]) -> None:
         plain = f"torch.compile (plain){precision}"
 
         def plain_row() -> None:
-            rows.insert(0, _or_why(plain, plain_compile_row, cfg, step_batches, args.warmup))
+            row = _or_why(plain, lambda: plain_compile_row(plain, cfg, step_batches, args.warmup))
+            rows.insert(0, row)
 
         if not args.plain_last:
             plain_row()
         if args.fp8:
             fp8_cfg = job_config(args, f"{tmp}/fp8", fp8=True)
-            rows.append(_or_why("graphtrain fp8", graphtrain_row, fp8_cfg, args.warmup))
+            fp8 = "graphtrain fp8"
+            rows.append(_or_why(fp8, lambda: graphtrain_row(fp8, fp8_cfg, args.warmup)[0]))
         for i, variant in enumerate(args.variant):
             rows.append(variant_row(args, f"{tmp}/v{i}", variant, step_batches))
         if args.plain_last:
@@ -563,14 +565,13 @@ def rows_for(args: argparse.Namespace, rows: list[Row]) -> None:
             rows.append(torchtitan_row(TORCHTITAN, cfg, step_batches, args.warmup, eos_id))
 
 
-def _or_why(name: str, measure_row: Callable, *args) -> Row:
-    """measure_row(name, *args)'s row (graphtrain_row's first item), or a row that says why it
-    failed: an Inductor error or an out-of-memory in one row loses none measured before it."""
+def _or_why(name: str, measure: Callable[[], Row]) -> Row:
+    """measure()'s row, or a row `name` that says why it failed: an Inductor error or an
+    out-of-memory in one row loses none measured before it."""
     try:
-        row = measure_row(name, *args)
+        return measure()
     except Exception as e:
         return Row(name, note=_not_run(e))
-    return row[0] if isinstance(row, tuple) else row
 
 
 def table(rows: list[Row], args: argparse.Namespace) -> str:

@@ -251,9 +251,8 @@ def test_a_run_stopped_part_way_keeps_the_rows_it_measured(e2e, monkeypatch, cap
 
 
 def test_every_benchmark_keeps_the_rows_measured_before_the_cap(e2e):
-    # harness.rows_until_cap, as e2e.py, gated_delta_rule.py, fp8_linear.py, cross_entropy.py,
-    # mtp.py and attention.py fill their tables: rows kept, a cut row last; none measured, the
-    # interrupt goes on (the stage's log says the item was cut).
+    # harness.rows_until_cap, as every benchmark that records a table fills it: rows kept, a cut
+    # row last; none measured, the interrupt goes on (the stage's log says the item was cut).
     import harness  # benchmarks/ is on sys.path: the e2e fixture put it there
 
     def stopped_after(n, rows):

@@ -4,7 +4,8 @@
 # loss, fp8, mtp, kernels (then hybrid, profile-fp8; fa4 in the call after any stage). A call
 # ends inside 9 minutes: every item runs under its own cap, cut to what is left of BUDGET seconds
 # (default 520, counted from the start of this script, the wheel install and preflight
-# included), and an item that no longer has 20 s is skipped and named so in summary.txt. Items
+# included), and an item left with less than it needs to show anything (20 s, or the least it
+# names) is skipped and named so in summary.txt, its time left to the items after it. Items
 # run most important first within a stage, the stages of a chain in the order given, on the one
 # budget: a stage that runs shorter than its caps leaves its time to the next.
 #
@@ -80,18 +81,22 @@ cd "$root" || exit 2
 names=()
 codes=()
 
-# item NAME CAP_SECONDS COMMAND...: run COMMAND with its output appended to LOG_DIR/STAGE.log
-# (and on the terminal), killed after CAP_SECONDS or what is left of BUDGET less 10 s, whichever
-# is less; skipped when that is under 20 s. Its exit code is kept for the summary (124: over the
-# cap; 99: skipped). With GPU_SESSION_DRY_RUN set, COMMAND is named but not run.
+# item NAME CAP_SECONDS[:LEAST] COMMAND...: run COMMAND with its output appended to
+# LOG_DIR/STAGE.log (and on the terminal), killed after CAP_SECONDS or what is left of BUDGET
+# less 10 s, whichever is less; skipped when that is under LEAST seconds (default 20): an item
+# that shows nothing before then (a compile before its first row, a report written at its end)
+# names its LEAST, and where it no longer has them, the time goes to the items after it. Its
+# exit code is kept for the summary (124: over the cap; 99: skipped). With GPU_SESSION_DRY_RUN
+# set, COMMAND is named but not run.
 item() {
-    local name=$1 cap=$2
+    local name=$1 cap=${2%%:*} least=20
+    [[ $2 == *:* ]] && least=${2#*:}
     shift 2
     local avail=$((BUDGET - (SECONDS - START) - 10))
     ((cap > avail)) && cap=$avail
-    if ((cap < 20)); then
-        echo "=== $name: SKIPPED, $((BUDGET - (SECONDS - START))) s left of $BUDGET" \
-            | tee -a "$log_dir/summary.txt"
+    if ((cap < least)); then
+        echo "=== $name: SKIPPED, $((BUDGET - (SECONDS - START))) s left of $BUDGET," \
+            "it needs $least" | tee -a "$log_dir/summary.txt"
         names+=("$name")
         codes+=(99)
         return
@@ -107,7 +112,7 @@ item() {
     codes+=("$code")
 }
 
-bench() {  # bench NAME CAP SCRIPT ARGS...: a benchmark script of this directory
+bench() {  # bench NAME CAP[:LEAST] SCRIPT ARGS...: a benchmark script of this directory
     local name=$1 cap=$2 script=$3
     shift 3
     item "$name" "$cap" "$python" "benchmarks/$script" "$@"
@@ -218,7 +223,7 @@ stages() {
         # 2026-11-29): predicted activations 12.0 -> 6.6 GiB (the memory plan), the peak ~5 GiB
         # lower, the step 2-5% slower (elementwise work recomputed in the backward). Measured
         # 2026-11-27 (H200) with four variants and torchtitan: 141 s.
-        bench e2e-1b 330 e2e.py --model 1b --steps 15 --warmup 4 \
+        bench e2e-1b 330:120 e2e.py --model 1b --steps 15 --warmup 4 \
             --variant=--optim.implementation=fused --variant=--training.working_weights=false \
             --variant=--compile.lce_mode=fast --variant=--schedule.warmup_steps=0 \
             --variant=--training.activation_memory_budget=0.5
@@ -231,7 +236,7 @@ stages() {
         # keeps no expert outputs. Predicted peaks: ~22.8 GiB for graphtrain (plain's 24.6),
         # the working-weights row the same, ~24.5 without the fold; the fold -0.2 to +0.4 ms a
         # step (RESULTS.md). Measured 2026-11-27 without the variants: 203 s; ~60 s a variant.
-        bench e2e-moe-1b 330 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
+        bench e2e-moe-1b 330:120 e2e.py --model moe-1b --batch 4 --force-balance --steps 15 \
             --warmup 4 --variant=--training.working_weights=false \
             --variant=--compile.passes=-fold_routing_weights
         ;;
@@ -249,12 +254,12 @@ stages() {
         # report.html in --out, outside LOG_DIR: only the log comes back), then each fusing
         # pass's region re-timed with that pass off: ~1.5-3 min each. Its own stage since the
         # e2e stage has torchtitan's rows.
-        item profile-1b 200 "$python" -m graphtrain inspect --preset 1b --device cuda \
+        item profile-1b 200:90 "$python" -m graphtrain inspect --preset 1b --device cuda \
             --profile 3 --out "$work/inspect-1b"
         # moe-1b: only fold_routing_weights (new, on by default, unmeasured) re-timed with the
         # pass off: each re-time compiles the block region again (~1 min), and with the
         # router's and the dispatch's (measured 2026-11-22) the item would outrun its cap.
-        item profile-moe-1b 200 "$python" -m graphtrain inspect --preset moe-1b --device cuda \
+        item profile-moe-1b 200:90 "$python" -m graphtrain inspect --preset moe-1b --device cuda \
             --profile 3 --out "$work/inspect-moe-1b" --model.force_balance=true \
             --compare fold_routing_weights
         ;;
@@ -288,7 +293,7 @@ stages() {
         # left of the budget (~3 min): the row that misses it says so in its log. Predicted
         # (2026-11-30, no working copies of the FP8 linears' weights): fp8 peak 52.4 -> ~48.5
         # GiB, under plain's 48.9; its step 136.9 -> ~135.7 ms.
-        bench e2e-3b-fp8 300 e2e.py --fp8 --model 3b --batch 1 --steps 6 --warmup 2
+        bench e2e-3b-fp8 300:90 e2e.py --fp8 --model 3b --batch 1 --steps 6 --warmup 2
         ;;
     mtp)
         # mtp.py: 3 token counts x 4 rows (eager, torch.compile, reduce-overhead, graphtrain);
@@ -304,14 +309,14 @@ stages() {
         # evidence for the 4096 default and against the 1.5x target at these dims.
         # ~100 s of compile a graphtrain row (2026-11-27: 96 s): ~5-6 min; a row cut by the cap
         # leaves the others recorded.
-        bench e2e-moe-1b-fp8 360 e2e.py --fp8 --model moe-1b --batch 4 --force-balance \
+        bench e2e-moe-1b-fp8 360:120 e2e.py --fp8 --model moe-1b --batch 4 --force-balance \
             --steps 10 --warmup 3 --variant="--training.fp8=true --fp8.min_dim=512"
         ;;
     kernels)
         # adamw_step.py: moe-1b's 1,046M parameters, 4 rows of clipping + one optimizer step
         # (~12-16 ms, predicted) timed by do_bench; building the model and its 17 GB of fp32
         # state: ~1 min.
-        bench adamw_step 110 adamw_step.py
+        bench adamw_step 110:60 adamw_step.py
         # moe_router.py: 3 routers x 4 rows, forward and forward+backward, the compiled rows
         # ~20 s each (6 compiles x 2 modes): ~3 min (the 2026-11-22 runs took about as long).
         bench moe_router 190 moe_router.py
@@ -338,7 +343,7 @@ stages() {
         # torch.compile last (--plain-last: 470 ms, 156 s warm-up on 2026-11-30, its chunk
         # terms fp32 under autocast since 2026-12-01). ~2.5 min warm-up each for the last two:
         # the cap cuts plain first, a cut row is named.
-        bench e2e-hybrid-1b 300 e2e.py --model hybrid-1b --steps 10 --warmup 3 --plain-last \
+        bench e2e-hybrid-1b 300:90 e2e.py --model hybrid-1b --steps 10 --warmup 3 --plain-last \
             --variant=--compile.gdr_form=inline --variant=--compile.passes=-gated_delta_rule
         # gated_delta_rule.py at Qwen3-Next's shapes (batch 1, 4096 tokens, 32 value heads of
         # 128): ours (2026-11-30: 3.3 ms forward, 12.0 ms forward + backward; predicted ~6.5-7.5
@@ -373,7 +378,7 @@ stages() {
         # profiled steps, then the block region re-timed with fp8_cast_once off and with
         # fp8_linear off (the A/B that decides the pass's default, and where FP8's time goes:
         # its casts, amaxes and GEMMs by kernel). One 3b compile + 2 block re-compiles: ~5 min.
-        item profile-3b-fp8 480 "$python" -m graphtrain inspect --preset 3b --device cuda \
+        item profile-3b-fp8 480:180 "$python" -m graphtrain inspect --preset 3b --device cuda \
             --profile 3 --out "$work/inspect-3b-fp8" --training.fp8=true \
             --compile.passes=+fp8_cast_once --compare fp8_cast_once,fp8_linear
         ;;

@@ -37,9 +37,13 @@ def test_the_script_parses_and_its_benchmarks_exist():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     benches = _items("bench")
     assert len(benches) >= 12, benches
-    for _, name, cap, script, *_ in benches:
+    for _, name, _, script, *_ in benches:
         assert (ROOT / "benchmarks" / script).is_file(), (name, script)
-        assert int(cap) > 0
+    for _, name, cap, *_ in [*benches, *_items("item")]:
+        if name == "$name":  # bench's own call of item
+            continue
+        cap, _, least = cap.partition(":")  # CAP[:LEAST]
+        assert 20 <= int(least or 20) < int(cap), name
 
 
 @pytest.mark.parametrize(
@@ -119,6 +123,20 @@ def test_a_chain_runs_its_stages_in_turn_within_the_files_that_come_back(tmp_pat
         run = _session([bad, str(tmp_path / "refused")], tmp_path)
         assert run.returncode == 2 and "usage" in run.stderr, run.stderr
         assert not (tmp_path / "refused").exists()
+
+
+def test_an_item_short_of_the_time_it_needs_is_skipped_and_leaves_it_to_the_next(tmp_path):
+    """With 100 s of BUDGET, e2e's items (each names 120 s: a compile before its first row) are
+    skipped and say so; the kernels stage's, which show rows sooner, start in that time."""
+    logs = tmp_path / "logs"
+    env = dict(GPU_SESSION_DRY_RUN="1", PYTHON="true", BUDGET="100")
+    run = _session(["e2e,kernels", str(logs)], tmp_path, **env)
+    summary = (logs / "summary.txt").read_text()
+    skipped = re.findall(r"^=== ([\w-]+): SKIPPED, \d+ s left of 100, it needs 120$", summary, re.M)
+    assert skipped == ["e2e-1b", "e2e-moe-1b"], summary
+    started = re.findall(r"^=== ([\w-]+) \(cap \d+ s", summary, re.MULTILINE)
+    assert started == _stage_items()["kernels"], summary
+    assert run.returncode == 1  # a skipped item counts as not done
 
 
 def _fake_fa4_wheel(path: Path) -> None:

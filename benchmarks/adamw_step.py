@@ -37,7 +37,7 @@ import argparse
 
 import torch
 import triton.testing
-from harness import CUT, parse_args, record, rows_until_cap  # benchmarks/ on sys.path
+from harness import CUT, parse_args, record, rows_until_cap, why_not  # benchmarks/ on sys.path
 
 from graphtrain.optim import (
     AdamWCopies,
@@ -94,7 +94,38 @@ def bytes_moved(model, weights, state_dtype: str, separate: bool) -> int:
     return n * (4 + 4 + 4 + 2 * state + 4 + 2 * state + 8 * separate) + (2 + 4 * separate) * copies
 
 
+def measure_row(name: str, preset: str, device: torch.device, timed: bool, first: dict) -> str:
+    """One row's table line: a step, its copies checked, its parameters against the first row
+    of its moment dtype (`first` keeps them), its median time where `timed`."""
+    implementation, state_dtype = ROWS[name]
+    if device.type == "cpu" and implementation == "fused" and state_dtype == "float32":
+        implementation = "foreach"  # the reference path on CPU
+    model, opt, weights = setup(preset, device, implementation, state_dtype)
+    masters = list(model.parameters())
+    scale = opt.scale_grads_in_step if isinstance(opt, AdamWCopies) else scale_grads_
+
+    def step():
+        clip_grad_norm_(masters, MAX_NORM, scale=scale)
+        opt.step()
+        weights.refresh()  # nothing to do when the step wrote the copies
+
+    step()
+    params = [p.detach().clone() for p in model.parameters()]
+    for copy, master in zip(weights.copies, weights.masters, strict=True):
+        assert torch.equal(copy, master.detach().to(torch.bfloat16)), name
+    ref = first.setdefault(state_dtype, params)
+    diff = max((a - b).abs().max().item() for a, b in zip(params, ref, strict=True))
+    ms = triton.testing.do_bench(step) if timed else float("nan")
+    moved = bytes_moved(model, weights, state_dtype, implementation != "graphtrain")
+    return (
+        f"| {name} | {ms:.2f} | {moved / 1e9:.1f} | {moved / HBM_BYTES_PER_S * 1e3:.2f} "
+        f"| {diff:.1e} |"
+    )
+
+
 def run(preset: str, device: torch.device, timed: bool) -> str:
+    """The table: a row that fails says why, the others are still measured; stopped by the
+    stage's cap, the rows measured stay."""
     lines = [
         f"{preset}: optimizer step with bf16 working copies",
         "",
@@ -104,34 +135,13 @@ def run(preset: str, device: torch.device, timed: bool) -> str:
     first: dict[str, list[torch.Tensor]] = {}
 
     def fill() -> None:
-        for name, (implementation, state_dtype) in ROWS.items():
-            if device.type == "cpu" and implementation == "fused" and state_dtype == "float32":
-                implementation = "foreach"  # the reference path on CPU
-            model, opt, weights = setup(preset, device, implementation, state_dtype)
-
-            masters = list(model.parameters())
-            scale = opt.scale_grads_in_step if isinstance(opt, AdamWCopies) else scale_grads_
-
-            def step(opt=opt, weights=weights, masters=masters, scale=scale):
-                clip_grad_norm_(masters, MAX_NORM, scale=scale)
-                opt.step()
-                weights.refresh()  # nothing to do when the step wrote the copies
-
-            step()
-            params = [p.detach().clone() for p in model.parameters()]
-            for copy, master in zip(weights.copies, weights.masters, strict=True):
-                assert torch.equal(copy, master.detach().to(torch.bfloat16)), name
-            ref = first.setdefault(state_dtype, params)
-            diff = max((a - b).abs().max().item() for a, b in zip(params, ref, strict=True))
-            ms = triton.testing.do_bench(step) if timed else float("nan")
-            moved = bytes_moved(model, weights, state_dtype, implementation != "graphtrain")
-            lines.append(
-                f"| {name} | {ms:.2f} | {moved / 1e9:.1f} | {moved / HBM_BYTES_PER_S * 1e3:.2f} "
-                f"| {diff:.1e} |"
-            )
-            del model, opt, weights, params, masters, step
+        for name in ROWS:
+            try:
+                lines.append(measure_row(name, preset, device, timed, first))
+            except Exception as e:  # an out-of-memory, a kernel that fails on this GPU
+                lines.append(f"| {name} | {why_not(e)} | | | |")
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache()  # the row's model and state are gone
 
     rows_until_cap(lines, fill, f"| (the rest) | {CUT} | | | |")
     return "\n".join(lines)

@@ -38,7 +38,6 @@ import argparse
 import functools
 import importlib.util
 import os
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from harness import (  # run as a script: benchmarks/ on sys.path
     record,
     rows_until_cap,
     sqnr,
+    why_not,
 )
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -171,11 +171,7 @@ def run(preset, document_ids, pairs, device, dtype, timed: bool) -> list[tuple[s
         try:
             row = measure(fn, q, k, v, grad_out, want, timed)
         except Exception as e:  # a backend that fails on this torch is a row that says so
-            traceback.print_exc()  # the whole story in the log: a GPU run is rare
-            while e.__cause__ is not None:
-                e = e.__cause__
-            first = (str(e).strip().splitlines() or [""])[0]
-            return f"not run: {type(e).__name__}: {first}"[:300]
+            return why_not(e)
         if name.startswith("sdpa causal"):
             row["snr"] = None  # other work: not comparable with the document reference
         if timed:

@@ -68,7 +68,7 @@ import triton
 import triton.testing
 
 # run as a script: benchmarks/ is on sys.path
-from harness import CUT, kernel_table, parse_args, record, rows_until_cap, sqnr
+from harness import CUT, kernel_table, parse_args, record, rows_until_cap, sqnr, why_not
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend
@@ -295,7 +295,7 @@ def _rows_at(shape: tuple, precision: str, impls: list[str], lines: list[str]) -
             except Exception as e:  # a peer that fails on this torch/triton says so
                 if impl not in PEERS:
                     raise
-                note = f"not run: {type(e).__name__}: {e}".splitlines()[0].replace("|", "/")
+                note = why_not(e)
             h.grad = w.grad = None
             torch.cuda.empty_cache()
         row = f"| {N}, {H}, {V} | {precision} | {impl} |"

@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import CUT, record, rows_until_cap  # run as a script: benchmarks/ on sys.path
+from harness import CUT, record, rows_until_cap, why_not  # benchmarks/ on sys.path
 from tensordict import TensorDict
 
 from graphtrain.attention import resolve_attention
@@ -243,7 +243,7 @@ def variant_row(args: argparse.Namespace, run_dir: str, variant: str, step_batch
             name, job_config(args, run_dir, variant=variant), args.warmup
         )
     except Exception as e:
-        return Row(name, note=_not_run(e))
+        return Row(name, note=why_not(e))
     if not _same_batches(batches, step_batches):
         row.name += " (other batches)"
     return row
@@ -336,7 +336,7 @@ def torchtitan_row(
         trainer = torchtitan_trainer(cfg, eos_id, micro_batches=len(step_batches[0]))
         return torchtitan_measure(name, cfg, trainer, step_batches, warmup)
     except Exception as e:  # a peer that fails on this torch is a row that says so
-        return Row(name, note=_not_run(e))
+        return Row(name, note=why_not(e))
     finally:
         close_torchtitan(trainer)
 
@@ -349,14 +349,6 @@ def close_torchtitan(trainer) -> None:
     gc.enable()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def _not_run(error: BaseException) -> str:
-    """ "not run: " and the root cause's type and first line (Dynamo wraps the real error)."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    lines = str(error).strip().splitlines()
-    return f"not run: {type(error).__name__}: {lines[0] if lines else ''}".replace("|", "/")
 
 
 def torchtitan_model(cfg: JobConfig, eos_id: int | None):
@@ -571,7 +563,7 @@ def _or_why(name: str, measure: Callable[[], Row]) -> Row:
     try:
         return measure()
     except Exception as e:
-        return Row(name, note=_not_run(e))
+        return Row(name, note=why_not(e))
 
 
 def table(rows: list[Row], args: argparse.Namespace) -> str:

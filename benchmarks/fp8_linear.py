@@ -61,6 +61,7 @@ from harness import (
     record,
     rows_until_cap,
     sqnr,
+    why_not,
 )  # run as a script: benchmarks/ on sys.path
 
 import graphtrain.custom_ops  # noqa: F401  (registers graphtrain::fp8_linear, fp8_grouped_mm)
@@ -251,7 +252,7 @@ def measure(rows, args, label, results):
         except Exception as e:  # a peer that does not run here: the row says why
             if impl.startswith("graphtrain"):
                 raise  # our own rows must run
-            results.append(f"| {label} | {impl} | skipped: {type(e).__name__}: {e} |"[:200])
+            results.append(f"| {label} | {impl} | {why_not(e, 'skipped')} |")
             continue
         ms = triton.testing.do_bench(lambda fn=fn: fwd_bwd(fn, *args), return_mode="median")
         base = base or ms

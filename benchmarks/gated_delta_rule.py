@@ -51,6 +51,7 @@ from harness import (  # run as a script: benchmarks/ on sys.path
     parse_args,
     record,
     rows_until_cap,
+    why_not,
 )
 
 import graphtrain.custom_ops.gated_delta_rule as gdr  # registers the op
@@ -139,7 +140,7 @@ def measure_row(name, fn, xs, grad_o, want, bench) -> str:
     except Exception as e:
         if ours:
             raise
-        return f"| {name} | skipped: {type(e).__name__}: {e} | | |"[:200]
+        return f"| {name} | {why_not(e, 'skipped')} | | |"
 
     def step():
         return torch.autograd.grad(fn(*xs), xs, grad_o)
@@ -149,7 +150,7 @@ def measure_row(name, fn, xs, grad_o, want, bench) -> str:
     except Exception as e:
         if ours:
             raise
-        both = f"backward not run: {type(e).__name__}: {e}"[:160]
+        both = why_not(e, "backward not run")
     return f"| {name} | {fwd:.3f} | {both} | {err} |"
 
 

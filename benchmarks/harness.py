@@ -6,8 +6,9 @@ table under it and appends it to benchmarks/RESULTS.md; git_commit() is the comm
 ratio in dB by which rows are checked against a reference; kernel_table(step) where a row's
 time goes, kernel by kernel; parse_args(parser, cpu_smoke) the options every benchmark has
 (--no-record, --cpu-smoke); rows_until_cap(rows, fill, cut_row) keeps the rows measured when
-a GPU stage's time cap stops a benchmark part-way. The benchmarks run as scripts, so they
-import this module as `harness` (benchmarks/ is first on their sys.path).
+a GPU stage's time cap stops a benchmark part-way; why_not(error) is the cell of a row that
+failed. The benchmarks run as scripts, so they import this module as `harness` (benchmarks/ is
+first on their sys.path).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import datetime
 import os
 import subprocess
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +49,17 @@ def record(title: str, body: str, note: str = "") -> None:
 
 
 CUT = "not run: stopped by SIGINT (the stage's time cap)"  # a row's note, cut by the cap
+
+
+def why_not(error: BaseException, what: str = "not run") -> str:
+    """A failed row's cell: "what: " and the root cause's type and first line (Dynamo and
+    Triton wrap the real error; their messages run to many lines), "|" kept out of the table;
+    the whole traceback printed for the log, since a GPU run is rare."""
+    traceback.print_exception(error)
+    while error.__cause__ is not None:
+        error = error.__cause__
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{what}: {type(error).__name__}: {first}".replace("|", "/")[:300]
 
 
 def rows_until_cap(rows: list, fill: Callable[[], object], cut_row: object) -> list:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from harness import CUT, parse_args, record, rows_until_cap  # benchmarks/ on sys.path
+from harness import CUT, parse_args, record, rows_until_cap, why_not  # benchmarks/ on sys.path
 from moe_router import HBM_BYTES_PER_S, kernel_ms
 
 from graphtrain.compile import backend as graphtrain_backend
@@ -114,31 +114,45 @@ def cpu_smoke() -> None:
     print("cpu smoke: eager and graphtrain (both ops inserted) agree")
 
 
+def measure(fn, data, want) -> tuple[float, float, tuple[float, float], float]:
+    """fn's (forward ms, forward+backward ms, their kernel ms, max relative error vs want);
+    the first call compiles."""
+    x, ys, weights, experts, *_ = data
+    err = max(_rel(g, w) for g, w in zip(run_all(fn, *data), want, strict=True))
+
+    def forward():
+        with torch.no_grad():
+            return fn(x, ys, weights, experts)
+
+    def step():
+        return run_all(fn, *data)
+
+    fwd, both = (triton.testing.do_bench(f, return_mode="median") for f in (forward, step))
+    return fwd, both, (kernel_ms(forward, x), kernel_ms(step, x)), err
+
+
 def fill_rows(data, dump: str, lines: list[str]) -> None:
     """Append a row to `lines` as each impl is measured, torch.compile's first: the kernel
-    times of the others are put against it."""
-    x, ys, weights, experts, *_ = data
+    times of the others are put against it. A row that fails says why."""
     want = run_all(plain_dispatch, *data)
     base = None
     for impl in IMPLS:
         torch._dynamo.reset()
-        fn = build(impl, dump)
-        err = max(_rel(g, w) for g, w in zip(run_all(fn, *data), want, strict=True))  # compiles
-
-        def forward(fn=fn):
-            with torch.no_grad():
-                return fn(x, ys, weights, experts)
-
-        def step(fn=fn):
-            return run_all(fn, *data)
-
-        fwd, step_ms = (triton.testing.do_bench(f, return_mode="median") for f in (forward, step))
-        kernels = (kernel_ms(forward, x), kernel_ms(step, x))
-        base = base or kernels
-        lines.append(
-            f"| {impl} | {fwd:.3f} | {kernels[0]:.3f} ({base[0] / kernels[0]:.2f}x) | "
-            f"{step_ms:.3f} | {kernels[1]:.3f} ({base[1] / kernels[1]:.2f}x) | {err:.1e} |"
-        )
+        try:
+            fwd, both, kernels, err = measure(build(impl, dump), data, want)
+        except Exception as e:  # the others are still measured
+            lines.append(f"| {impl} | {why_not(e)} | | | | |")
+        else:
+            base = kernels if impl == "torch.compile" else base
+            vs = (
+                [f" ({b / k:.2f}x)" for b, k in zip(base, kernels, strict=True)]
+                if base
+                else ["", ""]
+            )
+            lines.append(
+                f"| {impl} | {fwd:.3f} | {kernels[0]:.3f}{vs[0]} | {both:.3f} | "
+                f"{kernels[1]:.3f}{vs[1]} | {err:.1e} |"
+            )
         print(lines[-1], flush=True)
 
 

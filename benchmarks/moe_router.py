@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from harness import CUT, parse_args, record, rows_until_cap  # benchmarks/ on sys.path
+from harness import CUT, parse_args, record, rows_until_cap, why_not  # benchmarks/ on sys.path
 
 import graphtrain  # noqa: F401  (the "graphtrain" backend and the passes)
 from graphtrain.compile import backend as graphtrain_backend
@@ -234,7 +234,8 @@ def row_cells(times: dict[str, float], outs, base, reference) -> list[str]:
 
 def fill_table(routers, impls, data, lines: list[str], verdicts: list[str]) -> None:
     """Append each router's rows to `lines` as they are measured (torch.compile's first: the
-    others are timed against it), then its verdict; eager's outputs are every row's reference."""
+    others are timed against it), then its verdict; eager's outputs are every row's reference.
+    A row that fails says why."""
     logits, bias, _ = data
     for router in routers:
         with torch.no_grad():
@@ -242,8 +243,11 @@ def fill_table(routers, impls, data, lines: list[str], verdicts: list[str]) -> N
         times: dict[str, dict[str, float]] = {}
         for impl in impls:
             torch._dynamo.reset()
-            times[impl], outs = measure(build(router, impl), *data)
-            cells = row_cells(times[impl], outs, times.get("torch.compile"), reference)
+            try:
+                times[impl], outs = measure(build(router, impl), *data)
+                cells = row_cells(times[impl], outs, times.get("torch.compile"), reference)
+            except Exception as e:  # the row says why; the others are still measured
+                cells = [why_not(e) + " |" * (len(COLUMNS) + 1)]  # the other cells empty
             lines.append(f"| {router} | {impl} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
         ours, base = times.get("graphtrain-op"), times.get("torch.compile")

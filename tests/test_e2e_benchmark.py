@@ -272,6 +272,20 @@ def test_every_benchmark_keeps_the_rows_measured_before_the_cap(e2e):
     assert harness.rows_until_cap(rows, lambda: rows.append("row"), "cut") == ["header", "row"]
 
 
+def test_a_failed_rows_cell_names_the_root_cause_in_one_line(e2e, capsys):
+    import harness
+
+    try:
+        try:
+            raise ValueError("shape | mismatch\nthe second line of a long story")
+        except ValueError as cause:
+            raise RuntimeError("backend='inductor' raised:") from cause
+    except RuntimeError as e:
+        cell = harness.why_not(e, "skipped")
+    assert cell == "skipped: ValueError: shape / mismatch"
+    assert "backend='inductor' raised" in capsys.readouterr().err  # the whole story, for the log
+
+
 def test_a_failing_plain_or_fp8_row_says_why_and_plain_can_come_last(e2e, monkeypatch):
     # An Inductor error or an out-of-memory in the plain or the FP8 row loses no row measured
     # before it; --plain-last measures plain's row after the variants (listed first still).

@@ -52,7 +52,7 @@ def _fail() -> None:
     raise RuntimeError("a kernel failed | here\nptxas: line 2 of the story")
 
 
-def test_adamw_step_a_failed_row_says_why_the_cut_keeps_the_rest(bench, monkeypatch):
+def test_adamw_step_a_failed_row_says_why_a_cut_keeps_the_rows_before_it(bench, monkeypatch):
     adamw, harness = bench("adamw_step"), bench("harness")
     real = adamw.setup
 
